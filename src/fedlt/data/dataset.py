@@ -1,0 +1,82 @@
+"""The in-memory dataset every loader returns.
+
+Images stay uint8 (N, C, H, W) so a whole dataset fits on the training device; batches are
+sliced by index and normalised there (see :func:`ImageDataset.normalize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ImageDataset:
+    """One split of an image classification dataset, held as tensors.
+
+    Attributes
+    ----------
+    images : uint8 tensor (N, C, H, W)
+    labels : int64 tensor (N,), values in ``[0, len(classes))``
+    classes : class names, index = label
+    mean, std : per-channel normalisation statistics on the [0, 1] scale
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+            raise ValueError(f"images must be uint8 (N, C, H, W), got {self.images.dtype} {tuple(self.images.shape)}")
+        if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
+            raise ValueError("labels must be int64 with one entry per image")
+        if len(self.mean) != self.images.shape[1] or len(self.std) != self.images.shape[1]:
+            raise ValueError("mean/std need one value per channel")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.images.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.images.shape[-1])
+
+    def class_counts(self) -> torch.Tensor:
+        """Number of samples per class (int64, length ``num_classes``)."""
+        return torch.bincount(self.labels, minlength=self.num_classes)
+
+    def subset(self, indices: torch.Tensor) -> "ImageDataset":
+        """A new dataset holding ``indices`` (copies the selected rows)."""
+        return ImageDataset(self.images[indices], self.labels[indices], list(self.classes), self.mean, self.std)
+
+    def to(self, device: torch.device | str) -> "ImageDataset":
+        return ImageDataset(self.images.to(device), self.labels.to(device), self.classes, self.mean, self.std)
+
+    def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
+        """uint8 batch -> float32 batch, scaled to [0, 1] then standardised per channel."""
+        mean = torch.tensor(self.mean, device=images_uint8.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=images_uint8.device).view(1, -1, 1, 1)
+        return (images_uint8.float().div_(255.0) - mean) / std
+
+
+@dataclass
+class DatasetPair:
+    """The train and test splits of a dataset, as a loader returns them."""
+
+    train: ImageDataset
+    test: ImageDataset
+
+    @property
+    def num_classes(self) -> int:
+        return self.train.num_classes
