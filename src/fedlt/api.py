@@ -1,0 +1,78 @@
+"""The Python API: ``fedlt.run(config) -> RunResult``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedlt.config import Config, apply_overrides, build_config, load_config
+from fedlt.data.federated import build_federated_data
+from fedlt.engine.simulation import RunResult, Simulation
+from fedlt.errors import ConfigError
+from fedlt.losses import LOSSES
+from fedlt.methods.registry import get_method
+from fedlt.results import CONFIG_FILE, new_run_dir
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"run.device='{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name} but no CUDA GPU is available; use run.device=auto or cpu")
+    return device
+
+
+def _check_loss(cfg: Config, uses_loss: bool) -> None:
+    if cfg.loss.name not in LOSSES:
+        raise ConfigError(f"unknown loss '{cfg.loss.name}'; use loss.name=<one of {', '.join(LOSSES)}>")
+    if not uses_loss and cfg.loss.name != "ce":
+        raise ConfigError(f"method {cfg.method} fixes its own training objective; remove loss.name={cfg.loss.name}")
+
+
+def prepare(cfg: Config) -> Simulation:
+    """Validate everything that can fail on user input — method, loss, data, model — before any
+    file is written, so a bad config leaves no half-written run directory."""
+    spec = get_method(cfg.method)
+    _check_loss(cfg, spec.uses_loss_config)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    if cfg.run.deterministic:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    device = resolve_device(cfg.run.device)
+    data = build_federated_data(cfg.data, cfg.seed, device)
+    sim = Simulation(cfg, spec, data, device)
+    if cfg.run.compile:
+        sim.worker.compile()
+    return sim
+
+
+def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides: list[str] | None = None,
+        quiet: bool = False) -> RunResult:
+    """Run one experiment. ``config`` is a Config, a nested dict, or a YAML path; ``overrides`` are
+    ``key=value`` strings applied on top."""
+    if isinstance(config, (Config, dict)):
+        tree = config.dump() if isinstance(config, Config) else copy.deepcopy(config)
+        cfg = build_config(apply_overrides(tree, overrides or []))
+    else:
+        cfg = load_config(config, overrides)
+    sim = prepare(cfg)
+    run_dir = new_run_dir(cfg)
+    return sim.run(run_dir, quiet=quiet)
+
+
+def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
+    """Continue a run from its last checkpoint; the result equals an uninterrupted run's."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
+    cfg = load_config(run_dir / CONFIG_FILE)
+    sim = prepare(cfg)
+    return sim.run(run_dir, resume=True, quiet=quiet)

@@ -1,0 +1,104 @@
+"""``fedlt bench speed``: how fast local training runs, and how close to the machine's peak.
+
+Reports, for the given config: images/s of local training, seconds per round (training only,
+and evaluation separately), training GFLOP/s achieved (FLOPs counted by torch's FlopCounterMode
+on one forward+backward) against a float32 matrix-multiply peak measured in the same process,
+and the same figures with channels-last and torch.compile, so the faster setting can be kept.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedlt.api import prepare
+from fedlt.config import load_config
+
+
+def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -> float:
+    """Achieved GFLOP/s of an n x n float32 matmul: the practical peak of this device."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_flops_per_image(sim) -> float:
+    """FLOPs of one forward + backward pass per training image (conv/matmul work)."""
+    data = sim.train_data
+    rows = torch.as_tensor(data.partition.client_indices[0][: sim.cfg.fl.batch_size], device=data.train.labels.device)
+    x = data.train.normalize(data.train.images[rows])
+    y = data.train.labels[rows]
+    model = sim.worker
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / len(rows)
+
+
+def time_rounds(sim, rounds: int) -> dict[str, float]:
+    """Seconds per round and images/s over ``rounds`` rounds after one warm-up round."""
+    sim.fit_round(1)  # warm-up: allocations, compilation
+    _sync(sim.device)
+    images = 0
+    t0 = time.perf_counter()
+    for rnd in range(2, rounds + 2):
+        sim.fit_round(rnd)
+        images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
+    _sync(sim.device)
+    seconds = time.perf_counter() - t0
+    images *= sim.cfg.fl.local_epochs
+    t1 = time.perf_counter()
+    sim.evaluate()
+    _sync(sim.device)
+    return {"s_per_round": seconds / rounds, "images_per_s": images / seconds, "eval_s": time.perf_counter() - t1}
+
+
+def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -> str:
+    variants = [("eager", []), ("channels_last", ["run.channels_last=true"]), ("compile", ["run.compile=true"])]
+    base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
+    results = []
+    flops = None
+    for label, extra in variants:
+        cfg = load_config(config, [*overrides, f"fl.rounds={rounds + 1}", *extra])
+        sim = prepare(cfg)
+        if flops is None:
+            flops = train_flops_per_image(sim)
+        results.append((label, time_rounds(sim, rounds)))
+    device = sim.device
+    peak = matmul_peak_gflops(device)
+    threads = torch.get_num_threads()
+    lines = [
+        f"# fedlt bench speed: {base.method} / {base.model.name} on {base.data.dataset}",
+        "",
+        f"device {device} ({platform.processor() or platform.machine()}, {threads} threads), torch {torch.__version__}; "
+        f"{base.data.num_clients} clients, {base.clients_per_round()} per round, {base.fl.local_epochs} local epochs, "
+        f"batch {base.fl.batch_size}; {rounds} timed rounds after one warm-up round.",
+        f"Training cost: {flops / 1e6:.2f} MFLOP per image (forward + backward, FlopCounterMode). "
+        f"Matmul peak measured now: {peak:.1f} GFLOP/s (float32, 2048x2048).",
+        "",
+        "| variant | s/round (train) | images/s | GFLOP/s | % of matmul peak | eval s (test + local tests) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in results:
+        gflops = r["images_per_s"] * flops / 1e9
+        lines.append(f"| {label} | {r['s_per_round']:.3f} | {r['images_per_s']:.0f} | {gflops:.2f} "
+                     f"| {100 * gflops / peak:.1f} | {r['eval_s']:.3f} |")
+    best = max(results, key=lambda r: r[1]["images_per_s"])
+    lines += ["", f"Fastest here: {best[0]} ({best[1]['images_per_s'] / results[0][1]['images_per_s']:.2f}x eager)."]
+    return "\n".join(lines)

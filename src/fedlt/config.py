@@ -1,0 +1,250 @@
+"""Experiment configuration: one validated tree, loaded from YAML plus ``key=value`` overrides.
+
+Every run writes its resolved config, so a result can always be traced to the exact settings
+that produced it. Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedlt.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Source dataset, long-tail subsampling and the split over clients."""
+
+    dataset: str = "fmnist"
+    root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
+    image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
+    imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
+    partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
+    alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
+    classes_per_client: int = Field(2, description="pathological partition: classes held by each client")
+    num_clients: int = 20
+    min_client_size: int = Field(0, description="Dirichlet: redraw until every client holds at least this many")
+    max_retries: int = Field(1000, description="Dirichlet: draws tried before giving up with an error")
+    equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
+
+    @field_validator("imbalance_factor")
+    @classmethod
+    def _if_at_least_one(cls, v: float) -> float:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (1 = balanced), got {v}")
+        return v
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha_positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"must be > 0 (e.g. 0.5; smaller is more heterogeneous), got {v}")
+        return v
+
+    @field_validator("num_clients", "classes_per_client", "max_retries")
+    @classmethod
+    def _positive_int(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("min_client_size")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+
+class ModelConfig(_Section):
+    name: str = "cnn"
+
+
+class FLConfig(_Section):
+    """Federation and local optimisation."""
+
+    rounds: int = 50
+    participation: float = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
+    lr_decay: float = 0.1
+    grad_clip: float | None = Field(None, description="clip the gradient norm during local training")
+
+    @field_validator("participation")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("rounds", "local_epochs", "batch_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+
+class LossConfig(_Section):
+    """The local classification loss of methods that let the user choose it (FedAvg family)."""
+
+    name: str = "ce"
+    prior: Literal["local", "global", "uniform"] = Field(
+        "local", description="class prior for la/bsm/ldam: client's own counts, or the server's aggregate of all counts"
+    )
+    tau: float = 1.0
+    focal_gamma: float = 2.0
+    ldam_max_margin: float = 0.5
+    ldam_scale: float = 30.0
+
+
+class EvalConfig(_Section):
+    every: int = Field(5, description="evaluate every N rounds (and always after the last)")
+    shot_rule: Literal["count", "cumulative"] = Field(
+        "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples"
+    )
+    many_threshold: int | None = Field(None, description="many-shot: > this many training samples (default by #classes)")
+    few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
+    personalized: bool = Field(True, description="also evaluate on each client's local test set")
+    batch_size: int = 1000
+
+    @field_validator("every", "batch_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+
+class RunConfig(_Section):
+    out_dir: str = "runs"
+    name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
+    checkpoint_every: int = Field(10, description="save a resumable checkpoint every N rounds (0 = only at the end)")
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
+    threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
+    compile: bool = Field(False, description="torch.compile the model")
+    channels_last: bool = False
+    deterministic: bool = True
+
+
+class Config(_Section):
+    """The whole experiment."""
+
+    seed: int = 0
+    method: str = "fedavg"
+    method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    fl: FLConfig = FLConfig()
+    loss: LossConfig = LossConfig()
+    eval: EvalConfig = EvalConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _clients_vs_participation(self) -> "Config":
+        if round(self.fl.participation * self.data.num_clients) < 1:
+            raise ValueError(
+                f"fl.participation={self.fl.participation} samples no client out of data.num_clients="
+                f"{self.data.num_clients}; raise fl.participation to at least {1 / self.data.num_clients:.3g}"
+            )
+        return self
+
+    def clients_per_round(self) -> int:
+        return max(1, round(self.fl.participation * self.data.num_clients))
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _parse_scalar(text: str) -> Any:
+    """``key=value`` values are YAML scalars: ``0.1`` -> float, ``true`` -> bool, ``[1,2]`` -> list."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted keys (``data.alpha=0.1``) in a nested dict; returns the same dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value; write it like data.alpha=0.1")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override key '{key}' is empty or has an empty part; write it like fl.rounds=50")
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(value)
+    return tree
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        section = ".".join(str(p) for p in first["loc"][:-1])
+        valid = _valid_keys(section)
+        return f"unknown config key '{where}'; valid keys{' in ' + section if section else ''}: {', '.join(valid)}"
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"invalid config value {where}: {msg}"
+
+
+def _valid_keys(section: str) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in filter(None, section.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def build_config(tree: dict[str, Any] | None = None) -> Config:
+    """Validate a nested dict into a :class:`Config`, turning errors into one-line ConfigErrors."""
+    try:
+        return Config.model_validate(tree or {})
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (optional) + dotted ``key=value`` overrides -> validated config."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {p} is not valid YAML{at}; fix the syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of keys (e.g. 'fl: {{rounds: 50}}')")
+        tree = loaded or {}
+    return build_config(apply_overrides(tree, overrides or []))

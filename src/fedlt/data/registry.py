@@ -1,0 +1,173 @@
+"""Dataset names -> loaders, and where each dataset's files are looked for.
+
+Root resolution, first match wins: an explicit ``root`` (``data.root``); ``$FEDLT_DATA``,
+narrowed to its conventional subfolder for the dataset when that exists, so one
+``FEDLT_DATA`` can hold every dataset side by side; the dataset's default folder (only
+Fashion-MNIST has one, from the Debian package).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.sources import cifar, cinic, idx, listfile, svhn, synthetic
+from fedlt.data.sources.common import check_labels
+from fedlt.errors import DataError
+
+Loader = Callable[[Path | None, int], DatasetPair]
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """How to find and read one dataset.
+
+    Attributes
+    ----------
+    description : one line for ``fedlt datasets``
+    loader : ``loader(root, image_size) -> DatasetPair``
+    subfolder : conventional folder name under ``$FEDLT_DATA`` (``None``: needs no files)
+    image_size : the images' side: fixed, or the default when ``resizable``
+    resizable : whether ``load_dataset``'s ``image_size`` chooses the side
+    default_root : folder used when neither ``root`` nor ``$FEDLT_DATA`` is given
+    """
+
+    description: str
+    loader: Loader
+    subfolder: str | None
+    image_size: int
+    resizable: bool = False
+    default_root: Path | None = None
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "fmnist": DatasetInfo(
+        "Fashion-MNIST, 10 classes, 1x28x28, 60k/10k; IDX files (.gz or plain) in "
+        f"{idx.DEFAULT_ROOT} (Debian package dataset-fashion-mnist) or $FEDLT_DATA/fashion-mnist",
+        lambda root, size: idx.load_fashion_mnist(root),
+        subfolder="fashion-mnist",
+        default_root=idx.DEFAULT_ROOT,
+        image_size=28,
+    ),
+    "cifar10": DatasetInfo(
+        "CIFAR-10, 10 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-10-batches-py",
+        lambda root, size: cifar.load_cifar10(root),
+        subfolder=cifar.CIFAR10.folder,
+        image_size=32,
+    ),
+    "cifar100": DatasetInfo(
+        "CIFAR-100 (fine labels), 100 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-100-python",
+        lambda root, size: cifar.load_cifar100(root),
+        subfolder=cifar.CIFAR100.folder,
+        image_size=32,
+    ),
+    "svhn": DatasetInfo(
+        "SVHN digits, 10 classes, 3x32x32, 73k/26k; train_32x32.mat, test_32x32.mat in $FEDLT_DATA/svhn",
+        lambda root, size: svhn.load_svhn(root),
+        subfolder="svhn",
+        image_size=32,
+    ),
+    "cinic10": DatasetInfo(
+        "CINIC-10, 10 classes, 3x32x32, 90k/90k; train/ and test/ PNG class folders in $FEDLT_DATA/cinic-10",
+        lambda root, size: cinic.load_cinic10(root),
+        subfolder="cinic-10",
+        image_size=32,
+    ),
+    "imagenet_lt": DatasetInfo(
+        "ImageNet-LT, 1000 classes, 3xSxS (data.image_size, default 64), 116k/50k; ImageNet images in "
+        "$FEDLT_DATA/imagenet with ImageNet_LT_{train,test}.txt there or in its parent",
+        lambda root, size: listfile.load_imagenet_lt(root, size),
+        subfolder="imagenet",
+        image_size=listfile.DEFAULT_IMAGE_SIZE,
+        resizable=True,
+    ),
+    "inat": DatasetInfo(
+        "iNaturalist 2018, 8142 classes, 3xSxS (data.image_size, default 64), 438k/24k; images in "
+        "$FEDLT_DATA/inaturalist2018 with iNaturalist18_{train,val}.txt there or in its parent",
+        lambda root, size: listfile.load_inat2018(root, size),
+        subfolder="inaturalist2018",
+        image_size=listfile.DEFAULT_IMAGE_SIZE,
+        resizable=True,
+    ),
+    "synthetic": DatasetInfo(
+        "seeded toy dataset for tests and smoke runs, 10 classes, 3xSxS (data.image_size, default 16), "
+        "3000/1000; generated, no files",
+        lambda root, size: synthetic.make_synthetic(size),
+        subfolder=None,
+        image_size=synthetic.DEFAULT_IMAGE_SIZE,
+        resizable=True,
+    ),
+}
+
+
+def list_datasets() -> list[tuple[str, str]]:
+    """``(name, description)`` pairs in registry order, for ``fedlt datasets``."""
+    return [(name, info.description) for name, info in DATASETS.items()]
+
+
+def load_dataset(name: str, root: str | None = None, image_size: int | None = None) -> DatasetPair:
+    """Load dataset ``name`` as uint8 train/test tensors.
+
+    Parameters
+    ----------
+    name : a key of :data:`DATASETS`
+    root : folder holding the dataset's files; see the module docstring for the fallbacks
+    image_size : image side for imagenet_lt, inat and synthetic; for fixed-size datasets it
+        may only repeat the native size
+
+    Raises
+    ------
+    DataError
+        unknown name, no or unusable folder, missing or corrupt files, bad labels
+    """
+    info = DATASETS.get(name)
+    if info is None:
+        raise DataError(f"unknown dataset '{name}'; set data.dataset to one of: {', '.join(DATASETS)}")
+    size = _image_size(name, info, image_size)
+    folder = _resolve_root(name, info, root)
+    pair = info.loader(folder, size)
+    where = folder if folder is not None else name
+    for split in (pair.train, pair.test):
+        _finish(name, where, split)
+    return pair
+
+
+def _image_size(name: str, info: DatasetInfo, requested: int | None) -> int:
+    if requested is None or requested == info.image_size:
+        return info.image_size
+    if not info.resizable:
+        raise DataError(
+            f"{name}: images are {info.image_size}x{info.image_size} and are not resized, "
+            f"but data.image_size={requested}; drop data.image_size or set it to {info.image_size}"
+        )
+    if requested < 1:
+        raise DataError(f"{name}: data.image_size={requested} is not a positive image side; use e.g. 32 or 64")
+    return requested
+
+
+def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None:
+    if info.subfolder is None:
+        return None
+    if root is not None:
+        return Path(root).expanduser()
+    env = os.environ.get("FEDLT_DATA")
+    if env:
+        base = Path(env).expanduser()
+        nested = base / info.subfolder
+        return nested if nested.is_dir() else base
+    if info.default_root is not None:
+        return info.default_root
+    raise DataError(
+        f"{name}: no data folder given and FEDLT_DATA is unset; pass data.root=DIR "
+        f"or set FEDLT_DATA=DIR (looked up as DIR/{info.subfolder} first)"
+    )
+
+
+def _finish(name: str, where: Path | str, split: ImageDataset) -> None:
+    """Enforce what every consumer relies on: labels index ``classes``, images are contiguous."""
+    check_labels(name, where, split.labels, split.num_classes, "re-download or regenerate the dataset files")
+    if not split.images.is_contiguous():
+        split.images = split.images.contiguous()

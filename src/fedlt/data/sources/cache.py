@@ -1,0 +1,79 @@
+"""On-disk cache for tensors that are slow to rebuild from their source files (decoded JPEGs).
+
+An entry's file name hashes the source files' paths and the build parameters (which data)
+and their sizes and modification times (which content), so editing a source file makes the
+old entry unreachable; storing the new one deletes it. Entries are written to a temporary
+file and renamed, so a crash or a parallel run never leaves a half-written entry behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+# Bump when the decoding changes, so entries written by older code are not reused.
+_FORMAT = 1
+
+
+def cache_root() -> Path:
+    """``$FEDLT_CACHE``, or ``~/.cache/fedlt`` when it is unset or empty."""
+    return Path(os.environ.get("FEDLT_CACHE") or "~/.cache/fedlt").expanduser()
+
+
+def entry_path(tag: str, sources: Sequence[Path], params: Mapping[str, object]) -> Path:
+    """The cache file for data named ``tag`` built from ``sources`` with ``params``."""
+    resolved = [str(Path(p).resolve()) for p in sources]
+    which = json.dumps([_FORMAT, tag, resolved, sorted(params.items())], default=str)
+    stats = [os.stat(p) for p in resolved]
+    content = json.dumps([(s.st_size, s.st_mtime_ns) for s in stats])
+    return cache_root() / f"{tag}-{_digest(which)}-{_digest(content)}.pt"
+
+
+def load(path: Path) -> dict[str, torch.Tensor] | None:
+    """The tensors stored at ``path``, or ``None`` when there is no usable entry."""
+    if not path.is_file():
+        return None
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a damaged entry is only a cache miss: it gets rebuilt and overwritten
+        return None
+    if not isinstance(content, dict) or not all(isinstance(v, torch.Tensor) for v in content.values()):
+        return None
+    return content
+
+
+def store(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``tensors`` to ``path`` atomically and drop stale entries for the same data.
+
+    A cache that cannot be written only costs time, so failures are warnings.
+    """
+    temp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+            temp = Path(handle.name)
+            torch.save(dict(tensors), handle)
+        os.replace(temp, path)
+        temp = None
+        same_data = path.name.rsplit("-", 1)[0]
+        for stale in path.parent.glob(f"{same_data}-*.pt"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
+    except OSError as exc:
+        warnings.warn(
+            f"could not write the data cache {path} ({exc}); set FEDLT_CACHE to a writable folder", stacklevel=2
+        )
+    finally:
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,174 @@
+"""CIFAR-10 and CIFAR-100 from the "python version" archives.
+
+Each batch file is a pickled dict with bytes keys: ``b"data"`` is (N, 3072) uint8 holding
+the red, green then blue 32x32 planes of every image, so a plain reshape gives (N, 3, 32, 32).
+Pickles can run code while loading, so only the few globals a numpy array needs are allowed.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.sources.common import check_labels, require_dir
+from fedlt.errors import DataError
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where one CIFAR variant keeps its files and what it calls its keys."""
+
+    dataset: str
+    folder: str
+    train: tuple[str, ...]
+    test: str
+    meta: str
+    names_key: bytes
+    labels_key: bytes
+    num_classes: int
+    archive: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+CIFAR10 = _Layout(
+    dataset="cifar10",
+    folder="cifar-10-batches-py",
+    train=tuple(f"data_batch_{i}" for i in range(1, 6)),
+    test="test_batch",
+    meta="batches.meta",
+    names_key=b"label_names",
+    labels_key=b"labels",
+    num_classes=10,
+    archive="cifar-10-python.tar.gz",
+    mean=(0.4914, 0.4822, 0.4465),
+    std=(0.2470, 0.2435, 0.2616),
+)
+CIFAR100 = _Layout(
+    dataset="cifar100",
+    folder="cifar-100-python",
+    train=("train",),
+    test="test",
+    meta="meta",
+    names_key=b"fine_label_names",
+    labels_key=b"fine_labels",
+    num_classes=100,
+    archive="cifar-100-python.tar.gz",
+    mean=(0.5071, 0.4865, 0.4409),
+    std=(0.2673, 0.2564, 0.2762),
+)
+
+_SIDE = 32
+# (module, name) pairs a pickled numpy array may reference; anything else is refused.
+_ALLOWED_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("_codecs", "encode"),  # how Python 3 writes bytes at pickle protocol 2
+}
+
+
+def load_cifar10(root: Path) -> DatasetPair:
+    """CIFAR-10 from ``root`` = ``cifar-10-batches-py/`` or the folder that holds it."""
+    return _load(CIFAR10, Path(root))
+
+
+def load_cifar100(root: Path) -> DatasetPair:
+    """CIFAR-100 (fine labels) from ``root`` = ``cifar-100-python/`` or the folder that holds it."""
+    return _load(CIFAR100, Path(root))
+
+
+def _fix(layout: _Layout) -> str:
+    return (
+        f"download {layout.archive} from https://www.cs.toronto.edu/~kriz/cifar.html, "
+        "extract it and pass data.root=DIR"
+    )
+
+
+def _load(layout: _Layout, root: Path) -> DatasetPair:
+    root = require_dir(layout.dataset, root, _fix(layout))
+    folder = root if (root / layout.meta).is_file() else root / layout.folder
+    names = [*layout.train, layout.test, layout.meta]
+    if not folder.is_dir():
+        raise DataError(
+            f"{layout.dataset}: no {layout.folder}/ in {root} and no {layout.meta} in it either "
+            f"(expected {', '.join(names)}); {_fix(layout)}"
+        )
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise DataError(f"{layout.dataset}: missing {', '.join(missing)} in {folder}; {_fix(layout)}")
+    classes = _read_names(layout, folder / layout.meta)
+    parts = [_read_batch(layout, folder / name) for name in layout.train]
+    train_images = torch.cat([images for images, _ in parts])
+    train_labels = torch.cat([labels for _, labels in parts])
+    test_images, test_labels = _read_batch(layout, folder / layout.test)
+    return DatasetPair(
+        ImageDataset(train_images, train_labels, classes, layout.mean, layout.std),
+        ImageDataset(test_images, test_labels, list(classes), layout.mean, layout.std),
+    )
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _unpickle(layout: _Layout, path: Path) -> dict:
+    try:
+        with path.open("rb") as handle:
+            content = _ArrayUnpickler(handle, encoding="bytes").load()
+    except Exception as exc:  # unpickling garbage can raise almost anything
+        problem = f"{type(exc).__name__}: {exc}"
+        raise DataError(f"{layout.dataset}: cannot unpickle {path} ({problem}); {_fix(layout)}") from exc
+    if not isinstance(content, dict):
+        raise DataError(f"{layout.dataset}: {path} holds a {type(content).__name__}, not a CIFAR dict; {_fix(layout)}")
+    return content
+
+
+def _field(layout: _Layout, path: Path, content: dict, key: bytes) -> Any:
+    if key not in content:
+        raise DataError(
+            f"{layout.dataset}: {path} has no {key!r} entry; it is not a {layout.dataset} file, {_fix(layout)}"
+        )
+    return content[key]
+
+
+def _read_names(layout: _Layout, path: Path) -> list[str]:
+    raw = _field(layout, path, _unpickle(layout, path), layout.names_key)
+    names = [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in raw]
+    if len(names) != layout.num_classes:
+        raise DataError(
+            f"{layout.dataset}: {path} lists {len(names)} class names, expected {layout.num_classes}; {_fix(layout)}"
+        )
+    return names
+
+
+def _read_batch(layout: _Layout, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    content = _unpickle(layout, path)
+    data = _field(layout, path, content, b"data")
+    raw_labels = _field(layout, path, content, layout.labels_key)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * _SIDE**2:
+        found = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise DataError(f"{layout.dataset}: b'data' in {path} is {found}, expected uint8 (N, 3072); {_fix(layout)}")
+    try:
+        labels = torch.as_tensor(np.asarray(raw_labels, dtype=np.int64).reshape(-1))
+    except (TypeError, ValueError) as exc:
+        raise DataError(
+            f"{layout.dataset}: {layout.labels_key!r} in {path} is not a list of integers; {_fix(layout)}"
+        ) from exc
+    if labels.shape[0] != data.shape[0]:
+        raise DataError(
+            f"{layout.dataset}: {path} holds {data.shape[0]} images but {labels.shape[0]} labels; {_fix(layout)}"
+        )
+    check_labels(layout.dataset, path, labels, layout.num_classes, _fix(layout))
+    images = torch.from_numpy(np.ascontiguousarray(data).reshape(-1, 3, _SIDE, _SIDE).copy())
+    return images, labels

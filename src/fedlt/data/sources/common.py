@@ -1,0 +1,94 @@
+"""Helpers shared by the format readers: file checks, label checks, image decoding."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fedlt.errors import DataError
+
+# Below this many items a thread pool costs more than it saves.
+_PARALLEL_MIN = 256
+
+
+def require_dir(dataset: str, path: Path, fix: str) -> Path:
+    """``path`` if it is an existing folder, else a :class:`DataError` ending with ``fix``."""
+    if not path.is_dir():
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise DataError(f"{dataset}: data folder {path} {what}; {fix}")
+    return path
+
+
+def check_labels(dataset: str, where: Path | str, labels: torch.Tensor, num_classes: int, fix: str) -> None:
+    """Raise :class:`DataError` unless every label lies in ``[0, num_classes)``."""
+    if labels.numel() == 0:
+        return
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= num_classes:
+        bad = low if low < 0 else high
+        raise DataError(
+            f"{dataset}: label {bad} in {where} is outside [0, {num_classes}) "
+            f"for a dataset with {num_classes} classes; {fix}"
+        )
+
+
+def read_rgb(dataset: str, path: Path, fix: str, min_side: int | None = None) -> Image.Image:
+    """Decode one image file as RGB, any failure becoming a :class:`DataError` naming ``path``.
+
+    ``min_side`` lets JPEG decoding skip detail that a later downscale would throw away:
+    the decoder picks the coarsest scale that still keeps both sides at least ``min_side``.
+    """
+    try:
+        with Image.open(path) as image:
+            if min_side is not None:
+                image.draft("RGB", (min_side, min_side))
+            return image.convert("RGB")
+    except FileNotFoundError as exc:
+        raise DataError(f"{dataset}: image {path} does not exist; {fix}") from exc
+    # PIL reports broken files with any of these, depending on the format and where it breaks.
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, Image.DecompressionBombError) as exc:
+        raise DataError(f"{dataset}: cannot decode image {path} ({type(exc).__name__}: {exc}); {fix}") from exc
+
+
+def to_chw(image: Image.Image) -> np.ndarray:
+    """An RGB PIL image as a (3, H, W) uint8 array."""
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def decode_all(
+    paths: Sequence[Path], decode: Callable[[Path], np.ndarray], shape: tuple[int, int, int]
+) -> torch.Tensor:
+    """Decode ``paths`` into one uint8 tensor of shape ``(len(paths), *shape)``.
+
+    Threads are enough: PIL releases the GIL while it decodes, and threads keep the
+    exceptions ``decode`` raises (a :class:`DataError` naming the file) intact.
+    """
+    out = np.empty((len(paths), *shape), dtype=np.uint8)
+
+    def fill(start: int, stop: int) -> None:
+        for i in range(start, stop):
+            out[i] = decode(paths[i])
+
+    if len(paths) < _PARALLEL_MIN:
+        fill(0, len(paths))
+    else:
+        workers = min(32, os.cpu_count() or 1)
+        step = max(64, len(paths) // (workers * 8))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            jobs = [pool.submit(fill, i, min(i + step, len(paths))) for i in range(0, len(paths), step)]
+            try:
+                for job in jobs:
+                    job.result()
+            except BaseException:
+                for job in jobs:
+                    job.cancel()
+                raise
+    return torch.from_numpy(out)

@@ -1,0 +1,190 @@
+"""ImageNet-LT and iNaturalist 2018 in the layout the long-tail literature ships.
+
+An image root plus one list file per split whose lines read ``relative/path.jpg LABEL``
+(paths relative to the image root). Images come in any size, so each is resized (shorter
+side to ``image_size``) and centre-cropped to a square. Decoding 100k+ JPEGs takes minutes,
+so the decoded tensor is cached per (list file, image size); see :mod:`.cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.sources import cache
+from fedlt.data.sources.common import check_labels, decode_all, read_rgb, require_dir, to_chw
+from fedlt.errors import DataError
+
+DEFAULT_IMAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class ListLayout:
+    """File names, normalisation statistics and download hint of one list-file dataset.
+
+    ``names`` is an optional file next to the train list with one class name per line
+    (line i names label i); without it classes are named by their label numbers.
+    """
+
+    dataset: str
+    train_list: str
+    test_list: str
+    names: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    fix: str
+
+
+IMAGENET_LT = ListLayout(
+    dataset="imagenet_lt",
+    train_list="ImageNet_LT_train.txt",
+    test_list="ImageNet_LT_test.txt",
+    names="ImageNet_LT_classnames.txt",
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+    fix=(
+        "pass data.root=DIR with DIR the ImageNet 2012 folder the list paths are relative to "
+        "(holding train/ and val/), and put the ImageNet_LT_*.txt lists of the OLTR release in DIR or its parent"
+    ),
+)
+INAT2018 = ListLayout(
+    dataset="inat",
+    train_list="iNaturalist18_train.txt",
+    test_list="iNaturalist18_val.txt",
+    names="iNaturalist18_classnames.txt",
+    mean=(0.466, 0.471, 0.380),
+    std=(0.195, 0.194, 0.192),
+    fix=(
+        "pass data.root=DIR with DIR the iNaturalist 2018 folder the list paths are relative to "
+        "(holding train_val2018/), and put the iNaturalist18_*.txt lists in DIR or its parent"
+    ),
+)
+
+
+def load_imagenet_lt(
+    root: Path, image_size: int = DEFAULT_IMAGE_SIZE, train_list: str | None = None, test_list: str | None = None
+) -> DatasetPair:
+    """ImageNet-LT (1000 classes; the test split is the balanced 50k list)."""
+    return load_list_dataset(IMAGENET_LT, root, image_size, train_list, test_list)
+
+
+def load_inat2018(
+    root: Path, image_size: int = DEFAULT_IMAGE_SIZE, train_list: str | None = None, test_list: str | None = None
+) -> DatasetPair:
+    """iNaturalist 2018 (8142 classes; the official validation split serves as test split)."""
+    return load_list_dataset(INAT2018, root, image_size, train_list, test_list)
+
+
+def load_list_dataset(
+    layout: ListLayout,
+    root: Path,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    train_list: str | None = None,
+    test_list: str | None = None,
+) -> DatasetPair:
+    """Read a list-file dataset whose images live under ``root``.
+
+    Parameters
+    ----------
+    layout : the dataset's file names and statistics
+    root : image root the list paths are relative to
+    image_size : side of the square images produced
+    train_list, test_list : list file names (looked up in ``root``, then its parent) or
+        paths, replacing the layout's defaults
+    """
+    root = require_dir(layout.dataset, Path(root).expanduser(), layout.fix)
+    train_file = _find_list(layout, root, train_list or layout.train_list)
+    test_file = _find_list(layout, root, test_list or layout.test_list)
+    train_entries = _parse(layout, train_file)
+    test_entries = _parse(layout, test_file)
+    names_file = train_file.parent / layout.names
+    if names_file.is_file():
+        classes = _read_names(layout, names_file)
+    else:
+        top = max(label for _, label in train_entries + test_entries)
+        classes = [str(label) for label in range(top + 1)]
+    splits = []
+    for list_file, entries in ((train_file, train_entries), (test_file, test_entries)):
+        labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
+        check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {names_file.name}")
+        images = _images(layout, root, list_file, [path for path, _ in entries], image_size)
+        splits.append(ImageDataset(images, labels, list(classes), layout.mean, layout.std))
+    return DatasetPair(*splits)
+
+
+def decode_image(path: Path, image_size: int, dataset: str, fix: str) -> np.ndarray:
+    """One image as (3, image_size, image_size) uint8: shorter side resized, then centre-cropped."""
+    image = read_rgb(dataset, path, fix, min_side=image_size)
+    width, height = image.size
+    scale = image_size / min(width, height)
+    size = (max(image_size, round(width * scale)), max(image_size, round(height * scale)))
+    if size != image.size:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    left, top = (size[0] - image_size) // 2, (size[1] - image_size) // 2
+    return to_chw(image.crop((left, top, left + image_size, top + image_size)))
+
+
+def _find_list(layout: ListLayout, root: Path, name: str) -> Path:
+    given = Path(name).expanduser()
+    candidates = [given] if given.is_absolute() else [root / given, root.parent / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    where = " or ".join(str(c.parent) for c in candidates)
+    raise DataError(f"{layout.dataset}: list file {given.name} not found in {where}; {layout.fix}")
+
+
+def _read_text(layout: ListLayout, path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{layout.dataset}: cannot read {path} ({exc}); {layout.fix}") from exc
+
+
+def _parse(layout: ListLayout, path: Path) -> list[tuple[str, int]]:
+    entries = []
+    for number, line in enumerate(_read_text(layout, path), start=1):
+        if not line.strip():
+            continue
+        parts = line.rsplit(maxsplit=1)
+        if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
+            shown = line if len(line) <= 80 else line[:77] + "..."
+            raise DataError(
+                f"{layout.dataset}: line {number} of {path} reads {shown!r}, expected 'relative/path.jpg LABEL' "
+                "with LABEL a non-negative integer; fix or regenerate the list file"
+            )
+        entries.append((parts[0], int(parts[1])))
+    if not entries:
+        raise DataError(f"{layout.dataset}: list file {path} has no entries; fix or regenerate the list file")
+    return entries
+
+
+def _read_names(layout: ListLayout, path: Path) -> list[str]:
+    names = [line.strip() for line in _read_text(layout, path) if line.strip()]
+    if not names:
+        raise DataError(f"{layout.dataset}: class names file {path} is empty; delete it or list one name per line")
+    return names
+
+
+def _images(layout: ListLayout, root: Path, list_file: Path, paths: list[str], image_size: int) -> torch.Tensor:
+    """Decoded images of one split, from the cache when the list file is unchanged."""
+    entry = cache.entry_path(
+        f"{layout.dataset}-{list_file.stem}-{image_size}px", [list_file], {"root": root.resolve(), "size": image_size}
+    )
+    shape = (len(paths), 3, image_size, image_size)
+    stored = cache.load(entry)
+    if stored is not None and "images" in stored:
+        images = stored["images"]
+        if images.dtype == torch.uint8 and tuple(images.shape) == shape:
+            return images
+    fix = f"fix {list_file.name} or {layout.fix}"
+    images = decode_all(
+        [root / path for path in paths], lambda path: decode_image(path, image_size, layout.dataset, fix), shape[1:]
+    )
+    cache.store(entry, {"images": images})
+    return images

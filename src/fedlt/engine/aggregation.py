@@ -1,0 +1,39 @@
+"""Aggregation of client updates."""
+
+from __future__ import annotations
+
+import torch
+
+from fedlt.messages import Reply
+
+
+def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """FedAvg: per-entry average of the replies' weights, weighted by ``num_samples``.
+
+    Every entry present in the replies (parameters and BatchNorm buffers) is averaged over the
+    replies that carry it, so methods that send a subset of the model (personal heads kept local)
+    aggregate correctly. Integer buffers (BatchNorm's ``num_batches_tracked``) are averaged in
+    float and rounded back. Replies with zero samples are ignored.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    totals: dict[str, float] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for cid in sorted(replies):
+        reply = replies[cid]
+        if reply.num_samples <= 0:
+            continue
+        for name, value in reply.weights.items():
+            if keys is not None and name not in keys:
+                continue
+            weighted = value.detach().to(torch.float64 if not value.is_floating_point() else value.dtype) * reply.num_samples
+            if name in sums:
+                sums[name] += weighted
+            else:
+                sums[name] = weighted.clone()
+                dtypes[name] = value.dtype
+            totals[name] = totals.get(name, 0.0) + reply.num_samples
+    out = {}
+    for name, total in sums.items():
+        mean = total / totals[name]
+        out[name] = mean.round().to(dtypes[name]) if not dtypes[name].is_floating_point else mean.to(dtypes[name])
+    return out

@@ -1,0 +1,200 @@
+"""The in-process engine: a whole federation simulated in one process, deterministically.
+
+It owns rounds, client sampling, the calls into a method's hooks, traffic accounting,
+evaluation, checkpoints and progress — and nothing about any particular method. One worker
+model instance is reloaded for every client; per-client memory holds only the state a method
+chooses to keep in ``ctx.state``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedlt.config import Config
+from fedlt.data.federated import FederatedData
+from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+from fedlt.engine.sampling import lr_at, sampling_schedule
+from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
+from fedlt.messages import Message, Query, Reply
+from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerContext, TrainSettings
+from fedlt.methods.registry import parse_method_args
+from fedlt.models import FedModel
+from fedlt.progress import Progress
+from fedlt.results import append_metrics, read_metrics, rewrite_metrics, write_summary
+from fedlt.seeding import seed_for
+
+TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]]
+
+
+class Simulation:
+    """Runs one experiment of ``spec`` on ``data`` under ``cfg`` and writes it to ``run_dir``."""
+
+    def __init__(self, cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device):
+        self.cfg, self.spec, self.device = cfg, spec, device
+        self.eval_data = data
+        self.train_data = data.pooled() if spec.pooled else data
+        self.groups: ShotGroups = shot_groups(data.train_counts, cfg.eval)
+        args = parse_method_args(spec, cfg.method_args)
+
+        self.server_model = self._new_model()
+        self.worker = self._new_model()
+        self.server = spec.server(ServerContext(
+            model=self.server_model, config=cfg, num_classes=data.num_classes,
+            num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
+        ))
+        self.client = spec.client(args)
+        self.client_states: dict[int, dict[str, Any]] = {}
+        self.all_clients = list(range(self.train_data.num_clients))
+        per_round = 1 if spec.pooled else cfg.clients_per_round()
+        self.schedule = sampling_schedule(cfg.seed, len(self.all_clients), per_round, cfg.fl.rounds)
+        self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+
+    def _new_model(self) -> FedModel:
+        """Same architecture and same initial weights every time (the ``model`` seed stream)."""
+        d = self.eval_data.train
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_for(self.cfg.seed, "model"))
+            model = self.spec.make_model(self.cfg, d.num_classes, d.in_channels, d.image_size)
+        model = model.to(self.device)
+        if self.cfg.run.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    # ---- talking to clients -------------------------------------------------------------
+    def _context(self, cid: int, rnd: int) -> ClientContext:
+        fl = self.cfg.fl
+        data = self.train_data
+        return ClientContext(
+            cid=cid, round=rnd, model=self.worker,
+            data=ClientData(data.train.images, data.train.labels, data.client_indices(cid), data.num_classes,
+                            self._normalizer()),
+            state=self.client_states.setdefault(cid, {}),
+            train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
+                                fl.grad_clip),
+            device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
+        )
+
+    def _normalizer(self):
+        normalize = self.train_data.train.normalize
+        if not self.cfg.run.channels_last:
+            return normalize
+        return lambda x: normalize(x).contiguous(memory_format=torch.channels_last)
+
+    def _send(self, cid: int, msg: Message, handle) -> Reply:
+        down_model, down_payload = msg.nbytes()
+        reply = handle(msg)
+        up_model, up_payload = reply.nbytes()
+        for kind, n in zip(TRAFFIC_KINDS, (down_model, down_payload, up_model, up_payload)):
+            self._traffic[kind] += n
+        self._forget_empty_state(cid)
+        return reply
+
+    def _forget_empty_state(self, cid: int) -> None:
+        if not self.client_states.get(cid):
+            self.client_states.pop(cid, None)
+
+    def _run_queries(self, stage: str, rnd: int, clients: list[int]) -> None:
+        while (query := self.server.next_query(stage, rnd, clients)) is not None:
+            replies = {cid: self._send(cid, msg, lambda m, c=cid: self.client.query(query.name, self._context(c, rnd), m))
+                       for cid, msg in sorted(query.messages.items())}
+            self.server.receive(query, replies)
+
+    def fit_round(self, rnd: int) -> dict[str, Any]:
+        sampled = self.schedule[rnd - 1]
+        self._run_queries("before_fit", rnd, sampled)
+        replies: dict[int, Reply] = {}
+        for cid in sampled:
+            msg = self.server.fit_message(rnd, cid)
+            replies[cid] = self._send(cid, msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
+        self.server.aggregate(rnd, replies)
+        self._run_queries("after_fit", rnd, sampled)
+        self.server.end_round(rnd)
+        losses = [(r.metrics.get("train_loss"), r.num_samples) for r in replies.values() if r.num_samples > 0]
+        total = sum(n for _, n in losses)
+        return {"train_loss": sum(l * n for l, n in losses) / total if total else None}
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        test, bs = self.eval_data.test, self.cfg.eval.batch_size
+        out: dict[str, Any] = {}
+        model = self.server.global_model()
+        correct = None
+        if model is not None:
+            correct, losses = predict(model, test, bs)
+            out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
+        if self.cfg.eval.personalized:
+            local = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device) for ix in self.eval_data.local_test]
+            if self.client.personalized:
+                per_client = []
+                for cid, idx in enumerate(local):
+                    self.client.personalize(self._context(cid, self.cfg.fl.rounds), self.server.eval_message(cid))
+                    per_client.append(predict(self.worker, test, bs, indices=idx)[0])
+            elif correct is not None:
+                per_client = [correct[idx] for idx in local]
+            else:
+                per_client = []
+            out["pm_acc"] = mean_local_accuracy(per_client)
+        return out
+
+    # ---- the run ------------------------------------------------------------------------
+    def _checkpoint_state(self, rnd: int, elapsed: float) -> dict[str, Any]:
+        return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed}
+
+    def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
+        cfg = self.cfg
+        start, elapsed = 0, 0.0
+        if resume:
+            ckpt = load_checkpoint(run_dir)
+            start, elapsed = ckpt["round"], ckpt["elapsed"]
+            self.server.load_state_dict(ckpt["server"])
+            self.client_states = ckpt["clients"]
+            rows = read_metrics(run_dir, up_to_round=start)
+            rewrite_metrics(run_dir, rows)
+        else:
+            rows = []
+            self._run_queries("setup", 0, self.all_clients)
+        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}", quiet)
+        try:
+            for rnd in range(start + 1, cfg.fl.rounds + 1):
+                t0 = time.perf_counter()
+                self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+                row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
+                last = rnd == cfg.fl.rounds
+                if last:
+                    self._run_queries("final", rnd, self.all_clients)
+                    self.server.finish()
+                if last or rnd % cfg.eval.every == 0:
+                    row.update(self.evaluate())
+                row["comm"] = dict(self._traffic)
+                row["time_s"] = round(time.perf_counter() - t0, 4)
+                elapsed += row["time_s"]
+                rows.append(row)
+                append_metrics(run_dir, row)
+                every = cfg.run.checkpoint_every
+                if last or (every and rnd % every == 0):
+                    save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed))
+                progress.update(rnd, row if ("acc" in row or "pm_acc" in row) else None)
+        finally:
+            progress.close()
+        summary = write_summary(run_dir, cfg, rows, {
+            "elapsed_s": round(elapsed, 2),
+            "data": self.eval_data.describe(),
+            "shot_rule": self.groups.rule,
+            "shot_groups": self.groups.classes,
+            "train_class_counts": [int(c) for c in self.eval_data.train_counts],
+            "class_names": self.eval_data.train.classes,
+            "device": str(self.device),
+        })
+        return RunResult(run_dir, summary, rows)

@@ -1,0 +1,72 @@
+"""The only things that cross the network between server and clients.
+
+Methods exchange plain values — named tensors, scalars and small config values — so the same
+algorithm runs in-process and over Flower. Traffic is measured from these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Payload = dict[str, Any]
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes a payload takes on the wire: tensor data, 8 bytes per scalar, UTF-8 for strings."""
+    total = 0
+    for value in payload.values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            total += payload_nbytes(value)
+        elif isinstance(value, (list, tuple)):
+            total += payload_nbytes(dict(enumerate(value)))
+        elif isinstance(value, str):
+            total += len(value.encode())
+        elif value is not None:
+            total += 8
+    return total
+
+
+@dataclass
+class Message:
+    """Server -> client: model weights (possibly a subset of the state dict) and a method payload."""
+
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    payload: Payload = field(default_factory=dict)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(model-weight bytes, method-payload bytes)."""
+        return payload_nbytes(self.weights), payload_nbytes(self.payload)
+
+
+@dataclass
+class Reply:
+    """Client -> server: an update (weights), how many samples it is worth, a payload, metrics.
+
+    ``metrics`` are diagnostics (training loss, ...) that a real deployment also reports; they are
+    counted as payload traffic.
+    """
+
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_samples: int = 0
+    payload: Payload = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def nbytes(self) -> tuple[int, int]:
+        return payload_nbytes(self.weights), payload_nbytes(self.payload) + payload_nbytes(self.metrics) + 8
+
+
+@dataclass
+class Query:
+    """An extra round-trip a method asks for (statistics, gradients, priors ...).
+
+    ``messages`` maps client id -> what that client receives; the clients answer through
+    ``Client.query(name, ...)`` and the server gets the replies in ``Server.receive``.
+    """
+
+    name: str
+    messages: dict[int, Message]

@@ -1,0 +1,208 @@
+"""The contract between an algorithm and an engine.
+
+A method is a :class:`Server` and a :class:`Client` that talk only through
+:class:`~fedlt.messages.Message` / :class:`~fedlt.messages.Reply` objects. Engines (in-process,
+Flower) own rounds, sampling, evaluation, checkpoints and progress, and call these hooks:
+
+setup      ``while q := server.next_query("setup", 0, all_clients)``: run q, ``server.receive``
+each round r, sampled clients S:
+           ``server.next_query("before_fit", r, S)`` loop
+           ``server.fit_message(r, k)`` -> ``client.fit(ctx_k, msg)`` for k in S
+           ``server.aggregate(r, replies)``
+           ``server.next_query("after_fit", r, S)`` loop
+           ``server.end_round(r)``                       (server-side steps, e.g. calibration)
+after the last round:
+           ``server.next_query("final", R, all_clients)`` loop, then ``server.finish()``
+evaluation ``server.global_model()`` on the balanced test set; personalized models through
+           ``server.eval_message(k)`` -> ``client.personalize(ctx_k, msg)`` on local test sets.
+
+Client objects are stateless across clients (one instance serves every client); what a client
+must remember between rounds lives in ``ctx.state``, which the engine keeps per client id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fedlt.config import Config
+from fedlt.messages import Message, Query, Reply
+from fedlt.models import FedModel, create_model
+from fedlt.seeding import numpy_rng, torch_generator
+
+Stage = Literal["setup", "before_fit", "after_fit", "final"]
+
+
+class MethodArgs(BaseModel):
+    """Method-specific knobs (``method_args.*``); subclasses add fields with defaults from the paper."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class ClientData:
+    """One client's training data on the training device: indices into shared tensors, no copies."""
+
+    images: torch.Tensor  # uint8 (N_all, C, H, W), shared by all clients
+    labels: torch.Tensor  # int64 (N_all,)
+    indices: torch.Tensor  # int64 (n_k,), this client's rows
+    num_classes: int
+    normalize: Callable[[torch.Tensor], torch.Tensor]
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    def class_counts(self) -> torch.Tensor:
+        return torch.bincount(self.labels[self.indices], minlength=self.num_classes)
+
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised float images and labels of ``rows`` (positions within this client)."""
+        idx = self.indices[rows]
+        return self.normalize(self.images[idx]), self.labels[idx]
+
+
+@dataclass
+class TrainSettings:
+    """Local optimisation settings for one round (lr already follows the schedule)."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    grad_clip: float | None
+
+
+@dataclass
+class ClientContext:
+    """What a client procedure sees: its id, data, persistent state and the shared model instance."""
+
+    cid: int
+    round: int
+    model: FedModel
+    data: ClientData
+    state: dict[str, Any]
+    train: TrainSettings
+    device: torch.device
+    seed: int
+    loss_config: Any = None
+
+    def generator(self, purpose: int = 0) -> torch.Generator:
+        """Training randomness for this (round, client): independent of the order clients run in."""
+        return torch_generator(self.seed, "train", self.round, self.cid, purpose, device=self.data.images.device)
+
+
+@dataclass
+class ServerContext:
+    """What a server procedure sees: the global model and the federation's public facts."""
+
+    model: FedModel
+    config: Config
+    num_classes: int
+    num_clients: int
+    device: torch.device
+    args: MethodArgs
+    make_model: Callable[[], FedModel]
+
+    def rng(self, rnd: int, purpose: int = 0) -> np.random.Generator:
+        return numpy_rng(self.config.seed, "server", rnd, purpose)
+
+    def generator(self, rnd: int, purpose: int = 0) -> torch.Generator:
+        return torch_generator(self.config.seed, "server", rnd, purpose)
+
+
+def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of a model's state dict (what a client sends or a server broadcasts)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Server:
+    """Server side of a method. The default is FedAvg's: broadcast the model, average updates."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        self.model = ctx.model
+        self.args = ctx.args
+
+    def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
+        """The next extra round-trip at ``stage``, or None when the stage has nothing (more) to ask."""
+        return None
+
+    def receive(self, query: Query, replies: dict[int, Reply]) -> None:
+        """Replies to a query from :meth:`next_query`."""
+        raise NotImplementedError(f"{type(self).__name__} asked query '{query.name}' but does not receive it")
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        return Message(weights=clone_state(self.model))
+
+    def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
+        from fedlt.engine.aggregation import weighted_average
+
+        self.model.load_state_dict(weighted_average(replies), strict=False)
+
+    def end_round(self, rnd: int) -> None:
+        """Server-side steps after aggregation (calibration, realignment ...)."""
+
+    def finish(self) -> None:
+        """Post-training server steps, after the final queries."""
+
+    def global_model(self) -> FedModel | None:
+        """The model evaluated on the balanced test set; None if the method has no global model."""
+        return self.model
+
+    def eval_message(self, cid: int) -> Message:
+        """What a client receives to build its personalized model for evaluation."""
+        return Message(weights=clone_state(self.global_model() or self.model))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume; extend for method state (features, optimisers ...)."""
+        return {"model": clone_state(self.model)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+
+
+class Client:
+    """Client side of a method; one instance serves all clients."""
+
+    #: True when the client keeps a personal model; evaluation then uses :meth:`personalize`.
+    personalized: ClassVar[bool] = False
+
+    def __init__(self, args: MethodArgs):
+        self.args = args
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        raise NotImplementedError
+
+    def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
+        """Answer an extra round-trip named ``name``; subclasses dispatch on the name."""
+        raise ValueError(f"{type(self).__name__} has no query '{name}'")
+
+    def personalize(self, ctx: ClientContext, msg: Message) -> None:
+        """Load this client's personalized model into ``ctx.model`` for local-test evaluation."""
+        ctx.model.load_state_dict(msg.weights, strict=False)
+
+
+@dataclass
+class MethodSpec:
+    """A registered method: its parts, its knobs and a one-line description."""
+
+    name: str
+    description: str
+    server: type[Server]
+    client: type[Client]
+    args: type[MethodArgs] = MethodArgs
+    #: trains on the union of all clients' data (the centralized oracle); in-process engine only
+    pooled: bool = False
+    #: builds the model; methods with special heads or experts replace it
+    make_model: Callable[[Config, int, int, int], FedModel] = field(
+        default=lambda cfg, num_classes, in_channels, image_size: create_model(
+            cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size
+        )
+    )
+    #: uses ``loss.*`` from the config (False: the method fixes its own objective)
+    uses_loss_config: bool = True

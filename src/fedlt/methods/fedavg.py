@@ -1,0 +1,82 @@
+"""FedAvg (McMahan et al. 2017) with a choice of local loss for long-tailed data.
+
+``loss.name`` picks CE, logit adjustment, balanced softmax, focal or LDAM; ``loss.prior`` picks
+the class distribution behind the re-balancing losses: the client's own label counts
+(``local``), the federation's counts that the server sums from a one-off ``class_counts`` query
+(``global``; reveals each client's label histogram to the server), or ``uniform``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedlt.losses import make_loss
+from fedlt.messages import Message, Query, Reply
+from fedlt.methods.base import Client, ClientContext, Server, Stage, clone_state
+from fedlt.training import train_local
+
+PRIOR_LOSSES = {"la", "bsm", "ldam"}
+
+
+class FedAvgServer(Server):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.global_counts: torch.Tensor | None = None
+
+    def _needs_global_counts(self) -> bool:
+        loss = self.ctx.config.loss
+        return loss.name in PRIOR_LOSSES and loss.prior == "global"
+
+    def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
+        if stage == "setup" and self._needs_global_counts() and self.global_counts is None:
+            return Query("class_counts", {cid: Message() for cid in clients})
+        return None
+
+    def receive(self, query: Query, replies: dict[int, Reply]) -> None:
+        if query.name != "class_counts":
+            super().receive(query, replies)
+        self.global_counts = sum(r.payload["class_counts"] for r in replies.values())
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        msg = Message(weights=clone_state(self.model))
+        if self.global_counts is not None:
+            msg.payload["class_counts"] = self.global_counts
+        return msg
+
+    def state_dict(self):
+        return {**super().state_dict(), "global_counts": self.global_counts}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.global_counts = state["global_counts"]
+
+
+def local_loss(ctx: ClientContext, msg: Message):
+    """The configured classification loss, with its prior resolved for this client."""
+    cfg = ctx.loss_config
+    counts = ctx.data.class_counts().double()
+    if cfg.prior == "global" and "class_counts" in msg.payload:
+        counts = msg.payload["class_counts"].to(counts.device).double()
+    elif cfg.prior == "uniform":
+        counts = torch.ones_like(counts)
+    return make_loss(
+        cfg.name, prior=(counts / counts.sum()).float(), class_counts=counts,
+        tau=cfg.tau, focal_gamma=cfg.focal_gamma, ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale,
+    )
+
+
+class FedAvgClient(Client):
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        loss = local_loss(ctx, msg)
+        metrics = train_local(ctx, lambda x, y: loss(ctx.model(x), y) + self.regularizer(ctx, msg))
+        return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), metrics=metrics)
+
+    def regularizer(self, ctx: ClientContext, msg: Message) -> torch.Tensor | float:
+        """Extra local objective term (FedProx's proximal term ...); none for FedAvg."""
+        return 0.0
+
+    def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
+        if name == "class_counts":
+            return Reply(payload={"class_counts": ctx.data.class_counts().cpu()}, num_samples=len(ctx.data))
+        return super().query(name, ctx, msg)

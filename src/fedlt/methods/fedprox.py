@@ -1,0 +1,25 @@
+"""FedProx (Li et al. 2020): FedAvg plus the proximal term mu/2 ||w - w_global||^2 on each client."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import ClientContext, MethodArgs
+from fedlt.methods.fedavg import FedAvgClient
+
+
+class FedProxArgs(MethodArgs):
+    mu: float = Field(0.01, ge=0, description="weight of the proximal term")
+
+
+class FedProxClient(FedAvgClient):
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        params = dict(ctx.model.named_parameters())
+        self._anchor = [(params[k], msg.weights[k].to(params[k].device)) for k in params if k in msg.weights]
+        return super().fit(ctx, msg)
+
+    def regularizer(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
+        prox = sum(((p - w0) ** 2).sum() for p, w0 in self._anchor)
+        return 0.5 * self.args.mu * prox

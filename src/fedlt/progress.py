@@ -1,0 +1,44 @@
+"""Progress display: a live bar on a terminal, one line per evaluation otherwise, nothing if quiet."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    def __init__(self, total_rounds: int, start_round: int, label: str, quiet: bool):
+        self.total, self.start, self.label, self.quiet = total_rounds, start_round, label, quiet
+        self.t0 = time.perf_counter()
+        self.latest = ""
+        self.live = None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            self.live = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[latest]}"),
+                            transient=False)
+            self.task = self.live.add_task(label, total=total_rounds, completed=start_round, latest="")
+            self.live.start()
+
+    def update(self, rnd: int, metrics: dict | None) -> None:
+        if metrics:
+            parts = [f"{k} {metrics[k]:.2f}" for k in ("acc", "few_acc", "pm_acc") if metrics.get(k) is not None]
+            self.latest = " | ".join(parts)
+        if self.live is not None:
+            self.live.update(self.task, completed=rnd, latest=self.latest)
+        elif not self.quiet and (metrics or rnd == self.total):
+            done = rnd - self.start
+            elapsed = time.perf_counter() - self.t0
+            eta = elapsed / max(done, 1) * (self.total - rnd)
+            print(f"[{self.label}] round {rnd}/{self.total} | {self.latest} | {elapsed / max(done, 1):.2f} s/round"
+                  f" | ETA {_duration(eta)}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()

@@ -1,0 +1,155 @@
+"""The run directory: resolved config, per-round metrics, summary, report, plot, checkpoint.
+
+Files are written atomically (temp file + rename), so an interrupted run never leaves a
+truncated summary; ``metrics.jsonl`` is appended one evaluated round at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedlt.config import Config
+
+CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
+    "config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png",
+)
+#: metric keys that measure the machine, not the method: excluded from reproducibility checks
+TIMING_KEYS = ("time_s", "elapsed_s")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """A fresh, unique run directory (``out_dir/name`` or ``out_dir/method-dataset-time``)."""
+    base = Path(cfg.run.out_dir)
+    name = cfg.run.name or f"{cfg.method}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base / name, 1
+    while path.exists():
+        n += 1
+        path = base / f"{name}-{n}"
+    path.mkdir(parents=True)
+    write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
+    return path
+
+
+def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def read_metrics(run_dir: Path, up_to_round: int | None = None) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if up_to_round is None or r["round"] <= up_to_round]
+
+
+def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """Headline = the final round; the best round is reported separately and labelled as such."""
+    evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
+    final = evaluated[-1] if evaluated else {}
+    key = "acc" if final.get("acc") is not None else "pm_acc"
+    best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
+    pick = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc")
+    return {
+        "method": cfg.method,
+        "dataset": cfg.data.dataset,
+        "loss": cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})",
+        "rounds": cfg.fl.rounds,
+        "final": {"round": final.get("round"), **{k: final.get(k) for k in pick}},
+        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in pick[:-1]}},
+        "communication_bytes": {
+            k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
+        } if rows else {},
+        **extra,
+    }
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def write_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    summary = summarize(cfg, rows, extra)
+    write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    write_atomic(run_dir / REPORT_FILE, render_report(cfg, summary, rows))
+    plot_curves(run_dir / PLOT_FILE, rows, title=f"{cfg.method} on {cfg.data.dataset}")
+    return summary
+
+
+def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    f, b = summary["final"], summary["best_round"]
+    d = cfg.data
+    lines = [
+        f"# {cfg.method} on {d.dataset}-LT",
+        "",
+        f"IF={d.imbalance_factor:g}, {d.partition} partition"
+        + (f" (alpha={d.alpha:g})" if d.partition == "dirichlet" else "")
+        + f", {d.num_clients} clients, participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
+        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {cfg.loss.name}"
+        f" (prior {cfg.loss.prior}), seed {cfg.seed}.",
+        "",
+        f"{summary.get('data', '')}",
+        "",
+        f"Shot groups — {summary.get('shot_rule', '')}: {summary.get('shot_groups', '')}",
+        "",
+        "| | round | GM acc | many | medium | few | PM acc |",
+        "|---|---|---|---|---|---|---|",
+        f"| final (headline) | {f['round']} | {_fmt(f['acc'])} | {_fmt(f['many_acc'])} | {_fmt(f['medium_acc'])} "
+        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |",
+        f"| best round (by {b['selected_by']}) | {b['round']} | {_fmt(b['acc'])} | {_fmt(b['many_acc'])} "
+        f"| {_fmt(b['medium_acc'])} | {_fmt(b['few_acc'])} | {_fmt(b['pm_acc'])} |",
+        "",
+        "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
+        "drawn from the test set in each client's training proportions.",
+    ]
+    if f.get("per_class_acc"):
+        lines += ["", "## Per-class accuracy (final round)", "", "| class | train samples | acc |", "|---|---|---|"]
+        counts = summary.get("train_class_counts", [None] * len(f["per_class_acc"]))
+        names = summary.get("class_names", [str(i) for i in range(len(f["per_class_acc"]))])
+        lines += [f"| {names[i]} | {counts[i]} | {a:.2f} |" for i, a in enumerate(f["per_class_acc"])]
+    lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |", "|---|---|---|---|"]
+    lines += [f"| {r['round']} | {_fmt(r.get('acc'))} | {_fmt(r.get('pm_acc'))} | {_fmt(r.get('train_loss'))} |"
+              for r in rows if "acc" in r or "pm_acc" in r]
+    comm = summary["communication_bytes"]
+    if comm:
+        lines += ["", "Communication (MB, whole run): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in comm.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("acc", "GM (balanced test)"), ("few_acc", "GM few-shot"), ("pm_acc", "PM (local tests)")):
+        pts = [(r["round"], r[key]) for r in evaluated if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=label)
+    ax.set(xlabel="round", ylabel="accuracy (%)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name("tmp-" + path.name)
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,68 @@
+"""Local training on one client: shuffled index batches over in-memory tensors, plain SGD.
+
+Methods supply only the loss of a batch; the loop, the optimiser and the seeded shuffling are
+shared so every method trains under identical conditions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from fedlt.methods.base import ClientContext, TrainSettings
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Row positions of one shuffled epoch, split into batches (last one may be smaller).
+
+    A trailing batch of a single sample is merged into the previous one: BatchNorm cannot
+    train on one sample.
+    """
+    order = torch.randperm(n, generator=generator, device=generator.device)
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else n
+        yield order[start:end]
+
+
+def make_sgd(params: Iterable[torch.nn.Parameter], train: TrainSettings, lr: float | None = None) -> torch.optim.SGD:
+    return torch.optim.SGD(
+        list(params), lr=train.lr if lr is None else lr, momentum=train.momentum, weight_decay=train.weight_decay
+    )
+
+
+def train_local(
+    ctx: ClientContext,
+    batch_loss: BatchLoss,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    epochs: int | None = None,
+) -> dict[str, float]:
+    """Run ``epochs`` (default: the round's) of SGD on ``ctx.model`` minimising ``batch_loss(x, y)``.
+
+    Returns training metrics: mean loss over batches and the number of optimisation steps.
+    """
+    model, data, train = ctx.model, ctx.data, ctx.train
+    if len(data) == 0:
+        return {"train_loss": float("nan"), "steps": 0.0}
+    torch.manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator(purpose=99)).item()))
+    optimizer = make_sgd(params if params is not None else model.parameters(), train)
+    generator = ctx.generator()
+    model.train()
+    total, steps = torch.zeros((), device=data.images.device), 0
+    for _ in range(train.epochs if epochs is None else epochs):
+        for rows in epoch_batches(len(data), train.batch_size, generator):
+            x, y = data.batch(rows)
+            loss = batch_loss(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if train.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            optimizer.step()
+            total += loss.detach()
+            steps += 1
+    return {"train_loss": float(total) / max(steps, 1), "steps": float(steps)}

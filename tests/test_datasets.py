@@ -1,0 +1,589 @@
+"""Dataset readers: each on-disk format written for real in tmp_path, read back through the registry."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.io
+import torch
+from PIL import Image
+
+from fedlt.data.registry import DATASETS, list_datasets, load_dataset
+from fedlt.data.sources import cinic, common, idx, listfile
+from fedlt.data.sources.synthetic import make_synthetic
+from fedlt.errors import DataError
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No test sees the user's data folders or writes to the user's cache."""
+    monkeypatch.delenv("FEDLT_DATA", raising=False)
+    monkeypatch.setenv("FEDLT_CACHE", str(tmp_path / "cache"))
+
+
+def error_of(name: str, root: Path | str | None = None, **kwargs) -> str:
+    with pytest.raises(DataError) as info:
+        load_dataset(name, root=None if root is None else str(root), **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ----------------------------------------------------------------------------- Fashion-MNIST (IDX)
+
+
+def write_idx(path: Path, magic: int, array: np.ndarray, gz: bool) -> Path:
+    raw = struct.pack(f">{1 + array.ndim}I", magic, *array.shape) + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        raw = gzip.compress(raw)
+    path.write_bytes(raw)
+    return path
+
+
+def write_fmnist(root: Path, n_train: int = 7, n_test: int = 4) -> dict[str, np.ndarray]:
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = {
+        "train_x": RNG.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train_y": RNG.integers(0, 10, n_train, dtype=np.uint8),
+        "test_x": RNG.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "test_y": RNG.integers(0, 10, n_test, dtype=np.uint8),
+    }
+    # Train files gzipped (as Debian ships them), test files plain: both forms must work.
+    write_idx(root / "train-images-idx3-ubyte", 2051, arrays["train_x"], gz=True)
+    write_idx(root / "train-labels-idx1-ubyte", 2049, arrays["train_y"], gz=True)
+    write_idx(root / "t10k-images-idx3-ubyte", 2051, arrays["test_x"], gz=False)
+    write_idx(root / "t10k-labels-idx1-ubyte", 2049, arrays["test_y"], gz=False)
+    return arrays
+
+
+def test_fmnist_round_trip(tmp_path: Path) -> None:
+    arrays = write_fmnist(tmp_path / "fm")
+    pair = load_dataset("fmnist", root=str(tmp_path / "fm"))
+    assert pair.train.images.shape == (7, 1, 28, 28) and pair.test.images.shape == (4, 1, 28, 28)
+    assert pair.train.images.dtype == torch.uint8 and pair.train.labels.dtype == torch.int64
+    assert np.array_equal(pair.train.images[:, 0].numpy(), arrays["train_x"])
+    assert np.array_equal(pair.test.images[:, 0].numpy(), arrays["test_x"])
+    assert pair.train.labels.tolist() == arrays["train_y"].tolist()
+    assert pair.test.labels.tolist() == arrays["test_y"].tolist()
+    assert pair.train.classes[0] == "T-shirt/top" and pair.train.classes[9] == "Ankle boot"
+    assert len(pair.train) == 7 and len(pair.test) == 4 and pair.num_classes == 10
+    assert pair.train.mean == (0.2860,) and pair.train.std == (0.3530,)
+
+
+def test_fmnist_found_through_fedlt_data_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_fmnist(tmp_path / "fashion-mnist")
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path))
+    assert len(load_dataset("fmnist").train) == 7
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragments"),
+    [
+        ("magic", ["t10k-images-idx3-ubyte", "magic number 2049, expected 2051", "re-download"]),
+        ("truncate", ["t10k-images-idx3-ubyte", "truncated", "re-download"]),
+        ("truncate_gz", ["train-labels-idx1-ubyte.gz", "cannot read", "re-download"]),
+        ("count", ["t10k-labels-idx1-ubyte", "3 labels", "4 images"]),
+        ("label", ["label 10", "t10k-labels-idx1-ubyte", "outside [0, 10)"]),
+        ("missing", ["missing t10k-labels-idx1-ubyte[.gz]", "dataset-fashion-mnist"]),
+    ],
+)
+def test_fmnist_bad_files(tmp_path: Path, damage: str, fragments: list[str]) -> None:
+    root = tmp_path / "fm"
+    arrays = write_fmnist(root)
+    if damage == "magic":
+        write_idx(root / "t10k-images-idx3-ubyte", 2049, arrays["test_x"], gz=False)
+    elif damage == "truncate":
+        path = root / "t10k-images-idx3-ubyte"
+        path.write_bytes(path.read_bytes()[:-5])
+    elif damage == "truncate_gz":
+        path = root / "train-labels-idx1-ubyte.gz"
+        path.write_bytes(path.read_bytes()[:-6])
+    elif damage == "count":
+        write_idx(root / "t10k-labels-idx1-ubyte", 2049, arrays["test_y"][:3], gz=False)
+    elif damage == "label":
+        write_idx(root / "t10k-labels-idx1-ubyte", 2049, np.array([0, 1, 10, 2]), gz=False)
+    else:
+        (root / "t10k-labels-idx1-ubyte").unlink()
+    message = error_of("fmnist", root)
+    assert "fmnist" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_fmnist_empty_and_missing_folder(tmp_path: Path) -> None:
+    message = error_of("fmnist", tmp_path)
+    assert "no Fashion-MNIST IDX files" in message and "train-images-idx3-ubyte[.gz]" in message
+    assert "dataset-fashion-mnist" in message and "data.root=DIR" in message
+    message = error_of("fmnist", tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere") in message and "does not exist" in message
+
+
+@pytest.mark.skipif(not idx.DEFAULT_ROOT.is_dir(), reason="Debian package dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist() -> None:
+    pair = load_dataset("fmnist")
+    assert len(pair.train) == 60000 and len(pair.test) == 10000
+    assert pair.train.class_counts().tolist() == [6000] * 10
+    assert pair.test.class_counts().tolist() == [1000] * 10
+    mean = pair.train.images.float().div(255).mean().item()
+    assert abs(mean - idx.MEAN[0]) < 1e-3
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 / CIFAR-100
+
+
+def dump(path: Path, content: object) -> None:
+    with path.open("wb") as handle:
+        pickle.dump(content, handle, protocol=2)
+
+
+def write_cifar10(parent: Path, per_batch: int = 2, n_test: int = 3) -> dict[str, np.ndarray]:
+    folder = parent / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    dump(folder / "batches.meta", {b"label_names": names, b"num_cases_per_batch": per_batch, b"num_vis": 3072})
+    data, labels = [], []
+    for i in range(1, 6):
+        x = RNG.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        y = RNG.integers(0, 10, per_batch).tolist()
+        batch = {b"batch_label": b"training batch", b"labels": y, b"data": x, b"filenames": []}
+        dump(folder / f"data_batch_{i}", batch)
+        data.append(x)
+        labels += y
+    test_x = RNG.integers(0, 256, (n_test, 3072), dtype=np.uint8)
+    test_y = RNG.integers(0, 10, n_test).tolist()
+    dump(folder / "test_batch", {b"batch_label": b"testing batch", b"labels": test_y, b"data": test_x})
+    return {"train_x": np.concatenate(data), "train_y": np.array(labels), "test_x": test_x, "test_y": np.array(test_y)}
+
+
+def test_cifar10_round_trip_and_channel_major_layout(tmp_path: Path) -> None:
+    arrays = write_cifar10(tmp_path)
+    for root in (tmp_path, tmp_path / "cifar-10-batches-py"):  # the parent or the extracted folder
+        pair = load_dataset("cifar10", root=str(root))
+        assert pair.train.images.shape == (10, 3, 32, 32) and pair.test.images.shape == (3, 3, 32, 32)
+        assert pair.train.images.dtype == torch.uint8 and pair.train.images.is_contiguous()
+        assert pair.train.labels.tolist() == arrays["train_y"].tolist()
+        assert pair.test.labels.tolist() == arrays["test_y"].tolist()
+        assert pair.train.classes[1] == "automobile" and pair.test.classes[9] == "truck"
+        for c, y, x in [(0, 0, 0), (1, 5, 7), (2, 31, 30), (0, 17, 3)]:
+            assert pair.train.images[0, c, y, x].item() == arrays["train_x"][0, c * 1024 + y * 32 + x]
+            assert pair.test.images[2, c, y, x].item() == arrays["test_x"][2, c * 1024 + y * 32 + x]
+        assert np.array_equal(pair.train.images.reshape(10, -1).numpy(), arrays["train_x"])
+
+
+def test_cifar100_fine_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    names = [f"class_{i}".encode() for i in range(100)]
+    dump(folder / "meta", {b"fine_label_names": names, b"coarse_label_names": names[:20]})
+    x = RNG.integers(0, 256, (6, 3072), dtype=np.uint8)
+    fine, coarse = [99, 0, 5, 42, 7, 7], [19, 0, 1, 2, 3, 3]
+    dump(folder / "train", {b"data": x, b"fine_labels": fine, b"coarse_labels": coarse, b"filenames": []})
+    dump(folder / "test", {b"data": x[:2], b"fine_labels": fine[:2], b"coarse_labels": coarse[:2]})
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path))  # finds cifar-100-python/ below it
+    pair = load_dataset("cifar100")
+    assert pair.num_classes == 100 and pair.train.classes[42] == "class_42"
+    assert pair.train.labels.tolist() == fine and pair.test.labels.tolist() == fine[:2]
+    assert pair.train.images[3, 2, 10, 20].item() == x[3, 2 * 1024 + 10 * 32 + 20]
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragments"),
+    [
+        ("truncate", ["data_batch_3", "cannot unpickle"]),
+        ("garbage", ["test_batch", "cannot unpickle"]),
+        ("no_labels", ["data_batch_2", "no b'labels' entry"]),
+        ("shape", ["data_batch_1", "expected uint8 (N, 3072)"]),
+        ("label", ["label 10", "data_batch_4", "outside [0, 10)"]),
+        ("exploit", ["data_batch_5", "refusing to load global"]),
+        ("missing", ["missing test_batch"]),
+    ],
+)
+def test_cifar_bad_files(tmp_path: Path, damage: str, fragments: list[str]) -> None:
+    write_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    x = RNG.integers(0, 256, (2, 3072), dtype=np.uint8)
+    if damage == "truncate":
+        path = folder / "data_batch_3"
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "garbage":
+        (folder / "test_batch").write_bytes(b"this is not a pickle")
+    elif damage == "no_labels":
+        dump(folder / "data_batch_2", {b"data": x})
+    elif damage == "shape":
+        dump(folder / "data_batch_1", {b"data": x.reshape(2, 3, 32, 32), b"labels": [0, 1]})
+    elif damage == "label":
+        dump(folder / "data_batch_4", {b"data": x, b"labels": [3, 10]})
+    elif damage == "exploit":
+        dump(folder / "data_batch_5", {b"data": _Exploit(), b"labels": [0, 1]})
+    else:
+        (folder / "test_batch").unlink()
+    message = error_of("cifar10", tmp_path)
+    assert message.startswith("cifar10: ") and "cifar-10-python.tar.gz" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_cifar_wrong_folder(tmp_path: Path) -> None:
+    message = error_of("cifar100", tmp_path)
+    assert "no cifar-100-python/" in message and str(tmp_path) in message and "data.root=DIR" in message
+
+
+# ----------------------------------------------------------------------------- SVHN (MATLAB v5)
+
+
+def write_svhn(root: Path, n_train: int = 5, n_test: int = 3) -> dict[str, np.ndarray]:
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        x = RNG.integers(0, 256, (32, 32, 3, n), dtype=np.uint8)
+        y = np.array([[10], [1], [9], [10], [4]][:n], dtype=np.float64)  # 10 is the digit 0
+        scipy.io.savemat(root / f"{split}_32x32.mat", {"X": x, "y": y})
+        arrays[split] = x
+    return arrays
+
+
+def test_svhn_round_trip_and_label_10_is_digit_0(tmp_path: Path) -> None:
+    arrays = write_svhn(tmp_path / "svhn")
+    pair = load_dataset("svhn", root=str(tmp_path / "svhn"))
+    assert pair.train.images.shape == (5, 3, 32, 32) and pair.test.images.shape == (3, 3, 32, 32)
+    assert pair.train.labels.tolist() == [0, 1, 9, 0, 4] and pair.test.labels.tolist() == [0, 1, 9]
+    assert pair.train.classes == [str(d) for d in range(10)]
+    x = arrays["train"]
+    for n, c, row, col in [(0, 0, 0, 0), (4, 2, 31, 1), (2, 1, 7, 19)]:
+        assert pair.train.images[n, c, row, col].item() == x[row, col, c, n]
+    assert np.array_equal(pair.test.images.numpy(), arrays["test"].transpose(3, 2, 0, 1))
+    assert pair.train.images.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragments"),
+    [
+        ("truncate", ["train_32x32.mat", "cannot read"]),
+        ("label", ["label 11", "test_32x32.mat", "1..10"]),
+        ("no_x", ["test_32x32.mat", "no variable 'X'"]),
+        ("missing", ["missing test_32x32.mat"]),
+    ],
+)
+def test_svhn_bad_files(tmp_path: Path, damage: str, fragments: list[str]) -> None:
+    root = tmp_path / "svhn"
+    write_svhn(root)
+    x = RNG.integers(0, 256, (32, 32, 3, 2), dtype=np.uint8)
+    if damage == "truncate":
+        path = root / "train_32x32.mat"
+        path.write_bytes(path.read_bytes()[:300])
+    elif damage == "label":
+        scipy.io.savemat(root / "test_32x32.mat", {"X": x, "y": np.array([[3.0], [11.0]])})
+    elif damage == "no_x":
+        scipy.io.savemat(root / "test_32x32.mat", {"images": x, "y": np.array([[3.0], [1.0]])})
+    else:
+        (root / "test_32x32.mat").unlink()
+    message = error_of("svhn", root)
+    assert message.startswith("svhn: ") and "ufldl.stanford.edu" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+# ----------------------------------------------------------------------------- CINIC-10 (PNG folders)
+
+CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cinic(root: Path, splits: tuple[str, ...] = ("train", "valid", "test")) -> dict[tuple[str, str], np.ndarray]:
+    """Two PNGs per class and split, one of them greyscale (CINIC has some); returns HWC RGB pixels."""
+    pixels = {}
+    for split in splits:
+        for name in CINIC_CLASSES:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            rgb = RNG.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(rgb).save(folder / f"{split}-{name}-a.png")
+            grey = RNG.integers(0, 256, (32, 32), dtype=np.uint8)
+            Image.fromarray(grey).save(folder / f"{split}-{name}-b.png")
+            pixels[(split, name)] = np.stack([rgb, np.repeat(grey[..., None], 3, axis=2)])
+    return pixels
+
+
+def test_cinic_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "_PARALLEL_MIN", 2)  # decode on the thread pool, as for the real 90k images
+    pixels = write_cinic(tmp_path)
+    (tmp_path / "train" / ".cache").mkdir()  # hidden folders are not classes
+    pair = load_dataset("cinic10", root=str(tmp_path))
+    assert pair.train.classes == CINIC_CLASSES and pair.test.classes == CINIC_CLASSES
+    assert pair.train.images.shape == (20, 3, 32, 32) and len(pair.test) == 20
+    assert pair.train.labels.tolist() == [k for k in range(10) for _ in range(2)]
+    for k, name in enumerate(CINIC_CLASSES):
+        expected = pixels[("test", name)].transpose(0, 3, 1, 2)
+        assert np.array_equal(pair.test.images[2 * k : 2 * k + 2].numpy(), expected)
+    with_valid = cinic.load_cinic10(tmp_path, include_valid=True)
+    assert len(with_valid.train) == 40 and len(with_valid.test) == 20
+
+
+def test_cinic_bad_folders(tmp_path: Path) -> None:
+    write_cinic(tmp_path, splits=("train", "test"))
+    (tmp_path / "test" / "zebra").mkdir()
+    message = error_of("cinic10", tmp_path)
+    assert "class folders of" in message and str(tmp_path / "test") in message and "zebra" in message
+    (tmp_path / "test" / "zebra").rmdir()
+
+    for png in (tmp_path / "train" / "dog").iterdir():
+        png.unlink()
+    message = error_of("cinic10", tmp_path)
+    assert f"{tmp_path / 'train' / 'dog'} holds no .png files" in message and "CINIC-10" in message
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "train" / "dog" / "ok.png")
+    (tmp_path / "train" / "cat" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    message = error_of("cinic10", tmp_path)
+    assert "cannot decode image" in message and "broken.png" in message
+
+    (tmp_path / "train" / "cat" / "broken.png").unlink()
+    Image.new("RGB", (40, 32)).save(tmp_path / "train" / "cat" / "wide.png")
+    assert "wide.png is 40x32, expected 32x32" in error_of("cinic10", tmp_path)
+
+    message = error_of("cinic10", tmp_path / "train")
+    assert "no train/, test/ folder" in message and "data.root=DIR" in message
+
+
+def test_parallel_decoding_keeps_order_and_errors() -> None:
+    paths = [Path(str(i)) for i in range(1000)]  # many chunks on the thread pool
+    images = common.decode_all(paths, lambda p: np.full((1, 2, 2), int(p.name) % 256, dtype=np.uint8), (1, 2, 2))
+    assert images.shape == (1000, 1, 2, 2) and images[:, 0, 0, 0].tolist() == [i % 256 for i in range(1000)]
+
+    def fail_on_777(path: Path) -> np.ndarray:
+        if path.name == "777":
+            raise DataError("bad 777")
+        return np.zeros((1, 2, 2), dtype=np.uint8)
+
+    with pytest.raises(DataError, match="bad 777"):
+        common.decode_all(paths, fail_on_777, (1, 2, 2))
+
+
+# ----------------------------------------------------------------------------- ImageNet-LT / iNat (list files)
+
+# (relative path, label, (width, height), colour): varied sizes and aspect ratios.
+LIST_IMAGES = [
+    ("train/n01/a.jpg", 0, (50, 40), (250, 10, 10)),
+    ("train/n01/b.jpg", 0, (20, 60), (10, 250, 10)),
+    ("train/n02/c.jpg", 2, (33, 33), (10, 10, 250)),
+    ("train/n03/d e.jpg", 4, (8, 5), (200, 200, 30)),  # smaller than image_size: upscaled; space in name
+]
+TEST_IMAGES = [("val/x.jpg", 4, (64, 48), (30, 200, 200)), ("val/y.jpg", 1, (16, 16), (128, 128, 128))]
+
+
+def write_list_dataset(root: Path, train_name: str, test_name: str, lists_in_parent: bool = False) -> None:
+    for rel, _, size, colour in LIST_IMAGES + TEST_IMAGES:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", size, colour).save(root / rel, quality=95)
+    list_dir = root.parent if lists_in_parent else root
+    (list_dir / train_name).write_text("".join(f"{rel} {label}\n" for rel, label, _, _ in LIST_IMAGES))
+    (list_dir / test_name).write_text("".join(f"{rel} {label}\n" for rel, label, _, _ in TEST_IMAGES) + "\n")
+
+
+def assert_colours(images: torch.Tensor, entries: list) -> None:
+    for image, (_, _, _, colour) in zip(images, entries):
+        centre = image[:, image.shape[1] // 2, image.shape[2] // 2].tolist()
+        assert all(abs(a - b) <= 6 for a, b in zip(centre, colour)), (centre, colour)
+
+
+def test_imagenet_lt_round_trip(tmp_path: Path) -> None:
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt", lists_in_parent=True)
+    pair = load_dataset("imagenet_lt", root=str(root), image_size=12)
+    assert pair.train.images.shape == (4, 3, 12, 12) and pair.test.images.shape == (2, 3, 12, 12)
+    assert pair.train.images.dtype == torch.uint8
+    assert pair.train.labels.tolist() == [0, 0, 2, 4] and pair.test.labels.tolist() == [4, 1]
+    assert pair.train.classes == ["0", "1", "2", "3", "4"] and pair.num_classes == 5
+    assert_colours(pair.train.images, LIST_IMAGES)
+    assert_colours(pair.test.images, TEST_IMAGES)
+
+
+def test_list_resize_then_centre_crop(tmp_path: Path) -> None:
+    """A 60x30 image whose middle half is green: after resize to 16x8... the 16x16 crop is all green."""
+    array = np.zeros((30, 60, 3), dtype=np.uint8)
+    array[:, :15] = (255, 0, 0)
+    array[:, 15:45] = (0, 255, 0)
+    array[:, 45:] = (0, 0, 255)
+    path = tmp_path / "wide.png"
+    Image.fromarray(array).save(path)
+    out = listfile.decode_image(path, 16, "imagenet_lt", "fix")
+    assert out.shape == (3, 16, 16) and out.dtype == np.uint8
+    assert (out[1] >= 200).all() and (out[0, :, 1:-1] <= 40).all() and (out[2, :, 1:-1] <= 40).all()
+
+
+def test_inat_names_file_and_default_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "inaturalist2018"
+    write_list_dataset(root, "iNaturalist18_train.txt", "iNaturalist18_val.txt")
+    (root / "iNaturalist18_classnames.txt").write_text("\n".join(f"species {k}" for k in range(6)) + "\n")
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path))
+    pair = load_dataset("inat")
+    assert pair.train.images.shape == (4, 3, 64, 64)
+    assert pair.num_classes == 6 and pair.test.classes[5] == "species 5"
+
+
+def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")
+    first = load_dataset("imagenet_lt", root=str(root), image_size=8)
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # one entry per split
+
+    def must_not_decode(*args, **kwargs):
+        raise AssertionError("decoded although the cache is valid")
+
+    monkeypatch.setattr(listfile, "decode_image", must_not_decode)
+    second = load_dataset("imagenet_lt", root=str(root), image_size=8)
+    assert torch.equal(first.train.images, second.train.images)
+    assert torch.equal(first.test.images, second.test.images)
+
+    monkeypatch.undo()
+    monkeypatch.setenv("FEDLT_CACHE", str(tmp_path / "cache"))
+    decoded: list[Path] = []
+    original = listfile.decode_image
+
+    def counting(path: Path, *args) -> np.ndarray:
+        decoded.append(path)
+        return original(path, *args)
+
+    monkeypatch.setattr(listfile, "decode_image", counting)
+    train_list = root / "ImageNet_LT_train.txt"
+    train_list.write_text(train_list.read_text().replace("train/n02/c.jpg 2", "train/n02/c.jpg 3"))
+    stamp = time.time() + 5
+    os.utime(train_list, (stamp, stamp))
+    third = load_dataset("imagenet_lt", root=str(root), image_size=8)
+    assert len(decoded) == len(LIST_IMAGES)  # train re-decoded, test still cached
+    assert third.train.labels.tolist() == [0, 0, 3, 4]
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # the stale train entry was replaced
+
+    decoded.clear()
+    load_dataset("imagenet_lt", root=str(root), image_size=10)  # another size is another entry
+    assert len(decoded) == len(LIST_IMAGES) + len(TEST_IMAGES)
+
+
+def test_list_bad_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "_PARALLEL_MIN", 2)  # errors must also surface from the thread pool
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")
+    test_list = root / "ImageNet_LT_test.txt"
+
+    test_list.unlink()
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert "list file ImageNet_LT_test.txt not found" in message and str(root) in message and "OLTR" in message
+
+    test_list.write_text("val/x.jpg 4\nval/y.jpg one\n")
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert f"line 2 of {test_list}" in message and "'val/y.jpg one'" in message
+
+    test_list.write_text("val/x.jpg 4\nval/missing.jpg 1\n")
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert f"image {root / 'val/missing.jpg'} does not exist" in message and "ImageNet_LT_test.txt" in message
+
+    (root / "val" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    test_list.write_text("val/bad.jpg 1\n")
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert "cannot decode image" in message and "bad.jpg" in message
+
+    test_list.write_text("\n")
+    assert "has no entries" in error_of("imagenet_lt", root, image_size=8)
+
+    message = error_of("imagenet_lt", root, image_size=0)
+    assert "data.image_size=0" in message
+
+
+def test_list_file_override(tmp_path: Path) -> None:
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "mine_train.txt", "mine_test.txt")
+    pair = listfile.load_imagenet_lt(root, 8, train_list="mine_train.txt", test_list=str(root / "mine_test.txt"))
+    assert len(pair.train) == 4 and len(pair.test) == 2
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_is_deterministic_balanced_and_fast() -> None:
+    start = time.perf_counter()
+    pair = load_dataset("synthetic")
+    assert time.perf_counter() - start < 1.0
+    again = make_synthetic()
+    assert torch.equal(pair.train.images, again.train.images) and torch.equal(pair.test.images, again.test.images)
+    assert pair.train.images.shape == (3000, 3, 16, 16) and pair.test.images.shape == (1000, 3, 16, 16)
+    assert pair.train.class_counts().tolist() == [300] * 10 and pair.test.class_counts().tolist() == [100] * 10
+    assert pair.train.classes == [f"class{k}" for k in range(10)]
+    assert load_dataset("synthetic", image_size=8).train.images.shape == (3000, 3, 8, 8)
+
+
+def balanced_accuracy(model: torch.nn.Module, data) -> float:
+    with torch.no_grad():
+        predicted = model(data.normalize(data.images)).argmax(1)
+    recalls = [(predicted[data.labels == k] == k).float().mean() for k in range(data.num_classes)]
+    return torch.stack(recalls).mean().item()
+
+
+@pytest.fixture
+def one_thread():
+    """Small convolutions only lose from intra-op threads, badly so on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_synthetic_needs_training_and_a_small_cnn_learns_it() -> None:
+    pair = make_synthetic()
+    centroids = torch.stack([pair.train.images[pair.train.labels == k].float().mean(0) for k in range(10)])
+    residual = pair.train.images.float() - centroids[pair.train.labels]
+    assert residual.std() > 30  # strong per-image noise: no image is a copy of its template
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 10),
+    )
+    assert balanced_accuracy(model, pair.test) < 0.3
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        for batch in torch.randperm(len(pair.train)).split(64):
+            logits = model(pair.train.normalize(pair.train.images[batch]))
+            loss = torch.nn.functional.cross_entropy(logits, pair.train.labels[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert 0.9 < balanced_accuracy(model, pair.test) < 1.0
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_registry_lists_every_dataset() -> None:
+    names = [name for name, _ in list_datasets()]
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic"]
+    assert names == list(DATASETS)
+    assert all(description and "\n" not in description for _, description in list_datasets())
+
+
+def test_registry_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    message = error_of("mnist")
+    assert "unknown dataset 'mnist'" in message and "cifar10" in message and "synthetic" in message
+
+    message = error_of("svhn")
+    assert "svhn" in message and "data.root=DIR" in message and "FEDLT_DATA" in message
+
+    message = error_of("cifar10", tmp_path, image_size=64)
+    assert "32x32" in message and "data.image_size=64" in message
+
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path))  # no svhn/ below it: FEDLT_DATA itself is used
+    message = error_of("svhn")
+    assert f"in {tmp_path};" in message and "train_32x32.mat" in message

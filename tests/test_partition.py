@@ -1,0 +1,268 @@
+"""Long-tail subsampling, client partitions and local test sets."""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from fedlt.data.local_test import local_test_indices
+from fedlt.data.longtail import longtail_counts, longtail_indices
+from fedlt.data.partition import (
+    Partition,
+    dirichlet_partition,
+    iid_partition,
+    pathological_partition,
+)
+from fedlt.errors import DataError
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def balanced_labels(num_classes: int, per_class: int, seed: int = 123) -> np.ndarray:
+    """Shuffled labels with ``per_class`` samples of each class."""
+    return rng(seed).permutation(np.repeat(np.arange(num_classes), per_class))
+
+
+def recount(labels: np.ndarray, part: Partition) -> np.ndarray:
+    num_classes = int(labels.max()) + 1
+    return np.stack([np.bincount(labels[ix], minlength=num_classes) for ix in part.client_indices])
+
+
+def same_partition(a: Partition, b: Partition) -> bool:
+    pairs = zip(a.client_indices, b.client_indices)
+    return a.num_clients == b.num_clients and all(np.array_equal(x, y) for x, y in pairs)
+
+
+# --- long tail ------------------------------------------------------------------------------
+
+
+def test_longtail_counts_cifar10_if100():
+    assert longtail_counts(5000, 10, 100).tolist() == [5000, 2997, 1796, 1077, 645, 387, 232, 139, 83, 50]
+
+
+def test_longtail_counts_edge_cases():
+    assert longtail_counts(500, 7, 1).tolist() == [500] * 7
+    assert longtail_counts(42, 1, 100).tolist() == [42]
+    # n * IF**-1 is 0.999... in floating point for n = IF = 49; the tail must still keep 1.
+    assert longtail_counts(49, 2, 49).tolist() == [49, 1]
+    counts = longtail_counts(500, 100, 50)
+    assert counts[0] == 500 and counts[-1] == 10 and np.all(np.diff(counts) <= 0)
+
+
+def test_longtail_counts_rejects_bad_factor():
+    with pytest.raises(DataError, match="imbalance_factor >= 1"):
+        longtail_counts(5000, 10, 0.5)
+    with pytest.raises(DataError, match="tail class"):
+        longtail_counts(10, 10, 100)
+
+
+def test_longtail_indices_per_class_counts_and_subset():
+    labels = np.concatenate([balanced_labels(10, 100), np.zeros(7, dtype=np.int64)])  # class 0 larger
+    before = labels.copy()
+    idx = longtail_indices(labels, 10, rng(0))
+    assert np.all(np.diff(idx) > 0)  # sorted, no duplicates
+    assert idx.min() >= 0 and idx.max() < labels.size
+    # n_max is the smallest class (100), not class 0's 107.
+    assert np.bincount(labels[idx]).tolist() == longtail_counts(100, 10, 10).tolist()
+    assert np.array_equal(labels, before)
+
+
+def test_longtail_indices_seeded_and_test_split_untouched():
+    train, test = balanced_labels(10, 100, seed=1), balanced_labels(10, 20, seed=2)
+    test_before = test.copy()
+    a, b, c = (longtail_indices(train, 10, rng(s)) for s in (0, 0, 1))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert np.bincount(train[a]).tolist() == np.bincount(train[c]).tolist()
+    assert np.array_equal(test, test_before)
+    assert np.bincount(test).tolist() == [20] * 10
+
+
+def test_longtail_indices_missing_class():
+    labels = np.array([0, 0, 2, 2])
+    with pytest.raises(DataError, match="class 1 has no samples"):
+        longtail_indices(labels, 2, rng())
+
+
+# --- partitions -----------------------------------------------------------------------------
+
+LABELS = balanced_labels(10, 200)  # 2000 samples
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda r: dirichlet_partition(LABELS, 20, 0.5, r),
+        lambda r: dirichlet_partition(LABELS, 20, 0.5, r, min_size=20),
+        lambda r: dirichlet_partition(LABELS, 20, 0.1, r, equal_size=True),
+        lambda r: pathological_partition(LABELS, 20, 2, r),
+        lambda r: iid_partition(LABELS, 20, r),
+    ],
+    ids=["dirichlet", "dirichlet-min", "dirichlet-equal", "pathological", "iid"],
+)
+def test_partition_invariants(make):
+    part = make(rng(0))
+    part.validate(LABELS.size)
+    assert part.num_clients == 20
+    assert part.counts.dtype == np.int64 and part.counts.shape == (20, 10)
+    assert np.array_equal(part.counts, recount(LABELS, part))
+    assert part.sizes.tolist() == [len(ix) for ix in part.client_indices]
+    for ix in part.client_indices:
+        assert ix.dtype == np.int64 and np.all(np.diff(ix) > 0)
+    assert same_partition(part, make(rng(0)))
+    assert not same_partition(part, make(rng(1)))
+
+
+def test_validate_catches_missing_and_repeated_samples():
+    labels = np.array([0, 1, 0, 1])
+    bad = Partition([np.array([0, 1]), np.array([1, 2])], np.array([[1, 1], [1, 1]]))
+    with pytest.raises(AssertionError, match="1 samples held by no client, 1 by more than one"):
+        bad.validate(labels.size)
+
+
+def test_dirichlet_smaller_alpha_more_skew():
+    def mean_max_share(alpha: float) -> float:
+        shares = []
+        for seed in range(5):
+            counts = dirichlet_partition(LABELS, 10, alpha, rng(seed)).counts
+            held = counts.sum(axis=1) > 0
+            shares.append((counts[held].max(axis=1) / counts[held].sum(axis=1)).mean())
+        return float(np.mean(shares))
+
+    assert mean_max_share(0.1) > mean_max_share(10.0) + 0.3
+
+
+def test_dirichlet_min_size_honoured():
+    for seed in range(3):
+        part = dirichlet_partition(LABELS, 20, 0.3, rng(seed), min_size=40)
+        assert part.sizes.min() >= 40
+
+
+def test_dirichlet_tiny_alpha_does_not_hang():
+    labels = balanced_labels(10, 600)
+    start = time.perf_counter()
+    part = dirichlet_partition(labels, 100, 0.01, rng(0))
+    assert time.perf_counter() - start < 2.0
+    part.validate(labels.size)
+
+
+def test_dirichlet_unreachable_min_size_gives_up_with_fix():
+    labels = balanced_labels(10, 600)
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"after 1000 draws.*lower data.min_client_size") as info:
+        dirichlet_partition(labels, 100, 0.01, rng(0), min_size=50)
+    assert time.perf_counter() - start < 10.0
+    assert "\n" not in str(info.value)
+
+
+def test_dirichlet_impossible_min_size_fails_before_drawing():
+    generator = rng(0)
+    state = generator.bit_generator.state
+    with pytest.raises(DataError, match=r"min_client_size=21 is impossible.*min_client_size <= 20"):
+        dirichlet_partition(LABELS, 100, 0.5, generator, min_size=21)
+    assert generator.bit_generator.state == state
+
+
+def test_dirichlet_equal_size():
+    for seed in range(3):
+        part = dirichlet_partition(LABELS[:1997], 20, 0.1, rng(seed), equal_size=True)
+        assert part.sizes.tolist() == [100] * 17 + [99] * 3
+    skewed = dirichlet_partition(LABELS, 10, 0.05, rng(0), equal_size=True).counts
+    assert (skewed.max(axis=1) / skewed.sum(axis=1)).mean() > 0.3  # still label-skewed
+
+
+@pytest.mark.parametrize("alpha", [0, -1.0])
+def test_dirichlet_rejects_nonpositive_alpha(alpha):
+    with pytest.raises(DataError, match="alpha"):
+        dirichlet_partition(LABELS, 10, alpha, rng())
+
+
+@pytest.mark.parametrize("make", [dirichlet_partition, pathological_partition])
+def test_num_clients_bounds(make):
+    extra = (0.5,) if make is dirichlet_partition else (1,)
+    labels = LABELS[:50]
+    with pytest.raises(DataError, match="data.num_clients=51 exceeds the 50 training samples"):
+        make(labels, 51, *extra, rng())
+    with pytest.raises(DataError, match="data.num_clients=0"):
+        make(labels, 0, *extra, rng())
+    with pytest.raises(DataError, match="exceeds"):
+        iid_partition(labels, 51, rng())
+
+
+def test_pathological_exact_classes_and_coverage():
+    for num_clients, k in [(20, 2), (7, 3), (5, 2), (3, 10)]:
+        part = pathological_partition(LABELS, num_clients, k, rng(num_clients))
+        part.validate(LABELS.size)
+        assert ((part.counts > 0).sum(axis=1) == k).all()
+        assert (part.counts.sum(axis=0) == 200).all()  # every class used, entirely
+        holders = (part.counts > 0).sum(axis=0)
+        assert holders.max() - holders.min() <= 1  # classes spread evenly over clients
+
+
+def test_pathological_rejects_bad_settings():
+    with pytest.raises(DataError, match="classes_per_client=11"):
+        pathological_partition(LABELS, 20, 11, rng())
+    with pytest.raises(DataError, match="classes_per_client=0"):
+        pathological_partition(LABELS, 20, 0, rng())
+    with pytest.raises(DataError, match="some class would be dropped; use more clients"):
+        pathological_partition(LABELS, 4, 2, rng())
+
+
+def test_iid_near_equal_and_mixed():
+    part = iid_partition(LABELS, 7, rng(0))
+    assert part.sizes.max() - part.sizes.min() <= 1
+    shares = part.counts / part.sizes[:, None]
+    assert np.abs(shares - 0.1).max() < 0.06
+
+
+# --- local test sets ------------------------------------------------------------------------
+
+
+def expected_takes(row: np.ndarray, pool: np.ndarray) -> list[int]:
+    held = [c for c in range(row.size) if row[c] > 0]
+    if not held:
+        return [0] * row.size
+    size = min(Fraction(int(pool[c]) * int(row.sum()), int(row[c])) for c in held)  # S_k
+    return [int(Fraction(int(row[c]), int(row.sum())) * size) for c in range(row.size)]  # floor
+
+
+def test_local_test_matches_train_proportions_and_is_maximal():
+    test_labels = np.concatenate([balanced_labels(5, 30), np.full(4, 2)])  # class 2 has 34
+    pool = np.bincount(test_labels)
+    train_counts = np.array([[100, 50, 0, 0, 7], [0, 0, 0, 0, 0], [3, 3, 3, 3, 3], [0, 0, 17, 1, 0], [1, 0, 90, 0, 0]])
+    result = local_test_indices(train_counts, test_labels, rng(0))
+    assert len(result) == len(train_counts)
+    for row, idx in zip(train_counts, result):
+        assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)  # sorted, no duplicates
+        takes = np.bincount(test_labels[idx], minlength=5)
+        assert takes.tolist() == expected_takes(row, pool)
+        assert (takes[row == 0] == 0).all()  # only the client's own classes
+        if row.sum():
+            # Maximal: some held class uses its whole test pool, so S_k cannot grow.
+            assert (takes[row > 0] == pool[row > 0]).any()
+    assert result[1].size == 0
+    assert np.bincount(test_labels[result[2]], minlength=5).tolist() == [30] * 5
+    assert np.bincount(test_labels[result[3]], minlength=5).tolist() == [0, 0, 34, 2, 0]
+
+
+def test_local_test_seeded_and_independent_per_client():
+    test_labels = balanced_labels(4, 50)
+    train_counts = np.array([[10, 10, 1, 0], [10, 10, 1, 0]])
+    a = local_test_indices(train_counts, test_labels, rng(0))
+    b = local_test_indices(train_counts, test_labels, rng(0))
+    c = local_test_indices(train_counts, test_labels, rng(1))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    assert not np.array_equal(a[0], a[1])  # same distribution, separate draws
+
+
+def test_local_test_on_dirichlet_partition():
+    test_labels = balanced_labels(10, 100)
+    part = dirichlet_partition(LABELS, 10, 0.3, rng(3))
+    for row, idx in zip(part.counts, local_test_indices(part.counts, test_labels, rng(4))):
+        assert np.bincount(test_labels[idx], minlength=10).tolist() == expected_takes(row, np.bincount(test_labels))
