@@ -28,10 +28,10 @@ class DataConfig(_Section):
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
     partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
-    classes_per_client: int = Field(2, description="pathological partition: classes held by each client")
-    num_clients: int = 20
-    min_client_size: int = Field(0, description="Dirichlet: redraw until every client holds at least this many")
-    max_retries: int = Field(1000, description="Dirichlet: draws tried before giving up with an error")
+    classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
+    num_clients: int = Field(20, ge=1)
+    min_client_size: int = Field(0, ge=0, description="Dirichlet: redraw until every client holds at least this many")
+    max_retries: int = Field(1000, ge=1, description="Dirichlet: draws tried before giving up with an error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
 
     @field_validator("imbalance_factor")
@@ -48,19 +48,6 @@ class DataConfig(_Section):
             raise ValueError(f"must be > 0 (e.g. 0.5; smaller is more heterogeneous), got {v}")
         return v
 
-    @field_validator("num_clients", "classes_per_client", "max_retries")
-    @classmethod
-    def _positive_int(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
-
-    @field_validator("min_client_size")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
 
 
 class ModelConfig(_Section):
@@ -70,13 +57,13 @@ class ModelConfig(_Section):
 class FLConfig(_Section):
     """Federation and local optimisation."""
 
-    rounds: int = 50
+    rounds: int = Field(50, ge=1)
     participation: float = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    local_epochs: int = Field(2, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.9, ge=0)
+    weight_decay: float = Field(5e-4, ge=0)
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"
     lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
     lr_decay: float = 0.1
@@ -89,19 +76,6 @@ class FLConfig(_Section):
             raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
-    @field_validator("rounds", "local_epochs", "batch_size")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
-
-    @field_validator("lr")
-    @classmethod
-    def _lr_positive(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError(f"must be > 0, got {v}")
-        return v
 
 
 class LossConfig(_Section):
@@ -118,27 +92,20 @@ class LossConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(5, description="evaluate every N rounds (and always after the last)")
+    every: int = Field(5, ge=1, description="evaluate every N rounds (and always after the last)")
     shot_rule: Literal["count", "cumulative"] = Field(
         "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples"
     )
     many_threshold: int | None = Field(None, description="many-shot: > this many training samples (default by #classes)")
     few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
-    batch_size: int = 1000
-
-    @field_validator("every", "batch_size")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
+    batch_size: int = Field(1000, ge=1)
 
 
 class RunConfig(_Section):
     out_dir: str = "runs"
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
-    checkpoint_every: int = Field(10, description="save a resumable checkpoint every N rounds (0 = only at the end)")
+    checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
     compile: bool = Field(False, description="torch.compile the model")
@@ -239,7 +206,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            # bytes: PyYAML detects the encoding itself, and undecodable bytes become a YAMLError
+            loaded = yaml.safe_load(p.read_bytes())
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {p} ({err.strerror or err}); check its permissions") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark else ""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from fedlt.config import EvalConfig
 from fedlt.data.dataset import ImageDataset
+from fedlt.errors import ConfigError
 
 GROUPS = ("many", "medium", "few")
 
@@ -42,8 +43,14 @@ def shot_groups(train_counts: np.ndarray, cfg: EvalConfig) -> ShotGroups:
         groups = {g: sorted(int(k) for k in order[label == i]) for i, g in enumerate(GROUPS)}
         return ShotGroups(groups, "cumulative: classes sorted by training count; many = first 75% of samples, "
                                   "medium = up to 95%, few = the rest")
-    many_t = cfg.many_threshold if cfg.many_threshold is not None else (100 if c >= 100 else 1000)
-    few_t = cfg.few_threshold if cfg.few_threshold is not None else (20 if c >= 100 else 200)
+    default_many, default_few = (100, 20) if c >= 100 else (1000, 200)
+    many_t = cfg.many_threshold if cfg.many_threshold is not None else default_many
+    few_t = cfg.few_threshold if cfg.few_threshold is not None else default_few
+    if few_t > many_t:  # else a class with few_t > count > many_t would be both many- and few-shot
+        raise ConfigError(
+            f"eval.few_threshold={few_t} is above eval.many_threshold={many_t} (unset ones default to "
+            f"{default_few} and {default_many} for {c} classes); set eval.few_threshold <= eval.many_threshold"
+        )
     groups = {
         "many": [k for k in range(c) if counts[k] > many_t],
         "medium": [k for k in range(c) if few_t <= counts[k] <= many_t],

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 Payload = dict[str, Any]
@@ -20,6 +21,8 @@ def payload_nbytes(payload: Payload) -> int:
     for value in payload.values():
         if isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size()
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
         elif isinstance(value, dict):
             total += payload_nbytes(value)
         elif isinstance(value, (list, tuple)):

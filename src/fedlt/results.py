@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from fedlt.config import Config
+from fedlt.errors import ConfigError
 
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
     "config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png",
@@ -37,7 +38,11 @@ def new_run_dir(cfg: Config) -> Path:
     while path.exists():
         n += 1
         path = base / f"{name}-{n}"
-    path.mkdir(parents=True)
+    try:
+        path.mkdir(parents=True)
+    except OSError as err:  # run.out_dir is a file, or not writable
+        raise ConfigError(f"cannot create the run directory {path} ({err.strerror or err}); "
+                          "set run.out_dir to a writable folder") from None
     write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
     return path
 

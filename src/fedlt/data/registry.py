@@ -157,7 +157,11 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
     if env:
         base = Path(env).expanduser()
         nested = base / info.subfolder
-        return nested if nested.is_dir() else base
+        if nested.is_dir():
+            return nested
+        if info.default_root is not None and info.default_root.is_dir():
+            return info.default_root  # FEDLT_DATA holds other datasets; this one is installed system-wide
+        return base
     if info.default_root is not None:
         return info.default_root
     raise DataError(

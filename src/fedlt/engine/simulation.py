@@ -156,7 +156,7 @@ class Simulation:
         cfg = self.cfg
         start, elapsed = 0, 0.0
         if resume:
-            ckpt = load_checkpoint(run_dir)
+            ckpt = load_checkpoint(run_dir, self.device)
             start, elapsed = ckpt["round"], ckpt["elapsed"]
             self.server.load_state_dict(ckpt["server"])
             self.client_states = ckpt["clients"]

@@ -1,0 +1,361 @@
+"""The ``fedlt`` command line, run as a user runs it: in subprocesses.
+
+Each bad input must end with exit code 2 and exactly one stderr line ``fedlt: error: ...`` that
+names the problem and its fix, with no traceback and no run directory left behind.
+
+Every ``python -m fedlt.cli`` spends ~2 s of CPU importing torch, too much for ~20 invocations
+on a small shared machine. So the bad inputs run through :data:`FORK_DRIVER`: one subprocess
+imports torch and fedlt's package once, then forks one child per invocation that runs
+``fedlt.cli`` as ``__main__`` exactly like ``-m`` does, with its own cwd, stdout/stderr files
+and exit status; ``--help`` and the listings go the same way. One bad input also runs as a plain
+``python -m fedlt.cli`` to show the two agree, and the successful run and ``fedlt table`` are
+plain subprocesses as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlt.config import load_config
+from fedlt.models import create_model
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SYN = ["data.dataset=synthetic"]
+LISTINGS = {"help": ["--help"], "run_help": ["run", "--help"], "bench_speed_help": ["bench", "speed", "--help"],
+            "table_help": ["table", "--help"], "methods": ["methods"], "datasets": ["datasets"], "models": ["models"]}
+TINY_RUN = [*SYN, "data.num_clients=10", "fl.rounds=2", "fl.local_epochs=1", "eval.every=1", "--quiet"]
+
+FORK_DRIVER = r"""
+import json, os, runpy, sys, traceback
+import fedlt, fedlt.api, typer  # the slow imports, paid once; fedlt.cli itself is left to each child
+
+def child(job):
+    os.chdir(job["cwd"])
+    module = job.get("module", "fedlt.cli")
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = [sys.executable, *job["args"]]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:  # what the interpreter does with it at exit
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+jobs = json.loads(sys.argv[1])
+sys.stdout.flush()
+sys.stderr.flush()
+pids = {}
+for name, job in jobs.items():
+    pid = os.fork()
+    if pid == 0:
+        child(job)
+    pids[pid] = name
+codes = {}
+while pids:
+    pid, status = os.wait()
+    codes[pids.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps(codes))
+"""
+
+
+def cli_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDLT_DATA", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(SRC), FLWR_TELEMETRY_ENABLED="0", FEDLT_CACHE=str(tmp / "cache"))
+    return env
+
+
+def fedlt_cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedlt.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+class Case:
+    """One bad invocation: its arguments and the fragments its error line must contain."""
+
+    def __init__(self, args: list[str], *fragments: str, out_dir: bool = True) -> None:
+        self.args, self.fragments, self.out_dir = args, fragments, out_dir
+
+
+def error_cases(data: Path) -> dict[str, Case]:
+    """``data`` holds the prepared folders: empty/, fmnist-garbage/, not-a-run/."""
+    return {
+        "unknown_method": Case(["run", "method=nosuch", *SYN], "'nosuch'", "method=", "fedavg, fedprox, centralized"),
+        "unknown_dataset": Case(["run", "data.dataset=nosuch"], "'nosuch'", "data.dataset", "synthetic"),
+        "unknown_model": Case(["run", "model.name=nosuch", *SYN], "'nosuch'", "model.name=", "cnn"),
+        "unknown_loss": Case(["run", "loss.name=nosuch", *SYN], "'nosuch'", "loss.name=", "ce, la"),
+        "imbalance_below_one": Case(["run", "data.imbalance_factor=0.5", *SYN], "data.imbalance_factor", "0.5",
+                                    ">= 1"),
+        "alpha_zero": Case(["run", "data.alpha=0", *SYN], "data.alpha", "> 0"),
+        "participation_above_one": Case(["run", "fl.participation=1.5", *SYN], "fl.participation", "1.5", "(0, 1]"),
+        "more_clients_than_samples": Case(["run", *SYN, "data.num_clients=100000"], "data.num_clients=100000",
+                                          "fewer clients"),
+        "missing_data_files": Case(["run", "data.dataset=cifar10", f"data.root={data / 'empty'}"], "cifar10",
+                                   str(data / "empty"), "data_batch_1", "data.root="),
+        "corrupt_data_file": Case(["run", "data.dataset=fmnist", f"data.root={data / 'fmnist-garbage'}"], "fmnist",
+                                  str(data / "fmnist-garbage" / "train-images-idx3-ubyte"), "re-download"),
+        "unknown_key": Case(["run", "data.alphaa=1", *SYN], "'data.alphaa'", "valid keys", "alpha"),
+        "unknown_method_knob": Case(["run", "method=fedprox", "method_args.foo=1", *SYN], "method_args.foo",
+                                    "knobs: mu"),
+        "impossible_min_client_size": Case(["run", "data.min_client_size=100000", *SYN],
+                                           "data.min_client_size=100000", "use data.min_client_size <="),
+        "few_above_many_threshold": Case(["run", "eval.many_threshold=100", *SYN], "eval.few_threshold=200",
+                                         "eval.many_threshold=100", "set eval.few_threshold <="),
+        "override_without_equals": Case(["run", *SYN, "fl.rounds"], "'fl.rounds'", "key=value"),
+        "missing_config_file": Case(["run", str(data / "nope.yaml"), *SYN], str(data / "nope.yaml"), "does not exist"),
+        "resume_non_run_dir": Case(["run", "--resume", str(data / "not-a-run")], str(data / "not-a-run"),
+                                   "not a fedlt run directory", "pass the directory of a run", out_dir=False),
+        "out_dir_is_a_file": Case(["run", *SYN, f"run.out_dir={data / 'a-file'}"], str(data / "a-file"),
+                                  "set run.out_dir to a writable folder", out_dir=False),
+        "table_non_run_dir": Case(["table", str(data / "not-a-run")], str(data / "not-a-run"), "summary.json",
+                                  out_dir=False),
+    }
+
+
+def make_data_folders(data: Path) -> None:
+    (data / "empty").mkdir(parents=True)
+    garbage = data / "fmnist-garbage"
+    garbage.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (garbage / name).write_bytes(b"this is not an IDX file, only some garbage bytes " * 4)
+    (data / "not-a-run").mkdir()
+    (data / "not-a-run" / "notes.txt").write_text("not a run\n")
+    (data / "a-file").write_text("not a folder\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    """Run this module's CLI invocations up front (the successful run in the background)."""
+    root = tmp_path_factory.mktemp("cli")
+    env = cli_env(root)
+    data = root / "data"
+    make_data_folders(data)
+    cases = error_cases(data)
+
+    # the successful run, a plain `python -m fedlt.cli` and the slowest process: started first
+    ok_cwd = root / "ok"
+    (ok_cwd / "out").mkdir(parents=True)
+    ok_log = (open(root / "ok.stdout", "w+"), open(root / "ok.stderr", "w+"))
+    ok = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "run", *TINY_RUN, f"run.out_dir={ok_cwd / 'out'}"],
+                          cwd=ok_cwd, env=env, stdout=ok_log[0], stderr=ok_log[1], text=True)
+
+    # the bad inputs, each in its own cwd with its own (empty) run.out_dir
+    jobs, dirs = {}, {}
+    for name, case in cases.items():
+        cwd = root / name
+        out = cwd / "out"
+        out.mkdir(parents=True)
+        jobs[name] = {"args": [*case.args, *([f"run.out_dir={out}"] if case.out_dir else [])], "cwd": str(cwd),
+                      "stdout": str(root / f"{name}.stdout"), "stderr": str(root / f"{name}.stderr")}
+        dirs[name] = (cwd, out)
+    # probes of the driver itself: modules that crash or exit in the ways an interpreter must report
+    probe_dir = root / "probes"
+    probe_dir.mkdir()
+    (probe_dir / "crash.py").write_text("print('before')\nraise RuntimeError('boom')\n")
+    (probe_dir / "leave.py").write_text("import sys\nsys.exit('bad thing')\n")
+    (probe_dir / "three.py").write_text("raise SystemExit(3)\n")
+    probes = {name: {"module": name, "args": [], "cwd": str(probe_dir), "stdout": str(probe_dir / f"{name}.stdout"),
+                     "stderr": str(probe_dir / f"{name}.stderr")} for name in ("crash", "leave", "three")}
+
+    # help and listings: they must exit 0
+    listings = {name: {"args": args, "cwd": str(root), "stdout": str(root / f"{name}.stdout"),
+                       "stderr": str(root / f"{name}.stderr")} for name, args in LISTINGS.items()}
+
+    everything = {**jobs, **probes, **listings}
+    driver = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(everything)], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 0, driver.stderr
+    codes = json.loads(driver.stdout.splitlines()[-1])
+    results = {name: Result(codes[name], Path(job["stdout"]).read_text(), Path(job["stderr"]).read_text())
+               for name, job in everything.items()}
+
+    def finished_ok() -> Result:
+        ok.wait(timeout=300)
+        for f in ok_log:
+            f.seek(0)
+        return Result(ok.returncode, ok_log[0].read(), ok_log[1].read())
+
+    yield {"cases": cases, "results": results, "probes": {name: results[name] for name in probes}, "dirs": dirs,
+           "listings": {name: results[name] for name in listings},
+           "ok": (finished_ok, ok_cwd), "env": env, "data": data}
+    ok.wait(timeout=300)
+    for f in ok_log:
+        f.close()
+
+
+@pytest.mark.parametrize("name", list(error_cases(Path("/data"))))
+def test_bad_input_is_one_error_line_with_exit_code_2(runs, name: str) -> None:
+    case = runs["cases"][name]
+    cwd, out = runs["dirs"][name]
+    proc = runs["results"][name]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("fedlt: error: ")
+    for fragment in case.fragments:
+        assert fragment in line, (fragment, line)
+    # nothing was written: no run directory under run.out_dir, nor under the default ./runs
+    assert list(out.iterdir()) == []
+    assert sorted(p.name for p in cwd.iterdir()) == ["out"]
+    assert proc.stdout == ""
+
+
+def test_plain_subprocess_agrees_with_the_fork_driver(runs, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    case = runs["cases"]["unknown_key"]
+    plain = fedlt_cli([*case.args, f"run.out_dir={tmp_path / 'out'}"], tmp_path, runs["env"])
+    forked = runs["results"]["unknown_key"]
+    assert (plain.returncode, plain.stdout, plain.stderr) == (forked.returncode, forked.stdout, forked.stderr)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_fork_driver_passes_on_tracebacks_and_exit_codes(runs) -> None:
+    """The driver must not hide crashes, or the 'no Traceback' checks above would prove nothing."""
+    probes = runs["probes"]
+    assert {name: probes[name].returncode for name in probes} == {"crash": 1, "leave": 1, "three": 3}
+    assert probes["crash"].stdout == "before\n"
+    assert probes["crash"].stderr.startswith("Traceback") and "RuntimeError: boom" in probes["crash"].stderr
+    assert probes["leave"].stderr == "bad thing\n"
+
+
+def test_failed_runs_leave_the_given_paths_untouched(runs) -> None:
+    assert sorted(p.name for p in (runs["data"] / "not-a-run").iterdir()) == ["notes.txt"]
+    assert (runs["data"] / "a-file").read_text() == "not a folder\n"
+
+
+# ---- a successful run ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_dir(runs) -> Path:
+    finished_ok, cwd = runs["ok"]
+    proc = finished_ok()
+    assert proc.returncode == 0, proc.stderr
+    made = list((cwd / "out").iterdir())
+    assert len(made) == 1 and made[0].is_dir()
+    # --quiet: the only output is one line that starts with the run directory
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{made[0]}: round 2: acc "), proc.stdout
+    assert "Traceback" not in proc.stderr
+    return made[0]
+
+
+def test_run_writes_config_metrics_summary_report_and_plot(run_dir: Path) -> None:
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cfg = load_config(run_dir / "config.yaml")
+    assert (cfg.data.dataset, cfg.data.num_clients, cfg.fl.rounds, cfg.fl.local_epochs) == ("synthetic", 10, 2, 1)
+    assert cfg.run.out_dir == str(run_dir.parent)
+
+
+def test_run_metrics_has_one_line_per_evaluated_round(run_dir: Path) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]  # eval.every=1: both rounds evaluated
+    summary = json.loads((run_dir / "summary.json").read_text())
+    groups = summary["shot_groups"]
+    model_bytes = sum(t.numel() * t.element_size() for t in create_model("cnn", 10, 3, 16).state_dict().values())
+    for row in rows:
+        for key in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc", "per_class_acc", "comm"):
+            assert key in row, key
+        per_class = row["per_class_acc"]
+        assert len(per_class) == 10
+        assert all(0 <= a <= 100 for a in per_class) and 0 <= row["pm_acc"] <= 100
+        # the test set is balanced (100 per class): overall accuracy is the mean per-class accuracy
+        assert row["acc"] == pytest.approx(sum(per_class) / 10, abs=1e-3)
+        for group in ("many", "medium", "few"):
+            classes = groups[group]
+            expected = sum(per_class[k] for k in classes) / len(classes) if classes else None
+            assert row[f"{group}_acc"] == pytest.approx(expected, abs=1e-3)
+        assert set(row["comm"]) == {"down_model", "down_payload", "up_model", "up_payload"}
+        assert all(isinstance(v, int) and v >= 0 for v in row["comm"].values())
+        # 4 of 10 clients per round (participation 0.4): each gets the model and sends one back
+        assert row["comm"]["down_model"] == row["comm"]["up_model"] == 4 * model_bytes
+
+
+def test_run_summary_labels_final_and_best_round(run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final, best = summary["final"], summary["best_round"]
+    assert final["round"] == 2 and final["acc"] == rows[-1]["acc"] and final["pm_acc"] == rows[-1]["pm_acc"]
+    assert best["selected_by"] == "acc"
+    assert best["acc"] == max(r["acc"] for r in rows)
+    assert best["round"] in (1, 2) and rows[best["round"] - 1]["acc"] == best["acc"]
+    assert summary["shot_rule"].startswith("count: many > 1000")  # 10 classes: the 1000/200 defaults
+    assert sorted(sum(summary["shot_groups"].values(), [])) == list(range(10))
+    assert summary["communication_bytes"]["down_model"] == sum(r["comm"]["down_model"] for r in rows)
+    report = (run_dir / "report.md").read_text()
+    assert "| final (headline) | 2 |" in report and "best round (by acc)" in report
+    assert summary["shot_rule"] in report
+
+
+def test_table_prints_a_markdown_row_for_the_run(run_dir: Path, runs) -> None:
+    proc = fedlt_cli(["table", str(run_dir)], run_dir.parent, runs["env"])
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("| run | method |") and lines[1].startswith("|---|")
+    row = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert row[:4] == [run_dir.name, "fedavg", "ce", "2"]
+    assert row[4] == f"{summary['final']['acc']:.2f}"
+    assert row[8] == f"{summary['final']['pm_acc']:.2f}"
+    assert summary["shot_rule"] in proc.stdout
+
+
+# ---- help and listings ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LISTINGS))
+def test_help_and_listings_exit_0(runs, name: str) -> None:
+    proc = runs["listings"][name]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and proc.stdout.strip()
+    if name.endswith("help"):
+        assert "Usage" in proc.stdout
+
+
+def test_top_level_help_lists_the_commands(runs) -> None:
+    out = runs["listings"]["help"].stdout
+    for command in ("run", "methods", "datasets", "models", "table", "bench"):
+        assert command in out
+
+
+def _names(runs, command: str) -> list[str]:
+    """First word of every line: listings print one entry per line, name first."""
+    return [line.split()[0] for line in runs["listings"][command].stdout.splitlines() if line.strip()]
+
+
+def test_methods_one_per_line(runs) -> None:
+    names = _names(runs, "methods")
+    assert {"fedavg", "fedprox", "centralized"} <= set(names)
+    assert len(names) == len(set(names))
+
+
+def test_datasets_one_per_line(runs) -> None:
+    names = _names(runs, "datasets")
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic"]
+
+
+def test_models_one_per_line(runs) -> None:
+    names = _names(runs, "models")
+    assert {"cnn", "resnet18"} <= set(names)
+    assert len(names) == len(set(names))

@@ -1,0 +1,241 @@
+"""Configuration: YAML + dotted overrides, validation errors as one-line ConfigErrors, dump round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedlt.config import Config, apply_overrides, build_config, load_config
+from fedlt.errors import ConfigError
+
+TOP_LEVEL_KEYS = ["seed", "method", "method_args", "data", "model", "fl", "loss", "eval", "run"]
+
+
+def config_error(path: str | Path | None = None, overrides: list[str] | None = None) -> str:
+    """The message of the ConfigError that loading raises; it must be one line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- YAML + overrides ---------------------------------------------------------------------
+
+def test_yaml_plus_overrides_parse_values_as_yaml_scalars(tmp_path: Path) -> None:
+    path = write(tmp_path, "data:\n  dataset: synthetic\n  alpha: 0.5\n  num_clients: 10\nfl:\n  rounds: 10\n  lr: 0.01\n")
+    cfg = load_config(path, [
+        "data.alpha=0.1", "fl.rounds=50", "method=fedprox", "method_args.mu=0.1",
+        "run.compile=true", "fl.lr_decay_at=[0.3, 0.6]", "fl.grad_clip=null", "data.imbalance_factor=10",
+    ])
+    # overrides win over the file
+    assert cfg.data.alpha == 0.1 and type(cfg.data.alpha) is float
+    assert cfg.fl.rounds == 50 and type(cfg.fl.rounds) is int
+    assert cfg.method == "fedprox"
+    # method_args is a free dict: only the YAML scalar parsing makes this a float, not the string "0.1"
+    assert cfg.method_args == {"mu": 0.1} and type(cfg.method_args["mu"]) is float
+    assert cfg.run.compile is True
+    assert cfg.fl.lr_decay_at == [0.3, 0.6]
+    assert cfg.fl.grad_clip is None
+    # an integer literal into a float field becomes a float
+    assert cfg.data.imbalance_factor == 10.0 and type(cfg.data.imbalance_factor) is float
+    # values only in the file are kept, everything else is the default
+    assert cfg.data.dataset == "synthetic" and cfg.data.num_clients == 10 and cfg.fl.lr == 0.01
+    assert cfg.fl.participation == Config().fl.participation
+    assert cfg.seed == 0
+
+
+def test_free_method_args_keep_yaml_types() -> None:
+    cfg = load_config(None, ["method_args.flag=false", "method_args.n=3", "method_args.name=abc",
+                             "method_args.xs=[1, 2]", "method_args.nested.k=2.5"])
+    assert cfg.method_args == {"flag": False, "n": 3, "name": "abc", "xs": [1, 2], "nested": {"k": 2.5}}
+    assert type(cfg.method_args["flag"]) is bool and type(cfg.method_args["n"]) is int
+
+
+def test_override_value_may_contain_equals_sign() -> None:
+    assert load_config(None, ["run.name=a=b"]).run.name == "a=b"
+
+
+def test_no_file_and_no_overrides_is_the_default_config(tmp_path: Path) -> None:
+    assert load_config() == Config()
+    assert build_config(None) == Config()
+    # an empty YAML file is an empty mapping, not an error
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_apply_overrides_sets_nested_keys_in_place() -> None:
+    tree = {"fl": {"rounds": 3}}
+    out = apply_overrides(tree, ["fl.lr=0.2", "data.alpha=1e-1", "seed=7"])
+    assert out is tree
+    # PyYAML reads 1e-1 (no dot) as a string; pydantic then parses it into the float field
+    assert tree == {"fl": {"rounds": 3, "lr": 0.2}, "data": {"alpha": "1e-1"}, "seed": 7}
+    assert build_config(tree).data.alpha == pytest.approx(0.1)
+
+
+# ---- unknown keys -------------------------------------------------------------------------
+
+def test_unknown_top_level_key_names_it_and_lists_valid_keys() -> None:
+    msg = config_error(overrides=["methd=fedprox"])
+    assert "'methd'" in msg and "unknown config key" in msg
+    for key in TOP_LEVEL_KEYS:
+        assert key in msg
+
+
+def test_unknown_nested_key_names_it_and_lists_the_sections_keys() -> None:
+    msg = config_error(overrides=["data.alphaa=1"])
+    assert "'data.alphaa'" in msg
+    assert "valid keys in data" in msg
+    for key in ("dataset", "imbalance_factor", "alpha", "num_clients", "min_client_size"):
+        assert key in msg
+    # keys of other sections are not offered
+    assert "rounds" not in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
+    msg = config_error(write(tmp_path, "fl:\n  rounds: 2\n  lrr: 0.1\n"))
+    assert "'fl.lrr'" in msg
+    for key in ("rounds", "lr", "participation", "local_epochs"):
+        assert key in msg
+
+
+# ---- invalid values -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, key", [
+    (["data.imbalance_factor=0.5"], "data.imbalance_factor"),
+    (["data.imbalance_factor=0"], "data.imbalance_factor"),
+    (["data.alpha=0"], "data.alpha"),
+    (["data.alpha=-0.5"], "data.alpha"),
+    (["fl.participation=0"], "fl.participation"),
+    (["fl.participation=1.5"], "fl.participation"),
+    (["data.num_clients=0"], "data.num_clients"),
+    (["fl.rounds=0"], "fl.rounds"),
+    (["fl.rounds=2.5"], "fl.rounds"),
+    (["fl.rounds=abc"], "fl.rounds"),
+    (["fl.lr=0"], "fl.lr"),
+    (["data.min_client_size=-1"], "data.min_client_size"),
+    (["data.partition=random"], "data.partition"),
+    (["eval.shot_rule=median"], "eval.shot_rule"),
+    (["eval.every=0"], "eval.every"),
+])
+def test_invalid_value_is_a_one_line_error_naming_the_key(overrides: list[str], key: str) -> None:
+    msg = config_error(overrides=overrides)
+    assert key in msg
+    assert msg.startswith("invalid config value")
+
+
+def test_invalid_value_messages_state_the_valid_range() -> None:
+    assert "must be >= 1" in config_error(overrides=["data.imbalance_factor=0.5"])
+    assert "must be > 0" in config_error(overrides=["data.alpha=0"])
+    assert "(0, 1]" in config_error(overrides=["fl.participation=1.5"])
+    assert "(0, 1]" in config_error(overrides=["fl.participation=0"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["data.imbalance_factor=1"],  # balanced is allowed
+    ["fl.participation=1"],
+    ["data.num_clients=1", "fl.participation=1"],
+    ["data.alpha=0.001"],
+])
+def test_boundary_values_are_valid(overrides: list[str]) -> None:
+    load_config(None, overrides)
+
+
+def test_participation_that_samples_no_client_is_rejected() -> None:
+    msg = config_error(overrides=["data.num_clients=10", "fl.participation=0.01"])
+    assert "fl.participation=0.01" in msg and "data.num_clients=10" in msg
+    # the suggested value must itself be accepted and sample exactly one client
+    assert "at least 0.1" in msg
+    cfg = load_config(None, ["data.num_clients=10", "fl.participation=0.1"])
+    assert cfg.clients_per_round() == 1
+
+
+@pytest.mark.parametrize("num_clients, participation, expected", [(20, 0.4, 8), (20, 1.0, 20), (20, 0.05, 1),
+                                                                  (7, 0.5, 4), (100, 0.1, 10)])
+def test_clients_per_round(num_clients: int, participation: float, expected: int) -> None:
+    cfg = load_config(None, [f"data.num_clients={num_clients}", f"fl.participation={participation}"])
+    assert cfg.clients_per_round() == expected
+
+
+# ---- files and override syntax ------------------------------------------------------------
+
+def test_missing_yaml_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    msg = config_error(missing)
+    assert str(missing) in msg and "does not exist" in msg
+
+
+def test_directory_instead_of_yaml_file(tmp_path: Path) -> None:
+    assert str(tmp_path) in config_error(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just some text\n", "42\n"])
+def test_yaml_that_is_not_a_mapping(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    msg = config_error(path)
+    assert str(path) in msg and "mapping" in msg
+
+
+@pytest.mark.parametrize("text, line", [("data: [1, 2\n", 2), ("fl:\n  rounds: 1\n   lr: 2\n", 3), ("a: b: c\n", 1)])
+def test_invalid_yaml_syntax_names_file_and_line(tmp_path: Path, text: str, line: int) -> None:
+    path = write(tmp_path, text)
+    msg = config_error(path)
+    assert str(path) in msg and "not valid YAML" in msg and f"line {line}" in msg
+
+
+def test_binary_file_as_config_is_a_config_error(tmp_path: Path) -> None:
+    # not UTF-8: used to escape as a UnicodeDecodeError traceback
+    path = tmp_path / "model.pt"
+    path.write_bytes(bytes([0x80, 0xA4, 0xFF, 0x00, 0x12]) * 20)
+    assert str(path) in config_error(path)
+
+
+@pytest.mark.parametrize("item", ["fl.rounds", "rounds50", ""])
+def test_override_without_equals_sign(item: str) -> None:
+    msg = config_error(overrides=[item])
+    assert f"'{item}'" in msg and "key=value" in msg
+
+
+@pytest.mark.parametrize("item", ["data..alpha=1", ".alpha=1", "=3"])
+def test_override_with_empty_key_part(item: str) -> None:
+    assert "empty" in config_error(overrides=[item])
+
+
+def test_override_below_a_scalar_value(tmp_path: Path) -> None:
+    msg = config_error(write(tmp_path, "seed: 3\n"), ["seed.x=1"])
+    assert "'seed' is a value, not a section" in msg
+
+
+# ---- dump round-trip ----------------------------------------------------------------------
+
+def _non_default_config() -> Config:
+    return load_config(None, [
+        "seed=3", "method=fedprox", "method_args.mu=0.05", "data.dataset=synthetic", "data.alpha=0.1",
+        "data.imbalance_factor=50", "data.num_clients=7", "data.root=/some/where", "fl.rounds=4",
+        "fl.participation=0.5", "fl.lr_schedule=step", "fl.lr_decay_at=[0.25, 0.9]", "fl.grad_clip=5",
+        "loss.name=la", "loss.prior=global", "eval.shot_rule=cumulative", "eval.many_threshold=30",
+        "run.name=exp1", "run.compile=true",
+    ])
+
+
+def test_dump_then_build_gives_an_equal_config() -> None:
+    cfg = _non_default_config()
+    assert cfg != Config()
+    dumped = cfg.dump()
+    assert build_config(dumped) == cfg
+    assert build_config(Config().dump()) == Config()
+
+
+def test_dump_round_trips_through_a_yaml_file(tmp_path: Path) -> None:
+    cfg = _non_default_config()
+    path = write(tmp_path, yaml.safe_dump(cfg.dump(), sort_keys=False))
+    assert load_config(path) == cfg
+    # the dump is plain data: every top-level key present, and nothing that safe_dump cannot write
+    assert list(cfg.dump()) == TOP_LEVEL_KEYS

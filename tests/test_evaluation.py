@@ -1,0 +1,261 @@
+"""Evaluation protocol and traffic accounting, on hand-made numbers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedlt
+from fedlt.config import EvalConfig
+from fedlt.data.dataset import ImageDataset
+from fedlt.errors import ConfigError
+from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
+from fedlt.messages import Message, Reply, payload_nbytes
+
+
+# ---- shot groups: count rule --------------------------------------------------------------
+
+def test_count_rule_defaults_for_ten_classes() -> None:
+    counts = np.array([5000, 1001, 1000, 999, 500, 200, 199, 50, 2, 1])
+    groups = shot_groups(counts, EvalConfig())
+    # many > 1000, medium 200..1000 (both ends inclusive), few < 200
+    assert groups.classes == {"many": [0, 1], "medium": [2, 3, 4, 5], "few": [6, 7, 8, 9]}
+    assert "1000" in groups.rule and "200" in groups.rule and groups.rule.startswith("count")
+
+
+def test_count_rule_defaults_for_hundred_classes() -> None:
+    counts = np.full(100, 50)
+    counts[[3, 10]] = [500, 101]  # many: > 100
+    counts[[20, 30]] = [100, 20]  # medium: boundaries
+    counts[[40, 99]] = [19, 1]  # few: < 20
+    groups = shot_groups(counts, EvalConfig())
+    assert groups.classes["many"] == [3, 10]
+    assert groups.classes["few"] == [40, 99]
+    assert groups.classes["medium"] == [k for k in range(100) if k not in (3, 10, 40, 99)]
+    assert "100" in groups.rule and "20" in groups.rule
+
+
+def test_count_rule_default_switches_at_one_hundred_classes() -> None:
+    counts = np.full(99, 150)  # 99 classes: still the 1000/200 defaults, so 150 is few-shot
+    assert shot_groups(counts, EvalConfig()).classes["few"] == list(range(99))
+    counts = np.full(100, 150)  # 100 classes: 100/20, so 150 is many-shot
+    assert shot_groups(counts, EvalConfig()).classes["many"] == list(range(100))
+
+
+def test_count_rule_explicit_thresholds_override_defaults() -> None:
+    counts = np.array([11, 10, 5, 3, 2, 0, 5000, 1500, 150, 100])
+    groups = shot_groups(counts, EvalConfig(many_threshold=10, few_threshold=3))
+    assert groups.classes == {"many": [0, 6, 7, 8, 9], "medium": [1, 2, 3], "few": [4, 5]}
+    # only one threshold given: the other keeps its default (many > 1000 for 10 classes)
+    groups = shot_groups(counts, EvalConfig(few_threshold=3))
+    assert groups.classes == {"many": [6, 7], "medium": [0, 1, 2, 3, 8, 9], "few": [4, 5]}
+
+
+@pytest.mark.parametrize("kwargs", [{"many_threshold": 10}, {"many_threshold": 10, "few_threshold": 50}])
+def test_count_rule_rejects_few_threshold_above_many_threshold(kwargs: dict) -> None:
+    # many > 10 and few < 200 (the default for 10 classes) would put a class of 150 samples in both groups
+    with pytest.raises(ConfigError) as info:
+        shot_groups(np.array([11, 10, 5, 3, 2, 0, 5000, 1500, 150, 100]), EvalConfig(**kwargs))
+    message = str(info.value)
+    assert "eval.few_threshold" in message and "eval.many_threshold" in message and "\n" not in message
+
+
+def test_count_rule_equal_thresholds_leave_medium_empty() -> None:
+    groups = shot_groups(np.array([11, 10, 9]), EvalConfig(many_threshold=10, few_threshold=10))
+    assert groups.classes == {"many": [0], "medium": [1], "few": [2]}
+
+
+def test_count_rule_every_class_in_exactly_one_group() -> None:
+    counts = np.random.default_rng(0).integers(0, 3000, size=100)
+    groups = shot_groups(counts, EvalConfig(many_threshold=1500, few_threshold=400))
+    assert sorted(sum(groups.classes.values(), [])) == list(range(100))
+
+
+# ---- shot groups: cumulative rule (FedLoGe) -----------------------------------------------
+
+def test_cumulative_rule_on_hand_made_counts() -> None:
+    # 100 samples; sorted by count: 50 (class 2), 25 (4) -> 75 % reached; 12 (1), 8 (5) -> 95 % reached;
+    # 3 (0), 2 (3) are the rest
+    counts = np.array([3, 12, 50, 2, 25, 8])
+    groups = shot_groups(counts, EvalConfig(shot_rule="cumulative"))
+    assert groups.classes == {"many": [2, 4], "medium": [1, 5], "few": [0, 3]}
+    assert groups.rule.startswith("cumulative") and "75%" in groups.rule and "95%" in groups.rule
+
+
+def test_cumulative_rule_dominant_head_is_many_shot() -> None:
+    # the head alone holds 80 % of the samples: whatever the rule, it is many-shot, and it is the only one
+    # (the 10 % of the next class starts at 80 %, past 75 %); 10 and 5 take the total to 95 %; the last 5 % is few
+    counts = np.array([5, 10, 80, 5])
+    groups = shot_groups(counts, EvalConfig(shot_rule="cumulative"))
+    assert groups.classes["many"] == [2]
+    assert groups.classes["few"] in ([0], [3])  # equal counts: which one is last depends only on tie order
+    assert sorted(groups.classes["medium"] + groups.classes["few"]) == [0, 1, 3]
+    assert 1 in groups.classes["medium"]
+
+
+def test_cumulative_rule_is_monotone_in_counts() -> None:
+    counts = np.floor(500 * 100.0 ** (-np.arange(100) / 99)).astype(int)
+    counts = np.random.default_rng(1).permutation(counts)
+    g = shot_groups(counts, EvalConfig(shot_rule="cumulative")).classes
+    assert sorted(g["many"] + g["medium"] + g["few"]) == list(range(100))
+    assert all(g[name] for name in g)
+    assert counts[g["many"]].min() >= counts[g["medium"]].max()
+    assert counts[g["medium"]].min() >= counts[g["few"]].max()
+    # the many-shot classes hold at least 75 % of the samples, without their smallest class less than 75 %
+    many = np.sort(counts[g["many"]])
+    assert many.sum() >= 0.75 * counts.sum() > many[1:].sum()
+
+
+# ---- global metrics -----------------------------------------------------------------------
+
+def test_global_metrics_on_a_hand_made_correct_vector() -> None:
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3])
+    correct = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    losses = torch.arange(14, dtype=torch.float32)
+    groups = ShotGroups({"many": [0, 1], "medium": [2], "few": [3]}, "hand-made")
+    m = global_metrics(correct, losses, labels, groups, num_classes=4)
+    assert m["acc"] == pytest.approx(100 * 7 / 14)
+    assert m["per_class_acc"] == pytest.approx([75.0, 50.0, 0.0, 100.0])
+    # group accuracy is the mean of its classes' accuracies, not of its samples (that would be 4/6)
+    assert m["many_acc"] == pytest.approx(62.5)
+    assert m["medium_acc"] == pytest.approx(0.0)
+    assert m["few_acc"] == pytest.approx(100.0)
+    assert m["loss"] == pytest.approx(6.5)
+
+
+def test_global_metrics_empty_group_is_none() -> None:
+    labels = torch.tensor([0, 1, 1])
+    correct = torch.tensor([True, False, True])
+    groups = ShotGroups({"many": [], "medium": [0, 1], "few": []}, "x")
+    m = global_metrics(correct, torch.zeros(3), labels, groups, num_classes=2)
+    assert m["many_acc"] is None and m["few_acc"] is None
+    assert m["medium_acc"] == pytest.approx(75.0)
+    assert len(m["per_class_acc"]) == 2
+
+
+# ---- personalized accuracy ----------------------------------------------------------------
+
+def test_mean_local_accuracy_is_unweighted_and_skips_empty_clients() -> None:
+    per_client = [
+        torch.tensor([True, True, False, False]),  # 50 %
+        torch.tensor([True]),  # 100 %
+        torch.zeros(0, dtype=torch.bool),  # no local test set: ignored, not 0 %
+        torch.tensor([False, False, False]),  # 0 %
+    ]
+    # unweighted mean of 50, 100, 0 (a sample-weighted mean would be 3/8 = 37.5 %)
+    assert mean_local_accuracy(per_client) == pytest.approx(50.0)
+
+
+def test_mean_local_accuracy_without_any_local_test_is_none() -> None:
+    assert mean_local_accuracy([]) is None
+    assert mean_local_accuracy([torch.zeros(0, dtype=torch.bool)] * 3) is None
+
+
+# ---- predict ------------------------------------------------------------------------------
+
+class PixelClassifier(nn.Module):
+    """Logit 5 for the class written in the image's single pixel, 0 for the others."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        assert not self.training
+        cls = x.reshape(x.shape[0], -1)[:, 0].round().long()
+        return 5.0 * nn.functional.one_hot(cls, self.num_classes).float()
+
+
+def _pixel_dataset(pixels: list[int], labels: list[int]) -> ImageDataset:
+    images = torch.tensor(pixels, dtype=torch.uint8).view(-1, 1, 1, 1)
+    # mean 0, std 1/255: normalize() turns the uint8 pixel p back into the float p
+    return ImageDataset(images, torch.tensor(labels), ["a", "b", "c"], (0.0,), (1 / 255,))
+
+
+def test_predict_gives_correct_vector_and_per_sample_cross_entropy() -> None:
+    data = _pixel_dataset([0, 1, 2, 2, 0], [0, 1, 1, 2, 2])
+    model = PixelClassifier(3)
+    correct, losses = predict(model, data, batch_size=2)
+    assert correct.tolist() == [True, True, False, True, False]
+    assert model.calls == 3  # batches of 2, 2, 1
+    lse = math.log(math.exp(5) + 2)  # log-sum-exp of the logits (5, 0, 0)
+    right, wrong = lse - 5, lse
+    assert losses.tolist() == pytest.approx([right, right, wrong, right, wrong], abs=1e-5)
+
+
+def test_predict_on_a_subset_keeps_the_order_of_indices() -> None:
+    data = _pixel_dataset([0, 1, 2, 2, 0], [0, 1, 1, 2, 2])
+    correct, losses = predict(PixelClassifier(3), data, batch_size=10, indices=torch.tensor([4, 1, 3]))
+    assert correct.tolist() == [False, True, True]
+    lse = math.log(math.exp(5) + 2)
+    assert losses.tolist() == pytest.approx([lse, lse - 5, lse - 5], abs=1e-5)
+
+
+def test_predict_on_an_empty_subset() -> None:
+    data = _pixel_dataset([0, 1], [0, 1])
+    correct, losses = predict(PixelClassifier(3), data, batch_size=4, indices=torch.zeros(0, dtype=torch.int64))
+    assert correct.shape == (0,) and correct.dtype == torch.bool
+    assert losses.shape == (0,)
+
+
+# ---- traffic ------------------------------------------------------------------------------
+
+def test_payload_nbytes_counts_tensor_bytes_and_scalars() -> None:
+    assert payload_nbytes({}) == 0
+    assert payload_nbytes({"w": torch.zeros(10, 10, dtype=torch.float32)}) == 400
+    assert payload_nbytes({"c": torch.zeros(3, dtype=torch.int64)}) == 24
+    assert payload_nbytes({"h": torch.zeros(4, dtype=torch.float16)}) == 8
+    assert payload_nbytes({"b": torch.zeros(5, dtype=torch.uint8)}) == 5
+    # only the viewed elements travel, not the whole storage behind a slice
+    assert payload_nbytes({"v": torch.zeros(100)[:10]}) == 40
+    assert payload_nbytes({"i": 3, "f": 0.5, "t": True}) == 24
+    assert payload_nbytes({"s": "abc", "u": "é"}) == 3 + 2  # UTF-8 bytes
+    assert payload_nbytes({"n": None}) == 0
+    nested = {"d": {"a": torch.zeros(2, dtype=torch.float64), "k": 1}, "l": [torch.zeros(3), 2.0]}
+    assert payload_nbytes(nested) == (16 + 8) + (12 + 8)
+
+
+def test_message_and_reply_nbytes() -> None:
+    msg = Message(weights={"a": torch.zeros(10, 10), "b": torch.zeros(10)}, payload={"c": torch.zeros(3, dtype=torch.int64)})
+    assert msg.nbytes() == (440, 24)
+    assert Message().nbytes() == (0, 0)
+    reply = Reply(weights={"a": torch.zeros(10, 10)}, num_samples=17, payload={"c": torch.zeros(3, dtype=torch.int64)},
+                  metrics={"train_loss": 1.0, "steps": 3.0})
+    # payload side: the payload, the metrics (8 each) and num_samples (8)
+    assert reply.nbytes() == (400, 24 + 16 + 8)
+    assert Reply().nbytes() == (0, 8)
+
+
+def test_fedavg_traffic_is_clients_times_model_bytes(tmp_path: Path) -> None:
+    config = {
+        "data": {"dataset": "synthetic", "num_clients": 10, "image_size": 8},
+        "fl": {"rounds": 2, "participation": 0.3, "local_epochs": 1},
+        "eval": {"personalized": False},
+        "loss": {"name": "ce"},
+        "run": {"out_dir": str(tmp_path), "device": "cpu", "checkpoint_every": 0},
+    }
+    result = fedlt.run(config, quiet=True)
+    assert result.run_dir.parent == tmp_path
+    # the CNN on 3-channel images with 10 classes, float32 (its size does not depend on the image side):
+    # conv 3->32 (3x3) + conv 32->64 (3x3) + FC 64*4*4 -> 128 + head 128 -> 10, weights and biases
+    params = (3 * 32 * 9 + 32) + (32 * 64 * 9 + 64) + (64 * 16 * 128 + 128) + (128 * 10 + 10)
+    model_bytes = 4 * params
+    per_round = 3  # round(0.3 * 10) clients
+    assert [r["round"] for r in result.metrics] == [1, 2]
+    # eval.every is 5: round 1 is trained but not evaluated, the last round always is
+    assert "acc" not in result.metrics[0] and "acc" in result.metrics[1]
+    assert "pm_acc" not in result.metrics[1]  # eval.personalized=false
+    for row in result.metrics:
+        assert row["comm"]["down_model"] == per_round * model_bytes
+        assert row["comm"]["up_model"] == per_round * model_bytes
+        assert row["comm"]["down_payload"] == 0  # FedAvg with CE sends the model only
+        assert row["comm"]["up_payload"] > 0  # num_samples and training metrics travel back
+    assert result.summary["communication_bytes"]["down_model"] == 2 * per_round * model_bytes
+    assert result.summary["communication_bytes"]["up_model"] == 2 * per_round * model_bytes
