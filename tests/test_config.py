@@ -158,7 +158,7 @@ def test_participation_that_samples_no_client_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("num_clients, participation, expected", [(20, 0.4, 8), (20, 1.0, 20), (20, 0.05, 1),
-                                                                  (7, 0.5, 4), (100, 0.1, 10)])
+                                                                  (7, 0.5, 3), (100, 0.1, 10)])
 def test_clients_per_round(num_clients: int, participation: float, expected: int) -> None:
     cfg = load_config(None, [f"data.num_clients={num_clients}", f"fl.participation={participation}"])
     assert cfg.clients_per_round() == expected

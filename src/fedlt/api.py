@@ -12,7 +12,7 @@ from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.data.federated import build_federated_data
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError
-from fedlt.losses import LOSSES
+from fedlt.losses import LOSSES, make_loss
 from fedlt.methods.registry import get_method
 from fedlt.results import CONFIG_FILE, new_run_dir
 
@@ -34,6 +34,12 @@ def _check_loss(cfg: Config, uses_loss: bool) -> None:
         raise ConfigError(f"unknown loss '{cfg.loss.name}'; use loss.name=<one of {', '.join(LOSSES)}>")
     if not uses_loss and cfg.loss.name != "ce":
         raise ConfigError(f"method {cfg.method} fixes its own training objective; remove loss.name={cfg.loss.name}")
+    c = cfg.loss
+    try:  # surface bad loss arguments now, not inside the first client's training
+        make_loss(c.name, prior=torch.full((2,), 0.5), class_counts=torch.ones(2), tau=c.tau, focal_gamma=c.focal_gamma,
+                  ldam_max_margin=c.ldam_max_margin, ldam_scale=c.ldam_scale)
+    except ValueError as err:
+        raise ConfigError(f"invalid loss settings: {err}") from None
 
 
 def prepare(cfg: Config) -> Simulation:

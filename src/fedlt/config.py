@@ -67,7 +67,7 @@ class FLConfig(_Section):
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"
     lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
     lr_decay: float = 0.1
-    grad_clip: float | None = Field(None, description="clip the gradient norm during local training")
+    grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm during local training")
 
     @field_validator("participation")
     @classmethod
@@ -86,9 +86,9 @@ class LossConfig(_Section):
         "local", description="class prior for la/bsm/ldam: client's own counts, or the server's aggregate of all counts"
     )
     tau: float = 1.0
-    focal_gamma: float = 2.0
-    ldam_max_margin: float = 0.5
-    ldam_scale: float = Field(1.0, description="logit scale s; the LDAM paper uses 30 with a cosine head, 1 suits a linear head")
+    focal_gamma: float = Field(2.0, ge=0)
+    ldam_max_margin: float = Field(0.5, gt=0)
+    ldam_scale: float = Field(1.0, gt=0, description="logit scale s; the LDAM paper uses 30 with a cosine head, 1 suits a linear head")
 
 
 class EvalConfig(_Section):
@@ -107,7 +107,7 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
     checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
-    threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format (measured faster for convs on CPU)")
     deterministic: bool = True
@@ -116,7 +116,7 @@ class RunConfig(_Section):
 class Config(_Section):
     """The whole experiment."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     method: str = "fedavg"
     method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
     data: DataConfig = DataConfig()
@@ -128,7 +128,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _clients_vs_participation(self) -> "Config":
-        if round(self.fl.participation * self.data.num_clients) < 1:
+        if self.clients_per_round() < 1:
             raise ValueError(
                 f"fl.participation={self.fl.participation} samples no client out of data.num_clients="
                 f"{self.data.num_clients}; raise fl.participation to at least {1 / self.data.num_clients:.3g}"
@@ -136,7 +136,8 @@ class Config(_Section):
         return self
 
     def clients_per_round(self) -> int:
-        return max(1, round(self.fl.participation * self.data.num_clients))
+        """floor(participation x clients): 40% of 20 clients is 8; a fraction sampling none is an error."""
+        return int(self.fl.participation * self.data.num_clients + 1e-9)
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

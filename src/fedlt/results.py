@@ -57,7 +57,12 @@ def read_metrics(run_dir: Path, up_to_round: int | None = None) -> list[dict[str
     path = run_dir / METRICS_FILE
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a kill mid-write: it is after the checkpoint
+            continue
     return [r for r in rows if up_to_round is None or r["round"] <= up_to_round]
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from fedlt.methods.base import ClientContext, TrainSettings
+from fedlt.seeding import seed_for
 
 BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -49,7 +50,7 @@ def train_local(
     model, data, train = ctx.model, ctx.data, ctx.train
     if len(data) == 0:
         return {"train_loss": float("nan"), "steps": 0.0}
-    torch.manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator(purpose=99)).item()))
+    torch.manual_seed(seed_for(ctx.seed, "train", ctx.round, ctx.cid, 99))  # for modules that use the global RNG
     optimizer = make_sgd(params if params is not None else model.parameters(), train)
     generator = ctx.generator()
     model.train()

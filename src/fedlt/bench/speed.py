@@ -53,6 +53,7 @@ def train_flops_per_image(sim) -> float:
 
 def time_rounds(sim, rounds: int) -> dict[str, float]:
     """Seconds per round and images/s over ``rounds`` rounds after one warm-up round."""
+    sim.setup()
     sim.fit_round(1)  # warm-up: allocations, compilation
     _sync(sim.device)
     images = 0
@@ -64,13 +65,17 @@ def time_rounds(sim, rounds: int) -> dict[str, float]:
     seconds = time.perf_counter() - t0
     images *= sim.cfg.fl.local_epochs
     t1 = time.perf_counter()
-    sim.evaluate()
+    sim.evaluate(rounds + 1)
     _sync(sim.device)
     return {"s_per_round": seconds / rounds, "images_per_s": images / seconds, "eval_s": time.perf_counter() - t1}
 
 
 def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -> str:
-    variants = [("eager", []), ("channels_last", ["run.channels_last=true"]), ("compile", ["run.compile=true"])]
+    variants = [
+        ("eager", ["run.channels_last=false", "run.compile=false"]),
+        ("channels_last", ["run.channels_last=true", "run.compile=false"]),
+        ("compile", ["run.channels_last=false", "run.compile=true"]),
+    ]
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
     results = []
     flops = None

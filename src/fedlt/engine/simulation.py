@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedlt.config import Config
@@ -29,6 +30,7 @@ from fedlt.results import append_metrics, read_metrics, rewrite_metrics, write_s
 from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
+STAGES = ("setup", "before_fit", "after_fit", "final")
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Simulation:
 
         self.server_model = self._new_model()
         self.worker = self._new_model()
+        self._worker_init = {k: v.clone() for k, v in self.worker.state_dict().items()}
         self.server = spec.server(ServerContext(
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
@@ -74,6 +77,9 @@ class Simulation:
 
     # ---- talking to clients -------------------------------------------------------------
     def _context(self, cid: int, rnd: int) -> ClientContext:
+        """A client's view; the worker model starts from the initial weights, so entries a message
+        does not carry never leak from the previous client (or depend on resume)."""
+        self.worker.load_state_dict(self._worker_init)
         fl = self.cfg.fl
         data = self.train_data
         return ClientContext(
@@ -105,28 +111,40 @@ class Simulation:
         if not self.client_states.get(cid):
             self.client_states.pop(cid, None)
 
+    def _seed_global(self, rnd: int, stage: int) -> None:
+        """Seed the global RNGs before each stage, for method code that draws without a generator:
+        a resumed run then draws exactly what an uninterrupted one did."""
+        torch.manual_seed(seed_for(self.cfg.seed, "server", rnd, 1000 + stage))
+        np.random.seed(seed_for(self.cfg.seed, "server", rnd, 2000 + stage) % 2**32)
+
     def _run_queries(self, stage: str, rnd: int, clients: list[int]) -> None:
+        self._seed_global(rnd, STAGES.index(stage))
         while (query := self.server.next_query(stage, rnd, clients)) is not None:
             replies = {cid: self._send(cid, msg, lambda m, c=cid: self.client.query(query.name, self._context(c, rnd), m))
                        for cid, msg in sorted(query.messages.items())}
             self.server.receive(query, replies)
 
     def fit_round(self, rnd: int) -> dict[str, Any]:
+        """One round: queries, local training of the sampled clients (those the server sends a
+        message to), aggregation, more queries, server steps."""
         sampled = self.schedule[rnd - 1]
         self._run_queries("before_fit", rnd, sampled)
+        self._seed_global(rnd, len(STAGES))
         replies: dict[int, Reply] = {}
         for cid in sampled:
             msg = self.server.fit_message(rnd, cid)
-            replies[cid] = self._send(cid, msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
+            if msg is not None:
+                replies[cid] = self._send(cid, msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
         self.server.aggregate(rnd, replies)
         self._run_queries("after_fit", rnd, sampled)
         self.server.end_round(rnd)
-        losses = [(r.metrics.get("train_loss"), r.num_samples) for r in replies.values() if r.num_samples > 0]
+        losses = [(r.metrics["train_loss"], r.num_samples) for r in replies.values()
+                  if r.num_samples > 0 and r.metrics.get("train_loss") is not None]
         total = sum(n for _, n in losses)
         return {"train_loss": sum(l * n for l, n in losses) / total if total else None}
 
     # ---- evaluation ---------------------------------------------------------------------
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, rnd: int) -> dict[str, Any]:
         test, bs = self.eval_data.test, self.cfg.eval.batch_size
         out: dict[str, Any] = {}
         model = self.server.global_model()
@@ -139,8 +157,9 @@ class Simulation:
             if self.client.personalized:
                 per_client = []
                 for cid, idx in enumerate(local):
-                    self.client.personalize(self._context(cid, self.cfg.fl.rounds), self.server.eval_message(cid))
+                    self.client.personalize(self._context(cid, rnd), self.server.eval_message(cid))
                     per_client.append(predict(self.worker, test, bs, indices=idx)[0])
+                    self._forget_empty_state(cid)
             elif correct is not None:
                 per_client = [correct[idx] for idx in local]
             else:
@@ -149,43 +168,58 @@ class Simulation:
         return out
 
     # ---- the run ------------------------------------------------------------------------
-    def _checkpoint_state(self, rnd: int, elapsed: float) -> dict[str, Any]:
-        return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed}
+    def setup(self) -> None:
+        """The setup stage: queries the method runs once before the first round."""
+        self._run_queries("setup", 0, self.all_clients)
+
+    def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
+        return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
+                "pending": pending}
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
+        """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;
+        its ``comm`` counts every byte since the previous line (the setup stage's included)."""
         cfg = self.cfg
         start, elapsed = 0, 0.0
+        pending: dict[str, Any] = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
-            start, elapsed = ckpt["round"], ckpt["elapsed"]
+            start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
             self.server.load_state_dict(ckpt["server"])
             self.client_states = ckpt["clients"]
             rows = read_metrics(run_dir, up_to_round=start)
             rewrite_metrics(run_dir, rows)
         else:
             rows = []
-            self._run_queries("setup", 0, self.all_clients)
+            self.setup()
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}", quiet)
         try:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
-                self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
                 row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
                 last = rnd == cfg.fl.rounds
                 if last:
                     self._run_queries("final", rnd, self.all_clients)
                     self.server.finish()
-                if last or rnd % cfg.eval.every == 0:
-                    row.update(self.evaluate())
-                row["comm"] = dict(self._traffic)
-                row["time_s"] = round(time.perf_counter() - t0, 4)
-                elapsed += row["time_s"]
-                rows.append(row)
-                append_metrics(run_dir, row)
+                for kind in TRAFFIC_KINDS:
+                    pending["comm"][kind] += self._traffic[kind]
+                self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+                evaluated = last or rnd % cfg.eval.every == 0
+                if evaluated:
+                    row.update(self.evaluate(rnd))
+                seconds = time.perf_counter() - t0
+                pending["time_s"] += seconds
+                elapsed += seconds
+                if evaluated:
+                    row["comm"] = pending["comm"]
+                    row["time_s"] = round(pending["time_s"], 4)
+                    pending = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
+                    rows.append(row)
+                    append_metrics(run_dir, row)
                 every = cfg.run.checkpoint_every
                 if last or (every and rnd % every == 0):
-                    save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed))
-                progress.update(rnd, row if ("acc" in row or "pm_acc" in row) else None)
+                    save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed, pending))
+                progress.update(rnd, row if evaluated else None)
         finally:
             progress.close()
         summary = write_summary(run_dir, cfg, rows, {

@@ -112,7 +112,7 @@ class ServerContext:
         return numpy_rng(self.config.seed, "server", rnd, purpose)
 
     def generator(self, rnd: int, purpose: int = 0) -> torch.Generator:
-        return torch_generator(self.config.seed, "server", rnd, purpose)
+        return torch_generator(self.config.seed, "server", rnd, purpose, device=self.device)
 
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

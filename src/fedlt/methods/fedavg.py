@@ -55,7 +55,9 @@ def local_loss(ctx: ClientContext, msg: Message):
     """The configured classification loss, with its prior resolved for this client."""
     cfg = ctx.loss_config
     counts = ctx.data.class_counts().double()
-    if cfg.prior == "global" and "class_counts" in msg.payload:
+    if cfg.prior == "global":
+        if "class_counts" not in msg.payload:
+            raise RuntimeError("loss.prior=global but the server sent no class counts (setup stage not run)")
         counts = msg.payload["class_counts"].to(counts.device).double()
     elif cfg.prior == "uniform":
         counts = torch.ones_like(counts)
