@@ -31,6 +31,7 @@ fi
 PY=python3
 if ! $PY -c "import venv, ensurepip" 2>/dev/null; then
   echo "setup: installing python3-venv" >&2
+  as_root apt-get update -q >/dev/null
   as_root apt-get install -y -q python3-venv python3-pip >/dev/null
 fi
 STAMP=".venv/.fedlt-installed"
@@ -42,7 +43,15 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; th
     .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2)
   }
   pip_install --upgrade pip >/dev/null
-  pip_install "torch==2.13.0"
+  # PyPI's Linux torch is the multi-GB CUDA build: use PyTorch's CPU index when it is reachable
+  # (FEDLT_TORCH_INDEX overrides); mirrors that already serve a CPU build need nothing extra.
+  TORCH_INDEX="${FEDLT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+       "$TORCH_INDEX" 2>/dev/null; then
+    pip_install "torch==2.13.0" --extra-index-url "$TORCH_INDEX"
+  else
+    pip_install "torch==2.13.0"
+  fi
   pip_install -e ".[test]"
   echo "$WANT" > "$STAMP"
 fi
