@@ -117,7 +117,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         "",
         f"{summary.get('data', '')}",
         "",
-        f"Shot groups — {summary.get('shot_rule', '')}: {summary.get('shot_groups', '')}",
+        f"Shot groups — {summary.get('shot_rule', '')}: "
+        + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items()),
         "",
         "| | round | GM acc | many | medium | few | PM acc |",
         "|---|---|---|---|---|---|---|",

@@ -192,7 +192,7 @@ class Simulation:
         else:
             rows = []
             self.setup()
-        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}", quiet)
+        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name}", quiet)
         try:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
