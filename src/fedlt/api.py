@@ -46,6 +46,14 @@ def prepare(cfg: Config) -> Simulation:
     """Validate everything that can fail on user input — method, loss, data, model — before any
     file is written, so a bad config leaves no half-written run directory."""
     spec = get_method(cfg.method)
+    calibration = [*spec.calibration, *(n for n in cfg.calibration if n not in spec.calibration)]
+    if calibration:
+        from fedlt.methods.calibrated import parse_calibration_args, with_calibration
+
+        spec = with_calibration(spec, calibration)
+        parse_calibration_args(cfg.calibration_args)
+    elif cfg.calibration_args:
+        raise ConfigError("calibration_args given but no calibration; add e.g. calibration=ccvr or drop them")
     _check_loss(cfg, spec.uses_loss_config)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)

@@ -72,6 +72,15 @@ def methods_cmd() -> None:
         typer.echo(f"{name:14s} {desc}")
 
 
+@app.command("calibrations")
+def calibrations_cmd() -> None:
+    """List the classifier calibrations (calibration=NAME or a list; knobs in calibration_args.*)."""
+    from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
+
+    for name, desc in CALIBRATION_DESCRIPTIONS.items():
+        typer.echo(f"{name:14s} {desc}")
+
+
 @app.command("datasets")
 def datasets_cmd() -> None:
     """List the datasets, one line each."""
@@ -126,6 +135,35 @@ def bench_speed_cmd(
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text + "\n")
+
+    _guard(go)
+
+
+@bench_app.command("calibration")
+def bench_calibration_cmd(
+    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] (default: configs/fmnist_lt.yaml)"),
+    alphas: str = typer.Option("0.5,0.1", help="Dirichlet alphas, comma-separated"),
+    seeds: str = typer.Option("0,1,2", help="seeds, comma-separated"),
+    out: Path = typer.Option(Path("docs/results/calibration.md"), help="markdown table written here"),
+    runs: str = typer.Option("runs/bench-calibration", help="where the run directories go"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """FedAvg, CReFF, CCVR, FedNCM, Fed3R, tau-norm and the real-feature oracle, mean ± std over seeds."""
+    args = list(args or [])
+
+    def go() -> None:
+        from fedlt.bench.calibration import run_calibration_bench, write
+        from fedlt.errors import ConfigError
+
+        config = args.pop(0) if args and "=" not in args[0] else "configs/fmnist_lt.yaml"
+        try:
+            alpha_list = [float(a) for a in alphas.split(",")]
+            seed_list = [int(s) for s in seeds.split(",")]
+        except ValueError:
+            raise ConfigError("--alphas takes numbers like 0.5,0.1 and --seeds integers like 0,1,2") from None
+        text = run_calibration_bench(config, args, alpha_list, seed_list, runs, quiet=quiet)
+        write(text, out)
+        typer.echo(text)
 
     _guard(go)
 

@@ -119,6 +119,19 @@ class Config(_Section):
     seed: int = Field(0, ge=0)
     method: str = "fedavg"
     method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
+    calibration: list[str] = Field(
+        default_factory=list,
+        description="server-side classifier calibrations applied to the method's model (creff, ccvr, fedncm, fed3r, "
+        "taunorm, oracle); the first is the headline, every one is evaluated",
+    )
+    calibration_args: dict[str, Any] = Field(default_factory=dict, description="calibration knobs (see `fedlt calibrations`)")
+
+    @field_validator("calibration", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        if v is None or v == "none":
+            return []
+        return [v] if isinstance(v, str) else v
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     fl: FLConfig = FLConfig()

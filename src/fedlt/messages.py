@@ -73,3 +73,26 @@ class Query:
 
     name: str
     messages: dict[int, Message]
+
+
+def describe_message(msg: Message | Reply) -> dict[str, Any]:
+    """What one message carries, entry by entry: shape, dtype and bytes (for the results' record
+    of what each method really sends)."""
+
+    def entry(value: Any) -> dict[str, Any]:
+        if isinstance(value, torch.Tensor):
+            return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                    "bytes": value.numel() * value.element_size()}
+        return {"value": value if isinstance(value, (int, float, str, bool)) else type(value).__name__,
+                "bytes": payload_nbytes({"v": value})}
+
+    model_bytes, payload_bytes = msg.nbytes()
+    out: dict[str, Any] = {
+        "model_bytes": model_bytes,
+        "model_entries": len(msg.weights),
+        "payload": {k: entry(v) for k, v in msg.payload.items()},
+        "payload_bytes": payload_bytes,
+    }
+    if isinstance(msg, Reply):
+        out["metrics"] = sorted(msg.metrics)
+    return out

@@ -76,14 +76,15 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
     final = evaluated[-1] if evaluated else {}
     key = "acc" if final.get("acc") is not None else "pm_acc"
     best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
-    pick = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc")
+    pick = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
     return {
         "method": cfg.method,
         "dataset": cfg.data.dataset,
         "loss": cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})",
         "rounds": cfg.fl.rounds,
         "final": {"round": final.get("round"), **{k: final.get(k) for k in pick}},
-        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in pick[:-1]}},
+        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in pick[:-2]}},
+        "calibration": list(cfg.calibration),
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
         } if rows else {},
@@ -135,6 +136,21 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         counts = summary.get("train_class_counts", [None] * len(f["per_class_acc"]))
         names = summary.get("class_names", [str(i) for i in range(len(f["per_class_acc"]))])
         lines += [f"| {names[i]} | {counts[i]} | {a:.2f} |" for i, a in enumerate(f["per_class_acc"])]
+    if f.get("variants"):
+        lines += ["", "## Variants of the global model (final round)", "",
+                  "| variant | acc | many | medium | few |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {_fmt(v['acc'])} | {_fmt(v['many_acc'])} | {_fmt(v['medium_acc'])} | {_fmt(v['few_acc'])} |"
+                  for name, v in f["variants"].items()]
+        if "oracle" in cfg.calibration:
+            lines += ["", "oracle: NOT PRIVATE — clients uploaded real features; a diagnostic upper bound."]
+    messages = summary.get("messages") or {}
+    if messages:
+        lines += ["", "## What each exchange carries (first message of each kind)", "",
+                  "| exchange | direction | model bytes | payload entries (bytes) |", "|---|---|---|---|"]
+        for kind, both in messages.items():
+            for direction, m in both.items():
+                entries = ", ".join(f"{k} {e.get('shape', e.get('value'))} ({e['bytes']})" for k, e in m["payload"].items())
+                lines.append(f"| {kind} | {direction.replace('_', ' ')} | {m['model_bytes']} | {entries or '-'} |")
     lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |", "|---|---|---|---|"]
     lines += [f"| {r['round']} | {_fmt(r.get('acc'))} | {_fmt(r.get('pm_acc'))} | {_fmt(r.get('train_loss'))} |"
               for r in rows if "acc" in r or "pm_acc" in r]

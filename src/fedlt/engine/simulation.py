@@ -21,7 +21,7 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
-from fedlt.messages import Message, Query, Reply
+from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerContext, TrainSettings
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
@@ -63,6 +63,8 @@ class Simulation:
         per_round = 1 if spec.pooled else cfg.clients_per_round()
         self.schedule = sampling_schedule(cfg.seed, len(self.all_clients), per_round, cfg.fl.rounds)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+        #: per exchange kind, the keys, shapes and bytes of the first message each way
+        self.message_record: dict[str, dict] = {}
 
     def _new_model(self) -> FedModel:
         """Same architecture and same initial weights every time (the ``model`` seed stream)."""
@@ -98,9 +100,11 @@ class Simulation:
             return normalize
         return lambda x: normalize(x).contiguous(memory_format=torch.channels_last)
 
-    def _send(self, cid: int, msg: Message, handle) -> Reply:
+    def _send(self, cid: int, kind: str, msg: Message, handle) -> Reply:
         down_model, down_payload = msg.nbytes()
         reply = handle(msg)
+        if kind not in self.message_record:
+            self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
         up_model, up_payload = reply.nbytes()
         for kind, n in zip(TRAFFIC_KINDS, (down_model, down_payload, up_model, up_payload)):
             self._traffic[kind] += n
@@ -120,7 +124,8 @@ class Simulation:
     def _run_queries(self, stage: str, rnd: int, clients: list[int]) -> None:
         self._seed_global(rnd, STAGES.index(stage))
         while (query := self.server.next_query(stage, rnd, clients)) is not None:
-            replies = {cid: self._send(cid, msg, lambda m, c=cid: self.client.query(query.name, self._context(c, rnd), m))
+            replies = {cid: self._send(cid, f"query:{query.name}", msg,
+                                       lambda m, c=cid: self.client.query(query.name, self._context(c, rnd), m))
                        for cid, msg in sorted(query.messages.items())}
             self.server.receive(query, replies)
 
@@ -134,14 +139,14 @@ class Simulation:
         for cid in sampled:
             msg = self.server.fit_message(rnd, cid)
             if msg is not None:
-                replies[cid] = self._send(cid, msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
+                replies[cid] = self._send(cid, "fit", msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
         self.server.aggregate(rnd, replies)
         self._run_queries("after_fit", rnd, sampled)
         self.server.end_round(rnd)
         losses = [(r.metrics["train_loss"], r.num_samples) for r in replies.values()
                   if r.num_samples > 0 and r.metrics.get("train_loss") is not None]
         total = sum(n for _, n in losses)
-        return {"train_loss": sum(l * n for l, n in losses) / total if total else None}
+        return {"train_loss": sum(l * n for l, n in losses) / total if total else None, **self.server.metrics()}
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:
@@ -152,6 +157,12 @@ class Simulation:
         if model is not None:
             correct, losses = predict(model, test, bs)
             out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
+        variants = {}
+        for name, variant in self.server.extra_models().items():
+            metrics = global_metrics(*predict(variant, test, bs), test.labels, self.groups, test.num_classes)
+            variants[name] = {k: metrics[k] for k in ("acc", "many_acc", "medium_acc", "few_acc", "loss")}
+        if variants:
+            out["variants"] = variants
         if self.cfg.eval.personalized:
             local = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device) for ix in self.eval_data.local_test]
             if self.client.personalized:
@@ -230,5 +241,6 @@ class Simulation:
             "train_class_counts": [int(c) for c in self.eval_data.train_counts],
             "class_names": self.eval_data.train.classes,
             "device": str(self.device),
+            "messages": self.message_record,
         })
         return RunResult(run_dir, summary, rows)

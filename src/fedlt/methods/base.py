@@ -136,7 +136,8 @@ class Server:
         """Replies to a query from :meth:`next_query`."""
         raise NotImplementedError(f"{type(self).__name__} asked query '{query.name}' but does not receive it")
 
-    def fit_message(self, rnd: int, cid: int) -> Message:
+    def fit_message(self, rnd: int, cid: int) -> Message | None:
+        """What sampled client ``cid`` receives to train; None: it sits this round out."""
         return Message(weights=clone_state(self.model))
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
@@ -153,6 +154,15 @@ class Server:
     def global_model(self) -> FedModel | None:
         """The model evaluated on the balanced test set; None if the method has no global model."""
         return self.model
+
+    def metrics(self) -> dict[str, float]:
+        """Server-side diagnostics of the last round, written into its metrics line."""
+        return {}
+
+    def extra_models(self) -> dict[str, FedModel]:
+        """Variants of the global model also evaluated on the balanced test set (reported under
+        ``variants``), e.g. the uncalibrated backbone beside a calibrated one."""
+        return {}
 
     def eval_message(self, cid: int) -> Message:
         """What a client receives to build its personalized model for evaluation."""
@@ -206,3 +216,5 @@ class MethodSpec:
     )
     #: uses ``loss.*`` from the config (False: the method fixes its own objective)
     uses_loss_config: bool = True
+    #: classifier calibrations the method always applies (CReFF is FedAvg + its calibration)
+    calibration: tuple[str, ...] = ()

@@ -6,6 +6,7 @@ from pydantic import ValidationError
 
 from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec
+from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
 
@@ -18,6 +19,8 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedProxClient, FedProxArgs),
         MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
                    FedAvgServer, FedAvgClient, pooled=True),
+        *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
+          for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
     ]
 }
 

@@ -1,0 +1,17 @@
+"""Classifier calibration math for federated long-tailed learning.
+
+Pure tensor functions (no config, files or federation logic) used by the methods that fix a
+biased classifier after (or during) federated training:
+
+- :mod:`~fedlt.calibration.stats`: per-class feature sums that clients send and a server adds
+  up, and the class means/covariances derived from them (CCVR, FedNCM).
+- :mod:`~fedlt.calibration.classifiers`: closed-form and post-hoc heads (FedNCM, Fed3R,
+  tau-norm).
+- :mod:`~fedlt.calibration.virtual`: CCVR's virtual features sampled from per-class Gaussians.
+- :mod:`~fedlt.calibration.retrain`: SGD re-training of a linear head on (real, virtual or
+  federated) features.
+- :mod:`~fedlt.calibration.creff`: CReFF's per-class classifier gradients and the federated
+  features learned by gradient matching.
+
+Randomness always comes from an explicit ``torch.Generator``.
+"""

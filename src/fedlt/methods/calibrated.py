@@ -1,0 +1,239 @@
+"""Any method + server-side classifier calibration(s), as one method.
+
+The wrapper adds to the inner method's messages (CReFF's classifier down, its gradients up),
+runs one statistics query to every client after the last round for the post-hoc calibrations,
+and evaluates the inner backbone with each calibrated head. The first calibration is the
+headline global model; the others and the uncalibrated model are reported as variants, so one
+run compares them on the same backbone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from fedlt.calibration.stats import class_feature_sums, merge_sums
+from fedlt.errors import ConfigError
+from fedlt.messages import Message, Query, Reply
+from fedlt.methods.base import Client, ClientContext, MethodSpec, Server, ServerContext, Stage, clone_state
+from fedlt.methods.calibrators import CALIBRATORS, STAT_KINDS, CalibrationArgs, creff_client_gradients
+
+STATS_QUERY = "calibration_stats"
+
+
+@torch.no_grad()
+def client_features(model, ctx: ClientContext, batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features of all the client's samples under ``model`` in eval mode (no augmentation)."""
+    model.eval()
+    feats, labels = [], []
+    n = len(ctx.data)
+    for start in range(0, n, batch_size):
+        x, y = ctx.data.batch(torch.arange(start, min(start + batch_size, n), device=ctx.data.indices.device))
+        feats.append(model.forward_features(x).float())
+        labels.append(y)
+    if not feats:
+        return torch.zeros(0, model.feature_dim, device=ctx.data.indices.device), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(feats), torch.cat(labels)
+
+
+class CalibratedServer(Server):
+    """Delegates to the inner server and adds the calibrations' steps."""
+
+    inner_cls: type[Server]
+    names: tuple[str, ...]
+
+    def __init__(self, ctx: ServerContext):
+        self.inner = self.inner_cls(ctx)
+        super().__init__(ctx)
+        cal_args = parse_calibration_args(ctx.config.calibration_args)
+        self.calibrators = [CALIBRATORS[n](cal_args, ctx) for n in self.names]
+        self.needs = sorted(set().union(*(c.needs for c in self.calibrators)))
+        self._stats_done = False
+        self._eval_models: dict[str, Any] = {}
+
+    # -- messages ---------------------------------------------------------------------------
+    def fit_message(self, rnd, cid):
+        msg = self.inner.fit_message(rnd, cid)
+        if msg is not None:
+            for cal in self.calibrators:
+                msg.payload.update(cal.fit_payload(rnd))
+        return msg
+
+    def aggregate(self, rnd, replies):
+        self.inner.aggregate(rnd, replies)
+        for cal in self.calibrators:
+            cal.on_fit_replies(rnd, replies)
+
+    def end_round(self, rnd):
+        self.inner.end_round(rnd)
+        for cal in self.calibrators:
+            cal.end_round(rnd, self._backbone())
+
+    def next_query(self, stage: Stage, rnd, clients):
+        query = self.inner.next_query(stage, rnd, clients)
+        if query is not None:
+            return query
+        if stage == "final" and self.needs and not self._stats_done:
+            weights = clone_state(self._backbone())
+            payload = {"needs": ",".join(self.needs), "oracle_per_class": self.calibrators[0].args.oracle_per_class}
+            return Query(STATS_QUERY, {cid: Message(weights=weights, payload=dict(payload)) for cid in clients})
+        return None
+
+    def receive(self, query, replies):
+        if query.name != STATS_QUERY:
+            return self.inner.receive(query, replies)
+        self._stats = merge_client_stats(self.needs, replies)
+        self._stats_done = True
+
+    def finish(self):
+        self.inner.finish()
+        stats = getattr(self, "_stats", {})
+        for cal in self.calibrators:
+            cal.finish(stats, self._backbone())
+        self._stats = {}
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def _backbone(self):
+        return self.inner.global_model() or self.inner.model
+
+    def _with_head(self, name: str, head) -> Any:
+        model = self._eval_models.get(name)
+        if model is None:
+            model = copy.deepcopy(self._backbone())
+            self._eval_models[name] = model
+        model.load_state_dict(self._backbone().state_dict(), strict=False)
+        model.head = head
+        return model
+
+    def global_model(self):
+        head = self.calibrators[0].head()
+        return self._with_head(self.calibrators[0].name, head) if head is not None else self._backbone()
+
+    def metrics(self):
+        out = dict(self.inner.metrics())
+        for cal in self.calibrators:
+            out.update(cal.metrics())
+        return out
+
+    def extra_models(self):
+        models = {"uncalibrated": self._backbone()}
+        for cal in self.calibrators[1:]:
+            if cal.head() is not None:
+                models[cal.name] = self._with_head(cal.name, cal.head())
+        return {**self.inner.extra_models(), **models}
+
+    def eval_message(self, cid):
+        return self.inner.eval_message(cid)
+
+    def state_dict(self):
+        return {"inner": self.inner.state_dict(), "calibrators": [c.state_dict() for c in self.calibrators],
+                "stats_done": self._stats_done}
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state["inner"])
+        for cal, s in zip(self.calibrators, state["calibrators"]):
+            cal.load_state_dict(s)
+        self._stats_done = state["stats_done"]
+
+
+def merge_client_stats(needs: list[str], replies: dict[int, Reply]) -> dict[str, Any]:
+    """Sum the clients' statistics (they are sums, so a secure aggregate would give the same)."""
+    out: dict[str, Any] = {}
+    for kind in ("class_sums", "normalized_sums"):
+        if kind in needs:
+            out[kind] = merge_sums([{k.split("/", 1)[1]: v for k, v in r.payload.items() if k.startswith(kind + "/")}
+                                    for r in replies.values()])
+    if "features" in needs:
+        feats = [r.payload["features/z"] for r in replies.values() if r.payload["features/z"].numel()]
+        labels = [r.payload["features/y"] for r in replies.values() if r.payload["features/y"].numel()]
+        out["features"] = (torch.cat(feats), torch.cat(labels))
+    return out
+
+
+class CalibratedClient(Client):
+    """Delegates to the inner client and answers the calibrations' requests."""
+
+    inner_cls: type[Client]
+
+    def __init__(self, args):
+        self.inner = self.inner_cls(args)
+        super().__init__(args)
+        self.personalized = self.inner.personalized
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        extra = {}
+        if "creff/weight" in msg.payload:
+            ctx.model.load_state_dict(msg.weights, strict=False)  # gradients use the received backbone
+            feats, labels = client_features(ctx.model, ctx)
+            extra = creff_client_gradients(ctx.model, feats, labels, msg.payload)
+        reply = self.inner.fit(ctx, msg)
+        reply.payload.update({k: v.cpu() for k, v in extra.items()})
+        return reply
+
+    def query(self, name, ctx, msg):
+        if name != STATS_QUERY:
+            return self.inner.query(name, ctx, msg)
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        feats, labels = client_features(ctx.model, ctx)
+        needs = msg.payload["needs"].split(",")
+        payload: dict[str, Any] = {}
+        c = ctx.data.num_classes
+        if "class_sums" in needs:
+            payload.update({f"class_sums/{k}": v.cpu() for k, v in class_feature_sums(feats, labels, c).items()})
+        if "normalized_sums" in needs:
+            unit = torch.nn.functional.normalize(feats, dim=1)
+            sums = class_feature_sums(unit, labels, c, second_moment=False)
+            payload.update({f"normalized_sums/{k}": v.cpu() for k, v in sums.items()})
+        if "features" in needs:
+            keep = balanced_sample(labels, int(msg.payload["oracle_per_class"]), ctx.generator(purpose=61))
+            payload.update({"features/z": feats[keep].cpu(), "features/y": labels[keep].cpu()})
+        return Reply(payload=payload, num_samples=len(ctx.data))
+
+    def personalize(self, ctx, msg):
+        return self.inner.personalize(ctx, msg)
+
+
+def balanced_sample(labels: torch.Tensor, per_class: int, generator: torch.Generator) -> torch.Tensor:
+    """Positions of up to ``per_class`` samples of every class, drawn without replacement."""
+    keep = []
+    for c in labels.unique():
+        idx = (labels == c).nonzero().flatten()
+        order = torch.randperm(idx.numel(), generator=generator, device=generator.device).to(idx.device)
+        keep.append(idx[order[:per_class]])
+    return torch.cat(keep) if keep else torch.zeros(0, dtype=torch.int64, device=labels.device)
+
+
+def parse_calibration_args(raw: dict) -> CalibrationArgs:
+    try:
+        return CalibrationArgs.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown knob calibration_args.{key}; knobs: {', '.join(CalibrationArgs.model_fields)}"
+                              ) from None
+        raise ConfigError(f"invalid calibration_args.{key}: {first['msg']}") from None
+
+
+def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
+    """The method ``spec`` with ``names`` calibrations composed onto it (validated here, so a bad
+    name or knob fails before any run directory exists)."""
+    unknown = [n for n in names if n not in CALIBRATORS]
+    if unknown:
+        raise ConfigError(f"unknown calibration '{unknown[0]}'; use calibration=<one or a list of "
+                          f"{', '.join(CALIBRATORS)}>")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"calibration lists a name twice ({', '.join(names)}); give each once")
+    server = type(f"Calibrated{spec.server.__name__}", (CalibratedServer,), {"inner_cls": spec.server,
+                                                                                "names": tuple(names)})
+    client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,), {"inner_cls": spec.client})
+    return MethodSpec(
+        name=spec.name, description=spec.description, server=server, client=client, args=spec.args,
+        pooled=spec.pooled, make_model=spec.make_model, uses_loss_config=spec.uses_loss_config,
+    )
+
+
+__all__ = ["CalibrationArgs", "STAT_KINDS", "with_calibration"]

@@ -1,0 +1,278 @@
+"""Server-side classifier calibrations: new heads for a federated backbone.
+
+Each calibrator turns what clients may share — per-class gradients (CReFF), per-class feature
+sums (CCVR, FedNCM, Fed3R), nothing (tau-norm), or real features (the non-private oracle) —
+into a classifier head. They are wired into any method by :mod:`fedlt.methods.calibrated`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fedlt.calibration import creff
+from fedlt.calibration.classifiers import ncm_classifier, ridge_classifier, tau_normalize
+from fedlt.calibration.retrain import linear_init, retrain_linear
+from fedlt.calibration.stats import class_moments
+from fedlt.calibration.virtual import sample_class_gaussians
+from fedlt.messages import Payload, Reply
+from fedlt.methods.base import MethodArgs, ServerContext
+
+#: statistics a calibrator can ask every client for after training
+STAT_KINDS = ("class_sums", "normalized_sums", "features")
+
+
+class CalibrationArgs(MethodArgs):
+    """Knobs of every calibration (``calibration_args.*``), defaults from the papers."""
+
+    creff_features_per_class: int = Field(100, ge=1, description="CReFF m: federated features per class")
+    creff_feature_steps: int = Field(100, ge=1, description="CReFF I: feature-optimisation steps per round")
+    creff_retrain_steps: int = Field(300, ge=1, description="CReFF J: classifier re-training steps per round")
+    creff_feature_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of the federated features on the row-summed "
+                                    "matching loss (paper and code: 0.1)")
+    creff_retrain_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of classifier re-training (paper: 0.1)")
+    retrain_steps: int = Field(300, ge=1, description="CCVR / oracle: classifier re-training steps")
+    retrain_lr: float = Field(0.1, gt=0, description="CCVR / oracle: re-training lr")
+    retrain_batch_size: int = Field(32, ge=1, description="re-training mini-batch (CReFF, CCVR, oracle)")
+    ccvr_virtual_per_class: int = Field(100, ge=1, description="CCVR: virtual features sampled per class")
+    fed3r_lambda: float = Field(0.01, gt=0, description="Fed3R: ridge regularisation")
+    taunorm_tau: float = Field(1.0, ge=0, description="tau-norm: w_c / ||w_c||^tau")
+    oracle_per_class: int = Field(100, ge=1, description="oracle: real features per class (sampled with replacement)")
+
+
+def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    head = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+    return head
+
+
+class L2Normalize(nn.Module):
+    """Unit-norm features: FedNCM compares cosine similarity to normalised class means."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(x, dim=1)
+
+
+class Calibrator:
+    """One calibration: what it asks of clients and how it builds a head."""
+
+    name: ClassVar[str]
+    #: False when clients must reveal more than the method's paper allows (the oracle)
+    private: ClassVar[bool] = True
+    #: statistics it needs from every client after training (see STAT_KINDS)
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, args: CalibrationArgs, ctx: ServerContext):
+        self.args, self.ctx = args, ctx
+        self.num_classes = ctx.num_classes
+        self._head: nn.Module | None = None
+
+    def head(self) -> nn.Module | None:
+        """The calibrated head, once there is one."""
+        return self._head
+
+    def fit_payload(self, rnd: int) -> Payload:
+        """Extra payload of every fit message (CReFF's re-trained classifier)."""
+        return {}
+
+    def on_fit_replies(self, rnd: int, replies: dict[int, Reply]) -> None:
+        """Read this calibrator's part of the fit replies."""
+
+    def end_round(self, rnd: int, model) -> None:
+        """Per-round server step after aggregation."""
+
+    def metrics(self) -> dict[str, float]:
+        """Diagnostics for the round's metrics line."""
+        return {}
+
+    def finish(self, stats: dict[str, Any], model) -> None:
+        """Post-training step from the merged client statistics."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"head": self._head.state_dict() if self._head is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["head"] is not None:
+            head = self._build_empty_head()
+            head.load_state_dict(state["head"])
+            self._head = head
+
+    def _build_empty_head(self) -> nn.Module:
+        return nn.Linear(self.ctx.model.feature_dim, self.num_classes).to(self.ctx.device)
+
+
+class CReFF(Calibrator):
+    """CReFF (Shang et al. IJCAI 2022): federated features matched to the clients' real-feature
+    gradients (Eq. 3-6), a new classifier re-trained on them every round (Eq. 7)."""
+
+    name = "creff"
+
+    def __init__(self, args, ctx):
+        super().__init__(args, ctx)
+        d, c = ctx.model.feature_dim, self.num_classes
+        # Eq. 6 averages over the C classifier rows; the released code sums them, and only that
+        # step size (lr 0.1 on the sum = lr 0.1*C on Eq. 6) moves the features enough in I=100 steps.
+        self.features = creff.FederatedFeatures(c, args.creff_features_per_class, d, ctx.generator(0, purpose=31),
+                                                feature_lr=args.creff_feature_lr * c, device=ctx.device)
+        # v-hat^t, the re-trained classifier sent with round t (round 1: a fresh one)
+        self.retrained = linear_head(*linear_init(d, c, ctx.generator(0, purpose=32)))
+        self.g_agg: torch.Tensor | None = None
+        self.matching_loss: float | None = None
+        self.present: torch.Tensor | None = None
+
+    def fit_payload(self, rnd: int) -> Payload:
+        return {"creff/weight": self.retrained.weight.detach().clone(), "creff/bias": self.retrained.bias.detach().clone()}
+
+    def on_fit_replies(self, rnd: int, replies: dict[int, Reply]) -> None:
+        parts = [self._unpack(r.payload) for r in replies.values() if "creff/grads" in r.payload]
+        self.g_agg, self.present = creff.aggregate_gradients(parts) if parts else (None, None)
+
+    def _unpack(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """A client's gradients for the classes it holds -> the (C, C, d+1) layout with a mask."""
+        classes = payload["creff/classes"].to(self.ctx.device)
+        grads = payload["creff/grads"].to(self.ctx.device)
+        full = torch.zeros(self.num_classes, *grads.shape[1:], device=self.ctx.device)
+        present = torch.zeros(self.num_classes, dtype=torch.bool, device=self.ctx.device)
+        full[classes], present[classes] = grads, True
+        return full, present
+
+    def end_round(self, rnd: int, model) -> None:
+        if self.g_agg is None:
+            return
+        w, b = self.retrained.weight.detach(), self.retrained.bias.detach()
+        self.matching_loss = self.features.match(w, b, self.g_agg, self.present, self.args.creff_feature_steps)
+        feats, labels = self.features.features_and_labels()
+        weight, bias = retrain_linear(
+            feats.detach(), labels, self.num_classes, init=None, steps=self.args.creff_retrain_steps,
+            lr=self.args.creff_retrain_lr, batch_size=self.args.retrain_batch_size,
+            generator=self.ctx.generator(rnd, purpose=33),
+        )
+        self.retrained = linear_head(weight, bias)
+        self._head = self.retrained
+
+    def metrics(self) -> dict[str, float]:
+        return {"creff_matching_loss": self.matching_loss} if self.matching_loss is not None else {}
+
+    def state_dict(self):
+        return {**super().state_dict(), "features": self.features.state_dict(),
+                "retrained": self.retrained.state_dict()}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.features.load_state_dict(state["features"])
+        self.retrained.load_state_dict(state["retrained"])
+
+
+def creff_client_gradients(model, features: torch.Tensor, labels: torch.Tensor, payload: Payload) -> Payload:
+    """Client side of CReFF (Eq. 3): per-class mean gradients of CE w.r.t. the received re-trained
+    classifier, on features of the received backbone."""
+    w = payload["creff/weight"].to(features.device)
+    b = payload["creff/bias"].to(features.device)
+    grads, present = creff.per_class_gradients(w, b, features, labels, model.num_classes)
+    classes = present.nonzero().flatten()
+    return {"creff/classes": classes, "creff/grads": grads[classes].float()}  # only the classes it holds
+
+
+class CCVR(Calibrator):
+    """CCVR (Luo et al. NeurIPS 2021): per-class Gaussians from the clients' feature statistics,
+    virtual features sampled from them, the classifier re-trained on those."""
+
+    name = "ccvr"
+    needs = frozenset({"class_sums"})
+
+    def finish(self, stats, model) -> None:
+        mean, cov, count = class_moments(stats["class_sums"])
+        present = count > 0
+        n = torch.where(present, torch.full_like(count, self.args.ccvr_virtual_per_class), torch.zeros_like(count))
+        feats, labels = sample_class_gaussians(mean, cov, n.long(), self.ctx.generator(0, purpose=41))
+        self._head = _retrain_from(model, feats, labels, self.args, self.ctx.generator(0, purpose=42))
+
+
+def _retrain_from(model, feats, labels, args: CalibrationArgs, generator) -> nn.Linear:
+    """Re-train the model's linear head on (features, labels), starting from the learned head."""
+    head = model.head
+    init = (head.weight.detach(), head.bias.detach()) if isinstance(head, nn.Linear) and head.bias is not None else None
+    device = next(model.parameters()).device
+    weight, bias = retrain_linear(feats.to(device).float(), labels.to(device), model.num_classes, init=init,
+                                  steps=args.retrain_steps, lr=args.retrain_lr, batch_size=args.retrain_batch_size,
+                                  generator=generator)
+    return linear_head(weight, bias)
+
+
+class FedNCM(Calibrator):
+    """FedNCM (Legate et al. 2023): nearest class mean of L2-normalised features."""
+
+    name = "fedncm"
+    needs = frozenset({"normalized_sums"})
+
+    def finish(self, stats, model) -> None:
+        sums = stats["normalized_sums"]
+        means = sums["sum"] / sums["count"].clamp(min=1).unsqueeze(1)
+        weight, bias = ncm_classifier(means.float(), normalize=True)
+        self._head = nn.Sequential(L2Normalize(), linear_head(weight.to(self.ctx.device), bias.to(self.ctx.device)))
+
+    def _build_empty_head(self) -> nn.Module:
+        return nn.Sequential(L2Normalize(), super()._build_empty_head())
+
+
+class Fed3R(Calibrator):
+    """Fed3R (Fanì et al. 2024): closed-form ridge-regression classifier from summed statistics."""
+
+    name = "fed3r"
+    needs = frozenset({"class_sums"})
+
+    def finish(self, stats, model) -> None:
+        sums = stats["class_sums"]
+        gram = sums["sum_outer"].sum(0)
+        cross = sums["sum"].T
+        weight, bias = ridge_classifier(gram, cross, lam=self.args.fed3r_lambda)
+        self._head = linear_head(weight.to(self.ctx.device), bias.to(self.ctx.device))
+
+
+class TauNorm(Calibrator):
+    """tau-norm (Kang et al. ICLR 2020): rescale each class's weight vector by ||w_c||^-tau;
+    needs nothing from clients."""
+
+    name = "taunorm"
+
+    def finish(self, stats, model) -> None:
+        head = model.head
+        if not isinstance(head, nn.Linear):
+            raise RuntimeError("tau-norm needs a linear classifier head")
+        bias = head.bias.detach() if head.bias is not None else torch.zeros(head.out_features, device=head.weight.device)
+        self._head = linear_head(*tau_normalize(head.weight.detach(), bias, tau=self.args.taunorm_tau))
+
+
+class RealFeatureOracle(Calibrator):
+    """Diagnostic upper bound, NOT private: clients upload real features (a class-balanced sample)
+    and the server re-trains the head on them."""
+
+    name = "oracle"
+    private = False
+    needs = frozenset({"features"})
+
+    def finish(self, stats, model) -> None:
+        feats, labels = stats["features"]
+        generator = self.ctx.generator(0, purpose=51)
+        keep = torch.cat([  # class-balanced: oracle_per_class of every class, with replacement
+            idx[torch.randint(idx.numel(), (self.args.oracle_per_class,), generator=generator, device=generator.device)
+                .to(idx.device)]
+            for idx in (torch.nonzero(labels == c).flatten() for c in labels.unique())
+        ])
+        self._head = _retrain_from(model, feats[keep], labels[keep], self.args, generator)
+
+
+CALIBRATORS: dict[str, type[Calibrator]] = {c.name: c for c in (CReFF, CCVR, FedNCM, Fed3R, TauNorm, RealFeatureOracle)}
+CALIBRATION_DESCRIPTIONS = {
+    "creff": "CReFF: federated features matched to real-feature gradients, classifier re-trained every round",
+    "ccvr": "CCVR: classifier re-trained on virtual features from per-class Gaussians (after training)",
+    "fedncm": "FedNCM: nearest-class-mean head from normalised feature means (after training)",
+    "fed3r": "Fed3R: closed-form ridge-regression head from summed feature statistics (after training)",
+    "taunorm": "tau-norm: per-class weight normalisation of the learned head (after training)",
+    "oracle": "NOT PRIVATE diagnostic: head re-trained on a class-balanced sample of real features",
+}

@@ -1,0 +1,127 @@
+"""Calibrations wired into the federation: messages, statistics, composition, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fedlt
+from fedlt.calibration.stats import class_feature_sums, class_moments
+from fedlt.errors import ConfigError
+from fedlt.methods.calibrated import STATS_QUERY
+from fedlt.results import TIMING_KEYS
+
+ALL_POST_HOC = ["ccvr", "fedncm", "fed3r", "taunorm", "oracle"]
+
+
+def tiny(tmp_path, **top) -> dict:
+    cfg = {
+        "seed": 1,
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 6},
+        "fl": {"rounds": 4, "participation": 0.5, "local_epochs": 2, "batch_size": 32, "lr": 0.05},
+        "eval": {"every": 2},
+        "calibration_args": {"creff_feature_steps": 20, "creff_retrain_steps": 60, "retrain_steps": 100},
+        "run": {"out_dir": str(tmp_path), "checkpoint_every": 2, "threads": 1},
+    }
+    cfg.update(top)
+    return cfg
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_creff_backbone_is_fedavg_and_uploads_only_held_classes(tmp_path):
+    fedavg = fedlt.run(tiny(tmp_path / "a", calibration_args={}), quiet=True)
+    creff = fedlt.run(tiny(tmp_path / "b", method="creff", calibration=ALL_POST_HOC), quiet=True)
+    # CReFF broadcasts the plain FedAvg model: its uncalibrated variant is FedAvg, to the digit
+    for plain, cal in zip(fedavg.metrics, creff.metrics):
+        assert cal["variants"]["uncalibrated"]["acc"] == plain["acc"]
+        assert cal["variants"]["uncalibrated"]["loss"] == pytest.approx(plain["loss"], abs=0)
+    msgs = creff.summary["messages"]
+    down = msgs["fit"]["to_client"]["payload"]
+    assert down["creff/weight"]["shape"] == [10, 128] and down["creff/bias"]["shape"] == [10]
+    up = msgs["fit"]["from_client"]["payload"]
+    held = up["creff/classes"]["shape"][0]
+    assert set(up) == {"creff/classes", "creff/grads"}
+    assert up["creff/grads"]["shape"] == [held, 10, 129]  # C x (d+1) per held class, nothing else
+    assert up["creff/grads"]["bytes"] == held * 10 * 129 * 4
+    # one statistics query after training, to every client
+    stats = msgs[f"query:{STATS_QUERY}"]["from_client"]["payload"]
+    assert stats["class_sums/sum_outer"]["shape"] == [10, 128, 128]
+    assert creff.metrics[-1]["variants"].keys() == {"uncalibrated", *ALL_POST_HOC}
+    report = (creff.run_dir / "report.md").read_text()
+    assert "NOT PRIVATE" in report and "creff/grads" in report
+
+
+def test_post_hoc_statistics_equal_pooled_features(tmp_path):
+    """The merged client sums equal the statistics of the pooled training features."""
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.methods.calibrated import client_features
+
+    sim = prepare(build_config(tiny(tmp_path, method="fedavg", calibration=["ccvr"])))
+    captured = {}
+    server = sim.server
+    original = server.receive
+
+    def spy(query, replies):
+        original(query, replies)
+        captured.update(server._stats)
+
+    server.receive = spy
+    (tmp_path / "run").mkdir()
+    sim.run(tmp_path / "run", quiet=True)
+    feats, labels = [], []
+    for cid in range(6):
+        ctx = sim._context(cid, 4)
+        ctx.model.load_state_dict(server.inner.model.state_dict())
+        f, y = client_features(ctx.model, ctx)
+        feats.append(f)
+        labels.append(y)
+    pooled = class_feature_sums(torch.cat(feats), torch.cat(labels), 10)
+    for key in ("count", "sum", "sum_outer"):
+        assert torch.allclose(captured["class_sums"][key], pooled[key], rtol=1e-9, atol=1e-6)
+    mean, cov, _ = class_moments(captured["class_sums"])
+    z, y = torch.cat(feats).double(), torch.cat(labels)
+    assert torch.allclose(cov[0], torch.cov(z[y == 0].T), atol=1e-6)
+
+
+def test_calibration_composes_with_other_local_objectives(tmp_path):
+    res = fedlt.run(tiny(tmp_path, method="fedprox", method_args={"mu": 0.01}, loss={"name": "la"},
+                         calibration=["fed3r", "taunorm"]), quiet=True)
+    final = res.summary["final"]
+    assert final["variants"].keys() == {"uncalibrated", "taunorm"}
+    assert res.summary["calibration"] == ["fed3r", "taunorm"]
+    assert final["acc"] != final["variants"]["uncalibrated"]["acc"]
+
+
+def test_calibration_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown calibration 'ccrv'"):
+        fedlt.run(tiny(tmp_path, calibration="ccrv"), quiet=True)
+    with pytest.raises(ConfigError, match="calibration_args.creff_m"):
+        fedlt.run(tiny(tmp_path, calibration="creff", calibration_args={"creff_m": 3}), quiet=True)
+    with pytest.raises(ConfigError, match="no calibration"):
+        fedlt.run(tiny(tmp_path, calibration=[], calibration_args={"fed3r_lambda": 1.0}), quiet=True)
+    assert not any(tmp_path.iterdir())
+
+
+def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    cfg = dict(method="creff", calibration=["ccvr"])
+    full = fedlt.run(tiny(tmp_path / "a", **cfg), quiet=True)
+    from fedlt.engine.simulation import Simulation
+
+    original = Simulation.fit_round
+
+    def crash(self, rnd):
+        if rnd == 3:
+            raise KeyboardInterrupt
+        return original(self, rnd)
+
+    monkeypatch.setattr(Simulation, "fit_round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        fedlt.run(tiny(tmp_path / "b", run={"out_dir": str(tmp_path / "b"), "name": "cut", "checkpoint_every": 2,
+                                             "threads": 1}, **cfg), quiet=True)
+    monkeypatch.setattr(Simulation, "fit_round", original)
+    resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
+    assert without_timing(resumed.metrics) == without_timing(full.metrics)

@@ -1,0 +1,332 @@
+"""Calibration math (CCVR/FedNCM statistics, Fed3R, tau-norm, virtual features, re-training,
+CReFF) checked against independent computations: torch.cov, lstsq, per-class autograd."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedlt.calibration import creff
+from fedlt.calibration.classifiers import ncm_classifier, ridge_classifier, ridge_sums, tau_normalize
+from fedlt.calibration.creff import (
+    FederatedFeatures,
+    aggregate_gradients,
+    matching_loss,
+    per_class_gradients,
+)
+from fedlt.calibration.retrain import linear_init, retrain_linear
+from fedlt.calibration.stats import add_sums, class_feature_sums, class_moments, merge_sums
+from fedlt.calibration.virtual import sample_class_gaussians
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: intra-op threads only add synchronisation, which stalls badly
+    (100x) when another process holds one of the machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def blobs(
+    num_classes: int, dim: int, per_class: int | list[int], scale: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian blobs: class centres ~ N(0, scale^2 I), unit-variance noise around them."""
+    g = gen(seed)
+    centers = torch.randn(num_classes, dim, generator=g) * scale
+    counts = per_class if isinstance(per_class, list) else [per_class] * num_classes
+    labels = torch.repeat_interleave(torch.arange(num_classes), torch.tensor(counts))
+    return centers[labels] + torch.randn(labels.shape[0], dim, generator=g), labels
+
+
+def accuracy(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(((x @ weight.T + bias).argmax(dim=1) == y).float().mean())
+
+
+# Classes 0..3 with 40, 25, 1 and 0 samples: covers the count <= 1 cases.
+COUNTS = [40, 25, 1, 0]
+
+
+@pytest.fixture
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    return blobs(4, 6, COUNTS, scale=3.0, seed=0)
+
+
+@pytest.fixture
+def shards(data) -> list[torch.Tensor]:
+    perm = torch.randperm(data[1].shape[0], generator=gen(1))
+    return [perm[:10], perm[10:45], perm[45:]]
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_sums_merged_over_shards_equal_pooled_sums(data, shards):
+    x, y = data
+    merged = merge_sums([class_feature_sums(x[s], y[s], 4) for s in shards])
+    pooled = class_feature_sums(x, y, 4)
+    assert merged.keys() == pooled.keys() == {"count", "sum", "sum_outer"}
+    assert all(v.dtype == torch.float64 for v in pooled.values())
+    assert merged["count"].tolist() == [40.0, 25.0, 1.0, 0.0]
+    for key in pooled:
+        torch.testing.assert_close(merged[key], pooled[key], rtol=1e-12, atol=1e-10)
+    first_only = class_feature_sums(x, y, 4, second_moment=False)
+    assert first_only.keys() == {"count", "sum"}
+    with pytest.raises(ValueError):
+        add_sums(first_only, pooled)
+
+
+def test_class_moments_equal_torch_mean_and_cov(data):
+    x, y = data
+    mean, cov, count = class_moments(class_feature_sums(x, y, 4))
+    assert mean.dtype == cov.dtype == count.dtype == torch.float64
+    for c in (0, 1):
+        zc = x[y == c].double()
+        torch.testing.assert_close(mean[c], zc.mean(dim=0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cov[c], torch.cov(zc.T), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mean[2], x[y == 2][0].double())  # one sample: its mean ...
+    assert torch.count_nonzero(cov[2]) == 0  # ... but no covariance
+    assert torch.count_nonzero(mean[3]) == 0 and torch.count_nonzero(cov[3]) == 0
+    with pytest.raises(ValueError):
+        class_moments(class_feature_sums(x, y, 4, second_moment=False))
+
+
+# ---------------------------------------------------------------- closed-form heads
+
+
+def test_ncm_classifier_uses_normalised_class_means(data):
+    x, y = data
+    mean, _, _ = class_moments(class_feature_sums(x, y, 4))
+    weight, bias = ncm_classifier(mean)
+    assert weight.dtype == bias.dtype == torch.float32
+    torch.testing.assert_close(weight.norm(dim=1), torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    torch.testing.assert_close(weight[:3], F.normalize(mean[:3].float(), dim=1))
+    assert torch.count_nonzero(bias) == 0
+    raw, _ = ncm_classifier(mean, normalize=False)
+    torch.testing.assert_close(raw, mean.float())
+
+
+def test_ridge_classifier_equals_lstsq_and_shard_sums_equal_pooled(data, shards):
+    x, y = data
+    lam = 0.5
+    parts = [ridge_sums(x[s], y[s], 4) for s in shards]
+    gram, cross = ridge_sums(x, y, 4)
+    torch.testing.assert_close(sum(p[0] for p in parts), gram, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(sum(p[1] for p in parts), cross, rtol=1e-12, atol=1e-10)
+    weight, bias = ridge_classifier(gram, cross, lam=lam)
+    # min ||Z W^T - Y||^2 + lam ||W||^2 as an ordinary least-squares problem on [Z; sqrt(lam) I].
+    z = x.double()
+    a = torch.cat([z, math.sqrt(lam) * torch.eye(z.shape[1], dtype=torch.float64)])
+    rhs = torch.cat([F.one_hot(y, 4).double(), torch.zeros(z.shape[1], 4, dtype=torch.float64)])
+    expected = torch.linalg.lstsq(a, rhs).solution.T
+    assert weight.shape == (4, 6) and weight.dtype == torch.float32
+    torch.testing.assert_close(weight, expected.float(), rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(bias) == 0
+
+
+def test_tau_normalize():
+    weight = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.5]])
+    bias = torch.tensor([1.0, 2.0, 3.0])
+    unit, zero_bias = tau_normalize(weight, bias, tau=1.0)
+    torch.testing.assert_close(unit, torch.tensor([[0.6, 0.8], [0.0, 0.0], [0.0, 1.0]]))
+    assert torch.count_nonzero(zero_bias) == 0
+    same, _ = tau_normalize(weight, bias, tau=0.0)
+    torch.testing.assert_close(same, weight)
+    half, _ = tau_normalize(weight, bias, tau=0.5)
+    torch.testing.assert_close(half[0], torch.tensor([3.0, 4.0]) / math.sqrt(5.0))
+
+
+# ---------------------------------------------------------------- virtual features
+
+
+def test_sample_class_gaussians_matches_moments_counts_and_seed():
+    mean = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [5.0, 5.0, 5.0]], dtype=torch.float64)
+    a = torch.tensor([[1.0, 0.0, 0.0], [0.5, 2.0, 0.0], [-0.3, 0.4, 0.7]], dtype=torch.float64)
+    cov = torch.stack([a @ a.T, torch.eye(3, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)])
+    counts = [20000, 0, 7]
+    x, y = sample_class_gaussians(mean, cov, counts, gen(3))
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.bincount(y, minlength=3).tolist() == counts
+    x0 = x[y == 0].double()
+    torch.testing.assert_close(x0.mean(dim=0), mean[0], rtol=0, atol=0.05)
+    torch.testing.assert_close(torch.cov(x0.T), cov[0], rtol=0, atol=0.1)
+    x2 = x[y == 2].double()  # zero covariance: only the eps jitter spreads the samples
+    torch.testing.assert_close(x2, mean[2].expand(7, 3), rtol=0, atol=0.05)
+    again, _ = sample_class_gaussians(mean, cov, counts, gen(3))
+    assert torch.equal(x, again)
+    other, _ = sample_class_gaussians(mean, cov, counts, gen(4))
+    assert not torch.equal(x, other)
+
+
+def test_sample_class_gaussians_singular_and_indefinite_covariance():
+    u = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64) / math.sqrt(6.0)
+    rank_one = u.T @ u  # singular: variance 1 along u, 0 across
+    x, _ = sample_class_gaussians(torch.zeros(1, 3), rank_one[None], [4000], gen(5))
+    along = x.double() @ u.T
+    assert 0.9 < float(along.var()) < 1.1
+    assert float((x.double() - along * u).abs().max()) < 0.05
+    # An eigenvalue of -1e-4 (rounding in an estimated covariance) needs more than eps=1e-5 jitter.
+    slightly_negative = torch.diag(torch.tensor([1.0, 1.0, -1e-4], dtype=torch.float64))
+    x, _ = sample_class_gaussians(torch.zeros(1, 3), slightly_negative[None], [10], gen(5))
+    assert torch.isfinite(x).all()
+    with pytest.raises(ValueError):
+        sample_class_gaussians(torch.zeros(1, 3), -10 * torch.eye(3)[None], [10], gen(5))
+
+
+# ---------------------------------------------------------------- re-training
+
+
+def test_retrain_linear_separates_blobs_and_is_deterministic():
+    x, y = blobs(5, 16, 60, scale=5.0, seed=7)
+    kwargs = dict(steps=150, lr=0.1, batch_size=32)
+    weight, bias = retrain_linear(x, y, 5, generator=gen(8), **kwargs)
+    assert weight.shape == (5, 16) and bias.shape == (5,) and weight.dtype == torch.float32
+    assert accuracy(weight, bias, x, y) >= 0.99
+    again = retrain_linear(x, y, 5, generator=gen(8), **kwargs)
+    assert torch.equal(weight, again[0]) and torch.equal(bias, again[1])
+    assert not torch.equal(weight, retrain_linear(x, y, 5, generator=gen(9), **kwargs)[0])
+
+
+def test_retrain_linear_init_and_balanced_sampling():
+    x, y = blobs(3, 8, [200, 20, 4], scale=5.0, seed=10)
+    init = linear_init(8, 3, gen(11))
+    assert float(init[0].abs().max()) <= 1 / math.sqrt(8) and float(init[1].abs().max()) <= 1 / math.sqrt(8)
+    kept = init[0].clone()
+    unchanged = retrain_linear(x, y, 3, init=init, steps=0, lr=0.1, batch_size=16, generator=gen(12))
+    assert torch.equal(unchanged[0], init[0]) and torch.equal(unchanged[1], init[1])
+    weight, bias = retrain_linear(
+        x, y, 3, init=init, steps=100, lr=0.1, batch_size=16, generator=gen(12), balanced=True
+    )
+    assert torch.equal(init[0], kept)  # the caller's init is not modified
+    per_class = [accuracy(weight, bias, x[y == c], y[y == c]) for c in range(3)]
+    assert min(per_class) >= 0.99
+
+
+# ---------------------------------------------------------------- CReFF
+
+
+@pytest.fixture
+def classifier() -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_init(6, 4, gen(13))
+
+
+def autograd_class_gradient(weight, bias, x, y) -> torch.Tensor:
+    w = weight.clone().requires_grad_(True)
+    b = bias.clone().requires_grad_(True)
+    gw, gb = torch.autograd.grad(F.cross_entropy(x @ w.T + b, y), (w, b))
+    return torch.cat([gw, gb[:, None]], dim=1)
+
+
+def test_per_class_gradients_match_autograd(data, classifier, monkeypatch):
+    x, y = data
+    grads, present = per_class_gradients(*classifier, x, y, 4)
+    assert grads.shape == (4, 4, 7) and grads.dtype == torch.float32
+    assert present.tolist() == [True, True, True, False]
+    for c in range(3):
+        expected = autograd_class_gradient(*classifier, x[y == c], y[y == c])
+        torch.testing.assert_close(grads[c], expected, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(grads[3]) == 0
+    monkeypatch.setattr(creff, "GRADIENT_CHUNK_ELEMENTS", 4 * 7 * 3)  # chunks of 3 samples
+    chunked, _ = per_class_gradients(*classifier, x, y, 4)
+    torch.testing.assert_close(chunked, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_aggregate_gradients_is_unweighted_mean_over_holders():
+    g = gen(14)
+    a, b, c = (torch.randn(3, 3, 5, generator=g) for _ in range(3))
+    clients = [
+        (a, torch.tensor([True, True, False])),
+        (b, torch.tensor([True, False, False])),
+        (c, torch.tensor([False, True, False])),  # c[0] and c[2] are garbage and must be ignored
+    ]
+    agg, present = aggregate_gradients(clients)
+    assert present.tolist() == [True, True, False]
+    torch.testing.assert_close(agg[0], (a[0] + b[0]) / 2)
+    torch.testing.assert_close(agg[1], (a[1] + c[1]) / 2)
+    assert torch.count_nonzero(agg[2]) == 0
+    alone, _ = aggregate_gradients(clients[1:])
+    torch.testing.assert_close(alone[0], b[0])  # held by one client: that client's gradient
+
+
+def test_matching_loss_hand_examples():
+    eye = torch.eye(2)
+    swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    g_fed = torch.stack([eye, eye])
+    assert float(matching_loss(g_fed, g_fed.clone() * 3.0, [0, 1])) == pytest.approx(0.0, abs=1e-6)
+    assert float(matching_loss(g_fed, torch.stack([swap, eye]), [0])) == pytest.approx(1.0)  # orthogonal rows
+    assert float(matching_loss(g_fed, torch.stack([swap, -eye]), [0, 1])) == pytest.approx(3.0)  # 1 + 2
+    half = torch.stack([torch.tensor([[1.0, 0.0], [1.0, 0.0]]), eye])  # row 0 equal, row 1 orthogonal
+    assert float(matching_loss(g_fed, half, torch.tensor([True, False]))) == pytest.approx(0.5)
+    zero_row = torch.stack([torch.tensor([[1.0, 0.0], [0.0, 0.0]]), eye])
+    assert float(matching_loss(zero_row, g_fed, [0])) == pytest.approx(0.5)  # zero row: cos 0, not NaN
+
+
+def test_federated_features_gradients_equal_closed_form(classifier):
+    feats = FederatedFeatures(4, 3, 6, gen(15))
+    x, y = feats.features_and_labels()
+    assert x.shape == (12, 6) and y.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    g_fed = feats.gradients(*classifier)
+    assert g_fed.requires_grad
+    torch.testing.assert_close(g_fed.detach(), per_class_gradients(*classifier, x, y, 4)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_federated_features_match_real_gradients_and_checkpoint():
+    """A fixed random classifier; g_agg from 3 shards of real blob features (class 4 absent)."""
+    x, y = blobs(5, 16, 100, scale=3.0, seed=16)
+    x, y = x[y < 4], y[y < 4]
+    weight, bias = linear_init(16, 5, gen(17))
+    shards = torch.randperm(y.shape[0], generator=gen(18)).chunk(3)
+    g_agg, present = aggregate_gradients([per_class_gradients(weight, bias, x[s], y[s], 5) for s in shards])
+    assert present.tolist() == [True, True, True, True, False]
+    # lr 10 because the mean-over-rows cosine loss has tiny gradients w.r.t. unit-scale features.
+    feats = FederatedFeatures(5, 10, 16, gen(19), feature_lr=10.0)
+    initial = feats.match(weight, bias, g_agg, present, steps=0)
+    untouched = feats.features[4].detach().clone()
+    halfway = feats.match(weight, bias, g_agg, present, steps=100)
+    state = feats.state_dict()
+    final = feats.match(weight, bias, g_agg, present, steps=100)
+    print(f"matching loss: initial {initial:.3f}, after 100 steps {halfway:.4f}, after 200 {final:.4f}")
+    assert initial > 2.0  # 4 classes of near-random cosines
+    assert final < 0.05 and final < halfway
+    assert torch.equal(feats.features[4].detach(), untouched)  # absent class: no gradient, no momentum
+    restored = FederatedFeatures(5, 10, 16, gen(99), feature_lr=10.0)
+    restored.load_state_dict(state)
+    assert restored.match(weight, bias, g_agg, present, steps=100) == final
+    assert torch.equal(restored.features, feats.features)
+    with pytest.raises(ValueError):
+        feats.match(weight, bias, g_agg, torch.zeros(5, dtype=torch.bool), steps=1)
+
+
+def test_classifier_retrained_on_federated_features_rivals_real_features():
+    """CReFF end to end on 5 overlapping unit-variance blobs in 16-d (centres ~ N(0, I)),
+    200 samples per class split over 3 clients. Each of 3 rounds: clients send per-class
+    gradients w.r.t. the current re-trained classifier, the server matches 10 federated
+    features per class (100 steps) and re-trains a fresh classifier on them. Compared with a
+    classifier re-trained on all the real features, evaluated on those real features."""
+    x, y = blobs(5, 16, 200, scale=1.0, seed=20)
+    real_w, real_b = retrain_linear(x, y, 5, steps=300, lr=0.1, batch_size=64, generator=gen(21))
+    real_acc = accuracy(real_w, real_b, x, y)
+    shards = torch.randperm(y.shape[0], generator=gen(22)).chunk(3)
+    feats = FederatedFeatures(5, 10, 16, gen(23), feature_lr=10.0)
+    init_x, init_y = feats.features_and_labels()
+    unmatched_w, unmatched_b = retrain_linear(init_x, init_y, 5, steps=100, lr=0.1, batch_size=32, generator=gen(24))
+    weight, bias = linear_init(16, 5, gen(25))
+    for round_ in range(3):
+        g_agg, present = aggregate_gradients([per_class_gradients(weight, bias, x[s], y[s], 5) for s in shards])
+        feats.match(weight, bias, g_agg, present, steps=100)
+        fx, fy = feats.features_and_labels()
+        weight, bias = retrain_linear(fx, fy, 5, steps=100, lr=0.1, batch_size=32, generator=gen(26 + round_))
+    fed_acc = accuracy(weight, bias, x, y)
+    unmatched_acc = accuracy(unmatched_w, unmatched_b, x, y)
+    print(f"accuracy: real {real_acc:.3f}, federated {fed_acc:.3f}, unmatched random features {unmatched_acc:.3f}")
+    assert real_acc > 0.9
+    assert fed_acc >= real_acc - 0.10
+    assert unmatched_acc < 0.5  # the information comes from the matching
