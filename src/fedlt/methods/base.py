@@ -27,9 +27,10 @@ from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fedlt.config import Config
+from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.models import FedModel, create_model
 from fedlt.seeding import numpy_rng, torch_generator
@@ -41,6 +42,19 @@ class MethodArgs(BaseModel):
     """Method-specific knobs (``method_args.*``); subclasses add fields with defaults from the paper."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) -> MethodArgs:
+    """Validate a knob section (``method_args``, ``calibration_args``) as one-line ConfigErrors."""
+    try:
+        return args_cls.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            valid = ", ".join(args_cls.model_fields) or "none"
+            raise ConfigError(f"{owner} has no knob {section}.{key}; its knobs: {valid}") from None
+        raise ConfigError(f"invalid {section}.{key} for {owner}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 @dataclass

@@ -13,13 +13,14 @@ import copy
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from fedlt.calibration.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
-from fedlt.methods.base import Client, ClientContext, MethodSpec, Server, ServerContext, Stage, clone_state
-from fedlt.methods.calibrators import CALIBRATORS, STAT_KINDS, CalibrationArgs, creff_client_gradients
+from fedlt.methods.base import (
+    Client, ClientContext, MethodSpec, Server, ServerContext, Stage, clone_state, parse_args,
+)
+from fedlt.methods.calibrators import CALIBRATORS, CalibrationArgs, creff_client_gradients
 
 STATS_QUERY = "calibration_stats"
 
@@ -207,15 +208,7 @@ def balanced_sample(labels: torch.Tensor, per_class: int, generator: torch.Gener
 
 
 def parse_calibration_args(raw: dict) -> CalibrationArgs:
-    try:
-        return CalibrationArgs.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            raise ConfigError(f"unknown knob calibration_args.{key}; knobs: {', '.join(CalibrationArgs.model_fields)}"
-                              ) from None
-        raise ConfigError(f"invalid calibration_args.{key}: {first['msg']}") from None
+    return parse_args(CalibrationArgs, raw, "calibration_args", "calibration")
 
 
 def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
@@ -235,5 +228,3 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
         pooled=spec.pooled, make_model=spec.make_model, uses_loss_config=spec.uses_loss_config,
     )
 
-
-__all__ = ["CalibrationArgs", "STAT_KINDS", "with_calibration"]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
-
 from fedlt.errors import ConfigError
-from fedlt.methods.base import MethodArgs, MethodSpec
+from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
@@ -32,16 +30,8 @@ def get_method(name: str) -> MethodSpec:
 
 
 def parse_method_args(spec: MethodSpec, raw: dict) -> MethodArgs:
-    """Validate ``method_args`` against the method's own knobs, as one-line ConfigErrors."""
-    try:
-        return spec.args.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            valid = ", ".join(spec.args.model_fields) or "none"
-            raise ConfigError(f"method {spec.name} has no knob method_args.{key}; its knobs: {valid}") from None
-        raise ConfigError(f"invalid method_args.{key} for {spec.name}: {first['msg'].removeprefix('Value error, ')}") from None
+    """Validate ``method_args`` against the method's own knobs."""
+    return parse_args(spec.args, raw, "method_args", f"method {spec.name}")
 
 
 def list_methods() -> list[tuple[str, str]]:
