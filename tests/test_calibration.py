@@ -88,9 +88,16 @@ def test_post_hoc_statistics_equal_pooled_features(tmp_path):
 
 
 def test_calibration_composes_with_other_local_objectives(tmp_path):
-    res = fedlt.run(tiny(tmp_path, method="fedprox", method_args={"mu": 0.01}, loss={"name": "la"},
-                         calibration=["fed3r", "taunorm"]), quiet=True)
+    local = dict(method="fedprox", method_args={"mu": 0.01}, loss={"name": "la"})
+    plain = fedlt.run(tiny(tmp_path / "plain", calibration_args={}, **local), quiet=True)
+    res = fedlt.run(tiny(tmp_path, calibration=["fed3r", "taunorm"], **local), quiet=True)
     final = res.summary["final"]
+    # the wrapped method trains exactly as it does alone: FedProx's term and LA's prior are kept
+    assert final["variants"]["uncalibrated"]["acc"] == plain.summary["final"]["acc"]
+    assert final["variants"]["uncalibrated"]["loss"] == pytest.approx(plain.summary["final"]["loss"], abs=0)
+    # Fed3R uploads Z^T Z and Z^T Y only, not per-class covariances
+    stats = res.summary["messages"][f"query:{STATS_QUERY}"]["from_client"]["payload"]
+    assert {k: v["shape"] for k, v in stats.items()} == {"ridge_sums/gram": [128, 128], "ridge_sums/cross": [128, 10]}
     assert final["variants"].keys() == {"uncalibrated", "taunorm"}
     assert res.summary["calibration"] == ["fed3r", "taunorm"]
     assert final["acc"] != final["variants"]["uncalibrated"]["acc"]
@@ -125,3 +132,23 @@ def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
     monkeypatch.setattr(Simulation, "fit_round", original)
     resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)
+    assert resumed.summary["messages"] == full.summary["messages"]
+
+
+def test_a_client_without_data_answers_every_request(tmp_path):
+    """Small alpha leaves clients empty: their gradients and statistics must be empty, not errors."""
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.messages import Message
+
+    sim = prepare(build_config(tiny(tmp_path, method="creff", calibration=ALL_POST_HOC)))
+    ctx = sim._context(0, 1)
+    ctx.data.indices = ctx.data.indices[:0]
+    msg = sim.server.fit_message(1, 0)
+    reply = sim.client.fit(ctx, msg)
+    assert reply.num_samples == 0 and reply.payload["creff/classes"].numel() == 0
+    needs = "class_sums,features,normalized_sums,ridge_sums"
+    stats = sim.client.query(STATS_QUERY, ctx, Message(weights=msg.weights, payload={"needs": needs,
+                                                                                     "oracle_per_class": 5}))
+    assert stats.payload["class_sums/count"].sum() == 0 and stats.payload["features/z"].shape == (0, 128)
+    assert not stats.payload["ridge_sums/gram"].any()

@@ -77,8 +77,13 @@ def calibrations_cmd() -> None:
     """List the classifier calibrations (calibration=NAME or a list; knobs in calibration_args.*)."""
     from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 
+    from fedlt.methods.calibrators import CalibrationArgs
+
     for name, desc in CALIBRATION_DESCRIPTIONS.items():
         typer.echo(f"{name:14s} {desc}")
+    typer.echo("\nknobs (calibration_args.NAME=VALUE):")
+    for key, field in CalibrationArgs.model_fields.items():
+        typer.echo(f"  {key:26s} {field.default!s:8s} {field.description}")
 
 
 @app.command("datasets")

@@ -185,7 +185,7 @@ class Simulation:
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
-                "pending": pending}
+                "pending": pending, "messages": self.message_record}
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;
@@ -196,6 +196,7 @@ class Simulation:
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
             start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
+            self.message_record = ckpt["messages"]
             self.server.load_state_dict(ckpt["server"])
             self.client_states = ckpt["clients"]
             rows = read_metrics(run_dir, up_to_round=start)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fedlt.calibration.classifiers import ridge_sums
 from fedlt.calibration.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
@@ -36,7 +37,8 @@ def client_features(model, ctx: ClientContext, batch_size: int = 512) -> tuple[t
         feats.append(model.forward_features(x).float())
         labels.append(y)
     if not feats:
-        return torch.zeros(0, model.feature_dim, device=ctx.data.indices.device), torch.zeros(0, dtype=torch.int64)
+        device = ctx.data.indices.device
+        return torch.zeros(0, model.feature_dim, device=device), torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -105,7 +107,8 @@ class CalibratedServer(Server):
         if model is None:
             model = copy.deepcopy(self._backbone())
             self._eval_models[name] = model
-        model.load_state_dict(self._backbone().state_dict(), strict=False)
+        encoder = {k: v for k, v in self._backbone().state_dict().items() if not k.startswith("head.")}
+        model.load_state_dict(encoder, strict=False)  # never into the calibrated head
         model.head = head
         return model
 
@@ -143,14 +146,13 @@ class CalibratedServer(Server):
 def merge_client_stats(needs: list[str], replies: dict[int, Reply]) -> dict[str, Any]:
     """Sum the clients' statistics (they are sums, so a secure aggregate would give the same)."""
     out: dict[str, Any] = {}
-    for kind in ("class_sums", "normalized_sums"):
+    for kind in ("class_sums", "normalized_sums", "ridge_sums"):
         if kind in needs:
             out[kind] = merge_sums([{k.split("/", 1)[1]: v for k, v in r.payload.items() if k.startswith(kind + "/")}
                                     for r in replies.values()])
     if "features" in needs:
-        feats = [r.payload["features/z"] for r in replies.values() if r.payload["features/z"].numel()]
-        labels = [r.payload["features/y"] for r in replies.values() if r.payload["features/y"].numel()]
-        out["features"] = (torch.cat(feats), torch.cat(labels))
+        out["features"] = (torch.cat([r.payload["features/z"] for r in replies.values()]),
+                           torch.cat([r.payload["features/y"] for r in replies.values()]))
     return out
 
 
@@ -188,6 +190,9 @@ class CalibratedClient(Client):
             unit = torch.nn.functional.normalize(feats, dim=1)
             sums = class_feature_sums(unit, labels, c, second_moment=False)
             payload.update({f"normalized_sums/{k}": v.cpu() for k, v in sums.items()})
+        if "ridge_sums" in needs:
+            gram, cross = ridge_sums(feats, labels, c)
+            payload.update({"ridge_sums/gram": gram.cpu(), "ridge_sums/cross": cross.cpu()})
         if "features" in needs:
             keep = balanced_sample(labels, int(msg.payload["oracle_per_class"]), ctx.generator(purpose=61))
             payload.update({"features/z": feats[keep].cpu(), "features/y": labels[keep].cpu()})

@@ -22,7 +22,7 @@ from fedlt.messages import Payload, Reply
 from fedlt.methods.base import MethodArgs, ServerContext
 
 #: statistics a calibrator can ask every client for after training
-STAT_KINDS = ("class_sums", "normalized_sums", "features")
+STAT_KINDS = ("class_sums", "normalized_sums", "ridge_sums", "features")
 
 
 class CalibrationArgs(MethodArgs):
@@ -34,6 +34,9 @@ class CalibrationArgs(MethodArgs):
     creff_feature_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of the federated features on the row-summed "
                                     "matching loss (paper and code: 0.1)")
     creff_retrain_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of classifier re-training (paper: 0.1)")
+    creff_retrain_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of re-training (paper: plain SGD)")
+    creff_feature_momentum: float = Field(0.5, ge=0, description="CReFF: momentum of the feature optimiser (the "
+                                          "gradient-matching optimiser of Zhao et al. 2021; the paper names none)")
     retrain_steps: int = Field(300, ge=1, description="CCVR / oracle: classifier re-training steps")
     retrain_lr: float = Field(0.1, gt=0, description="CCVR / oracle: re-training lr")
     retrain_batch_size: int = Field(32, ge=1, description="re-training mini-batch (CReFF, CCVR, oracle)")
@@ -118,7 +121,8 @@ class CReFF(Calibrator):
         # Eq. 6 averages over the C classifier rows; the released code sums them, and only that
         # step size (lr 0.1 on the sum = lr 0.1*C on Eq. 6) moves the features enough in I=100 steps.
         self.features = creff.FederatedFeatures(c, args.creff_features_per_class, d, ctx.generator(0, purpose=31),
-                                                feature_lr=args.creff_feature_lr * c, device=ctx.device)
+                                                feature_lr=args.creff_feature_lr * c,
+                                                momentum=args.creff_feature_momentum, device=ctx.device)
         # v-hat^t, the re-trained classifier sent with round t (round 1: a fresh one)
         self.retrained = linear_head(*linear_init(d, c, ctx.generator(0, purpose=32)))
         self.g_agg: torch.Tensor | None = None
@@ -142,14 +146,16 @@ class CReFF(Calibrator):
         return full, present
 
     def end_round(self, rnd: int, model) -> None:
-        if self.g_agg is None:
+        if self.g_agg is None or not bool(self.present.any()):  # no sampled client held any data
+            self.matching_loss = None
             return
         w, b = self.retrained.weight.detach(), self.retrained.bias.detach()
         self.matching_loss = self.features.match(w, b, self.g_agg, self.present, self.args.creff_feature_steps)
         feats, labels = self.features.features_and_labels()
         weight, bias = retrain_linear(
             feats.detach(), labels, self.num_classes, init=None, steps=self.args.creff_retrain_steps,
-            lr=self.args.creff_retrain_lr, batch_size=self.args.retrain_batch_size,
+            lr=self.args.creff_retrain_lr, momentum=self.args.creff_retrain_momentum,
+            batch_size=self.args.retrain_batch_size,
             generator=self.ctx.generator(rnd, purpose=33),
         )
         self.retrained = linear_head(weight, bias)
@@ -224,13 +230,11 @@ class Fed3R(Calibrator):
     """Fed3R (Fanì et al. 2024): closed-form ridge-regression classifier from summed statistics."""
 
     name = "fed3r"
-    needs = frozenset({"class_sums"})
+    needs = frozenset({"ridge_sums"})
 
     def finish(self, stats, model) -> None:
-        sums = stats["class_sums"]
-        gram = sums["sum_outer"].sum(0)
-        cross = sums["sum"].T
-        weight, bias = ridge_classifier(gram, cross, lam=self.args.fed3r_lambda)
+        sums = stats["ridge_sums"]
+        weight, bias = ridge_classifier(sums["gram"], sums["cross"], lam=self.args.fed3r_lambda)
         self._head = linear_head(weight.to(self.ctx.device), bias.to(self.ctx.device))
 
 
