@@ -18,7 +18,7 @@ from fedlt.errors import FedltError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated learning on long-tailed data.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: speed, calibration.")
 app.add_typer(bench_app, name="bench")
 
 

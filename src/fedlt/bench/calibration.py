@@ -68,9 +68,10 @@ def run_calibration_bench(config: str | None, overrides: list[str], alphas: list
         up = both["from_client"]
         entries = ", ".join(f"`{k}` {e.get('shape')} {e['bytes']}" for k, e in up["payload"].items())
         lines.append(f"- {kind}: model {up['model_bytes']} bytes; {entries or 'no payload'}")
-    lines += ["", "In `query:calibration_stats` the `class_sums/*` entries serve CCVR and Fed3R, `normalized_sums/*` "
-              "FedNCM and `features/*` only the oracle; tau-norm needs no upload. CReFF's `creff/*` entries ride "
-              "on every fit reply, for the classes the client holds."]
+    lines += ["", "In `query:calibration_stats` the `class_sums/*` entries serve CCVR, `normalized_sums/*` FedNCM, "
+              "`ridge_sums/*` Fed3R and `features/*` only the oracle; tau-norm needs no upload. CReFF's `creff/*` "
+              "entries ride on every fit reply, one C x (d+1) gradient per class the client holds (the line above "
+              "is one client of the last run; clients hold 1 to 10 classes)."]
     return "\n".join(lines)
 
 
