@@ -50,6 +50,7 @@ def test_creff_backbone_is_fedavg_and_uploads_only_held_classes(tmp_path):
     stats = msgs[f"query:{STATS_QUERY}"]["from_client"]["payload"]
     assert stats["class_sums/sum_outer"]["shape"] == [10, 128, 128]
     assert creff.metrics[-1]["variants"].keys() == {"uncalibrated", *ALL_POST_HOC}
+    assert creff.summary["calibration"] == ["creff", *ALL_POST_HOC]
     report = (creff.run_dir / "report.md").read_text()
     assert "NOT PRIVATE" in report and "creff/grads" in report
 

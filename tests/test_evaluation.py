@@ -220,6 +220,14 @@ def test_payload_nbytes_counts_tensor_bytes_and_scalars() -> None:
     assert payload_nbytes({"n": None}) == 0
     nested = {"d": {"a": torch.zeros(2, dtype=torch.float64), "k": 1}, "l": [torch.zeros(3), 2.0]}
     assert payload_nbytes(nested) == (16 + 8) + (12 + 8)
+    assert payload_nbytes({"a": np.zeros(3, dtype=np.float32)}) == 12
+
+
+def test_payload_refuses_what_cannot_cross_a_network() -> None:
+    with pytest.raises(TypeError, match="cannot carry a Linear"):
+        payload_nbytes({"head": torch.nn.Linear(2, 2)})
+    with pytest.raises(TypeError, match="cannot carry a function"):
+        Message(payload={"f": lambda x: x}).nbytes()
 
 
 def test_message_and_reply_nbytes() -> None:

@@ -16,7 +16,11 @@ Payload = dict[str, Any]
 
 
 def payload_nbytes(payload: Payload) -> int:
-    """Bytes a payload takes on the wire: tensor data, 8 bytes per scalar, UTF-8 for strings."""
+    """Bytes a payload takes on the wire: tensor data, 8 bytes per scalar, UTF-8 for strings.
+
+    Anything else (a module, an optimiser, a callable) could not cross a real network, so it is
+    refused here — every in-process message is measured — rather than later under Flower.
+    """
     total = 0
     for value in payload.values():
         if isinstance(value, torch.Tensor):
@@ -29,8 +33,10 @@ def payload_nbytes(payload: Payload) -> int:
             total += payload_nbytes(dict(enumerate(value)))
         elif isinstance(value, str):
             total += len(value.encode())
-        elif value is not None:
+        elif isinstance(value, (bool, int, float)):
             total += 8
+        elif value is not None:
+            raise TypeError(f"a message cannot carry a {type(value).__name__}; send tensors, arrays, scalars or strings")
     return total
 
 

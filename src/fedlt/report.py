@@ -10,7 +10,8 @@ def _cell(value: Any) -> str:
 
 
 def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
-    """Markdown: one row per run with final-round GM (overall, many/medium/few) and PM accuracy.
+    """Markdown: one row per run with final-round GM (overall, many/medium/few) and PM accuracy,
+    plus one row per evaluated variant of its global model (other calibrations, uncalibrated).
 
     The headline is the final round; the best round's GM accuracy is a separate, labelled column.
     """
@@ -22,10 +23,20 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
     for name, s in summaries:
         f, b = s["final"], s["best_round"]
         loss = s.get("loss", "-")
+        calibration = s.get("calibration") or []
+        label = f"{name} [{calibration[0]}]" if calibration else name
         lines.append(
-            f"| {name} | {s['method']} | {loss} | {f['round']} | {_cell(f['acc'])} | {_cell(f['many_acc'])} "
+            f"| {label} | {s['method']} | {loss} | {f['round']} | {_cell(f['acc'])} | {_cell(f['many_acc'])} "
             f"| {_cell(f['medium_acc'])} | {_cell(f['few_acc'])} | {_cell(f['pm_acc'])} "
             f"| {_cell(b['acc'])} ({b['round']}) |"
         )
-    lines += ["", "Shot groups: " + "; ".join(rules)]
+        for variant, v in (f.get("variants") or {}).items():
+            tag = f"{variant}, not private" if variant == "oracle" else variant
+            lines.append(
+                f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {_cell(v['acc'])} "
+                f"| {_cell(v['many_acc'])} | {_cell(v['medium_acc'])} | {_cell(v['few_acc'])} | - | - |"
+            )
+    lines += ["", "Shot groups: " + "; ".join(rules),
+              "Rows `[name]` are heads evaluated on the same run's backbone; `[uncalibrated]` is the method "
+              "without calibration. PM accuracy is reported for the headline model only."]
     return "\n".join(lines)

@@ -84,7 +84,6 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         "rounds": cfg.fl.rounds,
         "final": {"round": final.get("round"), **{k: final.get(k) for k in pick}},
         "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in pick[:-2]}},
-        "calibration": list(cfg.calibration),
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
         } if rows else {},
@@ -141,7 +140,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
                   "| variant | acc | many | medium | few |", "|---|---|---|---|---|"]
         lines += [f"| {name} | {_fmt(v['acc'])} | {_fmt(v['many_acc'])} | {_fmt(v['medium_acc'])} | {_fmt(v['few_acc'])} |"
                   for name, v in f["variants"].items()]
-        if "oracle" in cfg.calibration:
+        if "oracle" in f["variants"]:
             lines += ["", "oracle: NOT PRIVATE — clients uploaded real features; a diagnostic upper bound."]
     messages = summary.get("messages") or {}
     if messages:

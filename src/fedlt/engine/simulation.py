@@ -243,5 +243,6 @@ class Simulation:
             "class_names": self.eval_data.train.classes,
             "device": str(self.device),
             "messages": self.message_record,
+            "calibration": list(self.spec.calibration),
         })
         return RunResult(run_dir, summary, rows)

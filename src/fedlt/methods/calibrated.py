@@ -231,5 +231,6 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
     return MethodSpec(
         name=spec.name, description=spec.description, server=server, client=client, args=spec.args,
         pooled=spec.pooled, make_model=spec.make_model, uses_loss_config=spec.uses_loss_config,
+        calibration=tuple(names),
     )
 
