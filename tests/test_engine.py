@@ -144,3 +144,29 @@ def test_centralized_oracle_trains_one_pooled_client(tmp_path):
     assert res.metrics[0]["comm"]["down_model"] * 3 == fed.metrics[0]["comm"]["down_model"]
     assert res.summary["final"]["acc"] > fed.summary["final"]["acc"]
     assert res.summary["final"]["pm_acc"] is not None
+
+
+def test_augmentation_is_seeded_and_applied_only_in_training(tmp_path):
+    w1 = fedlt.run(tiny(tmp_path, fl__rounds=2, data__augment="weak", run__name="w1"), quiet=True)
+    w2 = fedlt.run(tiny(tmp_path, fl__rounds=2, data__augment="weak", run__name="w2"), quiet=True)
+    plain = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="plain"), quiet=True)
+    assert without_timing(w1.metrics) == without_timing(w2.metrics)
+    assert w1.metrics[-1]["loss"] != pytest.approx(plain.metrics[-1]["loss"])
+
+
+def test_client_batches_augment_only_with_a_generator_and_respect_hflip():
+    from fedlt.methods.base import ClientData
+
+    seen = []
+
+    def fake_augment(x, generator, hflip):
+        seen.append(hflip)
+        return 1.0 - x
+
+    images = torch.randint(0, 256, (6, 1, 8, 8), dtype=torch.uint8)
+    data = ClientData(images, torch.arange(6), torch.tensor([1, 3, 5]), 6, standardize=lambda x: x * 2,
+                      augment=fake_augment, hflip=False)
+    x, y = data.batch(torch.tensor([0, 2]))
+    assert torch.equal(x, images[[1, 5]].float() / 255 * 2) and y.tolist() == [1, 5] and seen == []
+    x, _ = data.batch(torch.tensor([0, 2]), torch.Generator().manual_seed(0))
+    assert torch.allclose(x, (1 - images[[1, 5]].float() / 255) * 2) and seen == [False]

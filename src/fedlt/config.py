@@ -33,6 +33,9 @@ class DataConfig(_Section):
     min_client_size: int = Field(0, ge=0, description="Dirichlet: redraw until every client holds at least this many")
     max_retries: int = Field(1000, ge=1, description="Dirichlet: draws tried before giving up with an error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
+    augment: Literal["none", "weak", "strong"] = Field(
+        "none", description="training augmentation on the device: weak = crop+flip+rotate, strong = + RandAugment+Cutout"
+    )
 
     @field_validator("imbalance_factor")
     @classmethod

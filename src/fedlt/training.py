@@ -53,11 +53,12 @@ def train_local(
     torch.manual_seed(seed_for(ctx.seed, "train", ctx.round, ctx.cid, 99))  # for modules that use the global RNG
     optimizer = make_sgd(params if params is not None else model.parameters(), train)
     generator = ctx.generator()
+    augment_generator = ctx.generator(purpose=1)
     model.train()
     total, steps = torch.zeros((), device=data.images.device), 0
     for _ in range(train.epochs if epochs is None else epochs):
         for rows in epoch_batches(len(data), train.batch_size, generator):
-            x, y = data.batch(rows)
+            x, y = data.batch(rows, augment_generator)
             loss = batch_loss(x, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

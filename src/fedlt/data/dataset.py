@@ -65,9 +65,13 @@ class ImageDataset:
 
     def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 batch -> float32 batch, scaled to [0, 1] then standardised per channel."""
-        mean = torch.tensor(self.mean, device=images_uint8.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=images_uint8.device).view(1, -1, 1, 1)
-        return (images_uint8.float().div_(255.0) - mean) / std
+        return self.standardize(images_uint8.float().div_(255.0))
+
+    def standardize(self, images01: torch.Tensor) -> torch.Tensor:
+        """float batch in [0, 1] (e.g. after augmentation) -> standardised per channel."""
+        mean = torch.tensor(self.mean, device=images01.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=images01.device).view(1, -1, 1, 1)
+        return (images01 - mean) / std
 
 
 @dataclass

@@ -12,7 +12,7 @@ from fedlt.data.dataset import ImageDataset
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_indices
 from fedlt.data.partition import Partition, dirichlet_partition, iid_partition, pathological_partition
-from fedlt.data.registry import load_dataset
+from fedlt.data.registry import DATASETS, load_dataset
 from fedlt.errors import DataError
 from fedlt.seeding import numpy_rng
 
@@ -28,6 +28,7 @@ class FederatedData:
     test: ImageDataset
     partition: Partition
     local_test: list[np.ndarray]
+    hflip: bool = True
 
     @property
     def num_clients(self) -> int:
@@ -49,7 +50,7 @@ class FederatedData:
         """Every training sample in one client: the centralized oracle's view (local tests kept)."""
         merged = np.sort(np.concatenate(self.partition.client_indices))
         one = Partition([merged], self.partition.counts.sum(axis=0, keepdims=True))
-        return FederatedData(self.train, self.test, one, self.local_test)
+        return FederatedData(self.train, self.test, one, self.local_test, self.hflip)
 
     def describe(self) -> str:
         counts = self.train_counts
@@ -89,4 +90,4 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     train = pair.train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, pair.test.labels.numpy(), numpy_rng(seed, "local_test"))
-    return FederatedData(train.to(device), pair.test.to(device), partition, local)
+    return FederatedData(train.to(device), pair.test.to(device), partition, local, DATASETS[cfg.dataset].hflip)

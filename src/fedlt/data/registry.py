@@ -33,6 +33,7 @@ class DatasetInfo:
     image_size : the images' side: fixed, or the default when ``resizable``
     resizable : whether ``load_dataset``'s ``image_size`` chooses the side
     default_root : folder used when neither ``root`` nor ``$FEDLT_DATA`` is given
+    hflip : whether a horizontal flip keeps the label (not for digits)
     """
 
     description: str
@@ -41,6 +42,7 @@ class DatasetInfo:
     image_size: int
     resizable: bool = False
     default_root: Path | None = None
+    hflip: bool = True
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -69,6 +71,7 @@ DATASETS: dict[str, DatasetInfo] = {
         lambda root, size: svhn.load_svhn(root),
         subfolder="svhn",
         image_size=32,
+        hflip=False,
     ),
     "cinic10": DatasetInfo(
         "CINIC-10, 10 classes, 3x32x32, 90k/90k; train/ and test/ PNG class folders in $FEDLT_DATA/cinic-10",

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fedlt.config import Config
+from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.sampling import lr_at, sampling_schedule
@@ -53,6 +54,7 @@ class Simulation:
         self.server_model = self._new_model()
         self.worker = self._new_model()
         self._worker_init = {k: v.clone() for k, v in self.worker.state_dict().items()}
+        self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
         self.server = spec.server(ServerContext(
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
@@ -87,18 +89,18 @@ class Simulation:
         return ClientContext(
             cid=cid, round=rnd, model=self.worker,
             data=ClientData(data.train.images, data.train.labels, data.client_indices(cid), data.num_classes,
-                            self._normalizer()),
+                            self._standardizer(), self._augment, data.hflip),
             state=self.client_states.setdefault(cid, {}),
             train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
                                 fl.grad_clip),
             device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
         )
 
-    def _normalizer(self):
-        normalize = self.train_data.train.normalize
+    def _standardizer(self):
+        standardize = self.train_data.train.standardize
         if not self.cfg.run.channels_last:
-            return normalize
-        return lambda x: normalize(x).contiguous(memory_format=torch.channels_last)
+            return standardize
+        return lambda x: standardize(x).contiguous(memory_format=torch.channels_last)
 
     def _send(self, cid: int, kind: str, msg: Message, handle) -> Reply:
         down_model, down_payload = msg.nbytes()

@@ -65,7 +65,9 @@ class ClientData:
     labels: torch.Tensor  # int64 (N_all,)
     indices: torch.Tensor  # int64 (n_k,), this client's rows
     num_classes: int
-    normalize: Callable[[torch.Tensor], torch.Tensor]
+    standardize: Callable[[torch.Tensor], torch.Tensor]  # float [0, 1] batch -> model input
+    augment: Callable[[torch.Tensor, torch.Generator, bool], torch.Tensor] | None = None
+    hflip: bool = True  # whether flips keep labels (not for digits)
 
     def __len__(self) -> int:
         return int(self.indices.numel())
@@ -73,10 +75,20 @@ class ClientData:
     def class_counts(self) -> torch.Tensor:
         return torch.bincount(self.labels[self.indices], minlength=self.num_classes)
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised float images and labels of ``rows`` (positions within this client)."""
+    def raw(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images and labels of ``rows`` (positions within this client), for methods that
+        build their own views."""
         idx = self.indices[rows]
-        return self.normalize(self.images[idx]), self.labels[idx]
+        return self.images[idx], self.labels[idx]
+
+    def batch(self, rows: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model-ready images and labels of ``rows``; augmented (``data.augment``) when a
+        generator is given — training passes one, feature extraction and evaluation do not."""
+        images, labels = self.raw(rows)
+        x = images.float().div_(255.0)
+        if generator is not None and self.augment is not None:
+            x = self.augment(x, generator, self.hflip)
+        return self.standardize(x), labels
 
 
 @dataclass

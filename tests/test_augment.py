@@ -1,0 +1,293 @@
+"""Batched on-device augmentation: contracts, determinism and per-op behaviour."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from fedlt.data import augment
+from fedlt.data.augment import (
+    AUGMENTATIONS,
+    GEOMETRIC_OPS,
+    OP_NAMES,
+    apply_op,
+    cutout,
+    get_augmentation,
+    rand_augment,
+    random_crop,
+    random_flip,
+    random_rotation,
+    strong_view,
+    weak_view,
+)
+from fedlt.errors import ConfigError
+
+SHAPES = [(4, 1, 28, 28), (4, 3, 32, 32)]
+
+Fn = Callable[[Tensor, torch.Generator], Tensor]
+FUNCTIONS: dict[str, Fn] = {
+    "random_crop": lambda x, g: random_crop(x, 4, g),
+    "random_flip": lambda x, g: random_flip(x, g),
+    "random_rotation": lambda x, g: random_rotation(x, 30.0, g),
+    "cutout": lambda x, g: cutout(x, 8, g),
+    "rand_augment": lambda x, g: rand_augment(x, g),
+    "weak_view": lambda x, g: weak_view(x, g),
+    "weak_view_noflip": lambda x, g: weak_view(x, g, flip=False),
+    "strong_view": lambda x, g: strong_view(x, g),
+    "strong_view_noflip": lambda x, g: strong_view(x, g, flip=False),
+    "none": lambda x, g: AUGMENTATIONS["none"](x, g, True),
+}
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def batch(shape: tuple[int, ...], seed: int = 123) -> Tensor:
+    return torch.rand(shape, generator=gen(seed))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_contract(name: str, shape: tuple[int, ...]) -> None:
+    x = batch(shape)
+    before = x.clone()
+    out = FUNCTIONS[name](x, gen())
+    assert out.shape == x.shape
+    assert out.dtype == x.dtype
+    assert out.device == x.device
+    assert out.min() >= 0.0 and out.max() <= 1.0
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("name", [n for n in FUNCTIONS if n != "none"])
+def test_seed_determinism(name: str) -> None:
+    x = batch((32, 3, 32, 32))
+    fn = FUNCTIONS[name]
+    assert torch.equal(fn(x, gen(1)), fn(x, gen(1)))
+    assert not torch.equal(fn(x, gen(1)), fn(x, gen(2)))
+
+
+def test_float64_keeps_dtype() -> None:
+    x = batch((4, 3, 32, 32)).double()
+    assert strong_view(x, gen()).dtype == torch.float64
+
+
+def test_rejects_non_float_batch() -> None:
+    with pytest.raises(ValueError, match="float"):
+        random_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), gen())
+
+
+def test_crop_padding_zero_is_identity() -> None:
+    x = batch((4, 3, 32, 32))
+    assert torch.equal(random_crop(x, 0, gen()), x)
+
+
+def test_crop_moves_single_pixel_within_padding() -> None:
+    padding, y, x0 = 4, 10, 20
+    x = torch.zeros(64, 1, 32, 32)
+    x[:, :, y, x0] = 1.0
+    out = random_crop(x, padding, gen())
+    assert torch.equal(out.sum(dim=(1, 2, 3)), torch.ones(64))
+    pos = out.flatten(1).argmax(dim=1)
+    dy, dx = pos // 32 - y, pos % 32 - x0
+    assert dy.abs().max() <= padding and dx.abs().max() <= padding
+    assert len(set(zip(dy.tolist(), dx.tolist()))) > 10
+
+
+def test_crop_fills_with_zeros() -> None:
+    out = random_crop(torch.ones(64, 3, 16, 16), 2, gen())
+    assert (out == 0).any()
+    assert ((out == 0) | (out == 1)).all()
+
+
+def test_flip_probabilities() -> None:
+    x = batch((8, 3, 32, 32))
+    assert torch.equal(random_flip(x, gen(), p=1.0), x.flip(-1))
+    assert torch.equal(random_flip(x, gen(), p=0.0), x)
+    mixed = random_flip(batch((64, 3, 8, 8)), gen())
+    flipped = (mixed == batch((64, 3, 8, 8)).flip(-1)).flatten(1).all(dim=1)
+    assert 0 < int(flipped.sum()) < 64
+
+
+def test_rotation_zero_degrees_is_identity() -> None:
+    x = batch((4, 3, 32, 32))
+    torch.testing.assert_close(random_rotation(x, 0.0, gen()), x, atol=1e-5, rtol=0)
+
+
+def test_rotation_keeps_centre_and_blanks_corners() -> None:
+    x = torch.ones(16, 1, 32, 32)
+    out = random_rotation(x, 45.0, gen())
+    torch.testing.assert_close(out[:, :, 14:18, 14:18], x[:, :, 14:18, 14:18])
+    assert (out[:, :, 0, 0] < 1).any()
+
+
+@pytest.mark.parametrize("size", [1, 5, 8])
+def test_cutout_zeroes_one_square(size: int) -> None:
+    x = torch.ones(128, 3, 16, 16)
+    out = cutout(x, size, gen())
+    holes = out[:, 0] == 0
+    assert torch.equal(holes[:, None].expand_as(out), out == 0)
+    counts = holes.flatten(1).sum(dim=1)
+    assert (counts > 0).all() and (counts <= size * size).all()
+    rows, cols = holes.any(dim=2), holes.any(dim=1)
+    assert torch.equal(counts, rows.sum(dim=1) * cols.sum(dim=1))
+    assert (counts == size * size).any()
+
+
+def test_cutout_of_half_size_on_32px() -> None:
+    out = cutout(torch.ones(256, 3, 32, 32), 16, gen())
+    counts = (out[:, 0] == 0).flatten(1).sum(dim=1)
+    assert counts.max() == 256 and counts.min() >= 64
+
+
+def test_rand_augment_changes_images() -> None:
+    x = batch((32, 3, 32, 32))
+    out = rand_augment(x, gen())
+    changed = (out - x).abs().flatten(1).amax(dim=1) > 1e-3
+    assert int(changed.sum()) >= 24
+
+
+def test_rand_augment_geometric_magnitude_zero_is_identity() -> None:
+    x = batch((16, 3, 32, 32))
+    out = rand_augment(x, gen(), num_ops=3, magnitude=0, ops=GEOMETRIC_OPS)
+    torch.testing.assert_close(out, x, atol=1e-5, rtol=0)
+
+
+def test_rand_augment_rejects_unknown_op_and_magnitude() -> None:
+    x = batch((2, 3, 8, 8))
+    with pytest.raises(ValueError, match="subset"):
+        rand_augment(x, gen(), ops=("rotate", "blur"))
+    with pytest.raises(ValueError, match="magnitude"):
+        apply_op(x, "rotate", 11, gen())
+    with pytest.raises(ValueError, match="unknown"):
+        apply_op(x, "blur", 5, gen())
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_each_op_contract(name: str, channels: int) -> None:
+    x = batch((4, channels, 28, 28))
+    before = x.clone()
+    for magnitude in (0, 5, 10):
+        out = apply_op(x, name, magnitude, gen())
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert out.min() >= 0.0 and out.max() <= 1.0
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("name", ["solarize", "contrast", "brightness", "color", "sharpness"])
+def test_photometric_ops_at_magnitude_zero_are_identity(name: str) -> None:
+    x = batch((4, 3, 16, 16))
+    torch.testing.assert_close(apply_op(x, name, 0, gen()), x, atol=1e-6, rtol=0)
+
+
+def test_brightness_scales_by_0_1_or_1_9() -> None:
+    x = batch((32, 3, 8, 8)) * 0.5
+    out = apply_op(x, "brightness", 10, gen())
+    ratio = (out / x).flatten(1)
+    torch.testing.assert_close(ratio.amin(dim=1), ratio.amax(dim=1))
+    factors = ratio[:, 0]
+    assert torch.all(((factors - 0.1).abs() < 1e-4) | ((factors - 1.9).abs() < 1e-4))
+    assert (factors < 1).any() and (factors > 1).any()
+
+
+def test_solarize_full_magnitude_inverts_positive_pixels() -> None:
+    x = batch((4, 3, 8, 8))
+    x[:, :, 0, 0] = 0.0
+    out = apply_op(x, "solarize", 10, gen())
+    expected = torch.where(x > 0, 1 - x, x)
+    torch.testing.assert_close(out, expected)
+
+
+def test_posterize_full_magnitude_keeps_four_bits() -> None:
+    out = apply_op(batch((4, 3, 32, 32)), "posterize", 10, gen())
+    levels = torch.unique((out * 255).round())
+    assert len(levels) <= 16
+    assert torch.all(levels % 16 == 0)
+
+
+def test_autocontrast_spans_unit_range_per_channel() -> None:
+    x = 0.3 + 0.2 * batch((4, 3, 16, 16))
+    x[1, 2] = 0.5  # a constant channel stays as it is
+    out = apply_op(x, "autocontrast", 5, gen())
+    lo, hi = out.amin(dim=(2, 3)), out.amax(dim=(2, 3))
+    lo[1, 2], hi[1, 2] = 0.0, 1.0
+    torch.testing.assert_close(lo, torch.zeros(4, 3))
+    torch.testing.assert_close(hi, torch.ones(4, 3))
+    assert torch.equal(out[1, 2], x[1, 2])
+
+
+def test_equalize_flattens_histogram() -> None:
+    x = 0.4 + 0.2 * batch((2, 1, 32, 32))
+    out = apply_op(x, "equalize", 5, gen())
+    assert out.min() < 0.05 and out.max() > 0.95
+    hist = torch.histc(out[0], bins=4, min=0, max=1)
+    assert hist.min() > 0.15 * out[0].numel()
+    order = x[0].flatten().argsort()
+    assert (out[0].flatten()[order].diff() >= 0).all()
+    constant = torch.full((1, 3, 8, 8), 0.25)
+    assert torch.equal(apply_op(constant, "equalize", 5, gen()), constant)
+
+
+def test_color_is_identity_on_gray_and_single_channel() -> None:
+    gray = batch((4, 1, 16, 16))
+    assert torch.equal(apply_op(gray, "color", 10, gen()), gray)
+    rgb_gray = gray.expand(4, 3, 16, 16)
+    torch.testing.assert_close(apply_op(rgb_gray, "color", 10, gen()), rgb_gray)
+    rgb = batch((4, 3, 16, 16))
+    assert not torch.allclose(apply_op(rgb, "color", 10, gen()), rgb)
+
+
+@pytest.mark.parametrize("name, axis", [("translate_x", 1), ("translate_y", 0)])
+def test_translate_full_magnitude_shifts_by_30_percent(name: str, axis: int) -> None:
+    x = torch.zeros(16, 1, 40, 40)
+    x[:, :, 20, 20] = 1.0
+    out = apply_op(x, name, 10, gen())
+    pos = out[:, 0].flatten(1).argmax(dim=1)
+    shift = (pos % 40 if axis == 1 else pos // 40) - 20
+    other = (pos // 40 if axis == 1 else pos % 40) - 20
+    assert torch.equal(shift.abs(), torch.full((16,), 12))
+    assert (other == 0).all()
+    assert (shift > 0).any() and (shift < 0).any()
+
+
+def test_weak_view_without_flip_never_flips(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.zeros(64, 3, 32, 32)
+    x[..., :16] = 1.0
+    out = weak_view(x, gen(), flip=False)
+    assert (out[..., :16].mean(dim=(1, 2, 3)) > out[..., 16:].mean(dim=(1, 2, 3)) + 0.3).all()
+    flipped = weak_view(x, gen(), flip=True)
+    assert (flipped[..., :16].mean(dim=(1, 2, 3)) < flipped[..., 16:].mean(dim=(1, 2, 3))).any()
+
+    def forbidden(*args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("random_flip called with flip=False")
+
+    monkeypatch.setattr(augment, "random_flip", forbidden)
+    weak_view(x, gen(), flip=False)
+    strong_view(x, gen(), flip=False)
+
+
+def test_strong_view_batch_of_256_runs() -> None:
+    out = strong_view(batch((256, 3, 32, 32)), gen())
+    assert out.shape == (256, 3, 32, 32)
+
+
+def test_registry() -> None:
+    assert set(AUGMENTATIONS) == {"none", "weak", "strong"}
+    assert get_augmentation("weak") is weak_view
+    assert get_augmentation("strong") is strong_view
+    x = batch((2, 3, 8, 8))
+    assert torch.equal(get_augmentation("none")(x, gen(), True), x)
+
+
+def test_unknown_augmentation_is_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        get_augmentation("heavy")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "data.augment=" in message
+    assert all(name in message for name in AUGMENTATIONS)
