@@ -55,6 +55,7 @@ class CalibratedServer(Server):
         self.calibrators = [CALIBRATORS[n](cal_args, ctx) for n in self.names]
         self.needs = sorted(set().union(*(c.needs for c in self.calibrators)))
         self._stats_done = False
+        self._stats: dict[str, Any] = {}
         self._eval_models: dict[str, Any] = {}
 
     # -- messages ---------------------------------------------------------------------------
@@ -81,7 +82,9 @@ class CalibratedServer(Server):
             return query
         if stage == "final" and self.needs and not self._stats_done:
             weights = clone_state(self._backbone())
-            payload = {"needs": ",".join(self.needs), "oracle_per_class": self.calibrators[0].args.oracle_per_class}
+            payload: dict[str, Any] = {"needs": ",".join(self.needs)}
+            if "features" in self.needs:
+                payload["oracle_per_class"] = self.calibrators[0].args.oracle_per_class
             return Query(STATS_QUERY, {cid: Message(weights=weights, payload=dict(payload)) for cid in clients})
         return None
 
@@ -93,9 +96,8 @@ class CalibratedServer(Server):
 
     def finish(self):
         self.inner.finish()
-        stats = getattr(self, "_stats", {})
         for cal in self.calibrators:
-            cal.finish(stats, self._backbone())
+            cal.finish(self._stats, self._backbone())
         self._stats = {}
 
     # -- evaluation ---------------------------------------------------------------------------
