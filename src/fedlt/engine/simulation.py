@@ -23,7 +23,7 @@ from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
-from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerContext, TrainSettings
+from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerContext, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
@@ -53,7 +53,7 @@ class Simulation:
 
         self.server_model = self._new_model()
         self.worker = self._new_model()
-        self._worker_init = {k: v.clone() for k, v in self.worker.state_dict().items()}
+        self._worker_init = clone_state(self.worker)
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
         self.server = spec.server(ServerContext(
             model=self.server_model, config=cfg, num_classes=data.num_classes,
