@@ -13,8 +13,12 @@ from fedlt.data.federated import build_federated_data
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
-from fedlt.methods.registry import get_method
+from fedlt.data.registry import DATASETS
+from fedlt.methods.base import MethodSpec
+from fedlt.methods.registry import get_method, parse_method_args
+from fedlt.models.registry import MODELS
 from fedlt.results import CONFIG_FILE, new_run_dir
+from fedlt.tracking import check_tracking
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,9 +46,9 @@ def _check_loss(cfg: Config, uses_loss: bool) -> None:
         raise ConfigError(f"invalid loss settings: {err}") from None
 
 
-def prepare(cfg: Config) -> Simulation:
-    """Validate everything that can fail on user input — method, loss, data, model — before any
-    file is written, so a bad config leaves no half-written run directory."""
+def check_config(cfg: Config) -> MethodSpec:
+    """Every check that needs no data: method and its knobs, calibrations, loss, model and dataset
+    names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
     spec = get_method(cfg.method)
     calibration = [*spec.calibration, *(n for n in cfg.calibration if n not in spec.calibration)]
     if calibration:
@@ -55,6 +59,19 @@ def prepare(cfg: Config) -> Simulation:
     elif cfg.calibration_args:
         raise ConfigError("calibration_args given but no calibration; add e.g. calibration=ccvr or drop them")
     _check_loss(cfg, spec.uses_loss_config)
+    parse_method_args(spec, cfg.method_args)
+    if cfg.model.name not in MODELS:
+        raise ConfigError(f"unknown model '{cfg.model.name}'; use model.name=<one of {', '.join(MODELS)}>")
+    if cfg.data.dataset not in DATASETS:
+        raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
+    check_tracking(cfg)
+    return spec
+
+
+def prepare(cfg: Config) -> Simulation:
+    """Validate everything that can fail on user input — method, loss, data, model — before any
+    file is written, so a bad config leaves no half-written run directory."""
+    spec = check_config(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     if cfg.run.deterministic:

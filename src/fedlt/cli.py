@@ -13,13 +13,29 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from fedlt.errors import FedltError
 
+
+class _SuiteGroup(TyperGroup):
+    """``fedlt bench NAME ...`` means ``fedlt bench run NAME ...`` for any NAME that is not a
+    subcommand, so built-in suites and suite files run by name (``fedlt bench demo``)."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated learning on long-tailed data.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: speed, calibration.")
+bench_app = typer.Typer(cls=_SuiteGroup, no_args_is_help=True,
+                        help="Benchmarks: `fedlt bench SUITE` runs a suite (built-in name or YAML file); "
+                             "`fedlt bench list`; `fedlt bench speed`.")
 app.add_typer(bench_app, name="bench")
+data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data without training.")
+app.add_typer(data_app, name="data")
 
 
 def _guard(fn: Callable[[], None]) -> None:
@@ -144,31 +160,90 @@ def bench_speed_cmd(
     _guard(go)
 
 
-@bench_app.command("calibration")
-def bench_calibration_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] (default: configs/fmnist_lt.yaml)"),
-    alphas: str = typer.Option("0.5,0.1", help="Dirichlet alphas, comma-separated"),
-    seeds: str = typer.Option("0,1,2", help="seeds, comma-separated"),
-    out: Path = typer.Option(Path("docs/results/calibration.md"), help="markdown table written here"),
-    runs: str = typer.Option("runs/bench-calibration", help="where the run directories go"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+@bench_app.command("run")
+def bench_run_cmd(
+    suite: str = typer.Argument(..., help="a built-in suite (fedlt bench list) or a suite YAML file"),
+    workers: int = typer.Option(1, "--workers", "-j", help="cells run in parallel processes (torch threads = cores / N each)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default runs/bench/<suite name>)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds replacing the suite's, e.g. 0,1"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate every cell and list them; train nothing"),
+    report: bool = typer.Option(True, "--report/--no-report", help="write tables and plots to OUT/report at the end"),
 ) -> None:
-    """FedAvg, CReFF, CCVR, FedNCM, Fed3R, tau-norm and the real-feature oracle, mean ± std over seeds."""
+    """Run a suite: each (setting, method, seed) cell is a run directory; finished cells are skipped, failed ones are listed in OUT/failed.json while the others go on (exit code 1)."""
+
+    def go() -> None:
+        from fedlt.bench.suite import load_suite, run_suite
+        from fedlt.errors import ConfigError
+
+        loaded = load_suite(suite)
+        try:
+            seed_list = [int(x) for x in seeds.split(",")] if seeds else None
+        except ValueError:
+            raise ConfigError(f"--seeds {seeds}: give integers separated by commas, e.g. 0,1,2") from None
+        folder = out or Path("runs/bench") / loaded.spec.name
+        result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
+                           echo=lambda line: typer.echo(line, err=True))
+        if dry_run:
+            return
+        if report:
+            from fedlt.reporting import write_report
+
+            written = write_report(folder)
+            typer.echo(written.markdown)
+            typer.echo(f"report: {written.out} ({len(written.files)} files)", err=True)
+        if result.failed:
+            raise typer.Exit(1)
+
+    _guard(go)
+
+
+@bench_app.command("list")
+def bench_list_cmd() -> None:
+    """List the built-in suites: name, cells, title."""
+
+    def go() -> None:
+        from fedlt.bench.suite import list_suites
+
+        for name, title, cells in list_suites():
+            typer.echo(f"{name:16s} {cells:4d} cells  {title}")
+
+    _guard(go)
+
+
+@app.command("report")
+def report_cmd(
+    path: Path = typer.Argument(..., help="a `fedlt bench` output folder, a run directory, or a folder of runs"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default PATH/report)"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="also draw the PNG figures"),
+) -> None:
+    """Tables (Markdown, CSV, LaTeX: mean ± std over seeds, best bold, second underlined) and PNG plots."""
+
+    def go() -> None:
+        from fedlt.reporting import write_report
+
+        written = write_report(path, out, with_plots=plots)
+        typer.echo(written.markdown)
+        typer.echo(f"report: {written.out} ({len(written.files)} files)", err=True)
+
+    _guard(go)
+
+
+@data_app.command("describe")
+def data_describe_cmd(
+    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]"),
+    out: Path = typer.Option(Path("runs/describe"), "--out", help="folder for the heatmap PNG and partition.json"),
+) -> None:
+    """Print the partition (class counts, shot groups, per-client sizes and classes) and draw its client x class heatmap, without training."""
     args = list(args or [])
 
     def go() -> None:
-        from fedlt.bench.calibration import run_calibration_bench, write
-        from fedlt.errors import ConfigError
+        from fedlt.reporting.describe import describe_data
 
-        config = args.pop(0) if args and "=" not in args[0] else "configs/fmnist_lt.yaml"
-        try:
-            alpha_list = [float(a) for a in alphas.split(",")]
-            seed_list = [int(s) for s in seeds.split(",")]
-        except ValueError:
-            raise ConfigError("--alphas takes numbers like 0.5,0.1 and --seeds integers like 0,1,2") from None
-        text = run_calibration_bench(config, args, alpha_list, seed_list, runs, quiet=quiet)
-        write(text, out)
+        config = args.pop(0) if args and "=" not in args[0] else None
+        text, files = describe_data(config, args, out)
         typer.echo(text)
+        for f in files:
+            typer.echo(f"wrote {f}", err=True)
 
     _guard(go)
 

@@ -114,6 +114,7 @@ class RunConfig(_Section):
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format (measured faster for convs on CPU)")
     deterministic: bool = True
+    tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 
 
 class Config(_Section):

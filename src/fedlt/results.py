@@ -20,6 +20,9 @@ from fedlt.errors import ConfigError
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
     "config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png",
 )
+#: written at run start: per-client class counts (the partition heatmap); after training, when the
+#: method exposes any: named tensors such as synthetic features (the feature projection plot)
+PARTITION_FILE, ARTIFACTS_FILE = "partition.json", "artifacts.pt"
 #: metric keys that measure the machine, not the method: excluded from reproducibility checks
 TIMING_KEYS = ("time_s", "elapsed_s")
 
@@ -45,6 +48,28 @@ def new_run_dir(cfg: Config) -> Path:
                           "set run.out_dir to a writable folder") from None
     write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
     return path
+
+
+def partition_record(cfg: Config, counts: Any, class_names: list[str]) -> dict[str, Any]:
+    """The federation's split as plain JSON: ``counts[k][c]`` = samples of class c on client k."""
+    d = cfg.data
+    return {
+        "dataset": d.dataset, "imbalance_factor": d.imbalance_factor, "partition": d.partition,
+        "alpha": d.alpha if d.partition == "dirichlet" else None, "num_clients": d.num_clients, "seed": cfg.seed,
+        "class_names": list(class_names), "counts": [[int(n) for n in row] for row in counts],
+    }
+
+
+def write_partition(run_dir: Path, record: dict[str, Any]) -> None:
+    write_atomic(run_dir / PARTITION_FILE, json.dumps(record) + "\n")
+
+
+def save_artifacts(run_dir: Path, tensors: dict[str, Any]) -> None:
+    import torch
+
+    tmp = run_dir / (ARTIFACTS_FILE + ".tmp")
+    torch.save(tensors, tmp)
+    os.replace(tmp, run_dir / ARTIFACTS_FILE)
 
 
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:

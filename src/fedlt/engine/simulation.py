@@ -27,7 +27,10 @@ from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerCont
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
-from fedlt.results import append_metrics, read_metrics, rewrite_metrics, write_summary
+from fedlt.results import (
+    append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition, write_summary,
+)
+from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
@@ -185,6 +188,26 @@ class Simulation:
         """The setup stage: queries the method runs once before the first round."""
         self._run_queries("setup", 0, self.all_clients)
 
+    def _save_artifacts(self, run_dir: Path) -> None:
+        """Save the method's named tensors (``Server.artifacts``) once, after training. Beside
+        synthetic features go real test-set features of the global model, up to 100 per class,
+        so the report can project both into one plane."""
+        tensors = {k: v.detach().cpu() for k, v in self.server.artifacts().items()}
+        if not tensors:
+            return
+        model = self.server.global_model()
+        if model is not None and any(k.endswith("synthetic_features") for k in tensors):
+            test = self.eval_data.test
+            labels = test.labels.cpu()
+            rows = torch.cat([(labels == c).nonzero().flatten()[:100] for c in range(test.num_classes)])
+            rows = rows.to(test.labels.device)
+            model.eval()
+            with torch.no_grad():
+                feats = [model.forward_features(test.normalize(test.images[rows[i:i + 500]])).float().cpu()
+                         for i in range(0, rows.numel(), 500)]
+            tensors["test_features"], tensors["test_labels"] = torch.cat(feats), test.labels[rows].cpu()
+        save_artifacts(run_dir, tensors)
+
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record}
@@ -205,8 +228,10 @@ class Simulation:
             rewrite_metrics(run_dir, rows)
         else:
             rows = []
+            write_partition(run_dir, partition_record(cfg, self.eval_data.partition.counts, self.eval_data.train.classes))
             self.setup()
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name}", quiet)
+        tracker = Tracker(cfg, run_dir)
         try:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
@@ -230,12 +255,15 @@ class Simulation:
                     pending = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
                     rows.append(row)
                     append_metrics(run_dir, row)
+                    tracker.log(row)
                 every = cfg.run.checkpoint_every
                 if last or (every and rnd % every == 0):
                     save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed, pending))
                 progress.update(rnd, row if evaluated else None)
         finally:
             progress.close()
+            tracker.close()
+        self._save_artifacts(run_dir)
         summary = write_summary(run_dir, cfg, rows, {
             "elapsed_s": round(elapsed, 2),
             "data": self.eval_data.describe(),

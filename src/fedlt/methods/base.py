@@ -190,6 +190,11 @@ class Server:
         ``variants``), e.g. the uncalibrated backbone beside a calibrated one."""
         return {}
 
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        """Named tensors the engine saves once after training to ``artifacts.pt`` for reports,
+        e.g. ``synthetic_features`` / ``synthetic_labels`` (a ``name/`` prefix is allowed)."""
+        return {}
+
     def eval_message(self, cid: int) -> Message:
         """What a client receives to build its personalized model for evaluation."""
         return Message(weights=clone_state(self.global_model() or self.model))

@@ -131,6 +131,12 @@ class CalibratedServer(Server):
                 models[cal.name] = self._with_head(cal.name, cal.head())
         return {**self.inner.extra_models(), **models}
 
+    def artifacts(self):
+        out = dict(self.inner.artifacts())
+        for cal in self.calibrators:
+            out.update({f"{cal.name}/{k}": v for k, v in cal.artifacts().items()})
+        return out
+
     def eval_message(self, cid):
         return self.inner.eval_message(cid)
 

@@ -96,6 +96,10 @@ class Calibrator:
     def finish(self, stats: dict[str, Any], model) -> None:
         """Post-training step from the merged client statistics."""
 
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        """Tensors for the report (e.g. synthetic features); none by default."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"head": self._head.state_dict() if self._head is not None else None}
 
@@ -164,6 +168,10 @@ class CReFF(Calibrator):
     def metrics(self) -> dict[str, float]:
         return {"creff_matching_loss": self.matching_loss} if self.matching_loss is not None else {}
 
+    def artifacts(self):
+        feats, labels = self.features.features_and_labels()
+        return {"synthetic_features": feats, "synthetic_labels": labels}
+
     def state_dict(self):
         return {**super().state_dict(), "features": self.features.state_dict(),
                 "retrained": self.retrained.state_dict()}
@@ -190,13 +198,21 @@ class CCVR(Calibrator):
 
     name = "ccvr"
     needs = frozenset({"class_sums"})
+    #: the virtual features and labels the head was re-trained on (for the report's projection)
+    _virtual: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def finish(self, stats, model) -> None:
         mean, cov, count = class_moments(stats["class_sums"])
         present = count > 0
         n = torch.where(present, torch.full_like(count, self.args.ccvr_virtual_per_class), torch.zeros_like(count))
         feats, labels = sample_class_gaussians(mean, cov, n.long(), self.ctx.generator(0, purpose=41))
+        self._virtual = (feats, labels)
         self._head = _retrain_from(model, feats, labels, self.args, self.ctx.generator(0, purpose=42))
+
+    def artifacts(self):
+        if self._virtual is None:  # before finish(), or resumed after it
+            return {}
+        return {"synthetic_features": self._virtual[0], "synthetic_labels": self._virtual[1]}
 
 
 def _retrain_from(model, feats, labels, args: CalibrationArgs, generator) -> nn.Linear:

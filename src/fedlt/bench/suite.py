@@ -1,0 +1,421 @@
+"""Benchmark suites: a grid of methods x settings x seeds where every cell is an ordinary run.
+
+A suite file (format in the README, built-in ones in ``bench/suites/``) lists settings (table
+groups) and methods (table rows). Cell ``(setting, method, seed)`` runs ``fedlt run`` with the
+overrides of the suite, the setting, the method, then ``seed=S`` and its run directory
+``OUT/<setting-slug>/<method-slug>/seed<S>``. Because the cell's place is fixed, the suite is
+resumable: a finished cell (``summary.json`` and the same config) is skipped, an interrupted one
+continues from its checkpoint, and a folder holding a *different* config is an error, never
+silently mixed into a table. Every cell's config is validated before the first cell trains.
+A failing cell is logged to ``OUT/failed.json`` and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Annotated, Any, Callable
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedlt.errors import ConfigError, FedltError
+
+SUITES_DIR = Path(__file__).resolve().parent / "suites"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SUITE_FILE, FAILED_FILE, LOG_FILE = "suite.yaml", "failed.json", "bench-log.jsonl"
+#: config keys that do not change a cell's numbers: a finished cell is reused whatever they are
+IGNORED_KEYS = ("run.out_dir", "run.name", "run.threads", "run.checkpoint_every", "run.tensorboard", "data.root")
+
+
+def slug(text: str) -> str:
+    """``"IF=100, alpha=0.5"`` -> ``"if-100-alpha-0-5"``: lowercase, non-alphanumerics -> '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _overrides_ok(values: list[str]) -> list[str]:
+    for v in values:
+        if "=" not in v:
+            raise ValueError(f"'{v}' is not key=value; write overrides like fl.rounds=25")
+    return values
+
+
+Overrides = Annotated[list[str], AfterValidator(_overrides_ok)]
+
+
+class SettingSpec(_Strict):
+    """One table: a group of cells that differ only by method and seed."""
+
+    name: str
+    overrides: Overrides = []
+
+
+class MethodRow(_Strict):
+    """One table row (the run's headline model), plus extra rows read from the same runs."""
+
+    name: str
+    overrides: list[str] = []
+    variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
+    settings: list[str] | None = Field(None, description="run this row only in these settings")
+
+
+class SuiteSpec(_Strict):
+    name: str
+    title: str | None = None
+    description: str = ""
+    base: str | None = None
+    overrides: list[str] = []
+    seeds: list[int] = [0]
+    settings: list[SettingSpec] = Field(default_factory=lambda: [SettingSpec(name="default")])
+    methods: list[MethodRow]
+    #: optional: row labels shown but never bold/underlined (the centralized method and the
+    #: ``oracle`` variant are never ranked anyway: they are upper bounds, not competitors)
+    unranked: list[str] = []
+    #: optional: add "what a client uploads" (first cell's messages) to the report
+    report_messages: bool = False
+    #: optional: markdown appended to the report's tables
+    notes: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", v):
+            raise ValueError(f"'{v}' is not a slug; use lowercase letters, digits, '-' and '_' (e.g. my-suite)")
+        return v
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: list[int]) -> list[int]:
+        if not v or len(set(v)) != len(v) or min(v) < 0:
+            raise ValueError(f"{v} must be a non-empty list of distinct seeds >= 0, e.g. [0, 1, 2]")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SuiteSpec":
+        names = [s.name for s in self.settings]
+        _unique("settings", [slug(n) for n in names], names)
+        if not self.methods:
+            raise ValueError("methods is empty; list at least one row, e.g. - {name: FedAvg, overrides: [method=fedavg]}")
+        _unique("methods", [slug(m.name) for m in self.methods], [m.name for m in self.methods])
+        labels = set()
+        for i, m in enumerate(self.methods):
+            for s in m.settings or []:
+                if s not in names:
+                    raise ValueError(f"methods[{i}].settings names '{s}', which is not a setting; use one of: "
+                                     + ", ".join(names))
+            for label in [m.name, *m.variants]:
+                if label in labels:
+                    raise ValueError(f"row label '{label}' (methods[{i}]) appears twice; give every row its own name")
+                labels.add(label)
+        for label in self.unranked:
+            if label not in labels:
+                raise ValueError(f"unranked names '{label}', which is no row; use a method name or variant label")
+        return self
+
+
+def _unique(what: str, slugs: list[str], names: list[str]) -> None:
+    seen: dict[str, str] = {}
+    for s, n in zip(slugs, names):
+        if s in seen:
+            raise ValueError(f"{what} '{seen[s]}' and '{n}' share the folder name '{s}'; rename one")
+        seen[s] = n
+
+
+@dataclass
+class Suite:
+    spec: SuiteSpec
+    path: Path  # the suite file
+    base: Path | None  # the resolved base config
+
+    @property
+    def title(self) -> str:
+        return self.spec.title or self.spec.name
+
+
+def builtin_suites() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(SUITES_DIR.glob("*.yaml"))}
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "suite"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key '{where}'; remove it or fix its spelling (see the suite format in the README)"
+    if first["type"] == "missing":
+        return f"key '{where}' is missing; add it (see the suite format in the README)"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+
+
+def parse_suite(tree: Any, source: str) -> SuiteSpec:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"suite {source} must be a mapping with name, seeds, settings and methods")
+    try:
+        return SuiteSpec.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"suite {source}: {_describe(err)}") from None
+
+
+def load_suite(name_or_path: str | Path) -> Suite:
+    """A suite by file path or built-in name; every error is a one-line ConfigError."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        builtin = builtin_suites()
+        if str(name_or_path) not in builtin:
+            raise ConfigError(f"no suite file or built-in suite '{name_or_path}'; give a YAML file or one of: "
+                              f"{', '.join(builtin)} (fedlt bench list)")
+        path = builtin[str(name_or_path)]
+    try:
+        tree = yaml.safe_load(path.read_bytes())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ConfigError(f"suite {path} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}; "
+                          "fix the syntax (quote overrides holding [ ] or : )") from None
+    spec = parse_suite(tree, str(path))
+    return Suite(spec, path, _resolve_base(spec.base, path))
+
+
+def _resolve_base(base: str | None, suite_file: Path) -> Path | None:
+    """``base`` is relative to the repository root; the working directory and the suite's own
+    folder are tried too, so a suite file beside its config works anywhere."""
+    if base is None:
+        return None
+    p = Path(base)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p, suite_file.parent / p]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise ConfigError(f"suite {suite_file}: base config '{base}' not found (looked in {', '.join(map(str, candidates))});"
+                      " run from the repository root or give an absolute path")
+
+
+# ---- cells ------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    setting: str
+    method: str
+    seed: int
+    overrides: list[str]
+    run_dir: Path
+    state: str = "new"  # new | done | resume
+    threads: int | None = None  # run.threads the cell's own config sets
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting} / {self.method} / seed {self.seed}"
+
+
+def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
+    return out / slug(setting) / slug(method) / f"seed{seed}"
+
+
+def expand(suite: Suite, out: Path, seeds: list[int] | None = None) -> list[Cell]:
+    """All cells, settings-major then methods then seeds (the tables' order)."""
+    s = suite.spec
+    cells = []
+    for setting in s.settings:
+        for m in s.methods:
+            if m.settings is not None and setting.name not in m.settings:
+                continue
+            for seed in seeds or s.seeds:
+                run_dir = cell_dir(out, setting.name, m.name, seed)
+                overrides = [*s.overrides, *setting.overrides, *m.overrides, f"seed={seed}",
+                             f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
+                cells.append(Cell(setting.name, m.name, seed, overrides, run_dir))
+    return cells
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and k not in ("method_args", "calibration_args"):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
+    """The first key (ignoring :data:`IGNORED_KEYS`) whose value differs, as ``key: a -> b``."""
+    a, b = _flatten(saved), _flatten(wanted)
+    for key in sorted(set(a) | set(b)):
+        if key not in IGNORED_KEYS and a.get(key) != b.get(key):
+            return f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+    return None
+
+
+def validate_cells(suite: Suite, cells: list[Cell]) -> None:
+    """Build and check every cell's config, and classify its folder, before anything trains."""
+    from fedlt.api import check_config
+    from fedlt.config import load_config
+    from fedlt.engine.checkpoint import CHECKPOINT_FILE
+    from fedlt.results import CONFIG_FILE, SUMMARY_FILE
+
+    for cell in cells:
+        try:
+            cfg = load_config(suite.base, cell.overrides)
+            check_config(cfg)
+        except FedltError as err:
+            raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
+        cell.threads = cfg.run.threads
+        saved_path = cell.run_dir / CONFIG_FILE
+        if not saved_path.is_file():
+            if cell.run_dir.exists() and any(cell.run_dir.iterdir()):
+                raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds files but no fedlt run; "
+                                  "delete that folder or pass --out to a fresh one")
+            cell.state = "new"
+            continue
+        diff = config_difference(yaml.safe_load(saved_path.read_text()) or {}, cfg.dump())
+        if diff is not None:
+            raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
+                              "delete that folder or pass --out to a fresh one")
+        if (cell.run_dir / SUMMARY_FILE).is_file():
+            cell.state = "done"
+        elif (cell.run_dir / CHECKPOINT_FILE).is_file():
+            cell.state = "resume"
+        else:
+            cell.state = "new"  # started, killed before its first checkpoint: nothing to keep
+
+
+# ---- running ----------------------------------------------------------------------------------
+def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, threads: int | None) -> dict[str, Any]:
+    """One cell, in this process or a pool worker; never raises (the error is returned)."""
+    from fedlt import api
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    out: dict[str, Any] = {"run_dir": run_dir}
+    try:
+        if state == "resume":
+            result = api.resume(run_dir, quiet=True)
+        else:
+            if Path(run_dir).exists():  # empty, or this suite's unfinished cell without a checkpoint
+                shutil.rmtree(run_dir)
+            extra = [f"run.threads={threads}"] if threads else []
+            result = api.run(base, overrides=[*overrides, *extra], quiet=True)
+        final = result.summary["final"]
+        out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"))
+    except Exception as err:  # a failing cell must not stop the suite; it is reported
+        out.update(status="failed", error=f"{type(err).__name__}: {err}",
+                   traceback=None if isinstance(err, FedltError) else traceback.format_exc(limit=-8))
+    out.update(wall_s=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time() - c0, 2))
+    return out
+
+
+@dataclass
+class SuiteResult:
+    out: Path
+    cells: list[Cell]
+    ran: list[Cell] = field(default_factory=list)
+    skipped: list[Cell] = field(default_factory=list)
+    failed: list[tuple[Cell, str]] = field(default_factory=list)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
+    tree = suite.spec.model_dump(exclude_defaults=False)
+    tree["seeds"] = seeds or suite.spec.seeds
+    tree["base"] = str(suite.base) if suite.base else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SUITE_FILE).write_text(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
+
+
+def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
+              echo: Callable[[str], None] = print) -> SuiteResult:
+    """Validate every cell, then run the unfinished ones (``workers`` processes in parallel)."""
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: use 1 or more")
+    cells = expand(suite, out, seeds)
+    validate_cells(suite, cells)
+    result = SuiteResult(out, cells, skipped=[c for c in cells if c.state == "done"])
+    todo = [c for c in cells if c.state != "done"]
+    if dry_run:
+        for c in cells:
+            echo(f"{c.state:7s} {c.label:60s} {c.run_dir}")
+        echo(f"{len(cells)} cells: {len(result.skipped)} finished, {len(todo)} to run")
+        return result
+    write_suite_file(suite, out, seeds)
+    threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+    base = str(suite.base) if suite.base else None
+    name = suite.spec.name
+    echo(f"[bench {name}] {len(cells)} cells, {len(result.skipped)} already finished, {len(todo)} to run"
+         f" with {workers} worker(s) -> {out}")
+    t0 = time.perf_counter()
+    failures = _load_failures(out, {str(c.run_dir) for c in todo})
+
+    def finished(cell: Cell, info: dict[str, Any]) -> None:
+        with open(out / LOG_FILE, "a") as f:
+            f.write(json.dumps({"cell": cell.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}) + "\n")
+        if info["status"] == "ok":
+            result.ran.append(cell)
+            failures.pop(str(cell.run_dir), None)
+            what = f"acc {info['acc']:.2f}" if info.get("acc") is not None else "done"
+        else:
+            result.failed.append((cell, info["error"]))
+            failures[str(cell.run_dir)] = {"cell": cell.label, "run_dir": str(cell.run_dir), "error": info["error"],
+                                           "traceback": info.get("traceback")}
+            what = f"FAILED: {info['error']}"
+        _write_failures(out, failures)
+        done = len(result.ran) + len(result.failed)
+        elapsed = time.perf_counter() - t0
+        eta = elapsed / done * (len(todo) - done)
+        echo(f"[bench {name}] {done + len(result.skipped)}/{len(cells)} | {cell.label}: {what} "
+             f"({_duration(info['wall_s'])}) | elapsed {_duration(elapsed)}, ETA {_duration(eta)}")
+
+    args = [(c, (base, c.overrides, str(c.run_dir), c.state, None if c.threads else threads)) for c in todo]
+    if workers == 1 or len(todo) <= 1:
+        for cell, a in args:
+            finished(cell, run_cell(*a))
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(run_cell, *a): cell for cell, a in args}
+            for fut in as_completed(futures):
+                try:
+                    info = fut.result()
+                except BrokenProcessPool as err:  # a worker died (killed, out of memory)
+                    info = {"status": "failed", "error": f"worker process died: {err}", "wall_s": 0.0, "cpu_s": 0.0}
+                finished(futures[fut], info)
+    echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before), "
+         f"{len(result.failed)} failed" + (f" (see {out / FAILED_FILE})" if result.failed else "")
+         + f"; {_duration(time.perf_counter() - t0)}")
+    return result
+
+
+def _load_failures(out: Path, pending: set[str]) -> dict[str, Any]:
+    """Earlier failures, minus the cells about to be run again (they get a fresh verdict)."""
+    path = out / FAILED_FILE
+    old = json.loads(path.read_text()) if path.is_file() else []
+    return {f["run_dir"]: f for f in old if f["run_dir"] not in pending}
+
+
+def _write_failures(out: Path, failures: dict[str, Any]) -> None:
+    path = out / FAILED_FILE
+    if failures:
+        path.write_text(json.dumps(list(failures.values()), indent=2) + "\n")
+    elif path.exists():
+        path.unlink()
+
+
+def list_suites() -> list[tuple[str, str, int]]:
+    """``(name, title, number of cells)`` of every built-in suite."""
+    rows = []
+    for name in builtin_suites():
+        suite = load_suite(name)
+        rows.append((name, suite.title, len(expand(suite, Path("."), None))))
+    return rows

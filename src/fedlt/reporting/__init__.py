@@ -1,0 +1,63 @@
+"""``fedlt report``: tables (Markdown, CSV, LaTeX) and figures (PNG) from finished runs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedlt.reporting import plots
+from fedlt.reporting.collect import Collection, collect
+from fedlt.reporting.tables import build_table, csv_text, latex, markdown
+from fedlt.results import ARTIFACTS_FILE, PARTITION_FILE, write_atomic
+
+
+@dataclass
+class Report:
+    out: Path
+    markdown: str
+    files: list[Path]
+
+
+def _slug(text: str) -> str:
+    from fedlt.bench.suite import slug
+
+    return slug(text)
+
+
+def write_report(path: str | Path, out: str | Path | None = None, with_plots: bool = True) -> Report:
+    """Write ``tables.md``, ``tables.csv``, ``tables.tex`` and the PNGs of ``path`` into ``out``
+    (default ``path/report``)."""
+    collection = collect(Path(path))
+    out = Path(out) if out is not None else Path(path) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    tables = [build_table(s) for s in collection.settings]
+    text = markdown(collection, tables)
+    files = []
+    for name, content in (("tables.md", text), ("tables.csv", csv_text(tables)), ("tables.tex", latex(collection, tables))):
+        write_atomic(out / name, content)
+        files.append(out / name)
+    if with_plots:
+        files += write_plots(collection, out)
+    return Report(out, text, files)
+
+
+def write_plots(collection: Collection, out: Path) -> list[Path]:
+    files = []
+    for setting in collection.settings:
+        s = _slug(setting.name)
+        files += [plots.plot_curves(setting, out / f"curves-{s}.png"), plots.plot_shot_bars(setting, out / f"shots-{s}.png"),
+                  plots.plot_per_class(setting, out / f"per-class-{s}.png")]
+        first = setting.first_run()
+        if first is not None and (first.path / PARTITION_FILE).is_file():
+            record = json.loads((first.path / PARTITION_FILE).read_text())
+            files.append(plots.plot_partition(record, out / f"partition-{s}.png"))
+        for row in setting.rows:
+            if row.variant is None and row.runs and (row.runs[0].path / ARTIFACTS_FILE).is_file():
+                import torch
+
+                artifacts = torch.load(row.runs[0].path / ARTIFACTS_FILE, map_location="cpu", weights_only=True)
+                artifacts = {k: v.numpy() for k, v in artifacts.items()}
+                title = f"{setting.name} / {row.label} (seed {row.runs[0].seed}): real vs synthetic features, PCA"
+                files.append(plots.plot_features(artifacts, out / f"features-{s}-{_slug(row.label)}.png", title))
+    return [f for f in files if f is not None]

@@ -1,0 +1,172 @@
+"""What a results folder holds, as settings x rows x seeds of run directories.
+
+Three kinds of folder are understood: a suite output (``suite.yaml`` written by ``fedlt bench``),
+a single run directory (``summary.json``), or a folder of run directories (e.g. the main job's
+``runs/main/<time>/``). Each becomes a :class:`Collection`; tables and plots read only that.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedlt.errors import FedltError
+from fedlt.results import SUMMARY_FILE, read_metrics
+
+METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
+
+
+@dataclass
+class Run:
+    """One finished run directory (one seed of one row)."""
+
+    path: Path
+    seed: int
+    summary: dict[str, Any]
+
+    def final(self, variant: str | None) -> dict[str, Any] | None:
+        """Final-round GM metrics of the headline model, or of one variant (None if absent)."""
+        final = self.summary.get("final") or {}
+        if variant is None:
+            return final
+        return (final.get("variants") or {}).get(variant)
+
+    def curve(self) -> list[dict[str, Any]]:
+        return [r for r in read_metrics(self.path) if r.get("acc") is not None]
+
+
+@dataclass
+class Row:
+    label: str
+    variant: str | None  # None: the run's headline model; else a key of final.variants
+    runs: list[Run]
+    ranked: bool = True
+    expected: int = 0  # seeds the suite asked for (0: unknown)
+
+    def values(self, metric: str) -> list[float]:
+        out = []
+        for run in self.runs:
+            final = run.final(self.variant)
+            if final is not None and final.get(metric) is not None:
+                out.append(float(final[metric]))
+        return out
+
+
+@dataclass
+class Setting:
+    name: str
+    rows: list[Row]
+    warnings: list[str] = field(default_factory=list)
+
+    def first_run(self) -> Run | None:
+        return next((r.runs[0] for r in self.rows if r.runs), None)
+
+
+@dataclass
+class Collection:
+    title: str
+    description: str
+    settings: list[Setting]
+    seeds: list[int]
+    notes: str = ""
+    report_messages: bool = False
+
+
+def _load_run(path: Path, seed: int | None = None) -> Run | None:
+    summary_path = path / SUMMARY_FILE
+    if not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    if seed is None:
+        cfg_path = path / "config.yaml"
+        seed = int((yaml.safe_load(cfg_path.read_text()) or {}).get("seed", 0)) if cfg_path.is_file() else 0
+    return Run(path, seed, summary)
+
+
+def _is_upper_bound(run: Run, variant: str | None) -> bool:
+    """Rows that are references, not competitors: the centralized oracle, real-feature heads."""
+    return variant == "oracle" or (variant is None and run.summary.get("method") == "centralized")
+
+
+def _run_rows(label: str, run: Run) -> list[Row]:
+    rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None))]
+    for key in (run.final(None) or {}).get("variants") or {}:
+        rows.append(Row(f"{label} [{key}]", key, [run], ranked=not _is_upper_bound(run, key)))
+    return rows
+
+
+def _run_label(run: Run) -> str:
+    s = run.summary
+    calibration = s.get("calibration") or []
+    return s["method"] + (f" + {calibration[0]}" if calibration and calibration[0] != s["method"] else "")
+
+
+def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return summary.get("dataset", "run")
+    d = cfg["data"]
+    part = f"Dirichlet alpha={d['alpha']:g}" if d["partition"] == "dirichlet" else d["partition"]
+    return (f"{d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {d['num_clients']} clients, "
+            f"{cfg['fl']['rounds']} rounds")
+
+
+def collect(path: Path) -> Collection:
+    """Read a suite output, a run directory or a folder of run directories."""
+    path = Path(path)
+    if (path / "suite.yaml").is_file():
+        return _collect_suite(path)
+    run = _load_run(path)
+    if run is not None:
+        cfg = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
+        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), _run_rows(_run_label(run), run))],
+                          [run.seed])
+    children = sorted(p for p in path.iterdir() if (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
+    if not children:
+        raise FedltError(f"{path} is neither a run directory (summary.json), a `fedlt bench` output (suite.yaml), "
+                         "nor a folder of run directories; pass one of those")
+    rows = []
+    runs = [_load_run(c) for c in children]
+    for child, run in zip(children, runs):
+        rows += _run_rows(child.name, run)
+    cfg_path = children[0] / "config.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else None
+    return Collection(path.name, "", [Setting(setting_label(runs[0].summary, cfg), rows)], sorted({r.seed for r in runs}))
+
+
+def _collect_suite(path: Path) -> Collection:
+    from fedlt.bench.suite import cell_dir, parse_suite
+
+    tree = yaml.safe_load((path / "suite.yaml").read_text())
+    spec = parse_suite(tree, str(path / "suite.yaml"))
+    settings = []
+    for s in spec.settings:
+        rows, warnings = [], []
+        for m in spec.methods:
+            if m.settings is not None and s.name not in m.settings:
+                continue
+            method_dir = cell_dir(path, s.name, m.name, 0).parent
+            runs = []
+            if method_dir.is_dir():
+                for seed_dir in sorted(method_dir.glob("seed*")):
+                    if seed_dir.name[4:].isdigit():
+                        run = _load_run(seed_dir, int(seed_dir.name[4:]))
+                        if run is not None:
+                            runs.append(run)
+            runs.sort(key=lambda r: r.seed)
+            upper = bool(runs) and _is_upper_bound(runs[0], None)
+            rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=len(spec.seeds)))
+            for label, key in m.variants.items():
+                rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
+                                expected=len(spec.seeds)))
+                missing = [r.path for r in runs if r.final(key) is None]
+                if missing:
+                    have = sorted((runs[0].final(None) or {}).get("variants") or {})
+                    warnings.append(f"row '{label}': variant '{key}' is not in {missing[0]}/summary.json "
+                                    f"(it has: {', '.join(have) or 'none'})")
+        settings.append(Setting(s.name, rows, warnings))
+    return Collection(spec.title or spec.name, spec.description.strip(), settings, spec.seeds, spec.notes.strip(),
+                      spec.report_messages)

@@ -1,0 +1,47 @@
+"""``fedlt data describe``: the federation a config builds, printed and drawn, without training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedlt.config import load_config
+from fedlt.data.federated import build_federated_data
+from fedlt.evaluation import shot_groups
+from fedlt.reporting.plots import plot_partition
+from fedlt.results import partition_record, write_atomic
+
+
+def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[str, list[Path]]:
+    """Text describing the long tail, shot groups and every client; writes the heatmap PNG and
+    ``partition.json`` (same format as a run directory's) into ``out``."""
+    cfg = load_config(config, overrides)
+    data = build_federated_data(cfg.data, cfg.seed, "cpu")
+    counts = data.partition.counts
+    totals = data.train_counts
+    groups = shot_groups(totals, cfg.eval)
+    names = data.train.classes
+    d = cfg.data
+    part = f"Dirichlet alpha={d.alpha:g}" if d.partition == "dirichlet" else (
+        f"pathological, {d.classes_per_client} classes per client" if d.partition == "pathological" else "IID")
+    lines = [f"{d.dataset}-LT: IF={d.imbalance_factor:g}, {part}, {d.num_clients} clients, seed {cfg.seed}",
+             data.describe(), "", f"Shot groups ({groups.rule}):"]
+    for g, classes in groups.classes.items():
+        lines.append(f"  {g:6s} {len(classes):3d} classes: " + (", ".join(f"{c} ({totals[c]})" for c in classes) or "none"))
+    lines += ["", "class  name                 samples  clients holding it"]
+    for c in range(len(totals)):
+        lines.append(f"{c:5d}  {str(names[c])[:20]:20s} {totals[c]:7d}  {int((counts[:, c] > 0).sum()):3d}")
+    lines += ["", "client  samples  classes  largest class (share)"]
+    for k, row in enumerate(counts):
+        n = int(row.sum())
+        top = int(row.argmax())
+        share = f"{top} ({100 * row[top] / n:.0f}%)" if n else "-"
+        lines.append(f"{k:6d}  {n:7d}  {int((row > 0).sum()):7d}  {share}")
+    record = partition_record(cfg, counts, names)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{d.dataset}-if{d.imbalance_factor:g}-{d.partition}" + (f"-a{d.alpha:g}" if d.partition == "dirichlet" else "") \
+        + f"-k{d.num_clients}-seed{cfg.seed}"
+    json_path = out / f"partition-{stem}.json"
+    write_atomic(json_path, json.dumps(record) + "\n")
+    png = plot_partition(record, out / f"partition-{stem}.png")
+    return "\n".join(lines), [png, json_path]

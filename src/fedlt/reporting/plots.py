@@ -1,0 +1,219 @@
+"""The report's figures, as small PNGs (dpi 100): accuracy vs round, shot-group bars, the
+client x class partition heatmap, per-class accuracy against class size, and real vs synthetic
+features in one PCA plane. Every figure has a title, axis labels with units and a legend.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlt.reporting.collect import Row, Setting
+
+DPI = 100
+SHOTS = (("acc", "overall"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"))
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    plt = _plt()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("tmp-" + path.name)
+    fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _colors(n: int) -> list:
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _mean_curve(row: Row, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rounds evaluated in every seed, with the mean and std of ``key`` there."""
+    per_seed = [{r["round"]: r[key] for r in run.curve() if r.get(key) is not None} for run in row.runs]
+    per_seed = [c for c in per_seed if c]
+    if not per_seed:
+        return None
+    rounds = sorted(set.intersection(*(set(c) for c in per_seed)))
+    if not rounds:
+        return None
+    values = np.array([[c[r] for r in rounds] for c in per_seed])
+    return np.array(rounds), values.mean(0), values.std(0, ddof=1) if len(per_seed) > 1 else np.zeros(len(rounds))
+
+
+def plot_curves(setting: Setting, path: Path) -> Path | None:
+    """GM accuracy and few-shot accuracy vs round, per method row: mean over seeds, ± std band."""
+    rows = [r for r in setting.rows if r.variant is None and r.runs]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=False)
+    for color, row in zip(_colors(len(rows)), rows):
+        for ax, key in zip(axes, ("acc", "few_acc")):
+            curve = _mean_curve(row, key)
+            if curve is None:
+                continue
+            x, mean, std = curve
+            ax.plot(x, mean, marker="o", ms=3, color=color, label=row.label)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
+    seeds = max(len(r.runs) for r in rows)
+    for ax, what in zip(axes, ("overall", "few-shot classes")):
+        ax.set(xlabel="communication round", ylabel="test accuracy (%)", title=f"GM accuracy, {what}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
+    band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
+    fig.suptitle(f"{setting.name}: accuracy vs round ({band}; post-hoc heads appear at the last round only)",
+                 fontsize=10)
+    return _save(fig, path)
+
+
+def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
+    """Overall / many / medium / few GM accuracy per row (variants included), error bars = std."""
+    rows = [r for r in setting.rows if r.values("acc")]
+    if not rows:
+        return None
+    plt = _plt()
+    n = len(rows)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 + 0.35 * n * len(SHOTS) * 0.8), 4.2))
+    x = np.arange(len(SHOTS))
+    for i, (color, row) in enumerate(zip(_colors(n), rows)):
+        means, stds = [], []
+        for key, _ in SHOTS:
+            v = row.values(key)
+            means.append(np.mean(v) if v else np.nan)
+            stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
+        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds, color=color, label=row.label,
+               capsize=2, error_kw={"elinewidth": 0.8})
+    ax.set_xticks(x, [f"{name} classes" if key != "acc" else "all classes" for key, name in SHOTS])
+    ax.set(ylabel="final-round test accuracy (%)", ylim=(0, 100),
+           title=f"{setting.name}: GM accuracy by shot group (error bars: std over seeds)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method / head")
+    return _save(fig, path)
+
+
+def plot_partition(record: dict[str, Any], path: Path, title: str | None = None) -> Path:
+    """The client x class heatmap of sample counts (as in SFD's Fig. 1), log colour scale."""
+    plt = _plt()
+    from matplotlib.colors import LogNorm
+
+    counts = np.asarray(record["counts"], dtype=float)
+    k, c = counts.shape
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(min(4 + 0.45 * c, 16), min(2 + 0.28 * k, 14)),
+                                   gridspec_kw={"width_ratios": [max(c, 4), 2.2], "wspace": 0.05}, sharey=True)
+    masked = np.ma.masked_where(counts == 0, counts)
+    im = ax.imshow(masked, aspect="auto", cmap="viridis", norm=LogNorm(vmin=1, vmax=max(counts.max(), 2)),
+                   interpolation="nearest")
+    if k * c <= 400:
+        for (i, j), v in np.ndenumerate(counts):
+            if v:
+                ax.text(j, i, f"{int(v)}", ha="center", va="center", fontsize=6,
+                        color="white" if v < np.sqrt(max(counts.max(), 1)) else "black")
+    totals = counts.sum(0).astype(int)
+    if c <= 20:
+        ax.set_xticks(range(c), [f"{j}\n({totals[j]})" for j in range(c)], fontsize=7)
+    ax.set_yticks(range(k)) if k <= 40 else None
+    ax.set(xlabel="class index, head → tail (training samples in the federation)", ylabel="client")
+    sizes = counts.sum(1)
+    side.barh(range(k), sizes, color="grey")
+    side.set(xlabel="samples")
+    side.tick_params(axis="y", left=False)
+    fig.colorbar(im, ax=[ax, side], label="training samples (log scale; blank = none)", pad=0.02)
+    d = record
+    part = f"Dirichlet alpha={d['alpha']:g}" if d.get("alpha") is not None else d.get("partition", "")
+    ax.set_title(title or f"Partition: {d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {k} clients "
+                          f"(seed {d.get('seed', '?')})", fontsize=10, loc="left")
+    return _save(fig, path)
+
+
+def plot_per_class(setting: Setting, path: Path) -> Path | None:
+    """Final per-class accuracy against the class's training samples (log x), per method row."""
+    rows = [r for r in setting.rows if r.variant is None and r.runs
+            and r.runs[0].summary.get("final", {}).get("per_class_acc")]
+    if not rows:
+        return None
+    plt = _plt()
+    run0 = rows[0].runs[0].summary
+    counts = np.asarray(run0["train_class_counts"], dtype=float)
+    order = np.argsort(counts)
+    fig, ax = plt.subplots(figsize=(8.5, 4.4))
+    for color, row in zip(_colors(len(rows)), rows):
+        per_seed = np.array([r.summary["final"]["per_class_acc"] for r in row.runs if r.summary["final"].get("per_class_acc")])
+        mean = per_seed.mean(0)
+        ax.plot(counts[order], mean[order], marker="o", ms=4, lw=1, color=color, label=row.label)
+    groups = run0.get("shot_groups") or {}
+    for low_name, high_name in (("few", "medium"), ("medium", "many")):
+        low, high = groups.get(low_name) or [], groups.get(high_name) or []
+        if low and high:
+            edge = np.sqrt(counts[low].max() * counts[high].min())
+            ax.axvline(edge, color="grey", ls="--", lw=0.8)
+            ax.text(edge, 101, f"{low_name} | {high_name}", ha="center", va="bottom", fontsize=7, color="grey")
+    ax.set_xscale("log")
+    ax.set(xlabel="training samples of the class in the federation (log scale)", ylabel="final test accuracy (%)",
+           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size (mean over seeds)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
+    return _save(fig, path)
+
+
+def synthetic_sets(artifacts: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{name: (features, labels)}`` for every ``[name/]synthetic_features`` + ``..._labels`` pair."""
+    out = {}
+    for key, value in artifacts.items():
+        if key.endswith("synthetic_features"):
+            prefix = key[: -len("synthetic_features")]
+            labels = artifacts.get(prefix + "synthetic_labels")
+            if labels is not None:
+                out[prefix.rstrip("/") or "synthetic"] = (np.asarray(value, dtype=float), np.asarray(labels))
+    return out
+
+
+def plot_features(artifacts: dict[str, Any], path: Path, title: str) -> Path | None:
+    """Real test-set features and each synthetic set, projected on the real features' first two
+    principal components (one basis for all panels, so positions are comparable)."""
+    sets = synthetic_sets(artifacts)
+    if not sets or "test_features" not in artifacts:
+        return None
+    plt = _plt()
+    real = np.asarray(artifacts["test_features"], dtype=float)
+    real_y = np.asarray(artifacts["test_labels"])
+    center = real.mean(0)
+    _, _, vt = np.linalg.svd(real - center, full_matrices=False)
+    basis = vt[:2].T
+    panels = [("real test-set features", (real - center) @ basis, real_y)]
+    panels += [(f"synthetic: {name}", (f - center) @ basis, y) for name, (f, y) in sets.items()]
+    num_classes = int(max(real_y.max(), *(y.max() for _, _, y in panels))) + 1
+    colors = _colors(num_classes)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), sharex=True, sharey=True, squeeze=False)
+    everything = np.concatenate([p for _, p, _ in panels])
+    lo, hi = np.percentile(everything, 1, axis=0), np.percentile(everything, 99, axis=0)
+    pad = 0.08 * (hi - lo)
+    for ax, (name, points, labels) in zip(axes[0], panels):
+        for cls in range(num_classes):
+            sel = labels == cls
+            if sel.any():
+                ax.scatter(points[sel, 0], points[sel, 1], s=5, alpha=0.6, color=colors[cls], label=str(cls))
+        ax.set(title=f"{name} (n={len(points)})", xlabel="PC 1 of real features")
+        ax.set_xlim(lo[0] - pad[0], hi[0] + pad[0])
+        ax.set_ylim(lo[1] - pad[1], hi[1] + pad[1])
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("PC 2 of real features")
+    if num_classes <= 20:
+        axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, title="class", markerscale=2)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
