@@ -67,7 +67,7 @@ class MethodRow(_Strict):
     """One table row (the run's headline model), plus extra rows read from the same runs."""
 
     name: str
-    overrides: list[str] = []
+    overrides: Overrides = []
     variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
     settings: list[str] | None = Field(None, description="run this row only in these settings")
 
@@ -77,7 +77,7 @@ class SuiteSpec(_Strict):
     title: str | None = None
     description: str = ""
     base: str | None = None
-    overrides: list[str] = []
+    overrides: Overrides = []
     seeds: list[int] = [0]
     settings: list[SettingSpec] = Field(default_factory=lambda: [SettingSpec(name="default")])
     methods: list[MethodRow]

@@ -1,0 +1,199 @@
+"""``fedlt bench``: suite files, validation before any cell runs, resumable cells, failed cells,
+parallel workers, and the tables' arithmetic (means, stds, bold/underline)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import TINY_SUITE, write_suite
+from fedlt.bench.suite import cell_dir, load_suite, run_suite, slug
+from fedlt.cli import app
+from fedlt.errors import ConfigError
+from fedlt.reporting import write_report
+
+METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
+
+
+def finals(out, setting, method, seeds, variant=None):
+    rows = []
+    for seed in seeds:
+        final = json.loads((cell_dir(out, setting, method, seed) / "summary.json").read_text())["final"]
+        rows.append(final["variants"][variant] if variant else final)
+    return rows
+
+
+def test_tiny_suite_runs_every_cell_in_its_place(tiny_suite):
+    _, out, result = tiny_suite
+    assert len(result.cells) == 4 and len(result.ran) == 4 and not result.failed and not result.skipped
+    for cell in result.cells:
+        assert cell.run_dir == out / "if-10-alpha-0-5" / slug(cell.method) / f"seed{cell.seed}"
+        cfg = (cell.run_dir / "config.yaml").read_text()
+        assert f"seed: {cell.seed}" in cfg and "dataset: synthetic" in cfg
+    assert (out / "suite.yaml").is_file() and not (out / "failed.json").exists()
+
+
+def test_rerun_skips_finished_cells(tiny_suite):
+    path, out, _ = tiny_suite
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
+    lines = []
+    again = run_suite(load_suite(path), out, echo=lines.append)
+    assert not again.ran and len(again.skipped) == 4
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")} == stamps
+    assert "4 already finished, 0 to run" in lines[0]
+
+
+def test_table_means_stds_and_marks_match_the_cells(tiny_suite):
+    _, out, _ = tiny_suite
+    report = write_report(out, out / "tables-only", with_plots=False)
+    setting = "IF=10, alpha=0.5"
+    expected = {"FedAvg + CCVR": finals(out, setting, "FedAvg + CCVR", [0, 1]),
+                "FedAvg": finals(out, setting, "FedAvg + CCVR", [0, 1], variant="uncalibrated"),
+                "FedProx": finals(out, setting, "FedProx", [0, 1])}
+    rows = list(csv.DictReader((report.out / "tables.csv").open()))
+    assert [r["row"] for r in rows] == list(expected)
+    for row in rows:
+        for m in METRICS:
+            values = [f[m] for f in expected[row["row"]] if f.get(m) is not None]
+            if not values:
+                assert row[f"{m}_mean"] == ""
+                continue
+            assert float(row[f"{m}_mean"]) == pytest.approx(statistics.mean(values), abs=1e-4)
+            assert float(row[f"{m}_std"]) == pytest.approx(statistics.stdev(values), abs=1e-4)
+    # bold = best mean of the column, underline = second best (as printed, 2 decimals)
+    md = [line for line in report.markdown.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    for col, m in enumerate(("acc", "many_acc", "medium_acc", "few_acc", "pm_acc"), start=1):
+        means = {r["row"]: round(float(r[f"{m}_mean"]), 2) for r in rows if r[f"{m}_mean"]}
+        if not means:
+            continue
+        levels = sorted(set(means.values()), reverse=True)
+        for line in md:
+            label = line.split(" | ")[0][2:]
+            cell = line.strip("|").split("|")[col].strip()
+            if label not in means:
+                assert cell == "-"
+            elif means[label] == levels[0]:
+                assert cell.startswith("**") and cell.endswith("**"), (m, line)
+            elif len(levels) > 1 and means[label] == levels[1]:
+                assert cell.startswith("<u>") and cell.endswith("</u>"), (m, line)
+            else:
+                assert "**" not in cell and "<u>" not in cell
+    tex = (report.out / "tables.tex").read_text()
+    assert tex.count(r"\textbf{") >= 4 and r"\underline{" in tex and r"$\pm$" in tex
+
+
+def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch):
+    from fedlt.methods.fedprox import FedProxClient
+
+    def broken(self, ctx, msg):
+        raise RuntimeError("simulated crash in local training")
+
+    tree = {**TINY_SUITE, "seeds": [0],
+            "methods": [{"name": "FedAvg", "overrides": ["method=fedavg"]}, TINY_SUITE["methods"][1]]}
+    suite = load_suite(write_suite(tmp_path / "s.yaml", tree))
+    monkeypatch.setattr(FedProxClient, "fit", broken)  # fails at run time, after validation passed
+    result = run_suite(suite, tmp_path / "out", echo=lambda line: None)
+    assert [c.method for c in result.ran] == ["FedAvg"]
+    assert [c.method for c, _ in result.failed] == ["FedProx"]
+    failed = json.loads((tmp_path / "out" / "failed.json").read_text())
+    assert len(failed) == 1 and "simulated crash" in failed[0]["error"] and "FedProx" in failed[0]["cell"]
+    table = write_report(tmp_path / "out", with_plots=False).markdown
+    assert "| FedProx (0/1 seeds) | - |" in table
+    monkeypatch.undo()  # fixed: the re-run runs only the failed cell, and clears failed.json
+    again = run_suite(suite, tmp_path / "out", echo=lambda line: None)
+    assert [c.method for c in again.ran] == ["FedProx"] and len(again.skipped) == 1
+    assert not (tmp_path / "out" / "failed.json").exists()
+
+
+def test_interrupted_cell_resumes_from_its_checkpoint(tiny_suite, tmp_path, monkeypatch):
+    from fedlt.engine.simulation import Simulation
+
+    tree = {**TINY_SUITE, "seeds": [1], "methods": [TINY_SUITE["methods"][1]], "overrides":
+            [*TINY_SUITE["overrides"], "run.checkpoint_every=1"]}
+    suite = load_suite(write_suite(tmp_path / "s.yaml", tree))
+    original = Simulation.fit_round
+
+    def interrupted(self, rnd):
+        if rnd == 2:
+            raise KeyboardInterrupt
+        return original(self, rnd)
+
+    monkeypatch.setattr(Simulation, "fit_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(suite, tmp_path / "out", echo=lambda line: None)
+    monkeypatch.undo()
+    (cell,) = run_suite(suite, tmp_path / "out", dry_run=True, echo=lambda line: None).cells
+    assert cell.state == "resume"
+    run_suite(suite, tmp_path / "out", echo=lambda line: None)
+    _, reference, _ = tiny_suite
+    resumed = finals(tmp_path / "out", "IF=10, alpha=0.5", "FedProx", [1])[0]
+    uninterrupted = finals(reference, "IF=10, alpha=0.5", "FedProx", [1])[0]
+    assert {k: resumed[k] for k in METRICS} == {k: uninterrupted[k] for k in METRICS}
+
+
+def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
+    _, reference, _ = tiny_suite
+    path = write_suite(tmp_path / "s.yaml", {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1]]})
+    result = run_suite(load_suite(path), tmp_path / "par", workers=2, echo=lambda line: None)
+    assert len(result.ran) == 2 and not result.failed
+    for cell in result.cells:
+        a = json.loads((cell.run_dir / "summary.json").read_text())["final"]
+        b = json.loads((cell_dir(reference, cell.setting, cell.method, cell.seed) / "summary.json").read_text())["final"]
+        assert a == b
+
+
+def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):
+    path, out, _ = tiny_suite
+    tree = {**TINY_SUITE, "overrides": [*TINY_SUITE["overrides"], "fl.lr=0.01"]}
+    with pytest.raises(ConfigError, match=r"fl\.lr: 0\.05 -> 0\.01.*--out"):
+        run_suite(load_suite(write_suite(tmp_path / "changed.yaml", tree)), out, echo=lambda line: None)
+
+
+BAD_SUITES = {
+    "unknown_key": ({**TINY_SUITE, "setings": []}, "unknown key 'setings'"),
+    "no_methods": ({k: v for k, v in TINY_SUITE.items() if k != "methods"}, "key 'methods' is missing"),
+    "not_key_value": ({**TINY_SUITE, "overrides": ["fl.rounds"]}, "overrides: 'fl.rounds' is not key=value"),
+    "bad_name": ({**TINY_SUITE, "name": "My Suite"}, "name: 'My Suite' is not a slug"),
+    "unknown_setting": ({**TINY_SUITE, "methods": [{"name": "A", "settings": ["nope"]}]},
+                        "methods[0].settings names 'nope'"),
+    "duplicate_row": ({**TINY_SUITE, "methods": [{"name": "A", "variants": {"A": "ccvr"}}]}, "row label 'A'"),
+    "method_typo_in_last_cell": ({**TINY_SUITE, "methods": [*TINY_SUITE["methods"],
+                                                            {"name": "Typo", "overrides": ["method=fedavgg"]}]},
+                                 "cell 'IF=10, alpha=0.5 / Typo / seed 0': unknown method 'fedavgg'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SUITES))
+def test_bad_suite_files_exit_2_with_one_line_and_run_nothing(tmp_path, case):
+    tree, message = BAD_SUITES[case]
+    path = write_suite(tmp_path / "bad.yaml", tree)
+    result = CliRunner().invoke(app, ["bench", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedlt: error: ") and message in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_suite_name_and_bad_yaml(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "no-such-suite"])
+    assert result.exit_code == 2 and "built-in suite 'no-such-suite'" in result.stderr and "demo" in result.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmethods: [\n")
+    result = CliRunner().invoke(app, ["bench", str(bad)])
+    assert result.exit_code == 2 and "is not valid YAML at line" in result.stderr
+
+
+def test_builtin_suites_validate_and_list(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "list"])
+    assert result.exit_code == 0
+    names = [line.split()[0] for line in result.stdout.splitlines()]
+    assert {"demo", "calibration", "cpu-paper", "paper-creff", "paper-fedloge", "paper-gbme", "paper-fedyoyo",
+            "paper-sfd"} <= set(names)
+    for name in names:  # every cell's config passes the same checks as a run (no data needed)
+        dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])
+        assert dry.exit_code == 0, (name, dry.stderr)
+        assert "0 finished" in dry.stderr

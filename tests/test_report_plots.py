@@ -1,0 +1,142 @@
+"""``fedlt report`` figures and ranking, ``fedlt data describe``, the partition record, tracking."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedlt.cli import app
+from fedlt.reporting import write_report
+from fedlt.reporting.collect import Row, Run, Setting
+from fedlt.reporting.tables import build_table
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_readable_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    image = matplotlib.image.imread(path)
+    h, w = image.shape[:2]
+    assert 250 <= h <= 2000 and 400 <= w <= 2500 and image.shape[2] in (3, 4), (path, image.shape)
+    assert image[..., :3].std() > 0.05, f"{path} is blank"
+
+
+def test_suite_report_writes_every_plot_as_a_readable_png(tiny_suite, tmp_path):
+    _, out, _ = tiny_suite
+    report = write_report(out, tmp_path / "report")
+    names = sorted(p.name for p in report.files)
+    s = "if-10-alpha-0-5"
+    assert names == sorted([f"curves-{s}.png", f"shots-{s}.png", f"per-class-{s}.png", f"partition-{s}.png",
+                            f"features-{s}-fedavg-ccvr.png", "tables.md", "tables.csv", "tables.tex"])
+    for path in report.files:
+        if path.suffix == ".png":
+            assert_readable_png(path)
+
+
+def test_single_run_directory_report(tiny_suite, tmp_path):
+    _, out, result = tiny_suite
+    run_dir = next(c.run_dir for c in result.cells if c.method == "FedAvg + CCVR")
+    cli = CliRunner().invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "r"), "--no-plots"])
+    assert cli.exit_code == 0, cli.stderr
+    rows = [line.split(" | ")[0] for line in cli.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| method", "| ccvr", "| ccvr [uncalibrated]"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"{summary['final']['acc']:.2f}" in cli.stdout
+    bad = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert bad.exit_code == 2 and "neither a run directory" in bad.stderr
+
+
+def _row(label, accs, ranked=True):
+    runs = [Run(Path("."), i, {"final": {"acc": a, "many_acc": None, "medium_acc": None, "few_acc": None,
+                                         "pm_acc": None}}) for i, a in enumerate(accs)]
+    return Row(label, None, runs, ranked=ranked)
+
+
+def test_best_is_bold_second_underlined_ties_share_and_upper_bounds_are_not_ranked():
+    setting = Setting("s", [_row("a", [50.0, 60.0]), _row("b", [70.0]), _row("c", [55.001, 54.999]),
+                            _row("d", [69.999]), _row("oracle", [99.0], ranked=False), _row("e", [10.0])])
+    table = build_table(setting)
+    marks = {setting.rows[i].label: m for (i, metric), m in table.marks.items() if metric == "acc"}
+    assert marks == {"b": "best", "d": "best", "a": "second", "c": "second"}  # 70.00 = 70.00; 55.00 = 55.00
+    assert [c for c, _ in table.columns] == ["acc", "many_acc", "medium_acc", "few_acc"]  # no PM reported: no column
+    a = table.cells[0]["acc"]
+    assert a.mean == 55.0 and a.std == pytest.approx(np.std([50, 60], ddof=1)) and a.n == 2
+    assert table.cells[1]["acc"].std is None
+
+
+def test_partition_record_matches_the_federation(tiny_suite):
+    from fedlt.config import load_config
+    from fedlt.data.federated import build_federated_data
+
+    _, _, result = tiny_suite
+    cell = result.cells[0]
+    record = json.loads((cell.run_dir / "partition.json").read_text())
+    cfg = load_config(cell.run_dir / "config.yaml")
+    data = build_federated_data(cfg.data, cfg.seed)
+    assert np.array_equal(np.array(record["counts"]), data.partition.counts)
+    summary = json.loads((cell.run_dir / "summary.json").read_text())
+    assert np.array(record["counts"]).sum(0).tolist() == summary["train_class_counts"]
+
+
+def test_artifacts_hold_synthetic_and_real_features(tiny_suite):
+    import torch
+
+    _, _, result = tiny_suite
+    ccvr = next(c for c in result.cells if c.method == "FedAvg + CCVR")
+    art = torch.load(ccvr.run_dir / "artifacts.pt", weights_only=True)
+    feats, labels = art["ccvr/synthetic_features"], art["ccvr/synthetic_labels"]
+    assert feats.shape[1] == art["test_features"].shape[1] == 128 and len(feats) == len(labels)
+    assert len(art["test_labels"]) == 10 * 100  # up to 100 test images per class, 10 classes
+    fedprox = next(c for c in result.cells if c.method == "FedProx")
+    assert not (fedprox.run_dir / "artifacts.pt").exists()  # nothing to save: no file
+
+
+def test_data_describe_prints_the_partition_and_draws_it(tmp_path):
+    args = ["data", "describe", "data.dataset=synthetic", "data.num_clients=5", "data.imbalance_factor=10",
+            "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    assert "synthetic-LT: IF=10, Dirichlet alpha=0.5, 5 clients, seed 0" in text
+    clients = text.split("client  samples  classes  largest class (share)\n")[1].strip().splitlines()
+    assert len(clients) == 5
+    record = json.loads(next(tmp_path.glob("partition-*.json")).read_text())
+    counts = np.array(record["counts"])
+    assert [int(line.split()[1]) for line in clients] == counts.sum(1).tolist()
+    assert [int(line.split()[2]) for line in clients] == (counts > 0).sum(1).tolist()
+    assert "many" in text and "medium" in text and "few" in text
+    assert_readable_png(next(tmp_path.glob("partition-*.png")))
+
+
+def test_tensorboard_mirrors_the_evaluated_rounds(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import fedlt
+
+    res = fedlt.run(overrides=["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=2", "fl.local_epochs=1",
+                               "eval.every=1", "run.threads=1", "run.tensorboard=true", f"run.out_dir={tmp_path}"],
+                    quiet=True)
+    events = EventAccumulator(str(res.run_dir / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, round(e.value, 4)) for e in events.Scalars("acc")]
+    assert logged == [(r["round"], round(r["acc"], 4)) for r in res.metrics]
+    assert "comm/up_model" in events.Tags()["scalars"]
+
+
+def test_tensorboard_without_the_package_is_a_config_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    import fedlt
+    from fedlt.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"run.tensorboard=true needs the tensorboard package; pip install"):
+        fedlt.run(overrides=["data.dataset=synthetic", "run.tensorboard=true", f"run.out_dir={tmp_path}"], quiet=True)
+    assert not any(tmp_path.iterdir())  # failed before the run directory existed
