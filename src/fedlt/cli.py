@@ -163,6 +163,7 @@ def bench_speed_cmd(
 @bench_app.command("run")
 def bench_run_cmd(
     suite: str = typer.Argument(..., help="a built-in suite (fedlt bench list) or a suite YAML file"),
+    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides for every cell, e.g. data.root=/data"),
     workers: int = typer.Option(1, "--workers", "-j", help="cells run in parallel processes (torch threads = cores / N each)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default runs/bench/<suite name>)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds replacing the suite's, e.g. 0,1"),
@@ -182,7 +183,7 @@ def bench_run_cmd(
             raise ConfigError(f"--seeds {seeds}: give integers separated by commas, e.g. 0,1,2") from None
         folder = out or Path("runs/bench") / loaded.spec.name
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
-                           echo=lambda line: typer.echo(line, err=True))
+                           echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []))
         if dry_run:
             return
         if report:

@@ -221,8 +221,9 @@ def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
     return out / slug(setting) / slug(method) / f"seed{seed}"
 
 
-def expand(suite: Suite, out: Path, seeds: list[int] | None = None) -> list[Cell]:
-    """All cells, settings-major then methods then seeds (the tables' order)."""
+def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[str] | None = None) -> list[Cell]:
+    """All cells, settings-major then methods then seeds (the tables' order). ``extra`` overrides
+    (from the command line, e.g. ``data.root=...``) follow the method's."""
     s = suite.spec
     cells = []
     for setting in s.settings:
@@ -231,7 +232,7 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None) -> list[Cell
                 continue
             for seed in seeds or s.seeds:
                 run_dir = cell_dir(out, setting.name, m.name, seed)
-                overrides = [*s.overrides, *setting.overrides, *m.overrides, f"seed={seed}",
+                overrides = [*s.overrides, *setting.overrides, *m.overrides, *(extra or []), f"seed={seed}",
                              f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
                 cells.append(Cell(setting.name, m.name, seed, overrides, run_dir))
     return cells
@@ -337,11 +338,14 @@ def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
 
 
 def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
-              echo: Callable[[str], None] = print) -> SuiteResult:
+              echo: Callable[[str], None] = print, overrides: list[str] | None = None) -> SuiteResult:
     """Validate every cell, then run the unfinished ones (``workers`` processes in parallel)."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more")
-    cells = expand(suite, out, seeds)
+    bad = [o for o in overrides or [] if "=" not in o]
+    if bad:
+        raise ConfigError(f"'{bad[0]}' is not key=value; after the suite give overrides like data.root=/data")
+    cells = expand(suite, out, seeds, overrides)
     validate_cells(suite, cells)
     result = SuiteResult(out, cells, skipped=[c for c in cells if c.state == "done"])
     todo = [c for c in cells if c.state != "done"]

@@ -99,7 +99,9 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
             stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
         ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds, color=color, label=row.label,
                capsize=2, error_kw={"elinewidth": 0.8})
-    ax.set_xticks(x, [f"{name} classes" if key != "acc" else "all classes" for key, name in SHOTS])
+    groups = rows[0].runs[0].summary.get("shot_groups") or {}
+    ax.set_xticks(x, ["all classes" if key == "acc" else f"{name}-shot\n({len(groups.get(name, []))} classes)"
+                      for key, name in SHOTS])
     ax.set(ylabel="final-round test accuracy (%)", ylim=(0, 100),
            title=f"{setting.name}: GM accuracy by shot group (error bars: std over seeds)")
     ax.grid(axis="y", alpha=0.3)
@@ -164,6 +166,11 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
             ax.axvline(edge, color="grey", ls="--", lw=0.8)
             ax.text(edge, 101, f"{low_name} | {high_name}", ha="center", va="bottom", fontsize=7, color="grey")
     ax.set_xscale("log")
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set(xlabel="training samples of the class in the federation (log scale)", ylabel="final test accuracy (%)",
            ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size (mean over seeds)")
     ax.grid(alpha=0.3, which="both")
