@@ -362,6 +362,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
          f" with {workers} worker(s) -> {out}")
     t0 = time.perf_counter()
     failures = _load_failures(out, {str(c.run_dir) for c in todo})
+    walls: list[float] = []
 
     def finished(cell: Cell, info: dict[str, Any]) -> None:
         with open(out / LOG_FILE, "a") as f:
@@ -377,8 +378,10 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
             what = f"FAILED: {info['error']}"
         _write_failures(out, failures)
         done = len(result.ran) + len(result.failed)
+        walls.append(info["wall_s"])
         elapsed = time.perf_counter() - t0
-        eta = elapsed / done * (len(todo) - done)
+        left = len(todo) - done  # cells still to finish, `workers` at a time, at the mean cell time so far
+        eta = sum(walls) / len(walls) * left / max(1, min(workers, left))
         echo(f"[bench {name}] {done + len(result.skipped)}/{len(cells)} | {cell.label}: {what} "
              f"({_duration(info['wall_s'])}) | elapsed {_duration(elapsed)}, ETA {_duration(eta)}")
 
