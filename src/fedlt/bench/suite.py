@@ -250,11 +250,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
-    """The first key (ignoring :data:`IGNORED_KEYS`) whose value differs, as ``key: a -> b``."""
+    """The first key (ignoring :data:`IGNORED_KEYS`) whose value differs, as ``key: a -> b``.
+    Keys the saved config lacks are ignored: they were added to fedlt after that run."""
     a, b = _flatten(saved), _flatten(wanted)
-    for key in sorted(set(a) | set(b)):
-        if key not in IGNORED_KEYS and a.get(key) != b.get(key):
-            return f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+    for key in sorted(a):
+        if key not in IGNORED_KEYS and a[key] != b.get(key):
+            return f"{key}: {a[key]!r} -> {b.get(key)!r}"
     return None
 
 

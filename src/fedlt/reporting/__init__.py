@@ -59,5 +59,6 @@ def write_plots(collection: Collection, out: Path) -> list[Path]:
                 artifacts = torch.load(row.runs[0].path / ARTIFACTS_FILE, map_location="cpu", weights_only=True)
                 artifacts = {k: v.numpy() for k, v in artifacts.items()}
                 title = f"{setting.name} / {row.label} (seed {row.runs[0].seed}): real vs synthetic features, PCA"
-                files.append(plots.plot_features(artifacts, out / f"features-{s}-{_slug(row.label)}.png", title))
+                files.append(plots.plot_features(artifacts, out / f"features-{s}-{_slug(row.label)}.png", title,
+                                                 row.runs[0].summary.get("class_names")))
     return [f for f in files if f is not None]

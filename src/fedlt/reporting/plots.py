@@ -71,8 +71,9 @@ def plot_curves(setting: Setting, path: Path) -> Path | None:
             ax.plot(x, mean, marker="o", ms=3, color=color, label=row.label)
             ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
     seeds = max(len(r.runs) for r in rows)
+    epochs = any(r.runs[0].summary.get("method") == "centralized" for r in rows)
     for ax, what in zip(axes, ("overall", "few-shot classes")):
-        ax.set(xlabel="communication round", ylabel="test accuracy (%)", title=f"GM accuracy, {what}")
+        ax.set(xlabel="communication round" + (" (centralized: epoch)" if epochs else ""), ylabel="test accuracy (%)", title=f"GM accuracy, {what}")
         ax.grid(alpha=0.3)
     axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
     band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
@@ -97,13 +98,16 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
             v = row.values(key)
             means.append(np.mean(v) if v else np.nan)
             stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
-        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds, color=color, label=row.label,
-               capsize=2, error_kw={"elinewidth": 0.8})
+        many_seeds = len(row.runs) > 1
+        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds if many_seeds else None, color=color,
+               label=row.label, capsize=2, error_kw={"elinewidth": 0.8})
     groups = rows[0].runs[0].summary.get("shot_groups") or {}
     ax.set_xticks(x, ["all classes" if key == "acc" else f"{name}-shot\n({len(groups.get(name, []))} classes)"
                       for key, name in SHOTS])
+    seeds = max(len(r.runs) for r in rows)
     ax.set(ylabel="final-round test accuracy (%)", ylim=(0, 100),
-           title=f"{setting.name}: GM accuracy by shot group (error bars: std over seeds)")
+           title=f"{setting.name}: GM accuracy by shot group "
+                 + ("(mean; error bars: std over seeds)" if seeds > 1 else "(1 seed)"))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method / head")
     return _save(fig, path)
@@ -190,7 +194,8 @@ def synthetic_sets(artifacts: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.
     return out
 
 
-def plot_features(artifacts: dict[str, Any], path: Path, title: str) -> Path | None:
+def plot_features(artifacts: dict[str, Any], path: Path, title: str, class_names: list[str] | None = None
+                  ) -> Path | None:
     """Real test-set features and each synthetic set, projected on the real features' first two
     principal components (one basis for all panels, so positions are comparable)."""
     sets = synthetic_sets(artifacts)
@@ -214,7 +219,8 @@ def plot_features(artifacts: dict[str, Any], path: Path, title: str) -> Path | N
         for cls in range(num_classes):
             sel = labels == cls
             if sel.any():
-                ax.scatter(points[sel, 0], points[sel, 1], s=5, alpha=0.6, color=colors[cls], label=str(cls))
+                legend = f"{cls} {class_names[cls]}" if class_names and cls < len(class_names) else str(cls)
+                ax.scatter(points[sel, 0], points[sel, 1], s=5, alpha=0.6, color=colors[cls], label=legend)
         ax.set(title=f"{name} (n={len(points)})", xlabel="PC 1 of real features")
         ax.set_xlim(lo[0] - pad[0], hi[0] + pad[0])
         ax.set_ylim(lo[1] - pad[1], hi[1] + pad[1])
