@@ -33,13 +33,13 @@ def rff_frequencies(dim: int, num_features: int, gamma: float, seed: int) -> tor
     if gamma <= 0:
         raise ValueError(f"RBF gamma must be > 0, got {gamma}")
     generator = torch.Generator().manual_seed(int(seed))
-    rows, blocks = num_features // 2, []
-    for _ in range(math.ceil(rows / dim)):
-        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
-        q = q * torch.sign(torch.diagonal(r))  # sign fix: Q is Haar-distributed
-        norms = torch.randn(dim, dim, generator=generator, dtype=torch.float64).norm(dim=1)  # chi_dim
-        blocks.append(norms[:, None] * q.T)  # rows: orthonormal directions with Gaussian-vector lengths
-    return math.sqrt(2.0 * gamma) * torch.cat(blocks)[:rows]
+    rows = num_features // 2
+    blocks = math.ceil(rows / dim)
+    q, r = torch.linalg.qr(torch.randn(blocks, dim, dim, generator=generator, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r, dim1=1, dim2=2))[:, None, :]  # sign fix: Q is Haar-distributed
+    norms = torch.randn(blocks, dim, dim, generator=generator, dtype=torch.float64).norm(dim=2)  # chi_dim
+    # rows of each block: orthonormal directions with the lengths of Gaussian vectors
+    return math.sqrt(2.0 * gamma) * (norms[:, :, None] * q.transpose(1, 2)).reshape(-1, dim)[:rows]
 
 
 def random_fourier_features(z: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
