@@ -140,6 +140,12 @@ def test_synthetic_counts_follow_the_size_rank():
     counts = synthetic_counts(torch.tensor([100.0, 50.0, 50.0, 10.0, 0.0, 30.0]), largest=2000, smallest=600)
     assert counts.tolist() == [600, 1067, 1067, 2000, 0, 1533]
     assert synthetic_counts(torch.tensor([4.0, 4.0])).tolist() == [2000, 2000]
+    # default bank sizes: the paper's 2000/600 on 512-d features, scaled to the feature dim
+    from fedlt.methods.calibrators import CalibrationArgs, safs_bank_sizes
+
+    assert safs_bank_sizes(CalibrationArgs(), 512) == (2000, 600)
+    assert safs_bank_sizes(CalibrationArgs(), 128) == (500, 150)
+    assert safs_bank_sizes(CalibrationArgs(safs_max_per_class=100), 128) == (100, 100)
 
 
 def test_safs_matches_moments_and_lowers_the_synthesis_loss():
@@ -152,12 +158,12 @@ def test_safs_matches_moments_and_lowers_the_synthesis_loss():
     mean, cov, count = class_moments(class_feature_sums(z, y, 2))
     w = rff_frequencies(d, 400, 0.05, seed=3)
     rff_mean = class_feature_sums(random_fourier_features(z, w.float()), y, 2, second_moment=False)["sum"] / n
-    per_class = torch.tensor([300, 300])
+    per_class = torch.tensor([200, 200])
     losses = {}
     for steps in (0, 30):
         feats, labels, losses[steps] = synthesize(mean, cov, rff_mean, w, per_class, torch.Generator().manual_seed(1),
                                                   SynthesisOptions(steps=steps, lr=1.0))
-        assert feats.shape == (600, d) and labels.tolist() == [0] * 300 + [1] * 300
+        assert feats.shape == (400, d) and labels.tolist() == [0] * 200 + [1] * 200
         for c in (0, 1):
             zc = feats[labels == c].double()
             assert torch.allclose(zc.mean(0), mean[c], atol=1e-4)
@@ -249,6 +255,6 @@ def test_sfd_composes_with_user_calibrations_and_validates_knobs(tmp_path):
     with pytest.raises(ConfigError, match="calibration_args.safs_rff_dim"):
         prepare(build_config(tiny(tmp_path, calibration_args={"safs_rff_dim": 301})))
     with pytest.raises(ConfigError, match="safs_min_per_class"):
-        prepare(build_config(tiny(tmp_path, calibration_args={"safs_min_per_class": 3000})))
+        prepare(build_config(tiny(tmp_path, calibration_args={"safs_min_per_class": 3000, "safs_max_per_class": 2000})))
     with pytest.raises(ConfigError, match="fixes its own training objective"):
         prepare(build_config(tiny(tmp_path, loss={"name": "la"})))

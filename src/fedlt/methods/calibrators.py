@@ -50,8 +50,11 @@ class CalibrationArgs(MethodArgs):
     safs_rff_dim: int = Field(1000, ge=2, multiple_of=2, description="SAFS: D, random Fourier features (paper 5000, "
                               "code 3000; the synthesis cost is linear in D)")
     safs_rbf_gamma: float = Field(0.01, gt=0, description="SAFS: RBF kernel gamma of the MMD")
-    safs_max_per_class: int = Field(2000, ge=2, description="SAFS: synthetic features of the rarest class")
-    safs_min_per_class: int = Field(600, ge=2, description="SAFS: synthetic features of the most frequent class")
+    safs_max_per_class: int | None = Field(None, ge=2, description="SAFS: synthetic features of the rarest class "
+                                           "(default: the paper's 2000 on its 512-d ResNet-18, scaled to the feature "
+                                           "dim: 500 for d=128)")
+    safs_min_per_class: int | None = Field(None, ge=2, description="SAFS: synthetic features of the most frequent "
+                                           "class (default: the paper's 600 scaled to the feature dim: 150 for d=128)")
     safs_steps: int = Field(100, ge=0, description="SAFS: T, optimisation steps of each class's memory bank")
     safs_lr: float = Field(1.0, gt=0, description="SAFS: SGD lr of the memory bank (momentum 0.9, cosine to 0)")
     safs_eps: float = Field(1e-5, ge=0, description="SAFS: diagonal added to both covariances before Cholesky")
@@ -65,7 +68,8 @@ class CalibrationArgs(MethodArgs):
 
     @model_validator(mode="after")
     def _safs_counts_ordered(self) -> "CalibrationArgs":
-        if self.safs_min_per_class > self.safs_max_per_class:
+        if None not in (self.safs_min_per_class, self.safs_max_per_class) and \
+                self.safs_min_per_class > self.safs_max_per_class:
             raise ValueError(f"safs_min_per_class={self.safs_min_per_class} exceeds safs_max_per_class="
                              f"{self.safs_max_per_class}; the rarest class gets the most synthetic features")
         return self
@@ -300,6 +304,18 @@ class RealFeatureOracle(Calibrator):
         self._head = _retrain_from(model, feats[keep], labels[keep], self.args, generator)
 
 
+def safs_bank_sizes(args: CalibrationArgs, dim: int) -> tuple[int, int]:
+    """``M_c`` of the rarest and the most frequent class: the knobs, or the paper's 2000 and 600 for
+    its 512-d features scaled by ``dim / 512`` (estimating a d x d covariance takes O(d) samples,
+    and the cost of the synthesis is linear in them)."""
+    largest = args.safs_max_per_class or max(2, round(2000 * dim / 512))
+    smallest = args.safs_min_per_class or max(2, round(600 * dim / 512))
+    if args.safs_min_per_class is None or args.safs_max_per_class is None:
+        smallest = min(smallest, largest)
+        largest = max(smallest, largest)
+    return largest, smallest
+
+
 class SAFS(Calibrator):
     """SFD's SAFS (Zhang et al. KDD 2025, Section 4.3): synthetic features whose mean, covariance
     and mean random Fourier features match the federation's (all from client sums), then the
@@ -324,7 +340,8 @@ class SAFS(Calibrator):
         rff = stats["rff_sums"]
         rff_mean = rff["sum"] / rff["count"].clamp_min(1.0)[:, None]
         frequencies = rff_frequencies(mean.shape[1], a.safs_rff_dim, a.safs_rbf_gamma, self.rff_seed)
-        per_class = safs.synthetic_counts(count, a.safs_max_per_class, a.safs_min_per_class)
+        largest, smallest = safs_bank_sizes(a, mean.shape[1])
+        per_class = safs.synthetic_counts(count, largest, smallest)
         options = safs.SynthesisOptions(steps=a.safs_steps, lr=a.safs_lr, eps=a.safs_eps, aligner=a.safs_aligner,
                                         mmd=a.safs_mmd, arr=a.safs_arr)
         feats, labels, losses = safs.synthesize(mean.to(device), cov.to(device), rff_mean.to(device), frequencies,
