@@ -126,7 +126,7 @@ class Config(_Section):
     calibration: list[str] = Field(
         default_factory=list,
         description="server-side classifier calibrations applied to the method's model (creff, ccvr, fedncm, fed3r, "
-        "taunorm, oracle); the first is the headline, every one is evaluated",
+        "taunorm, safs, oracle); the first is the headline, every one is evaluated",
     )
     calibration_args: dict[str, Any] = Field(default_factory=dict, description="calibration knobs (see `fedlt calibrations`)")
 

@@ -12,6 +12,10 @@ biased classifier after (or during) federated training:
   federated) features.
 - :mod:`~fedlt.calibration.creff`: CReFF's per-class classifier gradients and the federated
   features learned by gradient matching.
+- :mod:`~fedlt.calibration.rff`: random Fourier features of the RBF kernel from a shared seed
+  (SFD's privacy-compatible MMD).
+- :mod:`~fedlt.calibration.safs`: SFD's statistically aligned feature synthesis (MeanCov Aligner,
+  random-feature MMD and range regulariser on a per-class memory bank).
 
 Randomness always comes from an explicit ``torch.Generator``.
 """

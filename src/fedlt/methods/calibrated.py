@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fedlt.calibration.classifiers import ridge_sums
+from fedlt.calibration.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
@@ -85,6 +86,8 @@ class CalibratedServer(Server):
             payload: dict[str, Any] = {"needs": ",".join(self.needs)}
             if "features" in self.needs:
                 payload["oracle_per_class"] = self.calibrators[0].args.oracle_per_class
+            for cal in self.calibrators:
+                payload.update(cal.stats_payload())
             return Query(STATS_QUERY, {cid: Message(weights=weights, payload=dict(payload)) for cid in clients})
         return None
 
@@ -154,7 +157,7 @@ class CalibratedServer(Server):
 def merge_client_stats(needs: list[str], replies: dict[int, Reply]) -> dict[str, Any]:
     """Sum the clients' statistics (they are sums, so a secure aggregate would give the same)."""
     out: dict[str, Any] = {}
-    for kind in ("class_sums", "normalized_sums", "ridge_sums"):
+    for kind in ("class_sums", "normalized_sums", "ridge_sums", "rff_sums"):
         if kind in needs:
             out[kind] = merge_sums([{k.split("/", 1)[1]: v for k, v in r.payload.items() if k.startswith(kind + "/")}
                                     for r in replies.values()])
@@ -201,6 +204,11 @@ class CalibratedClient(Client):
         if "ridge_sums" in needs:
             gram, cross = ridge_sums(feats, labels, c)
             payload.update({"ridge_sums/gram": gram.cpu(), "ridge_sums/cross": cross.cpu()})
+        if "rff_sums" in needs:  # mean random Fourier features (SAFS), as sums, from the server's seed
+            w = rff_frequencies(feats.shape[1], int(msg.payload["rff_dim"]), float(msg.payload["rff_gamma"]),
+                                int(msg.payload["rff_seed"])).to(device=feats.device, dtype=torch.float32)
+            sums = class_feature_sums(random_fourier_features(feats, w), labels, c, second_moment=False)
+            payload.update({f"rff_sums/{k}": v.cpu() for k, v in sums.items()})
         if "features" in needs:
             keep = balanced_sample(labels, int(msg.payload["oracle_per_class"]), ctx.generator(purpose=61))
             payload.update({"features/z": feats[keep].cpu(), "features/y": labels[keep].cpu()})

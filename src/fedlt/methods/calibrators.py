@@ -7,22 +7,25 @@ into a classifier head. They are wired into any method by :mod:`fedlt.methods.ca
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
-from fedlt.calibration import creff
+from fedlt.calibration import creff, safs
 from fedlt.calibration.classifiers import ncm_classifier, ridge_classifier, tau_normalize
 from fedlt.calibration.retrain import linear_init, retrain_linear
+from fedlt.calibration.rff import rff_frequencies
 from fedlt.calibration.stats import class_moments
 from fedlt.calibration.virtual import sample_class_gaussians
 from fedlt.messages import Payload, Reply
 from fedlt.methods.base import MethodArgs, ServerContext
 
 #: statistics a calibrator can ask every client for after training
-STAT_KINDS = ("class_sums", "normalized_sums", "ridge_sums", "features")
+STAT_KINDS = ("class_sums", "normalized_sums", "ridge_sums", "features", "rff_sums")
 
 
 class CalibrationArgs(MethodArgs):
@@ -44,6 +47,32 @@ class CalibrationArgs(MethodArgs):
     fed3r_lambda: float = Field(0.01, gt=0, description="Fed3R: ridge regularisation")
     taunorm_tau: float = Field(1.0, ge=0, description="tau-norm: w_c / ||w_c||^tau")
     oracle_per_class: int = Field(100, ge=1, description="oracle: real features per class (sampled with replacement)")
+    safs_rff_dim: int = Field(1000, ge=2, multiple_of=2, description="SAFS: D, random Fourier features (paper 5000, "
+                              "code 3000; the synthesis cost is linear in D)")
+    safs_rbf_gamma: float = Field(0.01, gt=0, description="SAFS: RBF kernel gamma of the MMD")
+    safs_max_per_class: int | None = Field(None, ge=2, description="SAFS: synthetic features of the rarest class "
+                                           "(default: the paper's 2000 on its 512-d ResNet-18, scaled to the feature "
+                                           "dim: 500 for d=128)")
+    safs_min_per_class: int | None = Field(None, ge=2, description="SAFS: synthetic features of the most frequent "
+                                           "class (default: the paper's 600 scaled to the feature dim: 150 for d=128)")
+    safs_steps: int = Field(100, ge=0, description="SAFS: T, optimisation steps of each class's memory bank")
+    safs_lr: float = Field(1.0, gt=0, description="SAFS: SGD lr of the memory bank (momentum 0.9, cosine to 0)")
+    safs_eps: float = Field(1e-5, ge=0, description="SAFS: diagonal added to both covariances before Cholesky")
+    safs_aligner: bool = Field(True, description="SAFS: MeanCov Aligner (false: the 'w/o MeanCov Aligner' ablation)")
+    safs_mmd: bool = Field(True, description="SAFS: L_MMD in the synthesis loss (false: 'w/o L_MMD')")
+    safs_arr: bool = Field(True, description="SAFS: L_ARR in the synthesis loss (false: 'w/o L_ARR')")
+    safs_finetune_epochs: int = Field(100, ge=0, description="SAFS: epochs of classifier fine-tuning on the synthetic features")
+    safs_finetune_batch_size: int = Field(64, ge=1, description="SAFS: fine-tuning mini-batch")
+    safs_finetune_lr: float = Field(0.01, gt=0, description="SAFS: fine-tuning SGD lr (momentum 0.9)")
+    safs_finetune_weight_decay: float = Field(1e-5, ge=0, description="SAFS: fine-tuning weight decay")
+
+    @model_validator(mode="after")
+    def _safs_counts_ordered(self) -> "CalibrationArgs":
+        if None not in (self.safs_min_per_class, self.safs_max_per_class) and \
+                self.safs_min_per_class > self.safs_max_per_class:
+            raise ValueError(f"safs_min_per_class={self.safs_min_per_class} exceeds safs_max_per_class="
+                             f"{self.safs_max_per_class}; the rarest class gets the most synthetic features")
+        return self
 
 
 def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
@@ -81,6 +110,10 @@ class Calibrator:
 
     def fit_payload(self, rnd: int) -> Payload:
         """Extra payload of every fit message (CReFF's re-trained classifier)."""
+        return {}
+
+    def stats_payload(self) -> Payload:
+        """Extra payload of the statistics query (SAFS's random-feature seed)."""
         return {}
 
     def on_fit_replies(self, rnd: int, replies: dict[int, Reply]) -> None:
@@ -287,7 +320,70 @@ class RealFeatureOracle(Calibrator):
         self._head = _retrain_from(model, feats[keep], labels[keep], self.args, generator)
 
 
-CALIBRATORS: dict[str, type[Calibrator]] = {c.name: c for c in (CReFF, CCVR, FedNCM, Fed3R, TauNorm, RealFeatureOracle)}
+def safs_bank_sizes(args: CalibrationArgs, dim: int) -> tuple[int, int]:
+    """``M_c`` of the rarest and the most frequent class: the knobs, or the paper's 2000 and 600 for
+    its 512-d features scaled by ``dim / 512`` (estimating a d x d covariance takes O(d) samples,
+    and the cost of the synthesis is linear in them)."""
+    largest = args.safs_max_per_class or max(2, round(2000 * dim / 512))
+    smallest = args.safs_min_per_class or max(2, round(600 * dim / 512))
+    if args.safs_min_per_class is None or args.safs_max_per_class is None:
+        smallest = min(smallest, largest)
+        largest = max(smallest, largest)
+    return largest, smallest
+
+
+class SAFS(Calibrator):
+    """SFD's SAFS (Zhang et al. KDD 2025, Section 4.3): synthetic features whose mean, covariance
+    and mean random Fourier features match the federation's (all from client sums), then the
+    learned classifier fine-tuned on them with CE (:mod:`fedlt.calibration.safs`)."""
+
+    name = "safs"
+    needs = frozenset({"class_sums", "rff_sums"})
+
+    def __init__(self, args, ctx):
+        super().__init__(args, ctx)
+        # the seed r_0 of Algorithm 2: every client draws the same frequencies from it
+        self.rff_seed = int(ctx.rng(0, purpose=71).integers(2**31 - 1))
+        self.info: dict[str, float] = {}
+
+    def stats_payload(self) -> Payload:
+        return {"rff_seed": self.rff_seed, "rff_dim": self.args.safs_rff_dim, "rff_gamma": self.args.safs_rbf_gamma}
+
+    def finish(self, stats, model) -> None:
+        start = time.perf_counter()
+        a, device = self.args, self.ctx.device
+        mean, cov, count = class_moments(stats["class_sums"])
+        rff = stats["rff_sums"]
+        rff_mean = rff["sum"] / rff["count"].clamp_min(1.0)[:, None]
+        frequencies = rff_frequencies(mean.shape[1], a.safs_rff_dim, a.safs_rbf_gamma, self.rff_seed)
+        largest, smallest = safs_bank_sizes(a, mean.shape[1])
+        per_class = safs.synthetic_counts(count, largest, smallest)
+        options = safs.SynthesisOptions(steps=a.safs_steps, lr=a.safs_lr, eps=a.safs_eps, aligner=a.safs_aligner,
+                                        mmd=a.safs_mmd, arr=a.safs_arr)
+        feats, labels, losses = safs.synthesize(mean.to(device), cov.to(device), rff_mean.to(device), frequencies,
+                                                per_class, self.ctx.generator(0, purpose=72), options)
+        synthesized = time.perf_counter()
+        head = model.head
+        if isinstance(head, nn.Linear):  # fine-tune the learned classifier (a fresh one for other heads)
+            bias = head.bias if head.bias is not None else torch.zeros(head.out_features, device=head.weight.device)
+            init = (head.weight.detach(), bias.detach())
+        else:
+            init = None
+        steps = a.safs_finetune_epochs * math.ceil(labels.numel() / a.safs_finetune_batch_size)
+        weight, bias = retrain_linear(feats, labels, self.num_classes, init=init, steps=steps, lr=a.safs_finetune_lr,
+                                      batch_size=a.safs_finetune_batch_size, momentum=0.9,
+                                      weight_decay=a.safs_finetune_weight_decay,
+                                      generator=self.ctx.generator(0, purpose=73))
+        self._head = linear_head(weight, bias)
+        done = time.perf_counter()
+        self.info = {"safs_synthesis_s": synthesized - start, "safs_finetune_s": done - synthesized,
+                     "safs_features": float(labels.numel()),
+                     "safs_loss": sum(losses.values()) / len(losses) if losses else float("nan")}
+
+
+CALIBRATORS: dict[str, type[Calibrator]] = {
+    c.name: c for c in (CReFF, CCVR, FedNCM, Fed3R, TauNorm, RealFeatureOracle, SAFS)
+}
 CALIBRATION_DESCRIPTIONS = {
     "creff": "CReFF: federated features matched to real-feature gradients, classifier re-trained every round",
     "ccvr": "CCVR: classifier re-trained on virtual features from per-class Gaussians (after training)",
@@ -295,4 +391,5 @@ CALIBRATION_DESCRIPTIONS = {
     "fed3r": "Fed3R: closed-form ridge-regression head from summed feature statistics (after training)",
     "taunorm": "tau-norm: per-class weight normalisation of the learned head (after training)",
     "oracle": "NOT PRIVATE diagnostic: head re-trained on a class-balanced sample of real features",
+    "safs": "SFD's SAFS: head fine-tuned on synthetic features aligned to mean, covariance and random-feature MMD",
 }

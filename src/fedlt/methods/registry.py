@@ -7,6 +7,7 @@ from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
+from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -19,6 +20,9 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedAvgClient, pooled=True),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
           for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
+        MethodSpec("sfd", "SFD: ABBL local training (A-CE + annealed A-SCL on a projector) + SAFS calibration",
+                   SFDServer, SFDClient, SFDArgs, make_model=make_sfd_model, uses_loss_config=False,
+                   calibration=("safs",)),
     ]
 }
 

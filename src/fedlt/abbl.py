@@ -1,0 +1,70 @@
+"""The two local losses of SFD's adaptive bi-branch learning (ABBL; Zhang et al. KDD 2025, 4.1).
+
+- **A-CE** (Eq. 5-6): logit adjustment ``CE(logits + gamma log pi)`` on the client's class
+  counts, except that a class the client lacks gets ``pi = beta_pi * (smallest present count)``
+  instead of 0. Plain logit adjustment puts ``log 0 = -inf`` on a missing class, whose softmax
+  share, and hence its repulsive gradient, is then exactly 0 on that client (Appendix A.1).
+- **A-SCL** (Eq. 7): supervised contrastive loss on L2-normalised projections in which every
+  other sample ``b`` of the denominator is weighted by its class count, ``exp(s_ib + log n_yb)``,
+  so head-class negatives repel more.
+
+Choices where the paper is silent: positives ``A(i)`` exclude the anchor itself (as in Khosla
+et al. 2020; Eq. 7's denominator already excludes it), anchors without a positive in the batch
+are skipped, and the loss is averaged over the remaining anchors. ``Delta`` is applied as
+``log(n_yb / n_yi)``: for one anchor this only subtracts the constant ``log n_yi`` from Eq. 7, so
+the gradients are Eq. 7's, and A-SCL is then exactly the standard SCL when all counts are equal.
+(The released code adds ``Delta`` to negatives only and counts the anchor as its own positive.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def adaptive_prior(class_counts: torch.Tensor, beta_pi: float = 1.0) -> torch.Tensor:
+    """Eq. 6: ``pi_c = n_c`` for present classes, ``beta_pi * min_{n>0} n`` for missing ones (float)."""
+    if not 0 <= beta_pi <= 1:
+        raise ValueError(f"beta_pi must lie in [0, 1], got {beta_pi}")
+    n = torch.as_tensor(class_counts).to(torch.float64)
+    present = n > 0
+    if not bool(present.any()):
+        raise ValueError("a client without samples has no prior")
+    return torch.where(present, n, beta_pi * n[present].min())
+
+
+def adaptive_logit_offset(class_counts: torch.Tensor, beta_pi: float = 1.0, gamma: float = 0.1) -> torch.Tensor:
+    """``gamma * log pi`` (float32), the offset A-CE adds to the logits; ``-inf`` for a class with
+    ``pi = 0`` (``beta_pi = 0``: plain logit adjustment), 0 everywhere when ``gamma = 0`` (plain CE)."""
+    pi = adaptive_prior(class_counts, beta_pi)
+    if gamma == 0:
+        return torch.zeros_like(pi, dtype=torch.float32)
+    return (gamma * torch.log(pi)).to(torch.float32)  # log 0 = -inf: zero softmax share, zero gradient
+
+
+def adaptive_ce(logits: torch.Tensor, targets: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: ``CE(logits + offset)`` with the offset of :func:`adaptive_logit_offset`."""
+    return F.cross_entropy(logits + offset.to(device=logits.device, dtype=logits.dtype), targets)
+
+
+def adaptive_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature: float = 0.07,
+                    log_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 7 on L2-normalised ``projections`` (B, p); ``log_counts`` (C,) = ``log n_c`` of the client
+    (None: the standard supervised contrastive loss). See the module docstring for conventions."""
+    if projections.dim() != 2 or labels.shape != (projections.shape[0],):
+        raise ValueError(f"expected projections (B, p) and labels (B,), got {tuple(projections.shape)} and "
+                         f"{tuple(labels.shape)}")
+    b = projections.shape[0]
+    sim = projections @ projections.T / temperature
+    if log_counts is not None:
+        delta = log_counts.to(device=sim.device, dtype=sim.dtype)[labels]
+        sim = sim + (delta[None, :] - delta[:, None])  # log(n_yb / n_yi)
+    self_mask = torch.eye(b, dtype=torch.bool, device=sim.device)
+    log_prob = sim - torch.logsumexp(sim.masked_fill(self_mask, float("-inf")), dim=1, keepdim=True)
+    positive = (labels[:, None] == labels[None, :]) & ~self_mask
+    num_pos = positive.sum(dim=1)
+    anchors = num_pos > 0
+    if not bool(anchors.any()):
+        return projections.sum() * 0.0  # no pair of one class in the batch: nothing to contrast
+    per_anchor = (log_prob * positive).sum(dim=1)[anchors] / num_pos[anchors]
+    return -per_anchor.mean()

@@ -1,0 +1,118 @@
+"""SFD (Zhang et al., "Synthetic Feature-based Decoupled training", KDD 2025).
+
+Learning stage: FedAvg whose clients train with ABBL (:mod:`fedlt.abbl`): A-CE on the classifier
+plus ``beta_SCL(r)`` times A-SCL on a projector's L2-normalised output, ``beta_SCL`` annealed by a
+cosine over the rounds (Eq. 28). The projector (Linear d -> d/2, BN, ReLU, Linear d/2 -> d/4; the
+paper's 512 -> 256 -> 128 on ResNet-18) lives inside the encoder module, so the model keeps its
+encoder/head split, is averaged with the rest, and never touches the features the classifier sees.
+
+Calibration stage: the ``safs`` calibration (:class:`fedlt.methods.calibrators.SAFS`) — one
+statistics query after the last round, then synthetic features and classifier fine-tuning. The
+"w/o SAFS & fine-tune" ablation is the ``uncalibrated`` variant every SFD run reports.
+
+Choices where the paper is silent: ``beta_SCL`` at round r is ``beta_1 (1 + cos(pi (r-1)/R)) / 2``,
+so round 1 uses ``beta_1`` (as the code does with 0-based rounds); ``beta_1`` defaults to 1 for
+100 or more classes and 0.1 otherwise (the paper: 1 on CIFAR-100, 0.1 elsewhere); the contrastive
+term is skipped on a batch of one sample (BatchNorm and SCL need two). Local optimisation and
+model averaging (by samples) follow ``fl.*``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fedlt.abbl import adaptive_ce, adaptive_logit_offset, adaptive_supcon
+from fedlt.config import Config
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state, parse_args
+from fedlt.models import FedModel, create_model
+from fedlt.training import train_local
+
+
+class SFDArgs(MethodArgs):
+    """ABBL's knobs; the ablations of the paper's Table 2 are combinations of them (see README)."""
+
+    ce_gamma: float = Field(0.1, ge=0, description="A-CE: gamma of the logit adjustment (0: plain CE, 'SFD-CE')")
+    beta_pi: float = Field(1.0, ge=0, le=1, description="A-CE: a missing class's pi = beta_pi * smallest present "
+                           "count (0: plain logit adjustment, 'w/o improved pi')")
+    scl_weight: float | None = Field(None, ge=0, description="beta_SCL at round 1, cosine-annealed to 0 (default: 1 "
+                                     "for >= 100 classes, else 0.1; 0: no contrastive branch)")
+    scl_temperature: float = Field(0.07, gt=0, description="A-SCL temperature tau")
+    scl_delta: bool = Field(True, description="A-SCL: add Delta = log n_y to the denominator (false: standard SCL)")
+    projector_hidden: int | None = Field(None, ge=1, description="projector hidden width (default: feature_dim // 2)")
+    projector_dim: int | None = Field(None, ge=1, description="projector output width (default: feature_dim // 4)")
+
+
+class ProjectedEncoder(nn.Module):
+    """The backbone's encoder plus the contrastive projector; ``forward`` is the backbone's."""
+
+    def __init__(self, body: nn.Module, feature_dim: int, hidden: int, out: int):
+        super().__init__()
+        self.body = body
+        self.projector = nn.Sequential(nn.Linear(feature_dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+                                       nn.Linear(hidden, out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """L2-normalised projections, the input of A-SCL."""
+        return nn.functional.normalize(self.projector(features), dim=1)
+
+
+def parse_sfd_args(raw: dict) -> SFDArgs:
+    return parse_args(SFDArgs, raw, "method_args", "method sfd")
+
+
+def make_sfd_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
+    model = create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
+    args = parse_sfd_args(cfg.method_args)
+    d = model.feature_dim
+    hidden = args.projector_hidden or max(1, d // 2)
+    model.encoder = ProjectedEncoder(model.encoder, d, hidden, args.projector_dim or max(1, d // 4))
+    return model
+
+
+def scl_weight_at(args: SFDArgs, num_classes: int, rnd: int, rounds: int) -> float:
+    """Eq. 28 with 1-based rounds: ``beta_1`` at round 1, decaying to ``beta_1 (1 + cos(pi (R-1)/R)) / 2``."""
+    start = args.scl_weight if args.scl_weight is not None else (1.0 if num_classes >= 100 else 0.1)
+    return start * 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / rounds))
+
+
+class SFDServer(Server):
+    """FedAvg that also tells the clients the round's ``beta_SCL``."""
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        weight = scl_weight_at(self.args, self.ctx.num_classes, rnd, self.ctx.config.fl.rounds)
+        return Message(weights=clone_state(self.model), payload={"sfd/scl_weight": weight})
+
+
+class SFDClient(Client):
+    """ABBL local training (Eq. 8)."""
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        if len(ctx.data) == 0:
+            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan")})
+        args: SFDArgs = self.args
+        counts = ctx.data.class_counts()
+        device = ctx.data.labels.device
+        offset = adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma).to(device)
+        log_counts = torch.log(counts.to(torch.float32)).to(device) if args.scl_delta else None
+        scl_weight = float(msg.payload["sfd/scl_weight"])
+        model = ctx.model
+
+        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            features = model.forward_features(x)
+            loss = adaptive_ce(model.forward_head(features), y, offset)
+            if scl_weight > 0 and y.shape[0] > 1:
+                h = model.encoder.project(features)
+                loss = loss + scl_weight * adaptive_supcon(h, y, args.scl_temperature, log_counts)
+            return loss
+
+        metrics = train_local(ctx, batch_loss)
+        return Reply(weights=clone_state(model), num_samples=len(ctx.data), metrics=metrics)
