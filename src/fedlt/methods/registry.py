@@ -6,7 +6,10 @@ from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
+from fedlt.methods.fedlc import FedLCArgs, FedLCClient
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
+from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -15,6 +18,12 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedAvgClient),
         MethodSpec("fedprox", "FedProx: FedAvg + proximal term (method_args.mu, default 0.01)",
                    FedAvgServer, FedProxClient, FedProxArgs),
+        MethodSpec("fedlc", "FedLC: CE on logits - tau * n_{k,y}^(-1/4) of the client's counts (method_args.tau, default 1)",
+                   FedAvgServer, FedLCClient, FedLCArgs, uses_loss_config=False),
+        MethodSpec("feddecorr", "FedDecorr: configured loss + beta ||K||_F^2 / d^2 of the batch feature correlations (beta 0.1)",
+                   FedAvgServer, FedDecorrClient, FedDecorrArgs),
+        MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
+                   FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False),
         MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
                    FedAvgServer, FedAvgClient, pooled=True),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
