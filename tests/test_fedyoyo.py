@@ -146,6 +146,26 @@ def test_server_global_prior_is_the_weighted_mean_of_client_priors():
     assert torch.allclose(forgetful.global_prior, torch.tensor(p2))
 
 
+def _counts_replies(*counts) -> dict[int, Reply]:
+    return {cid: Reply(payload={"class_counts": torch.tensor(c)}, num_samples=sum(c)) for cid, c in enumerate(counts)}
+
+
+def test_true_counts_only_for_the_counts_prior_or_the_diagnostic_and_never_sent_to_clients():
+    assert _server().next_query("setup", 0, [0, 1]) is None
+    server = _server(prior_diagnostic=True)
+    query = server.next_query("setup", 0, [0, 1])
+    assert query.name == "class_counts"
+    server.receive(query, _counts_replies([6, 2, 2, 0], [2, 2, 4, 2]))
+    # truth [0.4, 0.2, 0.3, 0.1] vs the initial uniform prior: |diff| = [0.15, 0.05, 0.05, 0.15]
+    assert server.metrics() == pytest.approx({"prior_tv": 0.2, "prior_l2": math.sqrt(0.05)})
+    server.aggregate(1, {0: _reply(server, [0.4, 0.2, 0.3, 0.1], 10)})
+    assert server.metrics()["prior_tv"] == pytest.approx(0.0, abs=1e-6)
+    assert "class_counts" not in server.fit_message(2, 0).payload
+    oracle = _server(prior_source="counts")
+    oracle.receive(oracle.next_query("setup", 0, [0, 1]), _counts_replies([6, 2, 2, 0], [2, 2, 4, 2]))
+    assert oracle.fit_message(1, 0).payload["global_prior"].tolist() == pytest.approx([0.4, 0.2, 0.3, 0.1])
+
+
 def test_asd_weight_warms_up_linearly():
     server = _server(lam=4.0, warmup=0.5)  # 6 of 12 rounds
     assert [server.asd_weight(r) for r in (1, 3, 6, 12)] == pytest.approx([4 / 6, 2.0, 4.0, 4.0])

@@ -50,7 +50,7 @@ Choices where the paper is silent, and deviations from the released code:
 
 Ablation knobs: Table 4 — ``asd=false``, ``dla=false`` (no prior: plain softmax at the same
 temperature in both losses), RandAug off = ``student_view=weak`` (two weak views); Table 5 —
-``teacher_view`` / ``student_view``; Fig. 6 — ``prior_source=true`` (label counts: the client's
+``teacher_view`` / ``student_view``; Fig. 6 — ``prior_source=counts`` (label counts: the client's
 own, and the federation's from a setup query — NOT private) and ``gamma`` (0: no fusion, global
 prior only). ``prior_diagnostic=true`` makes the server query every client's label counts once
 (NOT private, a diagnostic only) and report ``prior_tv`` (total variation, half the L1 distance)
@@ -88,8 +88,8 @@ class FedYoYoArgs(MethodArgs):
     student_view: Literal["weak", "strong"] = Field(
         "strong", description="view that learns in ASD; weak = RandAug off (Tables 4, 5)"
     )
-    prior_source: Literal["estimated", "true"] = Field(
-        "estimated", description="estimated effective priors, or true label counts (NOT private; Fig. 6)"
+    prior_source: Literal["estimated", "counts"] = Field(
+        "estimated", description="estimated effective priors, or the true label counts (NOT private; Fig. 6)"
     )
     prior_memory: bool = Field(True, description="pi_g averages every client's latest prior; false: this round's only")
     prior_diagnostic: bool = Field(
@@ -178,11 +178,11 @@ class FedYoYoServer(FedAvgServer):
 
     def _needs_global_counts(self) -> bool:
         a = self.args
-        return a.dla and (a.prior_source == "true" or a.prior_diagnostic)
+        return a.dla and (a.prior_source == "counts" or a.prior_diagnostic)
 
     def receive(self, query, replies):
         super().receive(query, replies)
-        if self.args.prior_source == "true":
+        if self.args.prior_source == "counts":
             self.global_prior = label_distribution(self.global_counts)
 
     def asd_weight(self, rnd: int) -> float:
