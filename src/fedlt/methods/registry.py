@@ -18,16 +18,16 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedAvgClient),
         MethodSpec("fedprox", "FedProx: FedAvg + proximal term (method_args.mu, default 0.01)",
                    FedAvgServer, FedProxClient, FedProxArgs),
+        MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
+                   FedAvgServer, FedAvgClient, pooled=True),
+        *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
+          for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
         MethodSpec("fedlc", "FedLC: CE on logits - tau * n_{k,y}^(-1/4) of the client's counts (method_args.tau, default 1)",
                    FedAvgServer, FedLCClient, FedLCArgs, uses_loss_config=False),
         MethodSpec("feddecorr", "FedDecorr: configured loss + beta ||K||_F^2 / d^2 of the batch feature correlations (beta 0.1)",
                    FedAvgServer, FedDecorrClient, FedDecorrArgs),
         MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
                    FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False),
-        MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
-                   FedAvgServer, FedAvgClient, pooled=True),
-        *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
-          for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
     ]
 }
 
