@@ -63,9 +63,10 @@ def test_contract(name: str, shape: tuple[int, ...]) -> None:
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("shape", [(32, 1, 28, 28), (32, 3, 32, 32)])
 @pytest.mark.parametrize("name", [n for n in FUNCTIONS if n != "none"])
-def test_seed_determinism(name: str) -> None:
-    x = batch((32, 3, 32, 32))
+def test_seed_determinism(name: str, shape: tuple[int, ...]) -> None:
+    x = batch(shape)
     fn = FUNCTIONS[name]
     assert torch.equal(fn(x, gen(1)), fn(x, gen(1)))
     assert not torch.equal(fn(x, gen(1)), fn(x, gen(2)))
@@ -291,3 +292,20 @@ def test_unknown_augmentation_is_config_error() -> None:
     assert "\n" not in message
     assert "data.augment=" in message
     assert all(name in message for name in AUGMENTATIONS)
+
+
+@pytest.mark.parametrize("view", ["weak", "strong"])
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_client_batch_views_keep_labels_shape_and_dtype(view: str, shape: tuple[int, ...]) -> None:
+    """Through ``ClientData.batch`` the real views change the images, never the labels."""
+    from fedlt.methods.base import ClientData
+
+    images = torch.randint(0, 256, (10, *shape), dtype=torch.uint8, generator=gen(5))
+    labels = torch.arange(10) % 3
+    data = ClientData(images, labels, torch.tensor([9, 2, 4, 7]), 3, standardize=lambda x: x,
+                      augment=get_augmentation(view), hflip=True)
+    plain, plain_y = data.batch(torch.arange(4))
+    x, y = data.batch(torch.arange(4), gen(0))
+    assert torch.equal(y, labels[[9, 2, 4, 7]]) and torch.equal(y, plain_y)
+    assert x.shape == plain.shape == (4, *shape) and x.dtype == plain.dtype == torch.float32
+    assert not torch.equal(x, plain)

@@ -13,7 +13,7 @@ import torch
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, Server, Stage, clone_state
-from fedlt.training import train_local
+from fedlt.training import BatchLoss, train_local
 
 PRIOR_LOSSES = {"la", "bsm", "ldam"}
 
@@ -70,9 +70,17 @@ def local_loss(ctx: ClientContext, msg: Message):
 class FedAvgClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         ctx.model.load_state_dict(msg.weights, strict=False)
-        loss = local_loss(ctx, msg)
-        metrics = train_local(ctx, lambda x, y: loss(ctx.model(x), y) + self.regularizer(ctx, msg))
+        metrics = train_local(ctx, self.batch_loss(ctx, msg))
         return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), metrics=metrics)
+
+    def batch_loss(self, ctx: ClientContext, msg: Message) -> BatchLoss:
+        """The local objective of one batch: the configured loss plus :meth:`regularizer`.
+
+        Subclasses replace it when the objective needs more than the logits (FedDecorr: the
+        features) or fixes its own loss (FedLC).
+        """
+        loss = local_loss(ctx, msg)
+        return lambda x, y: loss(ctx.model(x), y) + self.regularizer(ctx, msg)
 
     def regularizer(self, ctx: ClientContext, msg: Message) -> torch.Tensor | float:
         """Extra local objective term (FedProx's proximal term ...); none for FedAvg."""

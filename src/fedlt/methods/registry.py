@@ -6,8 +6,11 @@ from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
+from fedlt.methods.fedlc import FedLCArgs, FedLCClient
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
 from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
+from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -23,6 +26,12 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("sfd", "SFD: ABBL local training (A-CE + annealed A-SCL on a projector) + SAFS calibration",
                    SFDServer, SFDClient, SFDArgs, make_model=make_sfd_model, uses_loss_config=False,
                    calibration=("safs",)),
+        MethodSpec("fedlc", "FedLC: CE on logits - tau * n_{k,y}^(-1/4) of the client's counts (method_args.tau, default 1)",
+                   FedAvgServer, FedLCClient, FedLCArgs, uses_loss_config=False),
+        MethodSpec("feddecorr", "FedDecorr: configured loss + beta ||K||_F^2 / d^2 of the batch feature correlations (beta 0.1)",
+                   FedAvgServer, FedDecorrClient, FedDecorrArgs),
+        MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
+                   FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False),
     ]
 }
 

@@ -1,0 +1,285 @@
+"""FedYoYo (ASD, DLA, the effective-prior estimator, the server's prior), FedLC and FedDecorr."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fedlt
+from fedlt.config import build_config
+from fedlt.errors import ConfigError
+from fedlt.messages import Message, Reply
+from fedlt.methods import fedyoyo
+from fedlt.methods.base import ClientContext, ClientData, ServerContext, TrainSettings, clone_state
+from fedlt.methods.feddecorr import decorrelation_loss
+from fedlt.methods.fedlc import calibrated_ce, calibration_margins
+from fedlt.methods.fedyoyo import (
+    FedYoYoArgs, FedYoYoClient, FedYoYoServer, asd_loss, dla_loss, effective_numbers, estimate_prior,
+)
+from fedlt.models import create_model
+
+C = 4
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- ASD and DLA ------------------------------------------------------------------------------
+def test_asd_is_zero_for_identical_views_and_positive_otherwise():
+    logits = 3 * torch.randn(16, C, generator=gen(1))
+    targets = logits.argmax(dim=1)  # every teacher correct
+    log_pi = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert asd_loss(logits, logits.clone(), targets, log_pi, 1.5).item() == pytest.approx(0.0, abs=1e-7)
+    other = logits + torch.randn(16, C, generator=gen(2))
+    assert asd_loss(logits, other, targets, log_pi, 1.5).item() > 1e-3
+
+
+def test_asd_ignores_misclassified_teachers_and_never_trains_the_teacher():
+    log_pi = torch.zeros(C)
+    teacher = torch.tensor([[5.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 5.0, 0]], requires_grad=True)
+    targets = torch.tensor([0, 1, 3])  # the third teacher predicts 2: misclassified
+    student = torch.randn(3, C, generator=gen(3))
+    base = asd_loss(teacher, student, targets, log_pi, 1.5)
+    moved_wrong = student.clone()
+    moved_wrong[2] = torch.tensor([9.0, -4.0, 1.0, 2.0])
+    assert asd_loss(teacher, moved_wrong, targets, log_pi, 1.5).item() == pytest.approx(base.item(), abs=1e-7)
+    moved_right = student.clone()
+    moved_right[0] = torch.tensor([9.0, -4.0, 1.0, 2.0])
+    assert asd_loss(teacher, moved_right, targets, log_pi, 1.5).item() != pytest.approx(base.item(), abs=1e-4)
+    student.requires_grad_(True)
+    asd_loss(teacher, student, targets, log_pi, 1.5).backward()
+    assert teacher.grad is None
+    assert torch.all(student.grad[2] == 0) and student.grad[0].abs().sum() > 0
+
+
+def test_asd_correctness_uses_the_adjusted_prediction():
+    """A prior that flips the teacher's argmax flips which samples teach."""
+    teacher = torch.tensor([[1.0, 0.8, 0, 0]])
+    student = torch.zeros(1, C)
+    target = torch.tensor([1])
+    assert asd_loss(teacher, student, target, torch.zeros(C), 1.0).item() == 0.0
+    favour_1 = torch.log(torch.tensor([0.1, 0.7, 0.1, 0.1]))
+    assert asd_loss(teacher, student, target, favour_1, 1.0).item() > 0.0
+
+
+def test_dla_is_balanced_softmax_with_temperature():
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0]])
+    pi = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    expected = -(math.log(0.25) + 0.5 / 1.5 - math.log(sum(p * math.exp(z / 1.5) for p, z in zip(pi.tolist(), logits[0].tolist()))))
+    assert dla_loss(logits, torch.tensor([1]), pi.log(), 1.5).item() == pytest.approx(expected, rel=1e-6)
+
+
+# ---- the effective prior ----------------------------------------------------------------------
+def test_effective_number_is_one_for_duplicates_and_m_for_orthogonal_samples():
+    protos = torch.zeros(2, 8)
+    orthogonal = torch.eye(8)[:5]
+    dup = torch.ones(3, 8)
+    eff = effective_numbers(torch.cat([orthogonal, dup]), torch.tensor([0] * 5 + [1] * 3), protos)
+    assert eff.tolist() == pytest.approx([5.0, 1.0])
+    # opposite samples would give 1/0: capped at the sample count; absent classes get 0
+    opposite = torch.stack([torch.ones(8), -torch.ones(8)])
+    assert effective_numbers(opposite, torch.tensor([0, 0]), torch.zeros(3, 8)).tolist() == pytest.approx([2.0, 0, 0])
+
+
+def _batches(per_class: list[tuple[int, int]], num_batches: int, d: int = 32, seed: int = 0):
+    """Batches where class c has n_c samples per batch made of g_c distinct feature vectors
+    (n_c / g_c near-duplicate copies of each), spread around a class mean."""
+    g = gen(seed)
+    means = 3 * torch.randn(len(per_class), d, generator=g)
+    out = []
+    for _ in range(num_batches):
+        feats, labels = [], []
+        for c, (n, distinct) in enumerate(per_class):
+            base = means[c] + torch.randn(distinct, d, generator=g)
+            copies = base.repeat_interleave(n // distinct, dim=0)
+            feats.append(copies + 1e-3 * torch.randn(copies.shape, generator=g))
+            labels.append(torch.full((n,), c))
+        out.append((torch.cat(feats), torch.cat(labels)))
+    return out
+
+
+def test_prior_estimator_orders_classes_by_samples_and_by_diversity():
+    # class 0: 8 diverse samples per batch; 1: 2 diverse; 2: 8 samples but only 2 distinct ones
+    prior = estimate_prior(_batches([(8, 8), (2, 2), (8, 2)], num_batches=6), num_classes=4)
+    assert prior.sum().item() == pytest.approx(1.0)
+    assert prior[3] == 0  # no samples
+    # more samples -> larger; same count but redundant features -> smaller, like the rare class
+    assert prior[0] > 2.5 * prior[1]
+    assert prior[0] > 2.5 * prior[2]
+    assert prior[2].item() == pytest.approx(prior[1].item(), rel=0.35)
+    # the label distribution would rank class 2 with class 0
+    assert estimate_prior([], 4) is None
+
+
+# ---- server -----------------------------------------------------------------------------------
+def _server(**args) -> FedYoYoServer:
+    cfg = build_config({"data": {"dataset": "synthetic"}, "method": "fedyoyo", "fl": {"rounds": 12}})
+    model = create_model("cnn", C, in_channels=1)
+    return FedYoYoServer(ServerContext(model=model, config=cfg, num_classes=C, num_clients=5,
+                                       device=torch.device("cpu"), args=FedYoYoArgs(**args),
+                                       make_model=lambda: create_model("cnn", C, in_channels=1)))
+
+
+def _reply(server, prior, n) -> Reply:
+    return Reply(weights=clone_state(server.model), num_samples=n, payload={"prior": torch.tensor(prior)})
+
+
+def test_server_global_prior_is_the_weighted_mean_of_client_priors():
+    server = _server()
+    assert server.fit_message(1, 0).payload["global_prior"].tolist() == pytest.approx([0.25] * 4)
+    p1, p2, p3 = [0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]
+    server.aggregate(1, {0: _reply(server, p1, 30), 1: _reply(server, p2, 10)})
+    expected = (30 * torch.tensor(p1) + 10 * torch.tensor(p2)) / 40
+    assert torch.allclose(server.global_prior, expected)
+    assert torch.allclose(server.fit_message(2, 3).payload["global_prior"], expected)
+    # round 2: client 1 reports again, client 2 for the first time; client 0's prior is remembered
+    server.aggregate(2, {1: _reply(server, p3, 10), 2: _reply(server, p2, 60)})
+    expected = (30 * torch.tensor(p1) + 10 * torch.tensor(p3) + 60 * torch.tensor(p2)) / 100
+    assert torch.allclose(server.global_prior, expected)
+    forgetful = _server(prior_memory=False)
+    forgetful.aggregate(1, {0: _reply(forgetful, p1, 30)})
+    forgetful.aggregate(2, {1: _reply(forgetful, p2, 10)})
+    assert torch.allclose(forgetful.global_prior, torch.tensor(p2))
+
+
+def _counts_replies(*counts) -> dict[int, Reply]:
+    return {cid: Reply(payload={"class_counts": torch.tensor(c)}, num_samples=sum(c)) for cid, c in enumerate(counts)}
+
+
+def test_true_counts_only_for_the_counts_prior_or_the_diagnostic_and_never_sent_to_clients():
+    assert _server().next_query("setup", 0, [0, 1]) is None
+    server = _server(prior_diagnostic=True)
+    query = server.next_query("setup", 0, [0, 1])
+    assert query.name == "class_counts"
+    server.receive(query, _counts_replies([6, 2, 2, 0], [2, 2, 4, 2]))
+    # truth [0.4, 0.2, 0.3, 0.1] vs the initial uniform prior: |diff| = [0.15, 0.05, 0.05, 0.15]
+    assert server.metrics() == pytest.approx({"prior_tv": 0.2, "prior_l2": math.sqrt(0.05)})
+    server.aggregate(1, {0: _reply(server, [0.4, 0.2, 0.3, 0.1], 10)})
+    assert server.metrics()["prior_tv"] == pytest.approx(0.0, abs=1e-6)
+    assert "class_counts" not in server.fit_message(2, 0).payload
+    oracle = _server(prior_source="counts")
+    oracle.receive(oracle.next_query("setup", 0, [0, 1]), _counts_replies([6, 2, 2, 0], [2, 2, 4, 2]))
+    assert oracle.fit_message(1, 0).payload["global_prior"].tolist() == pytest.approx([0.4, 0.2, 0.3, 0.1])
+
+
+def test_asd_weight_warms_up_linearly():
+    server = _server(lam=4.0, warmup=0.5)  # 6 of 12 rounds
+    assert [server.asd_weight(r) for r in (1, 3, 6, 12)] == pytest.approx([4 / 6, 2.0, 4.0, 4.0])
+    assert _server(asd=False).asd_weight(12) == 0.0
+    assert _server(warmup=0.0).asd_weight(1) == 4.0
+
+
+# ---- client -----------------------------------------------------------------------------------
+def _client_ctx(state: dict, rnd: int = 1) -> ClientContext:
+    g = gen(7)
+    images = torch.randint(0, 256, (40, 1, 28, 28), dtype=torch.uint8, generator=g)
+    labels = torch.tensor([0] * 20 + [1] * 12 + [2] * 8)
+    data = ClientData(images, labels, torch.arange(40), C, standardize=lambda x: (x - 0.5) / 0.5, hflip=False)
+    return ClientContext(cid=3, round=rnd, model=create_model("cnn", C, in_channels=1), data=data, state=state,
+                         train=TrainSettings(1, 10, 0.05, 0.9, 0.0, None), device=torch.device("cpu"), seed=0)
+
+
+def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(monkeypatch):
+    calls = []
+    real = fedyoyo.fuse_priors
+
+    def spy(pi_g, pi_k, gamma):
+        calls.append((pi_g.clone(), pi_k.clone(), gamma))
+        return real(pi_g, pi_k, gamma)
+
+    monkeypatch.setattr(fedyoyo, "fuse_priors", spy)
+    client = FedYoYoClient(FedYoYoArgs(gamma=0.3))
+    pi_g = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    state: dict = {}
+    ctx = _client_ctx(state)
+    msg = Message(weights=clone_state(ctx.model), payload={"asd_weight": 4.0, "global_prior": pi_g})
+    reply = client.fit(ctx, msg)
+    assert reply.metrics["steps"] == 4  # 4 batches, one fusion
+    assert len(calls) == 1 and calls[0][2] == 0.3 and torch.equal(calls[0][0], pi_g)
+    # first participation: the local prior is the label distribution
+    assert calls[0][1].tolist() == pytest.approx([0.5, 0.3, 0.2, 0.0])
+    assert set(reply.payload) == {"prior"} and set(reply.weights) == set(ctx.model.state_dict())
+    prior = reply.payload["prior"]
+    assert prior.shape == (C,) and prior.sum().item() == pytest.approx(1.0) and prior[3] == 0
+    assert torch.equal(state["prior"], prior)
+    # next participation: fuses (once) with the estimate made during the previous one
+    client.fit(_client_ctx(state, rnd=2), msg)
+    assert len(calls) == 2 and torch.equal(calls[1][1], prior)
+
+
+def test_client_without_dla_neither_estimates_nor_uploads():
+    client = FedYoYoClient(FedYoYoArgs(dla=False))
+    ctx = _client_ctx({})
+    reply = client.fit(ctx, Message(weights=clone_state(ctx.model), payload={"asd_weight": 1.0}))
+    assert reply.payload == {} and ctx.state == {} and math.isfinite(reply.metrics["train_loss"])
+
+
+# ---- FedLC, FedDecorr -------------------------------------------------------------------------
+def test_fedlc_calibrated_loss_by_hand():
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    margins = calibration_margins(torch.tensor([16, 1, 81]), tau=1.0)
+    assert margins.tolist() == pytest.approx([0.5, 1.0, 1 / 3])
+    calibrated = [0.5, 1.0, 0.5 - 1 / 3]
+    expected = -calibrated[0] + math.log(sum(math.exp(z) for z in calibrated))
+    assert calibrated_ce(logits, torch.tensor([0]), margins).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_fedlc_drops_absent_classes_from_the_local_softmax():
+    margins = calibration_margins(torch.tensor([4, 0, 9]), tau=0.5)
+    logits = torch.tensor([[0.3, 5.0, -0.2], [1.0, -1.0, 0.0]], requires_grad=True)
+    loss = calibrated_ce(logits, torch.tensor([0, 2]), margins)
+    loss.backward()
+    present = calibrated_ce(logits[:, [0, 2]].detach(), torch.tensor([0, 1]), margins[[0, 2]])
+    assert loss.item() == pytest.approx(present.item(), rel=1e-6)
+    assert torch.isfinite(logits.grad).all() and torch.all(logits.grad[:, 1] == 0)
+    assert calibration_margins(torch.tensor([4, 0]), tau=0.0).tolist() == [0.0, 0.0]
+
+
+def test_feddecorr_term_small_for_decorrelated_and_large_for_collinear_features():
+    d = 16
+    white = torch.randn(4096, d, generator=gen(4))
+    # decorrelated: only the diagonal of K survives, ||K||^2 / d^2 = 1 / d
+    assert decorrelation_loss(white).item() == pytest.approx(1 / d, rel=0.05)
+    collinear = torch.randn(64, 1, generator=gen(5)) * torch.linspace(0.5, 2.0, d)
+    assert decorrelation_loss(collinear).item() == pytest.approx(1.0, rel=1e-3)
+    assert decorrelation_loss(torch.randn(1, d)).item() == 0.0
+
+
+# ---- end to end -------------------------------------------------------------------------------
+def tiny(tmp_path, name: str, **over) -> dict:
+    cfg = {
+        "seed": 1, "run": {"out_dir": str(tmp_path), "name": name, "threads": 1},
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4},
+        "model": {"name": "cnn"}, "eval": {"every": 1},
+        "fl": {"rounds": 2, "participation": 0.5, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+    }
+    cfg.update(over)
+    return cfg
+
+
+@pytest.mark.parametrize("method", ["fedlc", "feddecorr", "fedyoyo"])
+def test_two_round_runs(tmp_path, method):
+    over = {"method_args": {"prior_diagnostic": True}} if method == "fedyoyo" else {}
+    res = fedlt.run(tiny(tmp_path, method, method=method, **over), quiet=True)
+    assert len(res.metrics) == 2 and all(math.isfinite(r["train_loss"]) for r in res.metrics)
+    fit = res.summary["messages"]["fit"]
+    if method == "fedyoyo":
+        assert set(fit["from_client"]["payload"]) == {"prior"}
+        # the diagnostic's true counts stay on the server
+        assert set(fit["to_client"]["payload"]) == {"asd_weight", "global_prior"}
+        assert all(0.0 <= r["prior_tv"] <= 1.0 for r in res.metrics)
+    else:
+        assert fit["from_client"]["payload"] == {} and fit["to_client"]["payload"] == {}
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="data.augment"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", data={"dataset": "synthetic", "augment": "weak"}))
+    with pytest.raises(ConfigError, match="fixes its own"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedlc", loss={"name": "la"}))
+    with pytest.raises(ConfigError, match="no knob method_args.beta"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"beta": 0.1}))
