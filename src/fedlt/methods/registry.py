@@ -6,6 +6,7 @@ from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeClient, FedLoGeServer, fedloge_model
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
 
 METHODS: dict[str, MethodSpec] = {
@@ -17,6 +18,9 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedProxClient, FedProxArgs),
         MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
                    FedAvgServer, FedAvgClient, pooled=True),
+        MethodSpec("fedloge", "FedLoGe: backbone through a frozen sparse ETF (SSE-C), global head with GA-FR, "
+                   "personal heads with LA-FR", FedLoGeServer, FedLoGeClient, FedLoGeArgs,
+                   make_model=fedloge_model, uses_loss_config=False),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
           for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
     ]
