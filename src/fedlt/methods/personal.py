@@ -16,7 +16,7 @@ from torch import nn
 from fedlt.calibration.retrain import linear_init
 from fedlt.methods.base import ClientContext
 from fedlt.methods.calibrated import client_features
-from fedlt.training import epoch_batches, make_sgd
+from fedlt.training import epoch_batches
 
 PREFIX = "personal/"
 
@@ -91,22 +91,27 @@ def train_on_features(
     logits: Callable[[torch.Tensor], torch.Tensor],
     epochs: int,
     *,
+    features: tuple[torch.Tensor, torch.Tensor] | None = None,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     lr: float | None = None,
+    momentum: float | None = None,
+    weight_decay: float | None = None,
     purpose: int = 50,
 ) -> dict[str, float]:
     """Train ``params`` for ``epochs`` over the client's features under the frozen ``ctx.model``
-    encoder (computed once, eval mode, no augmentation): the cheap way to fit a head on a fixed
-    body. Batches, momentum and weight decay follow ``ctx.train``; ``lr`` defaults to the round's."""
+    encoder (``features`` if given, else computed once: eval mode, no augmentation), the cheap way
+    to fit a head on a fixed body. Batch size, lr, momentum and weight decay default to ``ctx.train``."""
     if epochs <= 0 or len(ctx.data) == 0:
         return {"steps": 0.0}
-    feats, labels = client_features(ctx.model, ctx)
-    optimizer = make_sgd(params, ctx.train, lr=lr)
+    feats, labels = features if features is not None else client_features(ctx.model, ctx)
+    t = ctx.train
+    optimizer = torch.optim.SGD(params, lr=t.lr if lr is None else lr, momentum=t.momentum if momentum is None else momentum,
+                                weight_decay=t.weight_decay if weight_decay is None else weight_decay)
     generator = ctx.generator(purpose)
     steps = 0
     with torch.enable_grad():
         for _ in range(epochs):
-            for rows in epoch_batches(feats.shape[0], ctx.train.batch_size, generator):
+            for rows in epoch_batches(feats.shape[0], t.batch_size, generator):
                 value = loss(logits(feats[rows]), labels[rows])
                 optimizer.zero_grad(set_to_none=True)
                 value.backward()
