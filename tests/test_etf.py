@@ -55,3 +55,12 @@ def test_sse_c_is_seeded():
     b, _ = build_sse_c(32, 5, sparsity=0.5, gamma=1.0, steps=20, lr=1e-3, generator=torch.Generator().manual_seed(3))
     c, _ = build_sse_c(32, 5, sparsity=0.5, gamma=1.0, steps=20, lr=1e-3, generator=torch.Generator().manual_seed(4))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_too_narrow_a_model_is_a_config_error():
+    from fedlt.errors import ConfigError
+    from fedlt.models.etf import check_etf_width
+
+    check_etf_width(64, 10, "resnet32")
+    with pytest.raises(ConfigError, match="feature width >= 100; model resnet32 has 64"):
+        check_etf_width(64, 100, "resnet32")

@@ -21,14 +21,13 @@ from pydantic import Field
 from torch import nn
 
 from fedlt.config import Config
-from fedlt.errors import ConfigError
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
 from fedlt.methods.calibrated import client_features
 from fedlt.methods.personal import train_on_features
 from fedlt.models import FedModel, create_model
-from fedlt.models.etf import simplex_etf
+from fedlt.models.etf import check_etf_width, simplex_etf
 from fedlt.training import train_local
 
 ETF_PURPOSE = 73
@@ -58,9 +57,7 @@ class ETFHead(nn.Module):
 
 def fedetf_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
     model = create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
-    if model.feature_dim < num_classes:
-        raise ConfigError(f"a simplex ETF of {num_classes} classes needs a feature width >= {num_classes}; "
-                          f"model {cfg.model.name} has {model.feature_dim}: choose a wider model")
+    check_etf_width(model.feature_dim, num_classes, cfg.model.name)
     model.replace_head(ETFHead(model.feature_dim, num_classes))
     return model
 

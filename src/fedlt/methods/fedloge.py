@@ -43,7 +43,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
-from fedlt.models.etf import FixedLinear, build_sse_c
+from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
 from fedlt.training import train_local
 
 SSE_C_PURPOSE = 71
@@ -87,6 +87,7 @@ class FedLoGeHead(nn.Module):
 
 def fedloge_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
     model = create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
+    check_etf_width(model.feature_dim, num_classes, cfg.model.name)
     model.replace_head(FedLoGeHead(model.feature_dim, num_classes))
     return model
 

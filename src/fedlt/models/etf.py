@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlt.errors import ConfigError
+
 
 def simplex_etf(feature_dim: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
     """``sqrt(C/(C-1)) (I - 11^T/C) U^T``, rows of unit norm, ``U`` a random ``d x C`` orthonormal
@@ -32,6 +34,13 @@ def simplex_etf(feature_dim: int, num_classes: int, generator: torch.Generator) 
     centering = torch.eye(num_classes, dtype=torch.float64, device=basis.device) - 1.0 / num_classes
     etf = math.sqrt(num_classes / (num_classes - 1)) * basis @ centering  # (d, C)
     return etf.T.contiguous().float()
+
+
+def check_etf_width(feature_dim: int, num_classes: int, model_name: str) -> None:
+    """A config error (before any run directory exists) when the model is too narrow for an ETF."""
+    if feature_dim < num_classes:
+        raise ConfigError(f"a simplex ETF of {num_classes} classes needs a feature width >= {num_classes}; "
+                          f"model {model_name} has {feature_dim}: choose a wider model")
 
 
 def sparsity_mask(shape: tuple[int, int], sparsity: float, generator: torch.Generator) -> torch.Tensor:
