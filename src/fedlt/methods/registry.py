@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from fedlt.errors import ConfigError
-from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
+from fedlt.methods.base import MethodArgs, MethodSpec, Server, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
+from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.fedbabu import FedBABUArgs, FedBABUClient
+from fedlt.methods.fedbn import FedBNArgs, FedBNClient, FedBNServer
 from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
+from fedlt.methods.fedetf import FedETFArgs, FedETFClient, FedETFServer, fedetf_model
 from fedlt.methods.fedlc import FedLCArgs, FedLCClient
+from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeClient, FedLoGeServer, fedloge_model
+from fedlt.methods.fedper import FedPerClient, FedPerServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
-from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
+from fedlt.methods.fedrep import FedRepArgs, FedRepClient, FedRepServer
+from fedlt.methods.fedrod import FedRoDClient
 from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
+from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -21,6 +29,24 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedProxClient, FedProxArgs),
         MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
                    FedAvgServer, FedAvgClient, pooled=True),
+        MethodSpec("fedloge", "FedLoGe: backbone through a frozen sparse ETF (SSE-C), global head with GA-FR, "
+                   "personal heads with LA-FR", FedLoGeServer, FedLoGeClient, FedLoGeArgs,
+                   make_model=fedloge_model, uses_loss_config=False),
+        MethodSpec("fedrod", "FedRoD: generic head with balanced softmax + personal head on its logits",
+                   Server, FedRoDClient, uses_loss_config=False),
+        MethodSpec("fedbabu", "FedBABU: body trained under a frozen random head; personalized by fine-tuning "
+                   "(method_args.finetune_epochs)", Server, FedBABUClient, FedBABUArgs, uses_loss_config=False),
+        MethodSpec("fedetf", "FedETF: projection + fixed simplex-ETF classifier with learnable temperature, "
+                   "balanced softmax; local ETF/projection adaptation", FedETFServer, FedETFClient, FedETFArgs,
+                   make_model=fedetf_model, uses_loss_config=False),
+        MethodSpec("fedrep", "FedRep: shared body, personal heads fitted first each round (method_args.head_epochs)",
+                   FedRepServer, FedRepClient, FedRepArgs, uses_loss_config=False),
+        MethodSpec("fedper", "FedPer: shared body, personal heads; no global model",
+                   FedPerServer, FedPerClient, uses_loss_config=False),
+        MethodSpec("ditto", "Ditto: FedAvg + personal models pulled towards it (method_args.mu)",
+                   Server, DittoClient, DittoArgs, uses_loss_config=False),
+        MethodSpec("fedbn", "FedBN: FedAvg with BatchNorm kept local (method_args.global_bn)",
+                   FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
           for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
         MethodSpec("sfd", "SFD: ABBL local training (A-CE + annealed A-SCL on a projector) + SAFS calibration",

@@ -1,0 +1,41 @@
+"""FedBABU (Oh et al., ICLR 2022): federate only the body under a frozen random head, then
+personalize by fine-tuning.
+
+The head keeps its random initialisation for the whole training (every client trains the body
+through the same fixed head, so no client can bias it); clients upload only the body. The global
+model is the body with that head. Personalized model k is the global model fine-tuned on the
+client's data — body and head, with the round's SGD settings — for ``finetune_epochs`` at every
+evaluation; the fine-tuned weights are not kept.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, clone_state
+from fedlt.methods.personal import keys_with_prefix
+from fedlt.training import train_local
+
+
+class FedBABUArgs(MethodArgs):
+    finetune_epochs: int = Field(5, ge=0, description="local fine-tuning epochs of the whole model for the "
+                                                      "personalized models (the paper's tau_f)")
+
+
+class FedBABUClient(Client):
+    personalized = True
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), params=model.encoder.parameters())
+        body = keys_with_prefix(clone_state(model), ["encoder."])
+        return Reply(weights=body, num_samples=len(ctx.data), metrics=metrics)
+
+    def personalize(self, ctx: ClientContext, msg: Message) -> None:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        if self.args.finetune_epochs:
+            train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), epochs=self.args.finetune_epochs)

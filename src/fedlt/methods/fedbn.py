@@ -1,0 +1,66 @@
+"""FedBN (Li et al., ICLR 2021): FedAvg with local BatchNorm layers.
+
+BatchNorm weights, biases and running statistics stay in each client's ``ctx.state``: the
+server never sends any, and a client never loads anything over its own (a new client starts
+from the model's initial BatchNorm). Everything else is averaged as in FedAvg.
+
+For a global model the server needs BatchNorm values too: with ``global_bn`` (default) clients
+upload theirs and the server averages them into its model, used only as the GM. With
+``global_bn=false`` BatchNorm never leaves a client and there is no GM. On a model without
+BatchNorm (the small CNN) FedBN is exactly FedAvg.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
+from fedlt.models import FedModel
+from fedlt.training import train_local
+
+
+class FedBNArgs(MethodArgs):
+    global_bn: bool = Field(True, description="clients upload BatchNorm so the server can average a global model (GM); "
+                                              "false: BatchNorm never leaves a client and there is no GM")
+
+
+class FedBNServer(Server):
+    def __init__(self, ctx: ServerContext):
+        super().__init__(ctx)
+        self.bn_keys = set(batchnorm_keys(self.model))
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        return Message(weights={k: v for k, v in clone_state(self.model).items() if k not in self.bn_keys})
+
+    def eval_message(self, cid: int) -> Message:
+        return self.fit_message(0, cid)
+
+    def global_model(self) -> FedModel | None:
+        return self.model if self.args.global_bn or not self.bn_keys else None
+
+
+class FedBNClient(Client):
+    personalized = True
+
+    def _load(self, ctx: ClientContext, msg: Message) -> None:
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        own = load_personal(ctx, "bn")
+        if own is not None:
+            ctx.model.load_state_dict(own, strict=False)
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        self._load(ctx, msg)
+        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y))
+        state = clone_state(model)
+        bn = set(batchnorm_keys(model))
+        if bn:
+            store_personal(ctx, "bn", {k: state[k] for k in bn})
+        upload = state if self.args.global_bn else {k: v for k, v in state.items() if k not in bn}
+        return Reply(weights=upload, num_samples=len(ctx.data), metrics=metrics)
+
+    def personalize(self, ctx: ClientContext, msg: Message) -> None:
+        self._load(ctx, msg)

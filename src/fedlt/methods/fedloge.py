@@ -1,0 +1,194 @@
+"""FedLoGe (Xiao et al., ICLR 2024): one generic and K personalized models from one federation.
+
+Stage 1 (Algorithm 1). Before training the server builds the SSE-C (:mod:`fedlt.models.etf`,
+Eq. 2-5) and broadcasts it inside the model weights (``head.fixed``, buffers: never trained).
+Each local step computes features ``h = f(x)`` once and minimises three cross-entropies:
+through the frozen SSE-C (only this one reaches the backbone), of the global auxiliary head
+``psi`` on ``h.detach()``, and of the client's personal head ``phi_k`` on ``h.detach()``. The
+backbone and ``psi`` are aggregated (FedAvg); ``phi_k`` stays in the client's ``ctx.state``.
+
+Stage 2, GA-FR (Eq. 6): every row of ``psi`` rescaled to unit norm; the global model is the
+backbone with this head. Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| * ||phi_kc||``,
+the global head's directions with the client's norms; optionally fine-tuned on the client's
+features (Appendix A.5); personalized model k is the backbone with ``phi'_k``.
+
+Choices where the paper is silent (also in the README):
+
+- LA-FR uses the *direction* of ``psi`` (Algorithm 1, line 16 writes the raw ``psi_c``, which
+  would multiply the global long-tailed norms back in after GA-FR removed them).
+- ``psi`` and ``phi_k`` have no bias: the realignments act on norms, and a learned bias would
+  carry the class prior that they are meant to replace.
+- ``phi_k`` starts, at the client's first participation, from its own ``nn.Linear``-style random
+  initialisation (Algorithm 1 initialises every ``phi_k`` separately from ``w``), seeded per client.
+  A client that never trained has no ``phi_k``; its personalized model is the global one.
+- ``gamma`` defaults to 1.0, the paper's optimum for CIFAR (Sec. 4.4); the released code uses 0.1.
+- The realignment and fine-tuning are evaluation-time steps: they run on every evaluation from
+  the current weights and never change what is trained.
+- The released code's personalized output ``phi_k(h) + phi'_k(h)`` with the logits of classes
+  absent from the client masked out is available as ``personal_head=realigned_plus_phi``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from fedlt.config import Config
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
+from fedlt.models import FedModel, create_model
+from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
+from fedlt.training import train_local
+
+SSE_C_PURPOSE = 71
+PHI_INIT_PURPOSE = 72
+MASKED_LOGIT = -1e9
+
+
+class FedLoGeArgs(MethodArgs):
+    classifier: Literal["sse_c", "etf"] = Field(
+        "sse_c", description="fixed classifier the backbone trains through: sparse SSE-C, or the dense ETF (ablation)")
+    sparsity: float = Field(0.6, ge=0, lt=1, description="SSE-C: fraction beta of entries set to zero (paper 0.6)")
+    gamma: float = Field(1.0, gt=0, description="SSE-C: target norm of every class vector (paper 1.0, code 0.1)")
+    sse_steps: int = Field(10000, ge=0, description="SSE-C: Adam steps on Eq. 5 (paper 10,000)")
+    sse_lr: float = Field(1e-4, gt=0, description="SSE-C: Adam learning rate (paper 1e-4)")
+    ga_fr: bool = Field(True, description="global model head = GA-FR(psi) (Eq. 6); false: the raw aggregated psi")
+    la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
+    personal_head: Literal["realigned", "realigned_plus_phi"] = Field(
+        "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
+    finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
+                                                      "(Appendix A.5), on the client's features, at evaluation")
+
+    @model_validator(mode="after")
+    def _plus_needs_realignment(self) -> "FedLoGeArgs":
+        if self.personal_head == "realigned_plus_phi" and not self.la_fr:
+            raise ValueError("personal_head=realigned_plus_phi adds phi_k to its LA-FR head; set la_fr=true")
+        return self
+
+
+class FedLoGeHead(nn.Module):
+    """The classifier slot of a FedLoGe model: ``fixed`` (the SSE-C during training; the head
+    being evaluated otherwise) and the global auxiliary head ``aux`` (psi)."""
+
+    def __init__(self, feature_dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.fixed = FixedLinear(feature_dim, num_classes)
+        self.aux = nn.Linear(feature_dim, num_classes, bias=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fixed(features)
+
+
+def fedloge_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
+    model = create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
+    check_etf_width(model.feature_dim, num_classes, cfg.model.name)
+    model.replace_head(FedLoGeHead(model.feature_dim, num_classes))
+    return model
+
+
+def ga_fr(psi: torch.Tensor) -> torch.Tensor:
+    """Eq. 6: every class vector rescaled to unit norm (a common norm: only directions remain)."""
+    return psi / psi.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def la_fr(psi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """Eq. 7: the global head's class directions with the personal head's class norms."""
+    return ga_fr(psi) * phi.norm(dim=1, keepdim=True)
+
+
+def set_head(model: FedModel, weight: torch.Tensor, bias: torch.Tensor | None = None) -> FedModel:
+    """Make ``model`` predict with ``weight`` (and ``bias``) in its classifier slot."""
+    model.head.fixed.weight.copy_(weight)
+    model.head.fixed.bias.copy_(torch.zeros_like(model.head.fixed.bias) if bias is None else bias)
+    return model
+
+
+class FedLoGeServer(Server):
+    def __init__(self, ctx: ServerContext):
+        super().__init__(ctx)
+        a = self.args
+        sparse = a.classifier == "sse_c"
+        weight, _ = build_sse_c(
+            self.model.feature_dim, ctx.num_classes, sparsity=a.sparsity if sparse else 0.0, gamma=a.gamma,
+            steps=a.sse_steps if sparse else 0, lr=a.sse_lr, generator=ctx.generator(0, SSE_C_PURPOSE),
+        )
+        set_head(self.model, weight.to(ctx.device))
+        self._views: dict[str, FedModel] = {}
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        return Message(weights=clone_state(self.model))  # backbone, psi and the frozen SSE-C
+
+    def _view(self, name: str, head: torch.Tensor) -> FedModel:
+        """The current backbone with ``head`` in the classifier slot (a separate model object)."""
+        if name not in self._views:
+            self._views[name] = copy.deepcopy(self.model)
+        view = self._views[name]
+        view.load_state_dict(self.model.state_dict())
+        return set_head(view, head)
+
+    def _psi(self) -> torch.Tensor:
+        return self.model.head.aux.weight.detach()
+
+    def global_model(self) -> FedModel:
+        psi = self._psi()
+        return self._view("global", ga_fr(psi) if self.args.ga_fr else psi)
+
+    def extra_models(self) -> dict[str, FedModel]:
+        """The fixed classifier itself, and the other choice of global head (ablation of GA-FR)."""
+        psi = self._psi()
+        other = ("psi_raw", psi) if self.args.ga_fr else ("psi_ga_fr", ga_fr(psi))
+        return {self.args.classifier: self.model, other[0]: self._view(other[0], other[1])}
+
+    def eval_message(self, cid: int) -> Message:
+        return Message(weights=clone_state(self.model))
+
+
+class FedLoGeClient(Client):
+    personalized = True
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        head = model.head
+        phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
+        params = [*model.encoder.parameters(), *head.aux.parameters(), *phi.parameters()]
+
+        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = model.forward_features(x)
+            detached = h.detach()  # psi and phi_k learn on the features; only the SSE-C trains the backbone
+            return F.cross_entropy(head.fixed(h), y) + F.cross_entropy(head.aux(detached), y) \
+                + F.cross_entropy(phi(detached), y)
+
+        metrics = train_local(ctx, loss, params=params)
+        store_module(ctx, "phi", phi)
+        upload = {k: v for k, v in clone_state(model).items() if not k.startswith("head.fixed.")}
+        return Reply(weights=upload, num_samples=len(ctx.data), metrics=metrics)
+
+    def personalize(self, ctx: ClientContext, msg: Message) -> None:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        a = self.args
+        psi = model.head.aux.weight.detach()
+        stored = load_personal(ctx, "phi")
+        if stored is None:  # never trained: the global model
+            set_head(model, ga_fr(psi) if a.ga_fr else psi)
+            return
+        phi = stored["weight"]
+        weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
+        if a.finetune_epochs:
+            weight.requires_grad_(True)
+            train_on_features(ctx, [weight], lambda h: h @ weight.T, a.finetune_epochs)
+            weight = weight.detach()
+        if a.personal_head == "realigned_plus_phi":
+            absent = ctx.data.class_counts() == 0
+            bias = torch.where(absent, MASKED_LOGIT, 0.0).to(weight)
+            set_head(model, weight + phi, bias)
+        else:
+            set_head(model, weight)
+

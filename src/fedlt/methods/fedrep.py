@@ -1,0 +1,57 @@
+"""FedRep (Collins et al., ICML 2021): a shared representation with personal heads.
+
+Each round a client first fits its personal head with the body frozen (``head_epochs``, the
+paper's 10), then trains the body with its head frozen (``fl.local_epochs``). The body is
+aggregated; the head stays in the client's ``ctx.state``. A client joining for the first time
+starts its head from the global head it receives.
+
+A global model needs a global head, which FedRep does not define. Like the authors' code (which
+averages every entry and lets clients keep their own head), clients upload their head and the
+server's model — body plus the sample-weighted average of the round's heads — is the GM; clients
+never load that average over a head of their own. ``global_head=false`` keeps heads strictly
+local (no upload) and then the method has no GM.
+
+The head epochs run on the client's features under the frozen body (computed once, eval mode,
+without augmentation): the same optimisation as a forward pass per step for models without
+BatchNorm, and far cheaper.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state
+from fedlt.methods.personal import keys_with_prefix, personal_module, store_module, train_on_features
+from fedlt.models import FedModel
+from fedlt.training import train_local
+
+
+class FedRepArgs(MethodArgs):
+    head_epochs: int = Field(10, ge=0, description="epochs fitting the personal head with the body frozen (paper 10)")
+    global_head: bool = Field(True, description="upload heads so the server averages them into a global model "
+                                                "(GM); false: heads never leave the clients and there is no GM")
+
+
+class FedRepServer(Server):
+    def global_model(self) -> FedModel | None:
+        return self.model if self.args.global_head else None
+
+
+class FedRepClient(Client):
+    personalized = True
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        personal_module(ctx, "head", model.head)  # own head over the received one, if any
+        train_on_features(ctx, list(model.head.parameters()), model.forward_head, self.args.head_epochs)
+        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), params=model.encoder.parameters())
+        store_module(ctx, "head", model.head)
+        shared = ["encoder.", "head."] if self.args.global_head else ["encoder."]
+        return Reply(weights=keys_with_prefix(clone_state(model), shared), num_samples=len(ctx.data), metrics=metrics)
+
+    def personalize(self, ctx: ClientContext, msg: Message) -> None:
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        personal_module(ctx, "head", ctx.model.head)

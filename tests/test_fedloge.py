@@ -1,0 +1,146 @@
+"""FedLoGe: SSE-C broadcast, Algorithm 1's three heads, GA-FR / LA-FR, personal-head privacy, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fedlt
+from fedlt.errors import ConfigError
+from fedlt.methods.fedloge import FedLoGeClient, ga_fr, la_fr
+from fedlt.models.etf import classifier_geometry, etf_angle
+from fedlt.results import TIMING_KEYS
+
+FAST_SSE_C = {"sse_steps": 300, "sse_lr": 1e-3}
+
+
+def tiny(tmp_path, name="run", **method_args) -> dict:
+    return {
+        "seed": 2, "method": "fedloge", "method_args": {**FAST_SSE_C, **method_args},
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4},
+        "fl": {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "eval": {"every": 1},
+        "run": {"out_dir": str(tmp_path), "name": name, "checkpoint_every": 1, "threads": 1},
+    }
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_ga_fr_gives_unit_rows_with_the_same_directions():
+    psi = torch.randn(10, 32) * torch.linspace(0.1, 5, 10)[:, None]
+    out = ga_fr(psi)
+    assert torch.allclose(out.norm(dim=1), torch.ones(10), atol=1e-6)
+    assert torch.allclose(torch.cosine_similarity(out, psi, dim=1), torch.ones(10), atol=1e-6)
+
+
+def test_la_fr_gives_the_personal_norms_and_the_global_directions():
+    psi = torch.randn(10, 32) * torch.linspace(0.1, 5, 10)[:, None]
+    phi = torch.randn(10, 32) * torch.linspace(3, 0.2, 10)[:, None]
+    out = la_fr(psi, phi)
+    assert torch.allclose(out.norm(dim=1), phi.norm(dim=1), atol=1e-5)
+    assert torch.allclose(torch.cosine_similarity(out, psi, dim=1), torch.ones(10), atol=1e-6)
+
+
+def spy_on_fit(monkeypatch) -> list[dict]:
+    """Record, for every fit call, the client's state before and after and the reply it sent."""
+    calls = []
+    original = FedLoGeClient.fit
+
+    def fit(self, ctx, msg):
+        before = {k: v.clone() for k, v in ctx.state.items()}
+        reply = original(self, ctx, msg)
+        calls.append({"cid": ctx.cid, "round": ctx.round, "before": before,
+                      "after": {k: v.clone() for k, v in ctx.state.items()}, "reply": reply,
+                      "sse_c": msg.weights["head.fixed.weight"].clone()})
+        return reply
+
+    monkeypatch.setattr(FedLoGeClient, "fit", fit)
+    return calls
+
+
+def test_personal_heads_persist_across_rounds_and_never_reach_the_server(tmp_path, monkeypatch):
+    calls = spy_on_fit(monkeypatch)
+    res = fedlt.run(tiny(tmp_path), quiet=True)
+    assert len(calls) == 8  # 4 clients x 2 rounds
+    for call in calls:
+        reply, phi = call["reply"], call["after"]["personal/phi/weight"]
+        assert set(call["after"]) == {"personal/phi/weight"}  # bias-free personal head, nothing else kept
+        # the upload is the backbone and psi only: no personal entry, no copy of phi's values
+        assert all(k.startswith(("encoder.", "head.aux.")) for k in reply.weights)
+        assert "head.aux.weight" in reply.weights and not reply.payload
+        sent = [v for v in (*reply.weights.values(), *reply.payload.values()) if isinstance(v, torch.Tensor)]
+        assert not any(v.shape == phi.shape and torch.allclose(v, phi) for v in sent)
+    by_client = {}
+    for call in calls:
+        by_client.setdefault(call["cid"], []).append(call)
+    for first, second in by_client.values():
+        assert first["before"] == {}  # starts without a personal head ...
+        # ... and the second round starts from exactly what the first one stored (evaluation in between)
+        assert torch.equal(second["before"]["personal/phi/weight"], first["after"]["personal/phi/weight"])
+        assert not torch.equal(second["after"]["personal/phi/weight"], second["before"]["personal/phi/weight"])
+    # every client receives the same sparse SSE-C in every round
+    sse_c = calls[0]["sse_c"]
+    assert all(torch.equal(c["sse_c"], sse_c) for c in calls)
+    assert classifier_geometry(sse_c)["sparsity"] == pytest.approx(0.6, abs=1e-9)
+    final = res.summary["final"]
+    assert final["acc"] is not None and final["pm_acc"] is not None
+    assert set(final["variants"]) == {"sse_c", "psi_raw"}
+    # the fixed head is never uploaded: up-model bytes are the model minus the SSE-C's weight and bias
+    up = res.summary["messages"]["fit"]["from_client"]["model_bytes"]
+    down = res.summary["messages"]["fit"]["to_client"]["model_bytes"]
+    assert down - up == (10 * 128 + 10) * 4
+
+
+def test_realignments_change_only_evaluation(tmp_path):
+    """GA-FR and LA-FR act after training: switching them leaves training identical, the GM without
+    GA-FR equals the raw-psi variant of the run with it, and LA-FR changes only PM."""
+    full = fedlt.run(tiny(tmp_path, "full"), quiet=True)
+    no_ga = fedlt.run(tiny(tmp_path, "no_ga", ga_fr=False), quiet=True)
+    no_la = fedlt.run(tiny(tmp_path, "no_la", la_fr=False), quiet=True)
+    for a, b, c in zip(full.metrics, no_ga.metrics, no_la.metrics):
+        assert a["train_loss"] == b["train_loss"] == c["train_loss"]
+        assert b["acc"] == a["variants"]["psi_raw"]["acc"] and a["acc"] == b["variants"]["psi_ga_fr"]["acc"]
+        assert b["pm_acc"] == a["pm_acc"] and c["acc"] == a["acc"]
+    assert [r["pm_acc"] for r in no_la.metrics] != [r["pm_acc"] for r in full.metrics]
+
+
+def test_dense_etf_ablation_and_code_variant(tmp_path, monkeypatch):
+    calls = spy_on_fit(monkeypatch)
+    etf = fedlt.run(tiny(tmp_path, "etf", classifier="etf", personal_head="realigned_plus_phi",
+                         finetune_epochs=1), quiet=True)
+    geo = classifier_geometry(calls[0]["sse_c"])
+    assert geo["sparsity"] == 0 and geo["angle_min"] == pytest.approx(etf_angle(10), abs=1e-3)
+    assert geo["norm_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert set(etf.summary["final"]["variants"]) == {"etf", "psi_raw"}
+    assert etf.summary["final"]["pm_acc"] is not None
+    with pytest.raises(ConfigError, match="la_fr=true"):
+        fedlt.run(tiny(tmp_path, "bad", la_fr=False, personal_head="realigned_plus_phi"), quiet=True)
+    with pytest.raises(ConfigError, match="loss"):
+        fedlt.run({**tiny(tmp_path, "bad2"), "loss": {"name": "bsm"}}, quiet=True)
+
+
+def test_resume_restores_personal_heads(tmp_path, monkeypatch):
+    """Personal heads are checkpointed with the engine's client state: a run cut after round 2 and
+    resumed ends exactly where an uninterrupted one does."""
+    cfg = {**tiny(tmp_path / "a", "full"), "fl": {**tiny(tmp_path)["fl"], "rounds": 3}}
+    full = fedlt.run(cfg, quiet=True)
+    from fedlt.engine.simulation import Simulation
+
+    original = Simulation.fit_round
+
+    def crash_in_round_3(self, rnd):
+        if rnd == 3:
+            raise KeyboardInterrupt
+        return original(self, rnd)
+
+    monkeypatch.setattr(Simulation, "fit_round", crash_in_round_3)
+    cut_cfg = {**cfg, "run": {**cfg["run"], "out_dir": str(tmp_path / "b"), "name": "cut"}}
+    with pytest.raises(KeyboardInterrupt):
+        fedlt.run(cut_cfg, quiet=True)
+    monkeypatch.setattr(Simulation, "fit_round", original)
+    ckpt = torch.load(tmp_path / "b" / "cut" / "checkpoint.pt", weights_only=False)
+    assert all("personal/phi/weight" in s for s in ckpt["clients"].values()) and len(ckpt["clients"]) == 4
+    resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
+    assert without_timing(resumed.metrics) == without_timing(full.metrics)

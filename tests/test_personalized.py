@@ -1,0 +1,171 @@
+"""The personalized baselines: GM/PM reporting, what stays on the clients, FedBN, Ditto, FedBABU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fedlt
+from fedlt.api import prepare
+from fedlt.config import build_config
+from fedlt.engine.simulation import Simulation
+from fedlt.methods.ditto import DittoArgs, DittoClient
+from fedlt.methods.registry import METHODS
+from fedlt.models import FedModel
+from fedlt.methods.personal import PREFIX, batchnorm_keys
+from fedlt.report import comparison_table
+
+FAST = {  # the cheapest settings of each method's knobs
+    "fedrod": {}, "fedbabu": {"finetune_epochs": 1}, "fedetf": {"adapt_iterations": 1, "adapt_epochs": 1},
+    "fedrep": {"head_epochs": 1}, "fedper": {}, "ditto": {}, "fedbn": {},
+}
+
+
+def tiny(tmp_path, method, name="run", rounds=2, **over) -> dict:
+    cfg = {
+        "seed": 5, "method": method, "method_args": dict(FAST.get(method, {})),
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4},
+        "fl": {"rounds": rounds, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "eval": {"every": 2},
+        "run": {"out_dir": str(tmp_path), "name": name, "checkpoint_every": 0, "threads": 1},
+    }
+    for key, value in over.items():
+        section, _, field = key.partition("__")
+        cfg[section] = {**cfg.get(section, {}), field: value} if field else value
+    return cfg
+
+
+def spy_on_messages(monkeypatch) -> list[dict]:
+    """Every exchange: kind, client, what went down, what came back, the client's state afterwards."""
+    calls = []
+    original = Simulation._send
+
+    def send(self, cid, kind, msg, handle):
+        reply = original(self, cid, kind, msg, handle)
+        state = {k: v.clone() for k, v in self.client_states.get(cid, {}).items()}
+        calls.append({"kind": kind, "cid": cid, "msg": msg, "reply": reply, "state": state})
+        return reply
+
+    monkeypatch.setattr(Simulation, "_send", send)
+    return calls
+
+
+@pytest.mark.parametrize("method", list(FAST))
+def test_every_baseline_reports_gm_and_pm(tmp_path, method, monkeypatch):
+    calls = spy_on_messages(monkeypatch)
+    res = fedlt.run(tiny(tmp_path, method), quiet=True)
+    final = res.summary["final"]
+    assert final["pm_acc"] is not None and 0 <= final["pm_acc"] <= 100
+    if method == "fedper":
+        assert final["acc"] is None and "acc" not in res.metrics[-1]
+        assert "| final (headline) | 2 | - | - | - | - |" in (res.run_dir / "report.md").read_text()
+        row = comparison_table([("per", res.summary)]).splitlines()[2]
+        assert row.startswith("| per | fedper |") and "| - | - | - | - |" in row
+    else:
+        assert final["acc"] is not None and final["few_acc"] is not None
+    # nothing a client keeps as personal is ever sent to the server, by name or by value
+    for call in calls:
+        personal = {k: v for k, v in call["state"].items() if k.startswith(PREFIX)}
+        sent = [v for v in (*call["reply"].weights.values(), *call["reply"].payload.values())
+                if isinstance(v, torch.Tensor)]
+        shared_by_design = method in ("fedrep", "fedbn")  # uploaded for the GM average only (knob)
+        if not shared_by_design:
+            assert not any(v.shape == p.shape and torch.equal(v, p) for v in sent for p in personal.values()), method
+    kept = {k.split("/")[1] for c in calls for k in c["state"]}
+    expected = {"fedrod": {"p_head"}, "fedrep": {"head"}, "fedper": {"head"}, "ditto": {"model"},
+                "fedbabu": set(), "fedetf": set(), "fedbn": set()}  # the CNN has no BatchNorm
+    assert kept == expected[method]
+
+
+def test_fedrep_with_strictly_local_heads_has_no_global_model(tmp_path, monkeypatch):
+    calls = spy_on_messages(monkeypatch)
+    rep = fedlt.run(tiny(tmp_path, "fedrep", "rep", method_args={"head_epochs": 1, "global_head": False}), quiet=True)
+    assert rep.summary["final"]["acc"] is None and rep.summary["final"]["pm_acc"] is not None
+    assert all(not k.startswith("head.") for c in calls if c["kind"] == "fit" for k in c["reply"].weights)
+
+
+def small_bn_model(cfg, num_classes, in_channels, image_size) -> FedModel:
+    """A seconds-fast model with two BatchNorm layers (the registered ones with BN are ResNets)."""
+    encoder = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU())
+    return FedModel(encoder, 16, num_classes)
+
+
+@pytest.fixture
+def fedbn_small(monkeypatch):
+    monkeypatch.setattr(METHODS["fedbn"], "make_model", small_bn_model)
+
+
+def test_fedbn_keeps_batchnorm_on_the_clients(tmp_path, monkeypatch, fedbn_small):
+    calls = spy_on_messages(monkeypatch)
+    cfg = tiny(tmp_path, "fedbn", "bn")
+    res = fedlt.run(cfg, quiet=True)
+    bn = set(batchnorm_keys(small_bn_model(None, 10, 3, 16)))
+    assert bn == {f"encoder.{i}.{k}" for i in (1, 6)
+                  for k in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")}
+    fits = [c for c in calls if c["kind"] == "fit"]
+    for call in fits:
+        assert not bn & set(call["msg"].weights)  # the server never sends BatchNorm
+        assert {k.removeprefix(PREFIX + "bn/") for k in call["state"]} == bn
+    by_client = {}
+    for call in fits:
+        by_client.setdefault(call["cid"], []).append(call)
+    for first, second in by_client.values():
+        # round 2 trains from the client's own BatchNorm: its running mean continued from round 1's
+        key = sorted(k for k in first["state"] if k.endswith("running_mean"))[0]
+        assert not torch.equal(first["state"][key], second["state"][key])
+    assert res.summary["final"]["acc"] is not None  # global_bn: the averaged BatchNorm makes a GM
+    strict = fedlt.run({**cfg, "method_args": {"global_bn": False}, "run": {**cfg["run"], "name": "strict"}},
+                       quiet=True)
+    assert strict.summary["final"]["acc"] is None and strict.summary["final"]["pm_acc"] is not None
+    strict_fits = [c for c in calls if c["kind"] == "fit"][len(fits):]
+    assert all(not bn & set(c["reply"].weights) for c in strict_fits)
+
+
+def test_fedbn_personalized_model_uses_its_own_batchnorm(tmp_path, fedbn_small):
+    """The personalized model of a trained client uses its stored BatchNorm, not the server's."""
+    cfg = build_config(tiny(tmp_path, "fedbn", "bn", rounds=1))
+    sim = prepare(cfg)
+    ctx = sim._context(0, 1)
+    sim.client.fit(ctx, sim.server.fit_message(1, 0))
+    stored = {k.removeprefix(PREFIX + "bn/"): v for k, v in sim.client_states[0].items()}
+    ctx = sim._context(0, 1)
+    sim.client.personalize(ctx, sim.server.eval_message(0))
+    state = ctx.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in stored.items())
+
+
+def test_ditto_personal_model_moves_towards_the_global_with_larger_mu(tmp_path):
+    sim = prepare(build_config(tiny(tmp_path, "ditto", rounds=1)))
+    msg = sim.server.fit_message(1, 0)
+    distances = []
+    for mu in (0.0, 1.0, 20.0):
+        client = DittoClient(DittoArgs(mu=mu))
+        ctx = sim._context(0, 1)
+        ctx.state = {}
+        reply = client.fit(ctx, msg)
+        personal = {k.removeprefix(PREFIX + "model/"): v for k, v in ctx.state.items()}
+        distances.append(sum(((personal[k] - msg.weights[k]) ** 2).sum().item()
+                             for k, _ in sim.worker.named_parameters()))
+        if mu == 0.0:
+            # mu = 0: the personal model is plain local training, i.e. the same as the global update
+            assert all(torch.equal(personal[k], reply.weights[k]) for k in reply.weights)
+    assert distances[0] > distances[1] > distances[2] > 0
+
+
+def test_fedbabu_never_changes_the_head(tmp_path):
+    cfg = build_config(tiny(tmp_path, "fedbabu"))
+    sim = prepare(cfg)
+    head = {k: v.clone() for k, v in sim.server.model.head.state_dict().items()}
+    body = sim.server.model.encoder.state_dict()["0.weight"].clone()
+    from fedlt.results import new_run_dir
+
+    res = sim.run(new_run_dir(cfg), quiet=True)
+    assert all(torch.equal(sim.server.model.head.state_dict()[k], v) for k, v in head.items())
+    assert not torch.equal(sim.server.model.encoder.state_dict()["0.weight"], body)
+    up = res.summary["messages"]["fit"]["from_client"]
+    assert up["model_entries"] == len(sim.server.model.encoder.state_dict())
+    assert json.loads((res.run_dir / "summary.json").read_text())["final"]["pm_acc"] is not None
