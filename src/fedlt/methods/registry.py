@@ -6,7 +6,10 @@ from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.fedavgm import FedAvgMArgs, FedAvgMServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
+from fedlt.methods.gbme import GBMEArgs, GBMEClient, GBMEServer, make_gbme_model
+from fedlt.methods.scaffold import ScaffoldClient, ScaffoldServer
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -17,6 +20,13 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedProxClient, FedProxArgs),
         MethodSpec("centralized", "oracle: the same model and loss trained on the pooled data (not federated)",
                    FedAvgServer, FedAvgClient, pooled=True),
+        MethodSpec("gbme", "GBME: gradient-proxy (GPI) prior + multi-expert ensemble; GBME-p with "
+                   "method_args.dp_epsilon (loss.name: bsm, la, ldam)",
+                   GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model),
+        MethodSpec("scaffold", "SCAFFOLD: local steps corrected by client/server control variates",
+                   ScaffoldServer, ScaffoldClient),
+        MethodSpec("fedavgm", "FedAvgM: FedAvg + server momentum (method_args.beta, default 0.9)",
+                   FedAvgMServer, FedAvgClient, FedAvgMArgs),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
           for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
     ]
