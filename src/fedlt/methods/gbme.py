@@ -1,7 +1,7 @@
 """GBME and GBME-p (Zeng et al., "Global Balanced Experts for Federated Long-Tailed Learning", ICCV 2023).
 
 Setup (one extra round-trip, before the first round): every client receives the initial global
-model, runs one optimisation pass with cross-entropy and uploads its local proxy (LPI, Eq. 4) —
+model, makes one pass over its data with cross-entropy and uploads its local proxy (LPI, Eq. 4) —
 one value per class. The server forms the global proxy (GPI, Eq. 5), uses it as the class prior
 of the re-balancing loss (broadcast with every model) and groups the clients by the cosine
 similarity of their LPI to the GPI (Eq. 6). Each round, expert i is trained by alpha*R clients of
@@ -12,27 +12,29 @@ that trained it (the released code never aggregates; this one does).
 
 Choices where the paper is silent (also in the README):
 
-* The LPI pass (``lpi_pass=epoch``, GBME's default) is one local epoch of SGD with CE from the
-  received model under the configured optimiser; the FC-weight gradient is the mean of the
-  per-step batch gradients of that epoch, i.e. the gradient of F_k (the mean loss, Def. 1)
-  accumulated along the pass. The mean (not the sum over steps) leaves the n_k/n weights of
-  Eq. 5 as the only client weighting. The pass's trained weights are discarded: only the LPI is
-  uploaded, and round 1 starts from the initial model.
+* The LPI pass. Definition 1 is the gradient of F_k (the client's mean CE) w.r.t. the FC weights
+  at the received model, accumulated over the client's data: ``lpi_pass=fixed`` (default) is
+  exactly that — one pass over D^k, per-sample gradients at the received model (eval mode, no
+  augmentation) summed and divided by n_k. Algorithm 1 and the released code instead take the
+  weight change of one SGD epoch (the gradient accumulated along a trajectory): that is
+  ``lpi_pass=epoch`` — one local epoch of CE under the configured optimiser, the mean of its
+  per-step FC-weight gradients. Measured here, the trajectory version does not order a client's
+  classes by their counts once the epoch fits them (a class learned early stops contributing,
+  momentum overshoots the head class), while the fixed pass does; it also lets GBME and GBME-p
+  differ by the privacy mechanism alone. Either way only the LPI is uploaded, the pass's
+  weights are discarded, and round 1 starts from the initial model. The mean (not the sum over
+  samples or steps) leaves the n_k/n weights of Eq. 5 as the only client weighting.
 * With several experts, "the FC layer" is every expert's head: the LPI sums over all their
   inputs (the heads' weight matrices side by side); biases are not FC weights w_ij and are left out.
 * GBME-p must bound the sensitivity for Theorem 2 to mean anything. A trajectory of SGD steps has
-  none (one sample changes every later step), so GBME-p uses ``lpi_pass=fixed``: the gradient at
-  the received model, sample by sample (model in eval mode, no augmentation, so no sample affects
-  another's gradient), each per-sample FC-weight gradient clipped to L2 norm ``dp_clip``, summed.
-  Adding or removing one sample moves the sum by at most ``dp_clip`` in L2 (Delta = dp_clip);
-  Gaussian noise N(0, sigma^2) with sigma = sqrt(2 ln(1.25/delta)) * Delta / epsilon is added to
-  every entry, then the sum is divided by n_k (post-processing; n_k is what FedAvg already sends).
-  Theorem 2 is stated for epsilon < 1; the paper's epsilons (5..100) are outside it, and the run
-  records ``dp_theorem_applies = 0`` for them rather than claiming the guarantee.
-* Selection: R is ``clients_per_expert`` (default: the configured clients per round / M, rounded
-  half up, at least 1), so a round costs about as many local trainings as FedAvg's; a round's
-  trainers are the union of the experts' picks (:meth:`Server.select_clients`, the engine's one
-  hook for methods with their own selection rule). "Other clients" are those outside the group.
+  none (one sample changes every later step), so GBME-p requires the fixed pass, whose
+  per-sample gradients do not depend on one another; each per-sample FC-weight gradient is
+  clipped to L2 norm ``dp_clip`` before the sum, so adding or removing one sample moves the sum
+  by at most ``dp_clip`` in L2 (Delta = dp_clip, add/remove adjacency). Gaussian noise
+  N(0, sigma^2), sigma = sqrt(2 ln(1.25/delta)) * Delta / epsilon, is added to every entry of
+  the summed gradient, then it is divided by n_k (post-processing; FedAvg sends n_k anyway).
+  Theorem 2 is stated for epsilon < 1; the paper's epsilons (5..100) are outside it, and the
+  run records ``dp_theorem_applies = 0`` for them rather than claiming the guarantee.
 * Eq. 5 gives 0 to a class whose LPI is non-positive on every client (a rare class: its share of
   each client stays below what the initial model predicts for it). As a balanced-softmax prior,
   0 means log 0: the loss's 1e-8 floor then shifts that class's logit by ~18 and the model
@@ -86,9 +88,9 @@ class GBMEArgs(MethodArgs):
     expert_head: Literal["auto", "cosine", "linear"] = Field(
         "auto", description="experts' heads: auto = cosine for ResNets (code), linear for the CNN")
     head_scale: float = Field(30.0, gt=0, description="scale of the experts' cosine heads (code: 30)")
-    lpi_pass: Literal["auto", "epoch", "fixed"] = Field(
-        "auto", description="LPI gradient: one SGD epoch (epoch) or per-sample at the received model "
-        "(fixed); auto = epoch, fixed under DP")
+    lpi_pass: Literal["fixed", "epoch"] = Field(
+        "fixed", description="LPI gradient: per-sample at the received model, one pass (Def. 1), or the "
+        "mean gradient along one SGD epoch (released code)")
     gpi_floor: float = Field(
         1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
@@ -102,13 +104,8 @@ class GBMEArgs(MethodArgs):
     def _dp_needs_fixed_pass(self) -> "GBMEArgs":
         if self.dp_epsilon is not None and self.lpi_pass == "epoch":
             raise ValueError("GBME-p bounds the sensitivity only for the per-sample pass; use lpi_pass=fixed "
-                             "(or auto) with dp_epsilon")
+                             "with dp_epsilon")
         return self
-
-    def pass_kind(self) -> str:
-        if self.lpi_pass != "auto":
-            return self.lpi_pass
-        return "fixed" if self.dp_epsilon is not None else "epoch"
 
     def needs_lpi(self) -> bool:
         return self.prior == "gpi" or (self.ensemble and self.grouping == "gpi")
@@ -205,7 +202,7 @@ class GBMEClient(Client):
         """Eq. 4 from one pass on the received model (noised under GBME-p)."""
         ctx.model.load_state_dict(msg.weights, strict=False)
         a = self.args
-        if a.pass_kind() == "epoch":
+        if a.lpi_pass == "epoch":
             grad = epoch_fc_gradient(ctx)
         else:
             private = a.dp_epsilon is not None
