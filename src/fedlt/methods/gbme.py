@@ -12,22 +12,23 @@ that trained it (the released code never aggregates; this one does).
 
 Choices where the paper is silent (also in the README):
 
-* The LPI pass. Definition 1 is the gradient of F_k (the client's mean CE) w.r.t. the FC weights
-  at the received model, accumulated over the client's data: ``lpi_pass=fixed`` (default) is
-  exactly that — one pass over D^k, per-sample gradients at the received model (eval mode, no
-  augmentation) summed and divided by n_k. Algorithm 1 and the released code instead take the
-  weight change of one SGD epoch (the gradient accumulated along a trajectory): that is
-  ``lpi_pass=epoch`` — one local epoch of CE under the configured optimiser, the mean of its
-  per-step FC-weight gradients. Measured here, the trajectory version does not order a client's
-  classes by their counts once the epoch fits them (a class learned early stops contributing,
-  momentum overshoots the head class), while the fixed pass does; it also lets GBME and GBME-p
-  differ by the privacy mechanism alone. Either way only the LPI is uploaded, the pass's
-  weights are discarded, and round 1 starts from the initial model. The mean (not the sum over
-  samples or steps) leaves the n_k/n weights of Eq. 5 as the only client weighting.
+* The LPI pass (``lpi_pass``). GBME (``auto`` -> ``epoch``) follows Algorithm 1 and the released
+  code: one local epoch of CE from the received model under the configured optimiser, the FC
+  gradient being the mean of its per-step gradients (the code's weight change of that epoch,
+  without the learning rate and momentum). ``fixed`` is Definition 1 read at a single point: the
+  per-sample gradients at the received model summed over one pass (eval mode, no augmentation).
+  They differ in shape: at the received model the LPI is about n_ik - (what the model predicts
+  for i), so classes below 1/C of every client get 0 in Eq. 5 and the GPI is much sharper than
+  the label distribution at the tail; along the epoch the model learns the local marginal and
+  the GPI comes out flatter than the label distribution — as the paper describes (Sec. 4.2) — but
+  the trajectory no longer orders a client's classes exactly by count (measured). The mean
+  (not the sum over steps or samples) leaves the n_k/n weights of Eq. 5 as the only client
+  weighting. Only the LPI is uploaded; the pass's weights are discarded and round 1 starts from
+  the initial model.
 * With several experts, "the FC layer" is every expert's head: the LPI sums over all their
   inputs (the heads' weight matrices side by side); biases are not FC weights w_ij and are left out.
 * GBME-p must bound the sensitivity for Theorem 2 to mean anything. A trajectory of SGD steps has
-  none (one sample changes every later step), so GBME-p requires the fixed pass, whose
+  none (one sample changes every later step), so GBME-p uses the fixed pass, whose
   per-sample gradients do not depend on one another; each per-sample FC-weight gradient is
   clipped to L2 norm ``dp_clip`` before the sum, so adding or removing one sample moves the sum
   by at most ``dp_clip`` in L2 (Delta = dp_clip, add/remove adjacency). Gaussian noise
@@ -88,9 +89,9 @@ class GBMEArgs(MethodArgs):
     expert_head: Literal["auto", "cosine", "linear"] = Field(
         "auto", description="experts' heads: auto = cosine for ResNets (code), linear for the CNN")
     head_scale: float = Field(30.0, gt=0, description="scale of the experts' cosine heads (code: 30)")
-    lpi_pass: Literal["fixed", "epoch"] = Field(
-        "fixed", description="LPI gradient: per-sample at the received model, one pass (Def. 1), or the "
-        "mean gradient along one SGD epoch (released code)")
+    lpi_pass: Literal["auto", "epoch", "fixed"] = Field(
+        "auto", description="LPI gradient: mean along one SGD epoch (epoch, Alg. 1/code) or per-sample at "
+        "the received model (fixed); auto = epoch, fixed under DP")
     gpi_floor: float = Field(
         1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
@@ -104,8 +105,13 @@ class GBMEArgs(MethodArgs):
     def _dp_needs_fixed_pass(self) -> "GBMEArgs":
         if self.dp_epsilon is not None and self.lpi_pass == "epoch":
             raise ValueError("GBME-p bounds the sensitivity only for the per-sample pass; use lpi_pass=fixed "
-                             "with dp_epsilon")
+                             "(or auto) with dp_epsilon")
         return self
+
+    def pass_kind(self) -> str:
+        if self.lpi_pass != "auto":
+            return self.lpi_pass
+        return "fixed" if self.dp_epsilon is not None else "epoch"
 
     def needs_lpi(self) -> bool:
         return self.prior == "gpi" or (self.ensemble and self.grouping == "gpi")
@@ -202,7 +208,7 @@ class GBMEClient(Client):
         """Eq. 4 from one pass on the received model (noised under GBME-p)."""
         ctx.model.load_state_dict(msg.weights, strict=False)
         a = self.args
-        if a.lpi_pass == "epoch":
+        if a.pass_kind() == "epoch":
             grad = epoch_fc_gradient(ctx)
         else:
             private = a.dp_epsilon is not None
