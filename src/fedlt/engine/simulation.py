@@ -137,7 +137,10 @@ class Simulation:
     def fit_round(self, rnd: int) -> dict[str, Any]:
         """One round: queries, local training of the sampled clients (those the server sends a
         message to), aggregation, more queries, server steps."""
-        sampled = self.schedule[rnd - 1]
+        sampled = self.server.select_clients(rnd, self.schedule[rnd - 1])
+        if len(set(sampled)) != len(sampled) or not set(sampled) <= set(self.all_clients):
+            raise RuntimeError(f"{type(self.server).__name__}.select_clients returned {sampled}: "
+                               f"need distinct ids in 0..{len(self.all_clients) - 1}")
         self._run_queries("before_fit", rnd, sampled)
         self._seed_global(rnd, len(STAGES))
         replies: dict[int, Reply] = {}

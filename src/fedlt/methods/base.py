@@ -5,7 +5,8 @@ A method is a :class:`Server` and a :class:`Client` that talk only through
 Flower) own rounds, sampling, evaluation, checkpoints and progress, and call these hooks:
 
 setup      ``while q := server.next_query("setup", 0, all_clients)``: run q, ``server.receive``
-each round r, sampled clients S:
+each round r, scheduled clients S0:
+           ``S = server.select_clients(r, S0)``        (default S0; GBME selects its own)
            ``server.next_query("before_fit", r, S)`` loop
            ``server.fit_message(r, k)`` -> ``client.fit(ctx_k, msg)`` for k in S
            ``server.aggregate(r, replies)``
@@ -161,6 +162,12 @@ class Server:
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
         """Replies to a query from :meth:`next_query`."""
         raise NotImplementedError(f"{type(self).__name__} asked query '{query.name}' but does not receive it")
+
+    def select_clients(self, rnd: int, scheduled: list[int]) -> list[int]:
+        """The clients that train in round ``rnd``. Default: the engine's seeded schedule, the same
+        for every method; a method with its own selection rule (GBME's per-expert selection)
+        returns its choice, drawn from ``ctx.rng``."""
+        return scheduled
 
     def fit_message(self, rnd: int, cid: int) -> Message | None:
         """What sampled client ``cid`` receives to train; None: it sits this round out."""

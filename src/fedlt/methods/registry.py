@@ -7,6 +7,7 @@ from fedlt.methods.base import MethodArgs, MethodSpec, Server, parse_args
 from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.fedavgm import FedAvgMArgs, FedAvgMServer
 from fedlt.methods.fedbabu import FedBABUArgs, FedBABUClient
 from fedlt.methods.fedbn import FedBNArgs, FedBNClient, FedBNServer
 from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
@@ -18,6 +19,8 @@ from fedlt.methods.fedprox import FedProxArgs, FedProxClient
 from fedlt.methods.fedrep import FedRepArgs, FedRepClient, FedRepServer
 from fedlt.methods.fedrod import FedRoDClient
 from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
+from fedlt.methods.gbme import GBMEArgs, GBMEClient, GBMEServer, make_gbme_model
+from fedlt.methods.scaffold import ScaffoldClient, ScaffoldServer
 from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
 
 METHODS: dict[str, MethodSpec] = {
@@ -47,6 +50,13 @@ METHODS: dict[str, MethodSpec] = {
                    Server, DittoClient, DittoArgs, uses_loss_config=False),
         MethodSpec("fedbn", "FedBN: FedAvg with BatchNorm kept local (method_args.global_bn)",
                    FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False),
+        MethodSpec("gbme", "GBME: gradient-proxy (GPI) prior + multi-expert ensemble; GBME-p with "
+                   "method_args.dp_epsilon (loss.name: bsm, la, ldam)",
+                   GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model),
+        MethodSpec("scaffold", "SCAFFOLD: local steps corrected by client/server control variates",
+                   ScaffoldServer, ScaffoldClient),
+        MethodSpec("fedavgm", "FedAvgM: FedAvg + server momentum (method_args.beta, default 0.9)",
+                   FedAvgMServer, FedAvgClient, FedAvgMArgs),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
           for name, desc in CALIBRATION_DESCRIPTIONS.items() if name != "oracle"),
         MethodSpec("sfd", "SFD: ABBL local training (A-CE + annealed A-SCL on a projector) + SAFS calibration",

@@ -1,0 +1,362 @@
+"""GBME and GBME-p (Zeng et al., "Global Balanced Experts for Federated Long-Tailed Learning", ICCV 2023).
+
+Setup (one extra round-trip, before the first round): every client receives the initial global
+model, makes one pass over its data with cross-entropy and uploads its local proxy (LPI, Eq. 4) —
+one value per class. The server forms the global proxy (GPI, Eq. 5), uses it as the class prior
+of the re-balancing loss (broadcast with every model) and groups the clients by the cosine
+similarity of their LPI to the GPI (Eq. 6). Each round, expert i is trained by alpha*R clients of
+its group and (1-alpha)*R others (:meth:`GBMEServer.select_clients`); a client trains the shared
+backbone and its selected expert(s) with the other experts frozen, on balanced softmax (or LDAM,
+LA) of the mean of the experts' logits (Eq. 7); the server averages every entry over the clients
+that trained it (the released code never aggregates; this one does).
+
+Choices where the paper is silent (also in the README):
+
+* The LPI pass (``lpi_pass``). GBME (``auto`` -> ``epoch``) follows Algorithm 1 and the released
+  code: one local epoch of CE from the received model under the configured optimiser, the FC
+  gradient being the mean of its per-step gradients (the code's weight change of that epoch,
+  without the learning rate and momentum). ``fixed`` is Definition 1 read at a single point: the
+  per-sample gradients at the received model summed over one pass (eval mode, no augmentation).
+  They differ in shape: at the received model the LPI is about n_ik - (what the model predicts
+  for i), so classes below 1/C of every client get 0 in Eq. 5 and the GPI is much sharper than
+  the label distribution at the tail; along the epoch the model learns the local marginal and
+  the GPI comes out flatter than the label distribution — as the paper describes (Sec. 4.2) — but
+  the trajectory no longer orders a client's classes exactly by count (measured). The mean
+  (not the sum over steps or samples) leaves the n_k/n weights of Eq. 5 as the only client
+  weighting. Only the LPI is uploaded; the pass's weights are discarded and round 1 starts from
+  the initial model.
+* With several experts, "the FC layer" is every expert's head: the LPI sums over all their
+  inputs (the heads' weight matrices side by side); biases are not FC weights w_ij and are left out.
+* GBME-p must bound the sensitivity for Theorem 2 to mean anything. A trajectory of SGD steps has
+  none (one sample changes every later step), so GBME-p uses the fixed pass, whose
+  per-sample gradients do not depend on one another; each per-sample FC-weight gradient is
+  clipped to L2 norm ``dp_clip`` before the sum, so adding or removing one sample moves the sum
+  by at most ``dp_clip`` in L2 (Delta = dp_clip, add/remove adjacency). Gaussian noise
+  N(0, sigma^2), sigma = sqrt(2 ln(1.25/delta)) * Delta / epsilon, is added to every entry of
+  the summed gradient, then it is divided by n_k (post-processing; FedAvg sends n_k anyway).
+  Theorem 2 is stated for epsilon < 1; the paper's epsilons (5..100) are outside it, and the
+  run records ``dp_theorem_applies = 0`` for them rather than claiming the guarantee.
+* Eq. 5 gives 0 to a class whose LPI is non-positive on every client (a rare class: its share of
+  each client stays below what the initial model predicts for it). As a balanced-softmax prior,
+  0 means log 0: the loss's 1e-8 floor then shifts that class's logit by ~18 and the model
+  predicts it everywhere. ``gpi_floor`` (default 1) gives such a class the smallest positive
+  GPI value instead; ``gpi_floor=0`` keeps Eq. 5 as is. The GPI itself (grouping, diagnostics)
+  is Eq. 5 unchanged.
+* A frozen expert keeps its BatchNorm in eval mode, so it computes what the server sent.
+* ``ensemble=false`` trains the plain configured model (no experts, no grouping, the engine's
+  sampling): that is FedAvg + the loss with the chosen prior — the "BSM + GPI" rows of Table 9.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from fedlt.errors import ConfigError
+from fedlt.losses import make_loss
+from fedlt.messages import Message, Query, Reply
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, Stage, clone_state
+from fedlt.methods.proxy_prior import (
+    cosine_scores, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
+    select_for_experts,
+)
+from fedlt.models import FedModel, create_model
+from fedlt.models.multi_expert import MultiExpertModel, multi_expert_model
+from fedlt.training import train_local
+
+LPI_QUERY = "gbme_lpi"
+COUNTS_QUERY = "class_counts"
+GBME_LOSSES = ("bsm", "la", "ldam")
+DIAG_KEY = "diag_nonprivate_gpi_pearson"
+
+
+class GBMEArgs(MethodArgs):
+    prior: Literal["gpi", "local", "global"] = Field(
+        "gpi", description="class prior of the loss: GPI; the client's own counts; the global counts "
+        "(global: a NON-PRIVATE oracle, clients upload label histograms)")
+    ensemble: bool = Field(True, description="multi-expert network; false = the plain model (FedAvg + loss + prior)")
+    num_experts: int = Field(3, ge=1, description="M, experts and client groups (paper: 3)")
+    alpha: float = Field(0.6, ge=0, le=1, description="share of an expert's clients drawn from its own group (Fig. 7: ~0.6)")
+    grouping: Literal["gpi", "label", "random"] = Field(
+        "gpi", description="rank clients by cos(LPI, GPI); by cos(local, global label distribution) "
+        "(NON-PRIVATE); or at random")
+    clients_per_expert: int | None = Field(
+        None, ge=1, description="R of the selection rule; default clients per round / M (rounded, >= 1)")
+    expert_width: float = Field(0.75, gt=0, description="experts' width relative to the base model (code: 0.75)")
+    expert_head: Literal["auto", "cosine", "linear"] = Field(
+        "auto", description="experts' heads: auto = cosine for ResNets (code), linear for the CNN")
+    head_scale: float = Field(30.0, gt=0, description="scale of the experts' cosine heads (code: 30)")
+    lpi_pass: Literal["auto", "epoch", "fixed"] = Field(
+        "auto", description="LPI gradient: mean along one SGD epoch (epoch, Alg. 1/code) or per-sample at "
+        "the received model (fixed); auto = epoch, fixed under DP")
+    gpi_floor: float = Field(
+        1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
+        "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
+    dp_epsilon: float | None = Field(None, gt=0, description="GBME-p: privacy budget epsilon; None = GBME (no noise)")
+    dp_delta: float = Field(0.03, gt=0, lt=1, description="GBME-p: failure probability delta (paper: 0.03)")
+    dp_clip: float = Field(1.0, gt=0, description="GBME-p: per-sample L2 clip of the FC gradient = sensitivity Delta")
+    diagnose_gpi: bool = Field(False, description="report Pearson(GPI, true global counts); NON-PRIVATE diagnostic "
+                               "(uploads label histograms)")
+
+    @model_validator(mode="after")
+    def _dp_needs_fixed_pass(self) -> "GBMEArgs":
+        if self.dp_epsilon is not None and self.lpi_pass == "epoch":
+            raise ValueError("GBME-p bounds the sensitivity only for the per-sample pass; use lpi_pass=fixed "
+                             "(or auto) with dp_epsilon")
+        return self
+
+    def pass_kind(self) -> str:
+        if self.lpi_pass != "auto":
+            return self.lpi_pass
+        return "fixed" if self.dp_epsilon is not None else "epoch"
+
+    def needs_lpi(self) -> bool:
+        return self.prior == "gpi" or (self.ensemble and self.grouping == "gpi")
+
+    def needs_counts(self) -> bool:
+        return self.prior == "global" or (self.ensemble and self.grouping == "label") or self.diagnose_gpi
+
+
+def make_gbme_model(cfg, num_classes: int, in_channels: int, image_size: int) -> FedModel:
+    args = GBMEArgs.model_validate(cfg.method_args)
+    if not args.ensemble:
+        return create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
+    return multi_expert_model(cfg.model.name, num_classes, in_channels, args.num_experts, args.expert_width,
+                              args.head_scale, args.expert_head)
+
+
+def fc_weights(model: FedModel) -> list[torch.nn.Parameter]:
+    """The final FC layer's weight matrices (every expert's head; biases excluded)."""
+    return [p for _, p in sorted(model.head.named_parameters()) if p.dim() == 2]
+
+
+# ---- client -------------------------------------------------------------------------------
+def epoch_fc_gradient(ctx: ClientContext) -> torch.Tensor:
+    """One local epoch of CE on ``ctx.model``; the mean over its steps of the FC-weight gradient."""
+    weights = fc_weights(ctx.model)
+    sums = [torch.zeros_like(w) for w in weights]
+    handles = [w.register_hook(lambda g, acc=acc: acc.add_(g.detach())) for w, acc in zip(weights, sums)]
+    try:
+        metrics = train_local(ctx, lambda x, y: F.cross_entropy(ctx.model(x), y), epochs=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(sums, dim=1) / max(metrics["steps"], 1.0)
+
+
+def per_sample_fc_gradients(model: FedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, C, H) per-sample CE gradients of the FC weights at ``model`` (eval mode, features fixed)."""
+    names = [n for n, p in sorted(model.head.named_parameters()) if p.dim() == 2]
+    rest = {n: p.detach() for n, p in model.head.named_parameters() if n not in names}
+    rest.update({n: b for n, b in model.head.named_buffers()})
+
+    def loss(weights: dict[str, torch.Tensor], h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = torch.func.functional_call(model.head, {**rest, **weights}, (h[None],))
+        return F.cross_entropy(logits, target[None])
+
+    with torch.no_grad():
+        features = model.forward_features(x)
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(
+        {n: p.detach() for n, p in model.head.named_parameters() if n in names}, features, y)
+    return torch.cat([grads[n] for n in names], dim=2)
+
+
+def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float) -> torch.Tensor:
+    """Sum over the client's samples of the (clipped) per-sample FC gradient at the received model,
+    plus N(0, sigma^2) noise per entry when sigma > 0, divided by n_k."""
+    model, data = ctx.model, ctx.data
+    model.eval()
+    device = data.indices.device
+    total = torch.zeros(model.num_classes, sum(w.shape[1] for w in fc_weights(model)), device=device)
+    for start in range(0, len(data), 256):
+        x, y = data.batch(torch.arange(start, min(start + 256, len(data)), device=device))
+        g = per_sample_fc_gradients(model, x, y)
+        if clip is not None:
+            norms = g.flatten(1).norm(dim=1).clamp_min(1e-12)
+            g = g * (clip / norms).clamp(max=1.0)[:, None, None]
+        total += g.sum(0)
+    if sigma > 0:
+        noise = torch.randn(total.shape, generator=ctx.generator(purpose=8), device=device)
+        total = total + sigma * noise
+    return total / max(len(data), 1)
+
+
+def prior_loss(ctx: ClientContext, prior: torch.Tensor):
+    """The configured re-balancing loss (bsm, la, ldam) with ``prior`` as its class distribution."""
+    cfg = ctx.loss_config
+    prior = prior.to(ctx.data.labels.device).double()
+    if float(prior.sum()) <= 0:
+        raise RuntimeError("GBME's class prior has no positive entry; every client's proxy was non-positive")
+    return make_loss(cfg.name, prior=(prior / prior.sum()).float(), class_counts=prior, tau=cfg.tau,
+                     ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale)
+
+
+class GBMEClient(Client):
+    args: GBMEArgs
+
+    def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
+        if name == COUNTS_QUERY:
+            return Reply(payload={"class_counts": ctx.data.class_counts().cpu()}, num_samples=len(ctx.data))
+        if name == LPI_QUERY:
+            return Reply(payload={"lpi": self.lpi(ctx, msg).cpu()}, num_samples=len(ctx.data))
+        return super().query(name, ctx, msg)
+
+    def lpi(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
+        """Eq. 4 from one pass on the received model (noised under GBME-p)."""
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        a = self.args
+        if a.pass_kind() == "epoch":
+            grad = epoch_fc_gradient(ctx)
+        else:
+            private = a.dp_epsilon is not None
+            sigma = gaussian_sigma(a.dp_epsilon, a.dp_delta, a.dp_clip) if private else 0.0
+            grad = fixed_fc_gradient(ctx, a.dp_clip if private else None, sigma)
+        return local_proxy(grad.float())
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        model.load_state_dict(msg.weights, strict=False)
+        prior = msg.payload.get("prior")
+        loss = prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
+        experts = msg.payload.get("experts")
+        multi = isinstance(model, MultiExpertModel)
+        if multi:
+            model.set_trainable_experts([int(e) for e in experts])
+        try:
+            params = [p for p in model.parameters() if p.requires_grad]
+            metrics = train_local(ctx, lambda x, y: loss(model(x), y), params=params)
+        finally:
+            if multi:
+                model.set_trainable_experts(None)
+        state = clone_state(model)
+        if multi:  # upload what was trained: the backbone and the selected experts
+            keep = set(model.shared_keys()).union(*(model.expert_keys(int(e)) for e in experts))
+            state = {k: v for k, v in state.items() if k in keep}
+        return Reply(weights=state, num_samples=len(ctx.data), metrics=metrics)
+
+
+# ---- server -------------------------------------------------------------------------------
+class GBMEServer(Server):
+    args: GBMEArgs
+
+    def __init__(self, ctx: ServerContext):
+        super().__init__(ctx)
+        a, cfg = self.args, ctx.config
+        if cfg.loss.name not in GBME_LOSSES:
+            raise ConfigError(f"method gbme trains with a prior-based loss; use loss.name=<one of "
+                              f"{', '.join(GBME_LOSSES)}> (got {cfg.loss.name})")
+        if cfg.loss.prior != "local":
+            raise ConfigError("method gbme takes its prior from method_args.prior (gpi, local, global); "
+                              "remove loss.prior")
+        if a.ensemble and a.num_experts > ctx.num_clients:
+            raise ConfigError(f"method_args.num_experts={a.num_experts} needs at least as many clients "
+                              f"(data.num_clients={ctx.num_clients}); lower num_experts")
+        self.lpis: dict[int, torch.Tensor] | None = None
+        self.client_counts: dict[int, torch.Tensor] | None = None
+        self.num_samples: dict[int, int] = {}
+        self.gpi: torch.Tensor | None = None
+        self.groups: list[list[int]] | None = None
+        self.selection: dict[int, list[int]] = {}
+        self._round_metrics: dict[str, float] = {}
+
+    # -- setup ---------------------------------------------------------------------------
+    def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
+        if stage != "setup":
+            return None
+        a = self.args
+        if a.needs_counts() and self.client_counts is None:
+            return Query(COUNTS_QUERY, {cid: Message() for cid in clients})
+        if a.needs_lpi() and self.lpis is None:
+            weights = clone_state(self.model)
+            return Query(LPI_QUERY, {cid: Message(weights=weights) for cid in clients})
+        if a.ensemble and self.groups is None:
+            self.groups = self._group(clients)
+        return None
+
+    def receive(self, query: Query, replies: dict[int, Reply]) -> None:
+        key = {COUNTS_QUERY: "class_counts", LPI_QUERY: "lpi"}.get(query.name)
+        if key is None:
+            super().receive(query, replies)
+        values = {cid: r.payload[key].double() for cid, r in replies.items()}
+        self.num_samples.update({cid: r.num_samples for cid, r in replies.items()})
+        if query.name == COUNTS_QUERY:
+            self.client_counts = values
+        else:
+            self.lpis = values
+            self.gpi = global_proxy(values, self.num_samples)
+
+    def _group(self, clients: list[int]) -> list[list[int]]:
+        a = self.args
+        if a.grouping == "random":
+            return random_groups(clients, a.num_experts, self.ctx.rng(0, purpose=1))
+        if a.grouping == "label":
+            dists = {k: c / c.sum().clamp_min(1) for k, c in self.client_counts.items()}
+            return rank_groups(cosine_scores(dists, self.global_counts()), a.num_experts)
+        return rank_groups(cosine_scores(self.lpis, self.gpi), a.num_experts)
+
+    def gpi_prior(self) -> torch.Tensor:
+        """The GPI as a class prior: zero entries raised to ``gpi_floor`` x the smallest positive one."""
+        positive = self.gpi[self.gpi > 0]
+        if positive.numel() == 0 or self.args.gpi_floor == 0:
+            return self.gpi
+        return self.gpi.clamp_min(self.args.gpi_floor * float(positive.min()))
+
+    def global_counts(self) -> torch.Tensor:
+        return sum(self.client_counts[k] for k in sorted(self.client_counts))
+
+    # -- rounds --------------------------------------------------------------------------
+    def per_expert(self) -> int:
+        a = self.args
+        if a.clients_per_expert is not None:
+            return a.clients_per_expert
+        return max(1, int(self.ctx.config.clients_per_round() / a.num_experts + 0.5))
+
+    def select_clients(self, rnd: int, scheduled: list[int]) -> list[int]:
+        if not self.args.ensemble:
+            self.selection = {}
+            return scheduled
+        self.selection = select_for_experts(self.groups, self.args.alpha, self.per_expert(),
+                                            self.ctx.rng(rnd, purpose=2))
+        return sorted(self.selection)
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        payload: dict = {}
+        if self.args.prior == "gpi":
+            payload["prior"] = self.gpi_prior().float()
+        elif self.args.prior == "global":
+            payload["prior"] = self.global_counts().float()
+        if self.args.ensemble:
+            payload["experts"] = torch.tensor(self.selection[cid], dtype=torch.int64)
+        return Message(weights=clone_state(self.model), payload=payload)
+
+    def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
+        super().aggregate(rnd, replies)  # per entry, over the replies that carry it: its trainers
+        m: dict[str, float] = {"trainers": float(len(replies))}
+        for e in range(self.args.num_experts if self.args.ensemble else 0):
+            m[f"expert{e}_trainers"] = float(sum(e in ex for ex in self.selection.values()))
+        self._round_metrics = m
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self._round_metrics)
+        a = self.args
+        if a.dp_epsilon is not None:
+            out.update({
+                "dp_epsilon": a.dp_epsilon, "dp_delta": a.dp_delta, "dp_sensitivity": a.dp_clip,
+                "dp_sigma": gaussian_sigma(a.dp_epsilon, a.dp_delta, a.dp_clip),
+                "dp_theorem_applies": float(a.dp_epsilon < 1),
+            })
+        if a.diagnose_gpi and self.gpi is not None:
+            out[DIAG_KEY] = pearson(self.gpi, self.global_counts())
+        return out
+
+    def state_dict(self):
+        return {**super().state_dict(), "lpis": self.lpis, "client_counts": self.client_counts,
+                "num_samples": self.num_samples, "gpi": self.gpi, "groups": self.groups}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        for key in ("lpis", "client_counts", "num_samples", "gpi", "groups"):
+            setattr(self, key, state[key])

@@ -1,0 +1,79 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020): local steps corrected by control variates.
+
+Each client keeps its control variate c_i in ``ctx.state`` (one flat vector over the model's
+parameters, zero at first); the server keeps c. Local SGD follows ``g(y) - c_i + c``, added to the
+loss as the linear term ``<y, c - c_i>`` so any local loss works. After K local steps at learning
+rate lr the client sets ``c_i+ = c_i - c + (x - y) / (K lr)`` (the paper's option II).
+
+Messages: down, the model and c (one vector the size of the parameters); up, the model (averaged
+by samples, as in FedAvg: with zero variates SCAFFOLD is FedAvg) and ``delta_c = c_i+ - c_i``.
+The server sets ``c <- c + (1/N) * sum_S delta_c`` (N = all clients; global step size 1).
+
+Choices: variates cover parameters only (BatchNorm running statistics are averaged as in
+FedAvg); with momentum or weight decay in the local optimiser, option II's (x - y)/(K lr) is the
+usual approximation the reference implementations also use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import ClientContext, clone_state
+from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+
+STATE_KEY = "scaffold_c"
+
+
+def param_vector(model: torch.nn.Module) -> torch.Tensor:
+    """All parameters as one flat vector (reshape: channels-last weights are not viewable)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class ScaffoldServer(FedAvgServer):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.c = torch.zeros_like(param_vector(self.model))
+
+    def fit_message(self, rnd: int, cid: int) -> Message:
+        msg = super().fit_message(rnd, cid)
+        msg.payload["c_global"] = self.c.clone()
+        return msg
+
+    def aggregate(self, rnd, replies):
+        super().aggregate(rnd, replies)
+        deltas = [r.payload["delta_c"].to(self.c) for _, r in sorted(replies.items()) if r.num_samples > 0]
+        if deltas:
+            self.c += torch.stack(deltas).sum(0) / self.ctx.num_clients
+
+    def state_dict(self):
+        return {**super().state_dict(), "c": self.c.clone()}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.c = state["c"]
+
+
+class ScaffoldClient(FedAvgClient):
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        x = param_vector(ctx.model)
+        c = msg.payload["c_global"].to(x)
+        c_i = ctx.state.get(STATE_KEY, torch.zeros_like(x)).to(x)
+        correction = c - c_i
+        params = list(ctx.model.parameters())
+        sizes = [p.numel() for p in params]
+        self._corrections = [(p, d.view(p.shape)) for p, d in zip(params, correction.split(sizes))]
+        reply = super().fit(ctx, msg)
+        steps = reply.metrics.get("steps", 0.0)
+        if steps > 0:
+            y = param_vector(ctx.model)
+            c_new = c_i - c + (x - y) / (steps * ctx.train.lr)
+            ctx.state[STATE_KEY] = c_new.cpu()
+            reply.payload["delta_c"] = (c_new - c_i).cpu()
+        else:
+            reply.payload["delta_c"] = torch.zeros_like(x).cpu()
+        return reply
+
+    def regularizer(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
+        return sum((p * d).sum() for p, d in self._corrections)

@@ -1,0 +1,215 @@
+"""GBME / GBME-p (proxy prior, grouping, selection, experts, privacy), SCAFFOLD and FedAvgM."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fedlt
+from fedlt.config import build_config
+from fedlt.data.sources.synthetic import make_synthetic
+from fedlt.errors import ConfigError
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import ClientContext, ClientData, TrainSettings, clone_state
+from fedlt.methods.gbme import (
+    DIAG_KEY, LPI_QUERY, GBMEArgs, GBMEClient, fixed_fc_gradient, per_sample_fc_gradients,
+)
+from fedlt.methods.proxy_prior import (
+    gaussian_sigma, global_proxy, random_groups, rank_groups, select_for_experts, split_quota,
+)
+from fedlt.models import create_model
+from fedlt.models.multi_expert import multi_expert_model
+
+COUNTS = [160, 80, 40, 20, 10, 0, 0, 0, 0, 0]
+
+
+def tiny(tmp_path, **top) -> dict:
+    cfg = {
+        "seed": 2,
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 6},
+        "fl": {"rounds": 2, "participation": 0.5, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "eval": {"every": 1, "personalized": False},
+        "run": {"out_dir": str(tmp_path), "checkpoint_every": 0, "threads": 1},
+    }
+    cfg.update(top)
+    return cfg
+
+
+def client_ctx(model, counts=COUNTS, lr=0.05, seed=0) -> ClientContext:
+    """A client holding exactly ``counts`` synthetic samples per class."""
+    train = make_synthetic().train
+    labels = train.labels
+    rows = torch.cat([torch.nonzero(labels == c).flatten()[:n] for c, n in enumerate(counts)])
+    data = ClientData(train.images, labels, rows, 10, train.standardize)
+    return ClientContext(cid=0, round=0, model=model, data=data, state={},
+                         train=TrainSettings(1, 16, lr, 0.9, 5e-4, None), device=torch.device("cpu"), seed=seed)
+
+
+# ---- proxy information ----------------------------------------------------------------------
+def test_lpi_orders_classes_like_their_counts():
+    torch.manual_seed(0)
+    model = create_model("cnn", 10, in_channels=3, image_size=16)
+    state = clone_state(model)
+    lpi = GBMEClient(GBMEArgs(ensemble=False, lpi_pass="fixed")).lpi(client_ctx(model), Message(weights=state))
+    held = [c for c, n in enumerate(COUNTS) if n > 0]
+    assert lpi.shape == (10,)
+    # held classes ordered exactly like their counts, and above every absent class
+    assert torch.argsort(lpi[held], descending=True).tolist() == list(range(len(held)))
+    assert float(lpi[held].min()) > float(lpi[5:].max())
+    # the default pass (mean gradient along one SGD epoch, as the released code) equals the
+    # single-point one when the epoch barely moves the model
+    epoch = GBMEClient(GBMEArgs(ensemble=False)).lpi(client_ctx(model, lr=1e-4),
+                                                                        Message(weights=state))
+    assert float(np.corrcoef(epoch.numpy(), lpi.numpy())[0, 1]) > 0.95
+
+
+def test_gpi_is_the_weighted_sum_of_positive_lpi_entries():
+    lpis = {0: torch.tensor([3.0, -1.0, 0.5]), 1: torch.tensor([-2.0, 4.0, 1.0]), 5: torch.tensor([1.0, 1.0, -7.0])}
+    n = {0: 10, 1: 30, 5: 60}
+    expected = torch.tensor([0.1 * 3 + 0.6 * 1, 0.3 * 4 + 0.6 * 1, 0.1 * 0.5 + 0.3 * 1], dtype=torch.float64)
+    assert torch.allclose(global_proxy(lpis, n), expected)
+
+
+def test_grouping_covers_every_client_once_in_rank_order():
+    scores = {c: s for c, s in enumerate([0.1, 0.9, 0.5, 0.7, 0.2, 0.95, 0.3])}
+    groups = rank_groups(scores, 3)
+    assert groups == [[5, 1, 3], [2, 6], [4, 0]]  # highest similarity first, near-equal sizes
+    rnd = random_groups(list(range(20)), 3, np.random.default_rng(0))
+    for gs in (groups, rnd):
+        flat = [c for g in gs for c in g]
+        assert all(gs) and len(gs) == 3 and sorted(flat) == sorted(set(flat))
+    assert sorted(c for g in rnd for c in g) == list(range(20))
+    with pytest.raises(ValueError, match="non-empty"):
+        rank_groups(scores, 8)
+
+
+def test_selection_counts_per_expert_and_alpha_extremes():
+    groups = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19]]
+    rng = np.random.default_rng(1)
+    for alpha, per_expert in [(0.6, 5), (0.5, 4), (1.0, 3), (0.0, 3)]:
+        inside, outside = split_quota(alpha, per_expert)
+        picks = select_for_experts(groups, alpha, per_expert, rng)
+        for e, group in enumerate(groups):
+            trainers = [c for c, ex in picks.items() if e in ex]
+            assert len(trainers) == per_expert
+            assert sum(c in group for c in trainers) == inside and sum(c not in group for c in trainers) == outside
+    assert split_quota(0.6, 5) == (3, 2) and split_quota(0.5, 3) == (2, 1)
+    # alpha = 1: every expert trained by its own group only, each client at most once
+    picks = select_for_experts(groups, 1.0, 4, rng)
+    assert all(len(ex) == 1 and c in groups[ex[0]] for c, ex in picks.items()) and len(picks) == 12
+    # alpha = 0: each selected client updates an expert of another group
+    picks = select_for_experts(groups, 0.0, 4, rng)
+    assert all(c not in groups[e] for c, ex in picks.items() for e in ex)
+    # one group (M = 1): the quota comes from it whatever alpha says
+    assert len(select_for_experts([list(range(6))], 0.3, 4, rng)) == 4
+
+
+# ---- multi-expert training ----------------------------------------------------------------
+def test_frozen_experts_are_unchanged_and_not_uploaded():
+    torch.manual_seed(0)
+    model = multi_expert_model("resnet8", 10, 3, num_experts=3, width=0.25)
+    sent = clone_state(model)
+    ctx = client_ctx(model, counts=[12, 8, 4, 0, 0, 0, 0, 0, 0, 0])
+    ctx.loss_config = fedlt.load_config(None, ["loss.name=bsm"]).loss
+    reply = GBMEClient(GBMEArgs()).fit(ctx, Message(weights=sent, payload={"experts": torch.tensor([1])}))
+    after = model.state_dict()
+    for e in (0, 2):  # parameters and BatchNorm statistics alike
+        assert all(torch.equal(after[k], sent[k]) for k in model.expert_keys(e))
+    changed = lambda keys: any(not torch.equal(after[k], sent[k]) for k in keys if after[k].is_floating_point())
+    assert changed(model.expert_keys(1)) and changed(model.shared_keys())
+    assert set(reply.weights) == set(model.shared_keys()) | set(model.expert_keys(1))
+    assert all(p.requires_grad for p in model.parameters()) and not model._frozen  # reset for the next client
+
+
+def test_aggregation_per_entry_over_the_clients_that_trained_it(tmp_path):
+    from fedlt.api import prepare
+
+    sim = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"})))
+    model = sim.server.model
+    before = clone_state(model)
+    shared, e0, e1 = model.shared_keys()[0], model.expert_keys(0)[0], model.expert_keys(1)[0]
+    ones = lambda k, v: torch.full_like(before[k], v)
+    replies = {
+        0: Reply(weights={shared: ones(shared, 1.0), e0: ones(e0, 1.0)}, num_samples=10),
+        1: Reply(weights={shared: ones(shared, 4.0), e0: ones(e0, 4.0), e1: ones(e1, 2.0)}, num_samples=30),
+    }
+    sim.server.aggregate(1, replies)
+    now = model.state_dict()
+    assert torch.allclose(now[shared], ones(shared, 3.25)) and torch.allclose(now[e0], ones(e0, 3.25))
+    assert torch.allclose(now[e1], ones(e1, 2.0))  # only client 1 trained expert 1
+    assert torch.equal(now[model.expert_keys(2)[0]], before[model.expert_keys(2)[0]])  # nobody trained expert 2
+
+
+# ---- GBME-p -------------------------------------------------------------------------------
+def test_gbme_p_noise_scale_and_clipping_match_theorem_2():
+    assert gaussian_sigma(10, 0.03, 1.0) == pytest.approx(math.sqrt(2 * math.log(1.25 / 0.03)) / 10)
+    assert gaussian_sigma(5, 1e-5, 2.0) == pytest.approx(2 * math.sqrt(2 * math.log(1.25e5)) / 5)
+    torch.manual_seed(0)
+    model = multi_expert_model("cnn", 10, 3, num_experts=3)
+    ctx = client_ctx(model)
+    n = len(ctx.data)
+    clean = fixed_fc_gradient(ctx, clip=0.5, sigma=0.0)
+    sigma = gaussian_sigma(5.0, 0.03, 0.5)
+    noisy = fixed_fc_gradient(ctx, clip=0.5, sigma=sigma)
+    assert clean.shape == (10, 3 * 96)
+    assert float((noisy - clean).std()) * n == pytest.approx(sigma, rel=0.05)  # entry noise sigma, then / n_k
+    x, y = ctx.data.batch(torch.arange(n))
+    raw = per_sample_fc_gradients(model, x, y).flatten(1).norm(dim=1)
+    assert float(raw.min()) > 0.5  # clipping is active, so the bound below is the clip's doing
+    assert float(clean.norm()) * n <= 0.5 * n + 1e-4
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="loss.name"):
+        fedlt.run(tiny("/nonexistent", method="gbme"), quiet=True)
+    with pytest.raises(ConfigError, match="lpi_pass"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
+                       method_args={"dp_epsilon": 5, "lpi_pass": "epoch"}), quiet=True)
+
+
+# ---- end to end and baselines -------------------------------------------------------------
+def test_gbme_and_gbme_p_end_to_end(tmp_path):
+    res = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"diagnose_gpi": True}), quiet=True)
+    last = res.metrics[-1]
+    assert math.isfinite(last["loss"]) and -1 <= last[DIAG_KEY] <= 1
+    per_expert = round(3 / 3)  # 50% of 6 clients, 3 experts
+    assert all(last[f"expert{e}_trainers"] == per_expert for e in range(3))
+    msgs = res.summary["messages"]
+    assert msgs[f"query:{LPI_QUERY}"]["from_client"]["payload"]["lpi"]["shape"] == [10]
+    assert msgs["fit"]["to_client"]["payload"]["prior"]["shape"] == [10]
+    full = msgs["fit"]["to_client"]["model_bytes"]
+    assert msgs["fit"]["from_client"]["model_bytes"] < full  # backbone + trained expert(s) only
+
+    dp = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                        method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True).metrics[-1]
+    assert dp["dp_sigma"] == pytest.approx(gaussian_sigma(10, 0.03, 1.0)) and dp["dp_theorem_applies"] == 0.0
+    assert dp["dp_epsilon"] == 10 and dp["dp_delta"] == 0.03 and math.isfinite(dp["loss"])
+
+
+def test_gbme_without_ensemble_is_fedavg_with_that_prior(tmp_path):
+    fedavg = fedlt.run(tiny(tmp_path, loss={"name": "bsm", "prior": "global"}), quiet=True)
+    gbme = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                          method_args={"ensemble": False, "prior": "global"}), quiet=True)
+    assert [m["loss"] for m in gbme.metrics] == pytest.approx([m["loss"] for m in fedavg.metrics], rel=1e-6)
+
+
+def test_scaffold_with_zero_variates_is_fedavg_then_differs(tmp_path):
+    fedavg = fedlt.run(tiny(tmp_path), quiet=True).metrics
+    scaffold = fedlt.run(tiny(tmp_path, method="scaffold"), quiet=True)
+    assert scaffold.metrics[0]["loss"] == pytest.approx(fedavg[0]["loss"], rel=1e-5)  # round 1: c = c_i = 0
+    assert scaffold.metrics[1]["loss"] != pytest.approx(fedavg[1]["loss"], rel=1e-5)  # round 2: variates act
+    up = scaffold.summary["messages"]["fit"]
+    n_params = sum(p.numel() for p in create_model("cnn", 10, 3, 16).parameters())
+    assert up["to_client"]["payload"]["c_global"]["shape"] == [n_params]
+    assert up["from_client"]["payload"]["delta_c"]["shape"] == [n_params]
+
+
+def test_fedavgm_with_zero_momentum_is_fedavg(tmp_path):
+    fedavg = fedlt.run(tiny(tmp_path), quiet=True).metrics
+    zero = fedlt.run(tiny(tmp_path, method="fedavgm", method_args={"beta": 0.0}), quiet=True).metrics
+    momentum = fedlt.run(tiny(tmp_path, method="fedavgm"), quiet=True).metrics
+    assert [m["loss"] for m in zero] == pytest.approx([m["loss"] for m in fedavg], rel=1e-5)
+    assert momentum[1]["loss"] != pytest.approx(fedavg[1]["loss"], rel=1e-5)
