@@ -2,7 +2,7 @@
 
 Three kinds of folder are understood: a suite output (``suite.yaml`` written by ``fedlt bench``),
 a single run directory (``summary.json``), or a folder of run directories (e.g. the main job's
-``runs/main/<time>/``). Each becomes a :class:`Collection`; tables and plots read only that.
+``runs/fmnist_lt/``). Each becomes a :class:`Collection`; tables and plots read only that.
 """
 
 from __future__ import annotations
