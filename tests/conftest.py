@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 TINY_SUITE = {
@@ -37,3 +38,32 @@ def tiny_suite(tmp_path_factory):
     out = root / "out"
     result = run_suite(load_suite(path), out, echo=lambda line: None)
     return path, out, result
+
+
+def run_capturing_stats(sim, run_dir: Path):
+    """Run ``sim`` (a calibrated method) and return (result, the server's merged statistics)."""
+    captured = {}
+    server = sim.server
+    original = server.receive
+
+    def spy(query, replies):
+        original(query, replies)
+        captured.update(server._stats)
+
+    server.receive = spy
+    run_dir.mkdir()
+    return sim.run(run_dir, quiet=True), captured
+
+
+def pooled_client_features(sim, num_clients: int, rnd: int):
+    """Every client's features under the final backbone, concatenated (what the sums must equal)."""
+    from fedlt.methods.calibrated import client_features
+
+    feats, labels = [], []
+    for cid in range(num_clients):
+        ctx = sim._context(cid, rnd)
+        ctx.model.load_state_dict(sim.server.inner.model.state_dict())
+        f, y = client_features(ctx.model, ctx)
+        feats.append(f)
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)

@@ -7,6 +7,7 @@ import torch
 
 import fedlt
 from fedlt.calibration.stats import class_feature_sums, class_moments
+from conftest import pooled_client_features, run_capturing_stats
 from fedlt.errors import ConfigError
 from fedlt.methods.calibrated import STATS_QUERY
 from fedlt.results import TIMING_KEYS
@@ -59,32 +60,15 @@ def test_post_hoc_statistics_equal_pooled_features(tmp_path):
     """The merged client sums equal the statistics of the pooled training features."""
     from fedlt.api import prepare
     from fedlt.config import build_config
-    from fedlt.methods.calibrated import client_features
 
     sim = prepare(build_config(tiny(tmp_path, method="fedavg", calibration=["ccvr"])))
-    captured = {}
-    server = sim.server
-    original = server.receive
-
-    def spy(query, replies):
-        original(query, replies)
-        captured.update(server._stats)
-
-    server.receive = spy
-    (tmp_path / "run").mkdir()
-    sim.run(tmp_path / "run", quiet=True)
-    feats, labels = [], []
-    for cid in range(6):
-        ctx = sim._context(cid, 4)
-        ctx.model.load_state_dict(server.inner.model.state_dict())
-        f, y = client_features(ctx.model, ctx)
-        feats.append(f)
-        labels.append(y)
-    pooled = class_feature_sums(torch.cat(feats), torch.cat(labels), 10)
+    _, captured = run_capturing_stats(sim, tmp_path / "run")
+    z, y = pooled_client_features(sim, 6, 4)
+    pooled = class_feature_sums(z, y, 10)
     for key in ("count", "sum", "sum_outer"):
         assert torch.allclose(captured["class_sums"][key], pooled[key], rtol=1e-9, atol=1e-6)
     mean, cov, _ = class_moments(captured["class_sums"])
-    z, y = torch.cat(feats).double(), torch.cat(labels)
+    z = z.double()
     assert torch.allclose(cov[0], torch.cov(z[y == 0].T), atol=1e-6)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fedlt
+from conftest import pooled_client_features, run_capturing_stats
 from fedlt.abbl import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.calibration.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.safs import (
@@ -196,21 +197,11 @@ def test_sfd_end_to_end_uploads_sums_only_and_reports_safs_and_uncalibrated(tmp_
     statistics (moments and mean random features) of the pooled features."""
     from fedlt.api import prepare
     from fedlt.config import build_config
-    from fedlt.methods.calibrated import client_features
 
     sim = prepare(build_config(tiny(tmp_path)))
     server = sim.server
     assert {k.split(".")[0] for k in server.model.state_dict()} == {"encoder", "head"}
-    captured = {}
-    original = server.receive
-
-    def spy(query, replies):
-        original(query, replies)
-        captured.update(server._stats)
-
-    server.receive = spy
-    (tmp_path / "run").mkdir()
-    result = sim.run(tmp_path / "run", quiet=True)
+    result, captured = run_capturing_stats(sim, tmp_path / "run")
     final = result.summary["final"]
     assert result.summary["calibration"] == ["safs"]
     assert final["variants"].keys() == {"uncalibrated"}
@@ -222,14 +213,7 @@ def test_sfd_end_to_end_uploads_sums_only_and_reports_safs_and_uncalibrated(tmp_
     assert {"rff_seed", "rff_dim", "rff_gamma"} <= set(stats["to_client"]["payload"])
     assert result.summary["messages"]["fit"]["to_client"]["payload"]["sfd/scl_weight"]["value"] == 0.1
 
-    feats, labels = [], []
-    for cid in range(6):
-        ctx = sim._context(cid, 2)
-        ctx.model.load_state_dict(server.inner.model.state_dict())
-        f, y = client_features(ctx.model, ctx)
-        feats.append(f)
-        labels.append(y)
-    z, y = torch.cat(feats), torch.cat(labels)
+    z, y = pooled_client_features(sim, 6, 2)
     for key, value in class_feature_sums(z, y, 10).items():
         assert torch.allclose(captured["class_sums"][key], value, rtol=1e-9, atol=1e-6)
     w = rff_frequencies(128, 200, 0.01, server.calibrators[0].rff_seed).float()
