@@ -98,6 +98,7 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
 class FlowerSimulation(Simulation):
     """The in-process round loop whose clients answer over a Flower ``Grid``."""
 
+    engine = "flower"
     reports_dropouts = True
 
     def __init__(self, cfg: Config, spec, data, device: torch.device, grid: Grid):

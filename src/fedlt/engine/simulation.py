@@ -47,7 +47,9 @@ class RunResult:
 class Simulation:
     """Runs one experiment of ``spec`` on ``data`` under ``cfg`` and writes it to ``run_dir``."""
 
-    #: whether clients can fail to answer (then metrics lines and the summary list who did not)
+    #: the engine's name, and whether its clients can fail to answer (then metrics lines and the
+    #: summary list who did not)
+    engine = "inprocess"
     reports_dropouts = False
 
     def __init__(self, cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device):
@@ -273,6 +275,6 @@ class Simulation:
             "device": str(self.device),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
-            **({"engine": self.cfg.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
+            **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
         })
         return RunResult(run_dir, summary, rows)
