@@ -118,3 +118,62 @@ def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
         fedlt.run(tiny(tmp_path, "centralized", "c", engine="flower"), quiet=True)
     with pytest.raises(ConfigError, match=r"invalid config value flower.min_reply_fraction: must be in \(0, 1\]"):
         build_config({"flower": {"min_reply_fraction": 0}})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="process bookkeeping reads /proc")
+def test_deployment_over_tls_survives_a_supernode_killed_mid_run(tmp_path):
+    """A real SuperLink and 3 SuperNodes on 127.0.0.1 with TLS run 2 rounds of FedAvg on 3 clients
+    (one per node). Round 1 equals the in-process run; SuperNode 2 is killed once round 1 is
+    written, round 2 goes on with the other two and records client 2 as dropped; afterwards no
+    process the test started is alive."""
+    import shutil
+    import threading
+
+    from fedlt.deploy import local_federation
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl for the TLS certificates")
+    cfg = tiny(tmp_path, "fedavg", "deployed", data={"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5,
+                                                     "num_clients": 3},
+               fl={"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+               flower={"timeout_s": 150, "min_reply_fraction": 0.5})
+    config = tmp_path / "deployed.yaml"
+    config.write_text(json.dumps(cfg))  # JSON is YAML
+    local = fedlt.run(tiny(tmp_path, "fedavg", "local", data=cfg["data"], fl=cfg["fl"]), quiet=True)
+
+    started: list[int] = []
+    done: dict = {}
+    metrics = tmp_path / "deployed" / "metrics.jsonl"
+    with local_federation(tmp_path / "federation", nodes=3, tls=True) as fed:
+        started += [fed.superlink.pid, *(n.pid for n in fed.nodes)]
+        runner = threading.Thread(target=lambda: done.update(result=fed.run(config, [], timeout=480)), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().strip()) and runner.is_alive():
+            assert time.monotonic() < deadline, "round 1 did not finish in 300 s"
+            time.sleep(0.5)
+        fed.kill_node(2)
+        assert not _alive(started[-1])
+        runner.join(500)
+        assert not runner.is_alive()
+        assert (tmp_path / "federation" / "certs" / "server.pem").is_file()
+    assert not any(_alive(pid) for pid in started)
+    logs = done["result"].stdout + done["result"].stderr
+    summary_file = tmp_path / "deployed" / "summary.json"
+    assert summary_file.is_file(), logs[-3000:]
+    summary = json.loads(summary_file.read_text())
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert rows[0]["dropped"] == [] and rows[0]["acc"] == local.metrics[0]["acc"]
+    assert rows[0]["train_loss"] == local.metrics[0]["train_loss"]
+    assert rows[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [2]}]
+    assert summary["dropped"] == rows[1]["dropped"] and summary["engine"] == "flower"
+    assert summary["final"]["round"] == 2 and summary["final"]["acc"] is not None
+    assert (tmp_path / "deployed" / "partition.json").read_text() == (local.run_dir / "partition.json").read_text()

@@ -197,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.nodes < 1:
             raise ConfigError("--nodes must be at least 1")
+        from fedlt.config import load_config
+
+        out_dir = Path(load_config(a.config, a.overrides).run.out_dir)  # also checks the config first
+        overrides = [*a.overrides, f"run.out_dir={out_dir.resolve()}"]  # the ServerApp runs elsewhere
         with local_federation(a.workdir.resolve(), a.nodes, a.tls) as fed:
-            done = fed.run(Path(a.config), a.overrides, a.timeout)
+            done = fed.run(Path(a.config), overrides, a.timeout)
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
         return done.returncode
     except FedltError as err:
