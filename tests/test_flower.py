@@ -111,6 +111,83 @@ def test_flower_simulation_equals_in_process_for_methods_with_phases_and_state(t
     assert flower["fedper"].summary["final"]["pm_acc"] > 0
 
 
+class LoopbackGrid:
+    """A Flower Grid in this process: each node is a Context handed to the real ClientApp
+    handler; nodes in ``dead`` stay registered but never answer (as after a crash, until the
+    SuperLink's heartbeat gives up)."""
+
+    def __init__(self, nodes: int, die_after_fits: int | None = None):
+        from flwr.app import Context, RecordDict
+
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
+                                          node_config={"partition-id": i, "num-partitions": nodes})
+                         for i in range(nodes)}
+        self.dead: set[int] = set()
+        self.fits, self.die_after_fits = 0, die_after_fits
+        self.timeouts: list[float] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout):
+        from fedlt.engine.flower_app import handle
+
+        self.timeouts.append(timeout)
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == "train":
+            self.fits += 1
+            if self.fits == self.die_after_fits:
+                self.dead.add(max(self.contexts))
+        return [handle(m, self.contexts[m.metadata.dst_node_id]) for m in messages
+                if m.metadata.dst_node_id not in self.dead]
+
+
+@pytest.fixture
+def server_identity(monkeypatch):
+    """What Flower sets in a ServerApp process before messages can be created."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_task_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+
+def flower_run(cfg: dict, grid: LoopbackGrid):
+    from fedlt.engine.flower_app import run_on_grid
+
+    return run_on_grid(build_config(cfg), grid, quiet=True)
+
+
+def test_two_supernodes_host_four_clients_with_their_state_and_match_in_process(tmp_path, server_identity):
+    """K > N: clients k live on node k % 2; FedPer's personal heads persist in the nodes'
+    context.state between rounds, so personalized accuracy equals the in-process run's."""
+    cfg = tiny(tmp_path, "fedper", "grid", data={"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5,
+                                                  "num_clients": 4},
+               fl={"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05})
+    grid = LoopbackGrid(nodes=2)
+    remote = flower_run(cfg, grid)
+    local = fedlt.run({**cfg, "run": {**cfg["run"], "name": "local"}}, quiet=True)
+    assert [m["pm_acc"] for m in remote.metrics] == [m["pm_acc"] for m in local.metrics]
+    assert [m["train_loss"] for m in remote.metrics] == [m["train_loss"] for m in local.metrics]
+    states = {node: sorted(k for k in ctx.state if k.endswith("tree")) for node, ctx in grid.contexts.items()}
+    assert states == {100: ["client0.tree", "client2.tree"], 101: ["client1.tree", "client3.tree"]}
+    assert set(grid.timeouts) == {600.0}  # every send is bounded by flower.timeout_s
+
+
+def test_a_dead_supernode_is_recorded_and_the_minimum_reply_fraction_enforced(tmp_path, server_identity):
+    from fedlt.errors import FedltError
+
+    data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
+    fl = {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+    res = flower_run(tiny(tmp_path, "fedavg", "drop", data=data, fl=fl), LoopbackGrid(nodes=2, die_after_fits=2))
+    assert res.metrics[0]["dropped"] == []
+    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3]}]
+    assert res.summary["dropped"] == res.metrics[1]["dropped"] and res.summary["final"]["round"] == 2
+    with pytest.raises(FedltError, match=r"round 2 \(fit\): 2 of 4 clients answered within flower.timeout_s=600, "
+                                         r"fewer than flower.min_reply_fraction=0.75 requires"):
+        flower_run(tiny(tmp_path, "fedavg", "strict", data=data, fl=fl, flower={"min_reply_fraction": 0.75}),
+                   LoopbackGrid(nodes=2, die_after_fits=2))
+
+
 def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
     from fedlt.errors import ConfigError
 

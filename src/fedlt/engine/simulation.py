@@ -250,7 +250,8 @@ class Simulation:
                 elapsed += seconds
                 if evaluated:
                     if self.reports_dropouts:
-                        row["dropped"] = [d for d in self.dropped if d["round"] > rows[-1]["round"]] if rows else self.dropped
+                        since = rows[-1]["round"] if rows else 0
+                        row["dropped"] = [d for d in self.dropped if d["round"] > since]
                     row["comm"] = pending["comm"]
                     row["time_s"] = round(pending["time_s"], 4)
                     pending = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
