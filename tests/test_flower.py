@@ -197,13 +197,6 @@ def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
         build_config({"flower": {"min_reply_fraction": 0}})
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="process bookkeeping reads /proc")
 def test_deployment_over_tls_survives_a_supernode_killed_mid_run(tmp_path):
     """A real SuperLink and 3 SuperNodes on 127.0.0.1 with TLS run 2 rounds of FedAvg on 3 clients
@@ -213,7 +206,7 @@ def test_deployment_over_tls_survives_a_supernode_killed_mid_run(tmp_path):
     import shutil
     import threading
 
-    from fedlt.deploy import local_federation
+    from fedlt.deploy import _alive, local_federation
 
     if shutil.which("openssl") is None:
         pytest.skip("needs openssl for the TLS certificates")
