@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import time
 from pathlib import Path
@@ -214,6 +215,7 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     def _main(grid: Grid, context: Context) -> None:
         result["run"] = run_on_grid(cfg, grid, quiet=quiet)
 
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
     resources = {"num_cpus": cfg.flower.cpus_per_client, "num_gpus": 0.0}
     run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
                    backend_config={"client_resources": resources, "init_args": {"include_dashboard": False}})

@@ -3,7 +3,8 @@
 It owns rounds, client sampling, the calls into a method's hooks, traffic accounting,
 evaluation, checkpoints and progress — and nothing about any particular method. One worker
 model instance is reloaded for every client; per-client memory holds only the state a method
-chooses to keep in ``ctx.state``.
+chooses to keep in ``ctx.state``. Clients are reached through one method, :meth:`_deliver`;
+the Flower engine (``engine/flower_app.py``) reuses this loop and replaces only that.
 """
 
 from __future__ import annotations
