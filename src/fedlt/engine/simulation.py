@@ -111,14 +111,15 @@ class Simulation:
         replies = {}
         for cid, msg, reply in self._deliver(kind, rnd, messages):
             replies[cid] = reply
-            if kind == EVALUATE:
-                continue
-            if kind not in self.message_record:
-                self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
-            sizes = (*msg.nbytes(), *reply.nbytes())
-            for name, n in zip(TRAFFIC_KINDS, sizes):
-                self._traffic[name] += n
+            if kind != EVALUATE:
+                self._account(kind, msg, reply)
         return replies
+
+    def _account(self, kind: str, msg: Message, reply: Reply) -> None:
+        if kind not in self.message_record:
+            self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
+        for name, n in zip(TRAFFIC_KINDS, (*msg.nbytes(), *reply.nbytes())):
+            self._traffic[name] += n
 
     def _forget_empty_state(self, cid: int) -> None:
         if not self.client_states.get(cid):
