@@ -41,15 +41,16 @@ def tiny(tmp_path, method, name="run", rounds=2, **over) -> dict:
 def spy_on_messages(monkeypatch) -> list[dict]:
     """Every exchange: kind, client, what went down, what came back, the client's state afterwards."""
     calls = []
-    original = Simulation._send
+    original = Simulation._deliver
 
-    def send(self, cid, kind, msg, handle):
-        reply = original(self, cid, kind, msg, handle)
-        state = {k: v.clone() for k, v in self.client_states.get(cid, {}).items()}
-        calls.append({"kind": kind, "cid": cid, "msg": msg, "reply": reply, "state": state})
-        return reply
+    def deliver(self, kind, rnd, messages):
+        for cid, msg, reply in original(self, kind, rnd, messages):
+            if kind != "evaluate":
+                state = {k: v.clone() for k, v in self.client_states.get(cid, {}).items()}
+                calls.append({"kind": kind, "cid": cid, "msg": msg, "reply": reply, "state": state})
+            yield cid, msg, reply
 
-    monkeypatch.setattr(Simulation, "_send", send)
+    monkeypatch.setattr(Simulation, "_deliver", deliver)
     return calls
 
 

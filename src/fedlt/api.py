@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fedlt.config import Config, apply_overrides, build_config, load_config
-from fedlt.data.federated import build_federated_data
+from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
@@ -68,9 +68,9 @@ def check_config(cfg: Config) -> MethodSpec:
     return spec
 
 
-def prepare(cfg: Config) -> Simulation:
-    """Validate everything that can fail on user input — method, loss, data, model — before any
-    file is written, so a bad config leaves no half-written run directory."""
+def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:
+    """The checked method, the federation's data and the device, with torch's settings applied:
+    what both the server and (under Flower) every SuperNode build from the same config."""
     spec = check_config(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -78,8 +78,13 @@ def prepare(cfg: Config) -> Simulation:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     device = resolve_device(cfg.run.device)
-    data = build_federated_data(cfg.data, cfg.seed, device)
-    sim = Simulation(cfg, spec, data, device)
+    return spec, build_federated_data(cfg.data, cfg.seed, device), device
+
+
+def prepare(cfg: Config) -> Simulation:
+    """Validate everything that can fail on user input — method, loss, data, model — before any
+    file is written, so a bad config leaves no half-written run directory."""
+    sim = Simulation(cfg, *setup_parts(cfg))
     if cfg.run.compile:
         sim.worker.compile()
     return sim
@@ -94,9 +99,23 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
         cfg = build_config(apply_overrides(tree, overrides or []))
     else:
         cfg = load_config(config, overrides)
+    if cfg.engine == "flower":
+        return _run_flower(cfg, quiet)
     sim = prepare(cfg)
     run_dir = new_run_dir(cfg)
     return sim.run(run_dir, quiet=quiet)
+
+
+def _run_flower(cfg: Config, quiet: bool) -> RunResult:
+    """The config on Flower's simulation engine; checked first, so a bad config starts no Ray."""
+    spec = check_config(cfg)
+    if spec.pooled:
+        raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
+    try:
+        from fedlt.engine.flower_app import simulate
+    except ImportError:
+        raise ConfigError("engine=flower needs Flower: pip install 'fedlt[flower]'") from None
+    return simulate(cfg, quiet=quiet)
 
 
 def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
@@ -105,5 +124,7 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
     cfg = load_config(run_dir / CONFIG_FILE)
+    if cfg.engine == "flower":
+        raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
     sim = prepare(cfg)
     return sim.run(run_dir, resume=True, quiet=quiet)

@@ -32,7 +32,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Federated learning on long-tailed data.")
 bench_app = typer.Typer(cls=_SuiteGroup, no_args_is_help=True,
                         help="Benchmarks: `fedlt bench SUITE` runs a suite (built-in name or YAML file); "
-                             "`fedlt bench list`; `fedlt bench speed`.")
+                             "`fedlt bench list`; `fedlt bench speed`; `fedlt bench engines`.")
 app.add_typer(bench_app, name="bench")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data without training.")
 app.add_typer(data_app, name="data")
@@ -152,6 +152,30 @@ def bench_speed_cmd(
 
         config = args.pop(0) if args and "=" not in args[0] else None
         text = run_speed_bench(config, args, rounds=rounds)
+        typer.echo(text)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+
+    _guard(go)
+
+
+@bench_app.command("engines")
+def bench_engines_cmd(
+    args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...] for the measured config"),
+    nodes: int = typer.Option(3, help="SuperNodes of the loopback deployment"),
+    out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
+) -> None:
+    """Seconds per round of one config in-process, on Flower's simulation engine and on a loopback deployment."""
+    args = list(args)
+
+    def go() -> None:
+        from fedlt.bench.engines import run_engine_bench
+        from fedlt.errors import ConfigError
+
+        if "=" in args[0]:
+            raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
+        text = run_engine_bench(args[0], args[1:], nodes=nodes)
         typer.echo(text)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

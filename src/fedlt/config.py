@@ -117,10 +117,31 @@ class RunConfig(_Section):
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 
 
+class FlowerConfig(_Section):
+    """The Flower engine (``engine: flower``): timeouts and how many missing replies a phase survives."""
+
+    timeout_s: float = Field(600.0, gt=0, description="longest wait for the replies of one phase (every send has it)")
+    min_reply_fraction: float = Field(
+        0.5, description="a phase goes on with the replies that arrived if at least this fraction of its clients answered"
+    )
+    connect_timeout_s: float = Field(120.0, gt=0, description="longest wait for every partition's SuperNode to connect")
+    cpus_per_client: float = Field(1.0, gt=0, description="simulation: CPU cores Ray reserves per running ClientApp")
+
+    @field_validator("min_reply_fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+
 class Config(_Section):
     """The whole experiment."""
 
     seed: int = Field(0, ge=0)
+    engine: Literal["inprocess", "flower"] = Field(
+        "inprocess", description="inprocess: one deterministic process; flower: Flower's simulation engine (fedlt[flower])"
+    )
     method: str = "fedavg"
     method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
     calibration: list[str] = Field(
@@ -142,6 +163,7 @@ class Config(_Section):
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+    flower: FlowerConfig = FlowerConfig()
 
     @model_validator(mode="after")
     def _clients_vs_participation(self) -> "Config":

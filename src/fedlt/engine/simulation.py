@@ -3,7 +3,8 @@
 It owns rounds, client sampling, the calls into a method's hooks, traffic accounting,
 evaluation, checkpoints and progress — and nothing about any particular method. One worker
 model instance is reloaded for every client; per-client memory holds only the state a method
-chooses to keep in ``ctx.state``.
+chooses to keep in ``ctx.state``. Clients are reached through one method, :meth:`_deliver`;
+the Flower engine (``engine/flower_app.py``) reuses this loop and replaces only that.
 """
 
 from __future__ import annotations
@@ -11,19 +12,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from fedlt.config import Config
-from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
-from fedlt.methods.base import ClientContext, ClientData, MethodSpec, ServerContext, TrainSettings, clone_state
+from fedlt.methods.base import MethodSpec, ServerContext
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
@@ -47,6 +48,11 @@ class RunResult:
 class Simulation:
     """Runs one experiment of ``spec`` on ``data`` under ``cfg`` and writes it to ``run_dir``."""
 
+    #: the engine's name, and whether its clients can fail to answer (then metrics lines and the
+    #: summary list who did not)
+    engine = "inprocess"
+    reports_dropouts = False
+
     def __init__(self, cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device):
         self.cfg, self.spec, self.device = cfg, spec, device
         self.eval_data = data
@@ -55,66 +61,65 @@ class Simulation:
         args = parse_method_args(spec, cfg.method_args)
 
         self.server_model = self._new_model()
-        self.worker = self._new_model()
-        self._worker_init = clone_state(self.worker)
-        self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
+        self.clients = self._client_runtime()
         self.server = spec.server(ServerContext(
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
         ))
-        self.client = spec.client(args)
         self.client_states: dict[int, dict[str, Any]] = {}
         self.all_clients = list(range(self.train_data.num_clients))
         per_round = 1 if spec.pooled else cfg.clients_per_round()
         self.schedule = sampling_schedule(cfg.seed, len(self.all_clients), per_round, cfg.fl.rounds)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+        #: clients that were sent a message but did not answer: {"round", "kind", "clients"}
+        self.dropped: list[dict[str, Any]] = []
         #: per exchange kind, the keys, shapes and bytes of the first message each way
         self.message_record: dict[str, dict] = {}
 
     def _new_model(self) -> FedModel:
-        """Same architecture and same initial weights every time (the ``model`` seed stream)."""
-        d = self.eval_data.train
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed_for(self.cfg.seed, "model"))
-            model = self.spec.make_model(self.cfg, d.num_classes, d.in_channels, d.image_size)
-        model = model.to(self.device)
-        if self.cfg.run.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        return model
+        return new_model(self.cfg, self.spec, self.eval_data, self.device)
+
+    def _client_runtime(self) -> ClientRuntime | None:
+        """Where clients run: here, in this process (the Flower engine returns None: on SuperNodes)."""
+        return ClientRuntime(self.cfg, self.spec, self.eval_data, self.device)
+
+    @property
+    def worker(self) -> FedModel:
+        return self.clients.worker
+
+    @property
+    def client(self):
+        return self.clients.client
+
+    def _context(self, cid: int, rnd: int):
+        """Client ``cid``'s context with its in-process state (for tests and tools)."""
+        return self.clients.context(cid, rnd, self.client_states.setdefault(cid, {}))
 
     # ---- talking to clients -------------------------------------------------------------
-    def _context(self, cid: int, rnd: int) -> ClientContext:
-        """A client's view; the worker model starts from the initial weights, so entries a message
-        does not carry never leak from the previous client (or depend on resume)."""
-        self.worker.load_state_dict(self._worker_init)
-        fl = self.cfg.fl
-        data = self.train_data
-        return ClientContext(
-            cid=cid, round=rnd, model=self.worker,
-            data=ClientData(data.train.images, data.train.labels, data.client_indices(cid), data.num_classes,
-                            self._standardizer(), self._augment, data.hflip),
-            state=self.client_states.setdefault(cid, {}),
-            train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
-                                fl.grad_clip),
-            device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
-        )
+    def _deliver(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]
+                 ) -> Iterator[tuple[int, Message, Reply]]:
+        """The transport: send each (client, message) and yield the replies, in message order.
+        Here each client answers before the next message is built; the Flower engine sends a
+        whole phase at once and yields only the replies that arrived."""
+        for cid, msg in messages:
+            reply = self.clients.handle(kind, cid, rnd, msg, self.client_states.setdefault(cid, {}))
+            self._forget_empty_state(cid)
+            yield cid, msg, reply
 
-    def _standardizer(self):
-        standardize = self.train_data.train.standardize
-        if not self.cfg.run.channels_last:
-            return standardize
-        return lambda x: standardize(x).contiguous(memory_format=torch.channels_last)
+    def _exchange(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
+        """One phase of messages, with traffic accounting (evaluation is not traffic)."""
+        replies = {}
+        for cid, msg, reply in self._deliver(kind, rnd, messages):
+            replies[cid] = reply
+            if kind != EVALUATE:
+                self._account(kind, msg, reply)
+        return replies
 
-    def _send(self, cid: int, kind: str, msg: Message, handle) -> Reply:
-        down_model, down_payload = msg.nbytes()
-        reply = handle(msg)
+    def _account(self, kind: str, msg: Message, reply: Reply) -> None:
         if kind not in self.message_record:
             self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
-        up_model, up_payload = reply.nbytes()
-        for kind, n in zip(TRAFFIC_KINDS, (down_model, down_payload, up_model, up_payload)):
-            self._traffic[kind] += n
-        self._forget_empty_state(cid)
-        return reply
+        for name, n in zip(TRAFFIC_KINDS, (*msg.nbytes(), *reply.nbytes())):
+            self._traffic[name] += n
 
     def _forget_empty_state(self, cid: int) -> None:
         if not self.client_states.get(cid):
@@ -129,9 +134,7 @@ class Simulation:
     def _run_queries(self, stage: str, rnd: int, clients: list[int]) -> None:
         self._seed_global(rnd, STAGES.index(stage))
         while (query := self.server.next_query(stage, rnd, clients)) is not None:
-            replies = {cid: self._send(cid, f"query:{query.name}", msg,
-                                       lambda m, c=cid: self.client.query(query.name, self._context(c, rnd), m))
-                       for cid, msg in sorted(query.messages.items())}
+            replies = self._exchange(f"query:{query.name}", rnd, sorted(query.messages.items()))
             self.server.receive(query, replies)
 
     def fit_round(self, rnd: int) -> dict[str, Any]:
@@ -143,11 +146,8 @@ class Simulation:
                                f"need distinct ids in 0..{len(self.all_clients) - 1}")
         self._run_queries("before_fit", rnd, sampled)
         self._seed_global(rnd, len(STAGES))
-        replies: dict[int, Reply] = {}
-        for cid in sampled:
-            msg = self.server.fit_message(rnd, cid)
-            if msg is not None:
-                replies[cid] = self._send(cid, "fit", msg, lambda m, c=cid: self.client.fit(self._context(c, rnd), m))
+        messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
+        replies = self._exchange("fit", rnd, messages)
         self.server.aggregate(rnd, replies)
         self._run_queries("after_fit", rnd, sampled)
         self.server.end_round(rnd)
@@ -173,12 +173,10 @@ class Simulation:
             out["variants"] = variants
         if self.cfg.eval.personalized:
             local = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device) for ix in self.eval_data.local_test]
-            if self.client.personalized:
-                per_client = []
-                for cid, idx in enumerate(local):
-                    self.client.personalize(self._context(cid, rnd), self.server.eval_message(cid))
-                    per_client.append(predict(self.worker, test, bs, indices=idx)[0])
-                    self._forget_empty_state(cid)
+            if self.spec.client.personalized:
+                messages = ((cid, self.server.eval_message(cid)) for cid in range(len(local)))
+                per_client = [r.payload["correct"].to(test.labels.device)
+                              for r in self._exchange(EVALUATE, rnd, messages).values()]
             elif correct is not None:
                 per_client = [correct[idx] for idx in local]
             else:
@@ -253,6 +251,9 @@ class Simulation:
                 pending["time_s"] += seconds
                 elapsed += seconds
                 if evaluated:
+                    if self.reports_dropouts:
+                        since = rows[-1]["round"] if rows else 0
+                        row["dropped"] = [d for d in self.dropped if d["round"] > since]
                     row["comm"] = pending["comm"]
                     row["time_s"] = round(pending["time_s"], 4)
                     pending = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
@@ -277,5 +278,6 @@ class Simulation:
             "device": str(self.device),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
+            **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
         })
         return RunResult(run_dir, summary, rows)

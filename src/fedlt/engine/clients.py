@@ -1,0 +1,89 @@
+"""The client side of every engine: one worker model, the federation's data and a method's
+:class:`~fedlt.methods.base.Client`, answering one message at a time.
+
+The in-process engine calls :meth:`ClientRuntime.handle` directly; Flower's ClientApp calls the
+same method on each SuperNode, so a client computes exactly the same thing in both engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedlt.config import Config
+from fedlt.data.augment import get_augmentation
+from fedlt.data.federated import FederatedData
+from fedlt.engine.sampling import lr_at
+from fedlt.evaluation import predict
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
+from fedlt.methods.registry import parse_method_args
+from fedlt.models import FedModel
+from fedlt.seeding import seed_for
+
+#: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return
+#: which local test samples it classifies correctly (``payload["correct"]``)
+EVALUATE = "evaluate"
+
+
+def new_model(cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device) -> FedModel:
+    """Same architecture and same initial weights every time (the ``model`` seed stream)."""
+    d = data.train
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(cfg.seed, "model"))
+        model = spec.make_model(cfg, d.num_classes, d.in_channels, d.image_size)
+    model = model.to(device)
+    if cfg.run.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+class ClientRuntime:
+    """Runs a method's client procedure for any client id of ``data`` under ``cfg``."""
+
+    def __init__(self, cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.eval_data = data
+        self.train_data = data.pooled() if spec.pooled else data
+        self.client = spec.client(parse_method_args(spec, cfg.method_args))
+        self.worker = new_model(cfg, spec, data, device)
+        self._worker_init = clone_state(self.worker)
+        self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
+
+    def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
+        """A client's view; the worker model starts from the initial weights, so entries a message
+        does not carry never leak from the previous client (or depend on resume)."""
+        self.worker.load_state_dict(self._worker_init)
+        fl = self.cfg.fl
+        data = self.train_data
+        return ClientContext(
+            cid=cid, round=rnd, model=self.worker,
+            data=ClientData(data.train.images, data.train.labels, data.client_indices(cid), data.num_classes,
+                            self._standardizer(), self._augment, data.hflip),
+            state=state,
+            train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
+                                fl.grad_clip),
+            device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
+        )
+
+    def _standardizer(self):
+        standardize = self.train_data.train.standardize
+        if not self.cfg.run.channels_last:
+            return standardize
+        return lambda x: standardize(x).contiguous(memory_format=torch.channels_last)
+
+    def handle(self, kind: str, cid: int, rnd: int, msg: Message, state: dict[str, Any]) -> Reply:
+        """Answer one exchange: ``fit``, ``query:NAME`` or ``evaluate``; ``state`` is the client's
+        persistent ``ctx.state`` and is updated in place."""
+        ctx = self.context(cid, rnd, state)
+        if kind == "fit":
+            return self.client.fit(ctx, msg)
+        if kind.startswith("query:"):
+            return self.client.query(kind.removeprefix("query:"), ctx, msg)
+        if kind == EVALUATE:
+            self.client.personalize(ctx, msg)
+            test = self.eval_data.test
+            idx = torch.as_tensor(self.eval_data.local_test[cid], dtype=torch.int64, device=test.labels.device)
+            return Reply(payload={"correct": predict(self.worker, test, self.cfg.eval.batch_size, indices=idx)[0]})
+        raise ValueError(f"unknown exchange kind '{kind}'")
