@@ -175,18 +175,25 @@ def test_gbme_and_gbme_p_end_to_end(tmp_path):
     res = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"diagnose_gpi": True}), quiet=True)
     last = res.metrics[-1]
     assert math.isfinite(last["loss"]) and -1 <= last[DIAG_KEY] <= 1
-    per_expert = round(3 / 3)  # 50% of 6 clients, 3 experts
-    assert all(last[f"expert{e}_trainers"] == per_expert for e in range(3))
+    # R = the round's clients (50% of 6 = 3) for EVERY expert (Alg. 1, Sec. 3.3), not 3 / M = 1
+    assert all(last[f"expert{e}_trainers"] == 3 for e in range(3))
+    assert 3 <= last["trainers"] <= 6
     msgs = res.summary["messages"]
     assert msgs[f"query:{LPI_QUERY}"]["from_client"]["payload"]["lpi"]["shape"] == [10]
     assert msgs["fit"]["to_client"]["payload"]["prior"]["shape"] == [10]
     full = msgs["fit"]["to_client"]["model_bytes"]
     assert msgs["fit"]["from_client"]["model_bytes"] < full  # backbone + trained expert(s) only
 
-    dp = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
-                        method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True).metrics[-1]
+    dp_run = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                            method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True)
+    dp = dp_run.metrics[-1]
     assert dp["dp_sigma"] == pytest.approx(gaussian_sigma(10, 0.03, 1.0)) and dp["dp_theorem_applies"] == 0.0
     assert dp["dp_epsilon"] == 10 and dp["dp_delta"] == 0.03 and math.isfinite(dp["loss"])
+    # the summary alone says how the run was made: privacy parameters and the GPI diagnostic
+    server = dp_run.summary["final"]["server_metrics"]
+    assert server["dp_sigma"] == dp["dp_sigma"] and server["dp_epsilon"] == 10 and server[DIAG_KEY] == dp[DIAG_KEY]
+    assert "acc" not in server and "comm" not in server and "train_loss" not in server
+    assert "dp_sigma" in (dp_run.run_dir / "report.md").read_text()
 
 
 def test_gbme_without_ensemble_is_fedavg_with_that_prior(tmp_path):
