@@ -143,6 +143,19 @@ def test_aggregation_per_entry_over_the_clients_that_trained_it(tmp_path):
     assert torch.equal(now[model.expert_keys(2)[0]], before[model.expert_keys(2)[0]])  # nobody trained expert 2
 
 
+def test_gpi_prior_lifts_zero_entries_to_the_floor_and_keeps_the_rest(tmp_path):
+    from fedlt.api import prepare
+    from fedlt.losses import log_prior
+
+    server = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server
+    server.gpi = torch.tensor([0.5, 0.2, 0.04, 0.0, 0.0, 0.1, 0.06, 0.05, 0.03, 0.02], dtype=torch.float64)
+    prior = server.gpi_prior()
+    assert prior[3] == prior[4] == 0.02 and torch.equal(prior[server.gpi > 0], server.gpi[server.gpi > 0])
+    assert bool(torch.isfinite(log_prior(prior)).all()) and float(log_prior(prior)[3]) > -5
+    server.args = server.args.model_copy(update={"gpi_floor": 0.0})  # Eq. 5 as is: the loss's 1e-8 floor
+    assert float(log_prior(server.gpi_prior())[3]) == pytest.approx(math.log(1e-8))
+
+
 # ---- GBME-p -------------------------------------------------------------------------------
 def test_gbme_p_noise_scale_and_clipping_match_theorem_2():
     assert gaussian_sigma(10, 0.03, 1.0) == pytest.approx(math.sqrt(2 * math.log(1.25 / 0.03)) / 10)
