@@ -74,6 +74,7 @@ def test_fedavg_learns_synthetic(tmp_path):
     first = res.metrics[0]["acc"]  # round 3
     assert first < final["acc"] or first >= 90.0
     assert len(final["per_class_acc"]) == 10
+    assert final["server_metrics"] == {}  # FedAvg reports nothing of its own
 
 
 def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkeypatch):

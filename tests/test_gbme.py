@@ -143,6 +143,19 @@ def test_aggregation_per_entry_over_the_clients_that_trained_it(tmp_path):
     assert torch.equal(now[model.expert_keys(2)[0]], before[model.expert_keys(2)[0]])  # nobody trained expert 2
 
 
+def test_gpi_prior_lifts_zero_entries_to_the_floor_and_keeps_the_rest(tmp_path):
+    from fedlt.api import prepare
+    from fedlt.losses import log_prior
+
+    server = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server
+    server.gpi = torch.tensor([0.5, 0.2, 0.04, 0.0, 0.0, 0.1, 0.06, 0.05, 0.03, 0.02], dtype=torch.float64)
+    prior = server.gpi_prior()
+    assert prior[3] == prior[4] == 0.02 and torch.equal(prior[server.gpi > 0], server.gpi[server.gpi > 0])
+    assert bool(torch.isfinite(log_prior(prior)).all()) and float(log_prior(prior)[3]) > -5
+    server.args = server.args.model_copy(update={"gpi_floor": 0.0})  # Eq. 5 as is: the loss's 1e-8 floor
+    assert float(log_prior(server.gpi_prior())[3]) == pytest.approx(math.log(1e-8))
+
+
 # ---- GBME-p -------------------------------------------------------------------------------
 def test_gbme_p_noise_scale_and_clipping_match_theorem_2():
     assert gaussian_sigma(10, 0.03, 1.0) == pytest.approx(math.sqrt(2 * math.log(1.25 / 0.03)) / 10)
@@ -175,18 +188,25 @@ def test_gbme_and_gbme_p_end_to_end(tmp_path):
     res = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"diagnose_gpi": True}), quiet=True)
     last = res.metrics[-1]
     assert math.isfinite(last["loss"]) and -1 <= last[DIAG_KEY] <= 1
-    per_expert = round(3 / 3)  # 50% of 6 clients, 3 experts
-    assert all(last[f"expert{e}_trainers"] == per_expert for e in range(3))
+    # R = the round's clients (50% of 6 = 3) for EVERY expert (Alg. 1, Sec. 3.3), not 3 / M = 1
+    assert all(last[f"expert{e}_trainers"] == 3 for e in range(3))
+    assert 3 <= last["trainers"] <= 6
     msgs = res.summary["messages"]
     assert msgs[f"query:{LPI_QUERY}"]["from_client"]["payload"]["lpi"]["shape"] == [10]
     assert msgs["fit"]["to_client"]["payload"]["prior"]["shape"] == [10]
     full = msgs["fit"]["to_client"]["model_bytes"]
     assert msgs["fit"]["from_client"]["model_bytes"] < full  # backbone + trained expert(s) only
 
-    dp = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
-                        method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True).metrics[-1]
+    dp_run = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                            method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True)
+    dp = dp_run.metrics[-1]
     assert dp["dp_sigma"] == pytest.approx(gaussian_sigma(10, 0.03, 1.0)) and dp["dp_theorem_applies"] == 0.0
     assert dp["dp_epsilon"] == 10 and dp["dp_delta"] == 0.03 and math.isfinite(dp["loss"])
+    # the summary alone says how the run was made: privacy parameters and the GPI diagnostic
+    server = dp_run.summary["final"]["server_metrics"]
+    assert server["dp_sigma"] == dp["dp_sigma"] and server["dp_epsilon"] == 10 and server[DIAG_KEY] == dp[DIAG_KEY]
+    assert "acc" not in server and "comm" not in server and "train_loss" not in server
+    assert "dp_sigma" in (dp_run.run_dir / "report.md").read_text()
 
 
 def test_gbme_without_ensemble_is_fedavg_with_that_prior(tmp_path):

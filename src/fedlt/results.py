@@ -25,6 +25,10 @@ CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
 PARTITION_FILE, ARTIFACTS_FILE = "partition.json", "artifacts.pt"
 #: metric keys that measure the machine, not the method: excluded from reproducibility checks
 TIMING_KEYS = ("time_s", "elapsed_s")
+#: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
+#: every other key is a method's own diagnostic (``Server.metrics()``)
+EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
+ENGINE_KEYS = ("round", "lr", "train_loss", "comm", *TIMING_KEYS, *EVAL_KEYS)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -101,14 +105,16 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
     final = evaluated[-1] if evaluated else {}
     key = "acc" if final.get("acc") is not None else "pm_acc"
     best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
-    pick = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
+    server = {k: v for k, v in final.items() if k not in ENGINE_KEYS}
     return {
         "method": cfg.method,
         "dataset": cfg.data.dataset,
         "loss": cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})",
         "rounds": cfg.fl.rounds,
-        "final": {"round": final.get("round"), **{k: final.get(k) for k in pick}},
-        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in pick[:-2]}},
+        # server_metrics: the method's own numbers of the final round (privacy parameters, proxy
+        # diagnostics ...), so a summary alone says how the run was made
+        "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS}, "server_metrics": server},
+        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in EVAL_KEYS[:-2]}},
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
         } if rows else {},
@@ -155,6 +161,9 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
         "drawn from the test set in each client's training proportions.",
     ]
+    if f.get("server_metrics"):
+        lines += ["", "Method's own metrics (final round): "
+                  + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in f["server_metrics"].items())]
     if f.get("per_class_acc"):
         lines += ["", "## Per-class accuracy (final round)", "", "| class | train samples | acc |", "|---|---|---|"]
         counts = summary.get("train_class_counts", [None] * len(f["per_class_acc"]))

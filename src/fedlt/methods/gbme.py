@@ -42,6 +42,13 @@ Choices where the paper is silent (also in the README):
   predicts it everywhere. ``gpi_floor`` (default 1) gives such a class the smallest positive
   GPI value instead; ``gpi_floor=0`` keeps Eq. 5 as is. The GPI itself (grouping, diagnostics)
   is Eq. 5 unchanged.
+* Selection size. Algorithm 1 trains D^1..D^R in a round, Sec. 4.1 selects 20 clients a round,
+  and Sec. 3.3 draws alpha*R + (1-alpha)*R clients *per expert*: R is the round's client count
+  and every expert gets R trainers (the released code does the same). A client drawn for several
+  experts trains them all in one local training, so a round has between R and M*R distinct
+  trainers (about 2x FedAvg's at M=3, alpha=0.6, 20 clients, R=8). ``clients_per_expert`` sets
+  R; R = round(clients per round / M) is the budget-matched variant (an earlier reading; each
+  expert then sees ~3 clients a round here and the experts' logits swing round to round, measured).
 * A frozen expert keeps its BatchNorm in eval mode, so it computes what the server sent.
 * ``ensemble=false`` trains the plain configured model (no experts, no grouping, the engine's
   sampling): that is FedAvg + the loss with the chosen prior — the "BSM + GPI" rows of Table 9.
@@ -84,7 +91,8 @@ class GBMEArgs(MethodArgs):
         "gpi", description="rank clients by cos(LPI, GPI); by cos(local, global label distribution) "
         "(NON-PRIVATE); or at random")
     clients_per_expert: int | None = Field(
-        None, ge=1, description="R of the selection rule; default clients per round / M (rounded, >= 1)")
+        None, ge=1, description="R of the selection rule, clients per expert per round; default = the configured "
+        "clients per round (Alg. 1: R is the round's client count, each expert gets alpha*R + (1-alpha)*R)")
     expert_width: float = Field(0.75, gt=0, description="experts' width relative to the base model (code: 0.75)")
     expert_head: Literal["auto", "cosine", "linear"] = Field(
         "auto", description="experts' heads: auto = cosine for ResNets (code), linear for the CNN")
@@ -309,10 +317,10 @@ class GBMEServer(Server):
 
     # -- rounds --------------------------------------------------------------------------
     def per_expert(self) -> int:
+        """R: every expert is trained by R clients a round, R = the configured clients per round
+        unless ``clients_per_expert`` says otherwise (see the module docstring)."""
         a = self.args
-        if a.clients_per_expert is not None:
-            return a.clients_per_expert
-        return max(1, int(self.ctx.config.clients_per_round() / a.num_experts + 0.5))
+        return a.clients_per_expert if a.clients_per_expert is not None else self.ctx.config.clients_per_round()
 
     def select_clients(self, rnd: int, scheduled: list[int]) -> list[int]:
         if not self.args.ensemble:
