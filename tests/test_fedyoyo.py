@@ -211,6 +211,16 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
     assert len(calls) == 2 and torch.equal(calls[1][1], prior)
 
 
+def test_client_strong_view_uses_the_configured_magnitude_and_cutout(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fedyoyo, "strong_view", lambda x, g, flip, **kw: seen.append(kw) or x)
+    client = FedYoYoClient(FedYoYoArgs(strong_magnitude=5, cutout=0.25))
+    x = torch.rand(2, 1, 28, 28)
+    assert client.view("weak") is fedyoyo.weak_view
+    assert torch.equal(client.view("strong")(x, gen(), False), x)
+    assert seen == [{"magnitude": 5.0, "cutout_frac": 0.25}]
+
+
 def test_client_without_dla_neither_estimates_nor_uploads():
     client = FedYoYoClient(FedYoYoArgs(dla=False))
     ctx = _client_ctx({})

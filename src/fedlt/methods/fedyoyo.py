@@ -60,6 +60,7 @@ and ``prior_l2`` between ``pi_g`` and the true global label distribution every r
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -74,9 +75,6 @@ from fedlt.methods.base import ClientContext, MethodArgs, ServerContext, clone_s
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.training import train_local
 
-VIEWS = {"weak": weak_view, "strong": strong_view}
-
-
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")
     warmup: float = Field(1 / 6, ge=0, le=1, description="fraction of fl.rounds over which lambda ramps up linearly")
@@ -88,6 +86,10 @@ class FedYoYoArgs(MethodArgs):
     student_view: Literal["weak", "strong"] = Field(
         "strong", description="view that learns in ASD; weak = RandAug off (Tables 4, 5)"
     )
+    strong_magnitude: float = Field(
+        9.0, ge=0, le=10, description="RandAugment magnitude (0..10) of the strong view; 0: no RandAugment"
+    )
+    cutout: float = Field(0.5, ge=0, le=1, description="Cutout square side as a fraction of the image side; 0: off")
     prior_source: Literal["estimated", "counts"] = Field(
         "estimated", description="estimated effective priors, or the true label counts (NOT private; Fig. 6)"
     )
@@ -243,6 +245,12 @@ class FedYoYoClient(FedAvgClient):
             local = label_distribution(ctx.data.class_counts().cpu())
         return fuse_priors(msg.payload["global_prior"].cpu(), local.cpu(), self.args.gamma)
 
+    def view(self, name: str):
+        """The weak view, or the strong view at the configured magnitude and Cutout size."""
+        if name == "weak":
+            return weak_view
+        return partial(strong_view, magnitude=self.args.strong_magnitude, cutout_frac=self.args.cutout)
+
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         a = self.args
         ctx.model.load_state_dict(msg.weights, strict=False)
@@ -250,7 +258,7 @@ class FedYoYoClient(FedAvgClient):
         log_pi = log_prior(self.round_prior(ctx, msg)).to(device)
         weight = float(msg.payload["asd_weight"])
         estimate = a.dla and a.prior_source == "estimated"
-        teacher, student = VIEWS[a.teacher_view], VIEWS[a.student_view]
+        teacher, student = (self.view(name) for name in (a.teacher_view, a.student_view))
         standardize, hflip = ctx.data.standardize, ctx.data.hflip
         views_gen = ctx.generator(purpose=2)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
