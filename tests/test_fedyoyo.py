@@ -64,6 +64,9 @@ def test_asd_correctness_uses_the_adjusted_prediction():
     assert asd_loss(teacher, student, target, torch.zeros(C), 1.0).item() == 0.0
     favour_1 = torch.log(torch.tensor([0.1, 0.7, 0.1, 0.1]))
     assert asd_loss(teacher, student, target, favour_1, 1.0).item() > 0.0
+    # judged by the raw logits, the prior no longer decides who teaches
+    assert asd_loss(teacher, student, target, favour_1, 1.0, teacher_filter="raw").item() == 0.0
+    assert asd_loss(teacher, student, torch.tensor([0]), favour_1, 1.0, teacher_filter="raw").item() > 0.0
 
 
 def test_dla_is_balanced_softmax_with_temperature():
