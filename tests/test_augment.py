@@ -272,6 +272,23 @@ def test_weak_view_without_flip_never_flips(monkeypatch: pytest.MonkeyPatch) -> 
     strong_view(x, gen(), flip=False)
 
 
+def test_strong_view_magnitude_and_cutout_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cutout side is ``round(cutout_frac * H)`` (16 on 32px, 14 on 28px by default) and
+    magnitude 0 with no cutout leaves only the crop and flip."""
+    sizes: list[int] = []
+    real_cutout = augment.cutout
+    monkeypatch.setattr(augment, "cutout", lambda x, size, g: sizes.append(size) or real_cutout(x, size, g))
+    strong_view(batch((2, 3, 32, 32)), gen())
+    strong_view(batch((2, 1, 28, 28)), gen())
+    strong_view(batch((2, 1, 28, 28)), gen(), cutout_frac=0.25)
+    assert sizes == [16, 14, 7]
+    x = batch((8, 1, 28, 28))
+    g = gen(5)
+    expected = augment.random_flip(augment.random_crop(x, 3, g), g)
+    assert torch.equal(strong_view(x, gen(5), magnitude=0, cutout_frac=0), expected)
+    assert not torch.equal(strong_view(x, gen(5), magnitude=9, cutout_frac=0), expected)
+
+
 def test_strong_view_batch_of_256_runs() -> None:
     out = strong_view(batch((256, 3, 32, 32)), gen())
     assert out.shape == (256, 3, 32, 32)

@@ -64,6 +64,9 @@ def test_asd_correctness_uses_the_adjusted_prediction():
     assert asd_loss(teacher, student, target, torch.zeros(C), 1.0).item() == 0.0
     favour_1 = torch.log(torch.tensor([0.1, 0.7, 0.1, 0.1]))
     assert asd_loss(teacher, student, target, favour_1, 1.0).item() > 0.0
+    # judged by the raw logits, the prior no longer decides who teaches
+    assert asd_loss(teacher, student, target, favour_1, 1.0, teacher_filter="raw").item() == 0.0
+    assert asd_loss(teacher, student, torch.tensor([0]), favour_1, 1.0, teacher_filter="raw").item() > 0.0
 
 
 def test_dla_is_balanced_softmax_with_temperature():
@@ -209,6 +212,16 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
     # next participation: fuses (once) with the estimate made during the previous one
     client.fit(_client_ctx(state, rnd=2), msg)
     assert len(calls) == 2 and torch.equal(calls[1][1], prior)
+
+
+def test_client_strong_view_uses_the_configured_magnitude_and_cutout(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fedyoyo, "strong_view", lambda x, g, flip, **kw: seen.append(kw) or x)
+    client = FedYoYoClient(FedYoYoArgs(strong_magnitude=5, cutout=0.25))
+    x = torch.rand(2, 1, 28, 28)
+    assert client.view("weak") is fedyoyo.weak_view
+    assert torch.equal(client.view("strong")(x, gen(), False), x)
+    assert seen == [{"magnitude": 5.0, "cutout_frac": 0.25}]
 
 
 def test_client_without_dla_neither_estimates_nor_uploads():

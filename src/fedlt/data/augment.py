@@ -333,16 +333,20 @@ def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tenso
     return random_rotation(out, 15.0, generator)
 
 
-def strong_view(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
-    """FedYoYo's strong view: crop, flip (if ``flip``), RandAugment(2, 9), Cutout(H // 2).
+def strong_view(
+    x: Tensor, generator: torch.Generator, flip: bool = True, magnitude: float = 9, cutout_frac: float = 0.5
+) -> Tensor:
+    """FedYoYo's strong view: crop, flip (if ``flip``), RandAugment(2, ``magnitude``), Cutout.
 
-    On 32px images the cutout square is 16px, as in FedYoYo.
+    The cutout square's side is ``round(cutout_frac * H)``: 16px on 32px images at the default
+    0.5, as in FedYoYo; 0 turns Cutout off.
     """
     out = random_crop(x, _crop_padding(x), generator)
     if flip:
         out = random_flip(out, generator)
-    out = rand_augment(out, generator, num_ops=2, magnitude=9)
-    return cutout(out, x.shape[-1] // 2, generator)
+    if magnitude > 0:
+        out = rand_augment(out, generator, num_ops=2, magnitude=magnitude)
+    return cutout(out, round(cutout_frac * x.shape[-1]), generator)
 
 
 AUGMENTATIONS: dict[str, Augmentation] = {
