@@ -173,3 +173,16 @@ def test_head_bias_is_uploaded_for_psi_and_kept_locally_for_phi(tmp_path, monkey
     # the personalized model predicts with phi_k's own bias (LA-FR touches only the class vectors)
     assert seen and all(torch.equal(model_bias, phi_bias) and phi_bias.abs().sum() > 0 for model_bias, phi_bias in seen)
     assert res.summary["final"]["pm_acc"] is not None
+
+
+def test_head_lr_scale_changes_the_heads_and_never_the_backbone(tmp_path, monkeypatch):
+    """psi and phi_k learn on detached features, so their step size cannot move the backbone."""
+    calls = spy_on_fit(monkeypatch)
+    fedlt.run(tiny(tmp_path, "one"), quiet=True)
+    fedlt.run(tiny(tmp_path, "small", head_lr_scale=0.1), quiet=True)
+    half = len(calls) // 2
+    for a, b in zip(calls[:half], calls[half:]):
+        enc = [k for k in a["reply"].weights if k.startswith("encoder.")]
+        assert enc and all(torch.equal(a["reply"].weights[k], b["reply"].weights[k]) for k in enc)
+        assert not torch.allclose(a["reply"].weights["head.aux.weight"], b["reply"].weights["head.aux.weight"])
+        assert not torch.allclose(a["after"]["personal/phi/weight"], b["after"]["personal/phi/weight"])

@@ -64,6 +64,8 @@ class FedLoGeArgs(MethodArgs):
         "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
     head_bias: bool = Field(False, description="psi and phi_k are linear layers with a bias (the released code); "
                                                "the GM drops psi's bias, PM keeps phi_k's")
+    head_lr_scale: float = Field(1.0, gt=0, description="learning rate of psi and phi_k relative to fl.lr (Algorithm 1: "
+                                                        "one step size for all, 1.0)")
     finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
                                                       "(Appendix A.5), on the client's features, at evaluation")
 
@@ -166,7 +168,8 @@ class FedLoGeClient(Client):
         model.load_state_dict(msg.weights, strict=False)
         head = model.head
         phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
-        params = [*model.encoder.parameters(), *head.aux.parameters(), *phi.parameters()]
+        heads = {"params": [*head.aux.parameters(), *phi.parameters()], "lr": ctx.train.lr * self.args.head_lr_scale}
+        params = [{"params": list(model.encoder.parameters())}, heads]
 
         def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             h = model.forward_features(x)
