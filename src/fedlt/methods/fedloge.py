@@ -17,7 +17,13 @@ Choices where the paper is silent (also in the README):
 - LA-FR uses the *direction* of ``psi`` (Algorithm 1, line 16 writes the raw ``psi_c``, which
   would multiply the global long-tailed norms back in after GA-FR removed them).
 - ``psi`` and ``phi_k`` have no bias: the realignments act on norms, and a learned bias would
-  carry the class prior that they are meant to replace.
+  carry the class prior that they are meant to replace. ``head_bias=true`` gives them one (the
+  released code's ``nn.Linear``); the global model then drops psi's bias, personal models keep
+  phi_k's.
+- ``psi`` and ``phi_k`` step with ``fl.lr`` like the backbone (Algorithm 1 has one eta);
+  ``head_lr_scale`` changes that, for diagnosis: through a fixed head of norm ``gamma`` the
+  backbone can raise its logits only by growing its features, and the curvature psi sees grows
+  with the square of their norm.
 - ``phi_k`` starts, at the client's first participation, from its own ``nn.Linear``-style random
   initialisation (Algorithm 1 initialises every ``phi_k`` separately from ``w``), seeded per client.
   A client that never trained has no ``phi_k``; its personalized model is the global one.
