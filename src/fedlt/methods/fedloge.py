@@ -113,6 +113,12 @@ def la_fr(psi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return ga_fr(psi) * phi.norm(dim=1, keepdim=True)
 
 
+def psi_of(head: FedLoGeHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """psi's weight and bias (None without ``head_bias``), detached."""
+    aux = head.aux
+    return aux.weight.detach(), None if aux.bias is None else aux.bias.detach()
+
+
 def global_head(psi: torch.Tensor, bias: torch.Tensor | None, realign: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The global model's classifier: GA-FR(psi) without psi's bias (a bias learned on the
     long-tailed data carries the global prior that GA-FR removes), or the raw psi as trained."""
@@ -149,18 +155,14 @@ class FedLoGeServer(Server):
         view.load_state_dict(self.model.state_dict())
         return set_head(view, head, bias)
 
-    def _psi(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        aux = self.model.head.aux
-        return aux.weight.detach(), None if aux.bias is None else aux.bias.detach()
-
     def global_model(self) -> FedModel:
-        return self._view("global", *global_head(*self._psi(), self.args.ga_fr))
+        return self._view("global", *global_head(*psi_of(self.model.head), self.args.ga_fr))
 
     def extra_models(self) -> dict[str, FedModel]:
         """The fixed classifier itself, and the other choice of global head (ablation of GA-FR)."""
         other = "psi_raw" if self.args.ga_fr else "psi_ga_fr"
         return {self.args.classifier: self.model,
-                other: self._view(other, *global_head(*self._psi(), not self.args.ga_fr))}
+                other: self._view(other, *global_head(*psi_of(self.model.head), not self.args.ga_fr))}
 
     def eval_message(self, cid: int) -> Message:
         return Message(weights=clone_state(self.model))
@@ -192,13 +194,13 @@ class FedLoGeClient(Client):
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         a = self.args
-        aux = model.head.aux
+        psi, psi_bias = psi_of(model.head)
         stored = load_personal(ctx, "phi")
         if stored is None:  # never trained: the global model
-            set_head(model, *global_head(aux.weight.detach(), None if aux.bias is None else aux.bias.detach(), a.ga_fr))
+            set_head(model, *global_head(psi, psi_bias, a.ga_fr))
             return
         phi, phi_bias = stored["weight"], stored.get("bias")
-        weight = (la_fr(aux.weight.detach(), phi) if a.la_fr else phi).clone()
+        weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
         bias = None if phi_bias is None else phi_bias.clone()
         if a.finetune_epochs:
             params = [p.requires_grad_(True) for p in (weight, bias) if p is not None]
