@@ -7,7 +7,7 @@ import torch
 
 import fedlt
 from fedlt.errors import ConfigError
-from fedlt.methods.fedloge import FedLoGeClient, ga_fr, la_fr
+from fedlt.methods.fedloge import FedLoGeClient, ga_fr, global_head, la_fr
 from fedlt.models.etf import classifier_geometry, etf_angle
 from fedlt.results import TIMING_KEYS
 
@@ -144,3 +144,45 @@ def test_resume_restores_personal_heads(tmp_path, monkeypatch):
     assert all("personal/phi/weight" in s for s in ckpt["clients"].values()) and len(ckpt["clients"]) == 4
     resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)
+
+
+def test_global_head_drops_psi_bias_only_with_ga_fr():
+    psi, bias = torch.randn(10, 16) * 3, torch.randn(10)
+    weight, b = global_head(psi, bias, realign=True)
+    assert b is None and torch.allclose(weight.norm(dim=1), torch.ones(10), atol=1e-6)
+    weight, b = global_head(psi, bias, realign=False)
+    assert torch.equal(weight, psi) and torch.equal(b, bias)
+
+
+def test_head_bias_is_uploaded_for_psi_and_kept_locally_for_phi(tmp_path, monkeypatch):
+    calls = spy_on_fit(monkeypatch)
+    seen = []
+    original = FedLoGeClient.personalize
+
+    def personalize(self, ctx, msg):
+        original(self, ctx, msg)
+        if "personal/phi/bias" in ctx.state:
+            seen.append((ctx.model.head.fixed.bias.clone(), ctx.state["personal/phi/bias"].clone()))
+
+    monkeypatch.setattr(FedLoGeClient, "personalize", personalize)
+    res = fedlt.run(tiny(tmp_path, head_bias=True), quiet=True)
+    for call in calls:
+        assert set(call["after"]) == {"personal/phi/weight", "personal/phi/bias"}
+        assert "head.aux.bias" in call["reply"].weights
+        assert not any(torch.equal(v, call["after"]["personal/phi/bias"]) for v in call["reply"].weights.values())
+    # the personalized model predicts with phi_k's own bias (LA-FR touches only the class vectors)
+    assert seen and all(torch.equal(model_bias, phi_bias) and phi_bias.abs().sum() > 0 for model_bias, phi_bias in seen)
+    assert res.summary["final"]["pm_acc"] is not None
+
+
+def test_head_lr_scale_changes_the_heads_and_never_the_backbone(tmp_path, monkeypatch):
+    """psi and phi_k learn on detached features, so their step size cannot move the backbone."""
+    calls = spy_on_fit(monkeypatch)
+    fedlt.run(tiny(tmp_path, "one"), quiet=True)
+    fedlt.run(tiny(tmp_path, "small", head_lr_scale=0.1), quiet=True)
+    half = len(calls) // 2
+    for a, b in zip(calls[:half], calls[half:]):
+        enc = [k for k in a["reply"].weights if k.startswith("encoder.")]
+        assert enc and all(torch.equal(a["reply"].weights[k], b["reply"].weights[k]) for k in enc)
+        assert not torch.allclose(a["reply"].weights["head.aux.weight"], b["reply"].weights["head.aux.weight"])
+        assert not torch.allclose(a["after"]["personal/phi/weight"], b["after"]["personal/phi/weight"])

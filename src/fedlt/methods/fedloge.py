@@ -17,7 +17,13 @@ Choices where the paper is silent (also in the README):
 - LA-FR uses the *direction* of ``psi`` (Algorithm 1, line 16 writes the raw ``psi_c``, which
   would multiply the global long-tailed norms back in after GA-FR removed them).
 - ``psi`` and ``phi_k`` have no bias: the realignments act on norms, and a learned bias would
-  carry the class prior that they are meant to replace.
+  carry the class prior that they are meant to replace. ``head_bias=true`` gives them one (the
+  released code's ``nn.Linear``); the global model then drops psi's bias, personal models keep
+  phi_k's.
+- ``psi`` and ``phi_k`` step with ``fl.lr`` like the backbone (Algorithm 1 has one eta);
+  ``head_lr_scale`` changes that, for diagnosis: through a fixed head of norm ``gamma`` the
+  backbone can raise its logits only by growing its features, and the curvature psi sees grows
+  with the square of their norm.
 - ``phi_k`` starts, at the client's first participation, from its own ``nn.Linear``-style random
   initialisation (Algorithm 1 initialises every ``phi_k`` separately from ``w``), seeded per client.
   A client that never trained has no ``phi_k``; its personalized model is the global one.
@@ -40,7 +46,7 @@ from torch import nn
 
 from fedlt.config import Config
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state, parse_args
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
@@ -62,6 +68,10 @@ class FedLoGeArgs(MethodArgs):
     la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
     personal_head: Literal["realigned", "realigned_plus_phi"] = Field(
         "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
+    head_bias: bool = Field(False, description="psi and phi_k are linear layers with a bias (the released code); "
+                                               "the GM drops psi's bias, PM keeps phi_k's")
+    head_lr_scale: float = Field(1.0, gt=0, description="learning rate of psi and phi_k relative to fl.lr (Algorithm 1: "
+                                                        "one step size for all, 1.0)")
     finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
                                                       "(Appendix A.5), on the client's features, at evaluation")
 
@@ -76,10 +86,10 @@ class FedLoGeHead(nn.Module):
     """The classifier slot of a FedLoGe model: ``fixed`` (the SSE-C during training; the head
     being evaluated otherwise) and the global auxiliary head ``aux`` (psi)."""
 
-    def __init__(self, feature_dim: int, num_classes: int) -> None:
+    def __init__(self, feature_dim: int, num_classes: int, bias: bool = False) -> None:
         super().__init__()
         self.fixed = FixedLinear(feature_dim, num_classes)
-        self.aux = nn.Linear(feature_dim, num_classes, bias=False)
+        self.aux = nn.Linear(feature_dim, num_classes, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.fixed(features)
@@ -88,7 +98,8 @@ class FedLoGeHead(nn.Module):
 def fedloge_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
     model = create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
     check_etf_width(model.feature_dim, num_classes, cfg.model.name)
-    model.replace_head(FedLoGeHead(model.feature_dim, num_classes))
+    bias = parse_args(FedLoGeArgs, cfg.method_args, "method_args", "method fedloge").head_bias
+    model.replace_head(FedLoGeHead(model.feature_dim, num_classes, bias))
     return model
 
 
@@ -100,6 +111,18 @@ def ga_fr(psi: torch.Tensor) -> torch.Tensor:
 def la_fr(psi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """Eq. 7: the global head's class directions with the personal head's class norms."""
     return ga_fr(psi) * phi.norm(dim=1, keepdim=True)
+
+
+def psi_of(head: FedLoGeHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """psi's weight and bias (None without ``head_bias``), detached."""
+    aux = head.aux
+    return aux.weight.detach(), None if aux.bias is None else aux.bias.detach()
+
+
+def global_head(psi: torch.Tensor, bias: torch.Tensor | None, realign: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global model's classifier: GA-FR(psi) without psi's bias (a bias learned on the
+    long-tailed data carries the global prior that GA-FR removes), or the raw psi as trained."""
+    return (ga_fr(psi), None) if realign else (psi, bias)
 
 
 def set_head(model: FedModel, weight: torch.Tensor, bias: torch.Tensor | None = None) -> FedModel:
@@ -124,26 +147,22 @@ class FedLoGeServer(Server):
     def fit_message(self, rnd: int, cid: int) -> Message:
         return Message(weights=clone_state(self.model))  # backbone, psi and the frozen SSE-C
 
-    def _view(self, name: str, head: torch.Tensor) -> FedModel:
+    def _view(self, name: str, head: torch.Tensor, bias: torch.Tensor | None = None) -> FedModel:
         """The current backbone with ``head`` in the classifier slot (a separate model object)."""
         if name not in self._views:
             self._views[name] = copy.deepcopy(self.model)
         view = self._views[name]
         view.load_state_dict(self.model.state_dict())
-        return set_head(view, head)
-
-    def _psi(self) -> torch.Tensor:
-        return self.model.head.aux.weight.detach()
+        return set_head(view, head, bias)
 
     def global_model(self) -> FedModel:
-        psi = self._psi()
-        return self._view("global", ga_fr(psi) if self.args.ga_fr else psi)
+        return self._view("global", *global_head(*psi_of(self.model.head), self.args.ga_fr))
 
     def extra_models(self) -> dict[str, FedModel]:
         """The fixed classifier itself, and the other choice of global head (ablation of GA-FR)."""
-        psi = self._psi()
-        other = ("psi_raw", psi) if self.args.ga_fr else ("psi_ga_fr", ga_fr(psi))
-        return {self.args.classifier: self.model, other[0]: self._view(other[0], other[1])}
+        other = "psi_raw" if self.args.ga_fr else "psi_ga_fr"
+        return {self.args.classifier: self.model,
+                other: self._view(other, *global_head(*psi_of(self.model.head), not self.args.ga_fr))}
 
     def eval_message(self, cid: int) -> Message:
         return Message(weights=clone_state(self.model))
@@ -157,7 +176,8 @@ class FedLoGeClient(Client):
         model.load_state_dict(msg.weights, strict=False)
         head = model.head
         phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
-        params = [*model.encoder.parameters(), *head.aux.parameters(), *phi.parameters()]
+        heads = {"params": [*head.aux.parameters(), *phi.parameters()], "lr": ctx.train.lr * self.args.head_lr_scale}
+        params = [{"params": list(model.encoder.parameters())}, heads]
 
         def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             h = model.forward_features(x)
@@ -174,21 +194,22 @@ class FedLoGeClient(Client):
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         a = self.args
-        psi = model.head.aux.weight.detach()
+        psi, psi_bias = psi_of(model.head)
         stored = load_personal(ctx, "phi")
         if stored is None:  # never trained: the global model
-            set_head(model, ga_fr(psi) if a.ga_fr else psi)
+            set_head(model, *global_head(psi, psi_bias, a.ga_fr))
             return
-        phi = stored["weight"]
+        phi, phi_bias = stored["weight"], stored.get("bias")
         weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
+        bias = None if phi_bias is None else phi_bias.clone()
         if a.finetune_epochs:
-            weight.requires_grad_(True)
-            train_on_features(ctx, [weight], lambda h: h @ weight.T, a.finetune_epochs)
-            weight = weight.detach()
+            params = [p.requires_grad_(True) for p in (weight, bias) if p is not None]
+            train_on_features(ctx, params, lambda h: F.linear(h, weight, bias), a.finetune_epochs)
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
         if a.personal_head == "realigned_plus_phi":
             absent = ctx.data.class_counts() == 0
-            bias = torch.where(absent, MASKED_LOGIT, 0.0).to(weight)
-            set_head(model, weight + phi, bias)
+            masked = torch.where(absent, MASKED_LOGIT, 0.0).to(weight)
+            extra = 0.0 if bias is None else bias + phi_bias  # the two heads' biases add like their logits
+            set_head(model, weight + phi, masked + extra)
         else:
-            set_head(model, weight)
-
+            set_head(model, weight, bias)
