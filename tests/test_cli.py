@@ -119,6 +119,8 @@ def error_cases(data: Path) -> dict[str, Case]:
                                            "data.min_client_size=100000", "use data.min_client_size <="),
         "few_above_many_threshold": Case(["run", "eval.many_threshold=100", *SYN], "eval.few_threshold=200",
                                          "eval.many_threshold=100", "set eval.few_threshold <="),
+        "vectorized_unsupported_method": Case(["run", "method=feddecorr", "run.backend=vectorized", *SYN],
+                                              "run.backend=vectorized", "feddecorr", "run.backend=auto"),
         "override_without_equals": Case(["run", *SYN, "fl.rounds"], "'fl.rounds'", "key=value"),
         "missing_config_file": Case(["run", str(data / "nope.yaml"), *SYN], str(data / "nope.yaml"), "does not exist"),
         "resume_non_run_dir": Case(["run", "--resume", str(data / "not-a-run")], str(data / "not-a-run"),
