@@ -105,3 +105,18 @@ def test_many_clients_keep_no_per_client_state(tmp_path):
     row = sim.fit_round(1)
     assert sorted(set(touched)) == sim.schedule[0] and len(sim.schedule[0]) == 5
     assert sim.client_states == {} and row["train_loss"] > 0
+
+
+def test_reference_loop_of_the_speed_bench_trains_a_fedavg_round(tmp_path):
+    from fedlt.bench.speed import reference_round, time_backend
+
+    sim = prepare(config(tmp_path, "run.channels_last=false"))
+    before = clone_state(sim.server_model)
+    timing = time_backend(sim, "reference", rounds=1)
+    sampled = sim.schedule[1]
+    assert timing["images_per_round"] == sum(len(sim.train_data.partition.client_indices[c]) for c in sampled)
+    assert timing["s_per_round"] > 0
+    changed = [k for k, v in sim.server_model.state_dict().items() if not torch.equal(v, before[k])]
+    assert sorted(changed) == sorted(k for k, _ in sim.server_model.named_parameters())
+    reference_round(sim, 2)  # the global model keeps training
+    assert not torch.equal(sim.server_model.head.weight, before["head.weight"])

@@ -17,6 +17,10 @@ Equal to the sequential loop (to float rounding), client by client:
 
 Models must be deterministic functions of their input in training mode (no dropout): the
 global RNG is not split per client.
+
+On this project's 2-core CPU it is slower than the sequential loop (each client's batch already
+keeps the cores busy, and grouped convolutions run slower than the same work as separate ones:
+docs/results/speed.md), so ``run.backend`` defaults to sequential; it is meant for GPUs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedlt.losses import LossFn
 from fedlt.methods.base import ClientContext, LocalObjective
+from fedlt.seeding import seed_for
 from fedlt.training import epoch_batches
 
 Stacked = dict[str, torch.Tensor]
@@ -100,6 +105,8 @@ def train_clients(
     plans = [client_plan(ctx, train.epochs) for ctx in contexts]
     augment = [ctx.generator(purpose=1) for ctx in contexts]
     totals = torch.zeros(n, device=device, dtype=params[param_names[0]].dtype)
+    last = contexts[-1]  # the global RNG as sequential training leaves it (it seeds it per client)
+    torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
     model.train()
     for t in range(max((len(p) for p in plans), default=0)):
         groups: dict[int, list[int]] = {}
