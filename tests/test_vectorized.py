@@ -68,14 +68,18 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, model, loss
 def test_vectorized_run_equals_sequential_run(tmp_path, method, extra, atol, acc_tol):
     runs = {}
     for backend in ("sequential", "vectorized"):
-        cfg = config(tmp_path / backend, f"method={method}", f"run.backend={backend}", *extra)
-        sim = prepare(cfg)
+        sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
         assert sim.backend == backend
-        sim.setup()
-        sim.fit_round(1)
-        after_one = clone_state(sim.server.model)
-        result = fedlt.run(cfg, quiet=True)
-        runs[backend] = (after_one, result)
+        states, aggregate = [], sim.server.aggregate  # capture the global model after each aggregation
+
+        def spy(rnd, replies, aggregate=aggregate, states=states, sim=sim):
+            aggregate(rnd, replies)
+            states.append(clone_state(sim.server.model))
+
+        sim.server.aggregate = spy
+        (tmp_path / backend).mkdir()
+        result = sim.run(tmp_path / backend, quiet=True)
+        runs[backend] = (states[0], result)
     (seq_state, seq), (vec_state, vec) = runs["sequential"], runs["vectorized"]
     for name, value in seq_state.items():
         assert torch.allclose(vec_state[name].double(), value.double(), atol=atol), name
