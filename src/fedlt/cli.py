@@ -153,7 +153,10 @@ def bench_speed_cmd(
         from fedlt.bench.speed import run_backend_bench, run_speed_bench
 
         config = args.pop(0) if args and "=" not in args[0] else None
-        text = (run_backend_bench if backends else run_speed_bench)(config, args, rounds=rounds)
+        if backends:
+            text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True))
+        else:
+            text = run_speed_bench(config, args, rounds=rounds)
         typer.echo(text)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

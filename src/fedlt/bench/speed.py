@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import platform
 import time
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -160,9 +161,11 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
             "images_per_round": images * sim.cfg.fl.local_epochs / rounds}
 
 
-def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2) -> str:
+def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
+                      echo: Callable[[str], None] = lambda line: None) -> str:
     """Sequential vs vectorized vs the peer-style reference loop, for the CNN and ResNet-8 with 10
-    and 20 sampled clients; then K=10 vs K=1,000 clients at 10 sampled per round."""
+    and 20 sampled clients; then K=10 vs K=1,000 clients at 10 sampled per round. ``echo`` gets
+    each table row as it is measured (the whole bench takes minutes on a CPU)."""
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
     lines = [
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
@@ -189,6 +192,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2)
             for backend, r in results.items():
                 lines.append(f"| {model} | {cfg.data.dataset} | {sampled} | {backend} | {r['s_per_round']:.3f} "
                              f"| {r['images_per_s']:.0f} | {ref / r['s_per_round']:.2f}x |")
+                echo(lines[-1])
     lines += ["", f"### K clients at 10 sampled per round ({base.model.name}, {base.data.dataset})", "",
               "| K | participation | backend | s/round | images/round | images/s |", "|---|---|---|---|---|---|"]
     for k in (10, 1000):
@@ -198,4 +202,5 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2)
             r = time_backend(prepare(cfg), backend, rounds)
             lines.append(f"| {k} | {10 / k:g} | {backend} | {r['s_per_round']:.3f} | {r['images_per_round']:.0f} "
                          f"| {r['images_per_s']:.0f} |")
+            echo(lines[-1])
     return "\n".join(lines)
