@@ -18,7 +18,7 @@ Equal to the sequential loop (to float rounding), client by client:
 Models must be deterministic functions of their input in training mode (no dropout): the
 global RNG is not split per client.
 
-On this project's 2-core CPU it is slower than the sequential loop (each client's batch already
+On this project's 2-core CPU it measured no faster than the sequential loop (each client's batch already
 keeps the cores busy, and grouped convolutions run slower than the same work as separate ones:
 docs/results/speed.md), so ``run.backend`` defaults to sequential; it is meant for GPUs.
 """
