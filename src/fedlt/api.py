@@ -11,6 +11,7 @@ import torch
 from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.engine.simulation import RunResult, Simulation
+from fedlt.engine.vectorized import choose_backend
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
 from fedlt.data.registry import DATASETS
@@ -65,6 +66,10 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
     check_tracking(cfg)
+    if cfg.engine == "flower" and cfg.run.backend == "vectorized":
+        raise ConfigError("run.backend=vectorized trains clients of one process together, but under engine=flower "
+                          "each client trains on its SuperNode; use run.backend=auto or sequential")
+    choose_backend(cfg, spec.client)
     return spec
 
 

@@ -143,15 +143,20 @@ def bench_speed_cmd(
     args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
     rounds: int = typer.Option(3, help="rounds to time (after one warm-up round)"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
+    backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/vectorized with a "
+                                  "peer-style reference loop (CNN and ResNet-8, 10/20 clients; K=10 vs 1,000)"),
 ) -> None:
     """Images/s of local training, seconds per round and achieved GFLOP/s vs. a measured matmul peak."""
     args = list(args or [])
 
     def go() -> None:
-        from fedlt.bench.speed import run_speed_bench
+        from fedlt.bench.speed import run_backend_bench, run_speed_bench
 
         config = args.pop(0) if args and "=" not in args[0] else None
-        text = run_speed_bench(config, args, rounds=rounds)
+        if backends:
+            text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True))
+        else:
+            text = run_speed_bench(config, args, rounds=rounds)
         typer.echo(text)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

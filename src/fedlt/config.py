@@ -113,6 +113,10 @@ class RunConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format (measured faster for convs on CPU)")
+    backend: Literal["auto", "sequential", "vectorized"] = Field(
+        "sequential", description="local training: sampled clients one after another, or all at once as one batched "
+        "computation (vectorized; FedAvg, FedProx); auto = vectorized where the method supports it"
+    )
     deterministic: bool = True
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 

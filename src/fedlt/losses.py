@@ -165,7 +165,7 @@ def _ldam_from_margins(
     _check_batch(logits, targets)
     _check_class_vector(margins, logits, "LDAM margins")
     m_y = margins.to(dtype=logits.dtype)[targets]
-    shift = F.one_hot(targets, logits.shape[1]).to(logits.dtype) * m_y[:, None]
+    shift = torch.zeros_like(logits).scatter(1, targets[:, None], m_y[:, None])  # m_y at the target (vmap-safe)
     return F.cross_entropy(scale * (logits - shift), targets)
 
 

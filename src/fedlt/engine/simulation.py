@@ -22,6 +22,7 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.sampling import lr_at, sampling_schedule
+from fedlt.engine.vectorized import choose_backend, fit_vectorized
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
@@ -66,8 +67,12 @@ class Simulation:
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
         ))
+        #: how sampled clients train: "sequential" or "vectorized" (run.backend, resolved for the
+        #: method); clients on Flower SuperNodes train one message at a time
+        self.backend = choose_backend(cfg, spec.client) if self.clients is not None else "sequential"
         self.client_states: dict[int, dict[str, Any]] = {}
         self.all_clients = list(range(self.train_data.num_clients))
+        self._local_test: list[torch.Tensor] | None = None
         per_round = 1 if spec.pooled else cfg.clients_per_round()
         self.schedule = sampling_schedule(cfg.seed, len(self.all_clients), per_round, cfg.fl.rounds)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
@@ -141,13 +146,16 @@ class Simulation:
         """One round: queries, local training of the sampled clients (those the server sends a
         message to), aggregation, more queries, server steps."""
         sampled = self.server.select_clients(rnd, self.schedule[rnd - 1])
-        if len(set(sampled)) != len(sampled) or not set(sampled) <= set(self.all_clients):
+        if len(set(sampled)) != len(sampled) or not all(0 <= c < len(self.all_clients) for c in sampled):
             raise RuntimeError(f"{type(self.server).__name__}.select_clients returned {sampled}: "
                                f"need distinct ids in 0..{len(self.all_clients) - 1}")
         self._run_queries("before_fit", rnd, sampled)
         self._seed_global(rnd, len(STAGES))
-        messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
-        replies = self._exchange("fit", rnd, messages)
+        if self.backend == "vectorized":
+            replies = fit_vectorized(self, rnd, sampled)
+        else:
+            messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
+            replies = self._exchange("fit", rnd, messages)
         self.server.aggregate(rnd, replies)
         self._run_queries("after_fit", rnd, sampled)
         self.server.end_round(rnd)
@@ -172,7 +180,10 @@ class Simulation:
         if variants:
             out["variants"] = variants
         if self.cfg.eval.personalized:
-            local = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device) for ix in self.eval_data.local_test]
+            if self._local_test is None:  # once per run, not per evaluation: K can be large
+                self._local_test = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device)
+                                    for ix in self.eval_data.local_test]
+            local = self._local_test
             if self.spec.client.personalized:
                 messages = ((cid, self.server.eval_message(cid)) for cid in range(len(local)))
                 per_client = [r.payload["correct"].to(test.labels.device)
@@ -231,7 +242,7 @@ class Simulation:
             rows = []
             write_partition(run_dir, partition_record(cfg, self.eval_data.partition.counts, self.eval_data.train.classes))
             self.setup()
-        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name}", quiet)
+        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         tracker = Tracker(cfg, run_dir)
         try:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
@@ -276,6 +287,7 @@ class Simulation:
             "train_class_counts": [int(c) for c in self.eval_data.train_counts],
             "class_names": self.eval_data.train.classes,
             "device": str(self.device),
+            "backend": self.backend,
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),

@@ -105,6 +105,17 @@ class TrainSettings:
 
 
 @dataclass
+class LocalObjective:
+    """A client's local step written as data, so the vectorized backend can train many clients in
+    one batched computation: minimise ``loss(model(x), y)`` (a loss from
+    :func:`fedlt.losses.make_loss`) plus FedProx's ``prox_mu / 2 * ||w - w_start||^2`` with
+    :func:`fedlt.training.train_local`'s SGD, from the message's weights, replying all weights."""
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    prox_mu: float = 0.0
+
+
+@dataclass
 class ClientContext:
     """What a client procedure sees: its id, data, persistent state and the shared model instance."""
 
@@ -225,6 +236,13 @@ class Client:
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         raise NotImplementedError
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """This client's :meth:`fit` as a :class:`LocalObjective`, for the vectorized backend; None
+        (the default): the local step does not fit that form. The engine only calls it on a class
+        that defines it itself, so a subclass that changes :meth:`fit` falls back to sequential
+        training until it declares its own."""
+        return None
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         """Answer an extra round-trip named ``name``; subclasses dispatch on the name."""

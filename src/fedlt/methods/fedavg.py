@@ -12,7 +12,7 @@ import torch
 
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Query, Reply
-from fedlt.methods.base import Client, ClientContext, Server, Stage, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, clone_state
 from fedlt.training import BatchLoss, train_local
 
 PRIOR_LOSSES = {"la", "bsm", "ldam"}
@@ -72,6 +72,9 @@ class FedAvgClient(Client):
         ctx.model.load_state_dict(msg.weights, strict=False)
         metrics = train_local(ctx, self.batch_loss(ctx, msg))
         return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        return LocalObjective(local_loss(ctx, msg))
 
     def batch_loss(self, ctx: ClientContext, msg: Message) -> BatchLoss:
         """The local objective of one batch: the configured loss plus :meth:`regularizer`.

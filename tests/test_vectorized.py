@@ -1,0 +1,126 @@
+"""The vectorized backend equals sequential training, client by client and round by round."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fedlt
+from fedlt.api import prepare
+from fedlt.batched_training import train_clients
+from fedlt.errors import ConfigError
+from fedlt.messages import Message
+from fedlt.methods.base import clone_state
+from fedlt.methods.fedavg import local_loss
+from fedlt.training import train_local
+
+
+def config(tmp_path, *overrides: str):
+    return fedlt.load_config(None, [
+        "seed=1", "data.dataset=synthetic", "data.imbalance_factor=10", "data.num_clients=5", "fl.participation=0.8",
+        "fl.local_epochs=1", "fl.rounds=2", "eval.every=1", f"run.out_dir={tmp_path}", "run.threads=1",
+        "run.checkpoint_every=0", *overrides,
+    ])
+
+
+def float64(sim):
+    """The simulation in float64, where batched and sequential arithmetic agree to ~1e-15."""
+    sim.worker.double()
+    sim._worker_init = clone_state(sim.worker)
+    standardize = sim._standardizer()
+    sim._standardizer = lambda: (lambda x: standardize(x).double())
+    return sim
+
+
+@pytest.mark.parametrize("model,loss,extra", [
+    ("resnet8", "ldam", ["data.augment=strong", "fl.grad_clip=0.5"]),  # BatchNorm, margins, augmentation, clipping
+    ("cnn", "la", ["fl.local_epochs=2", "fl.weight_decay=0.01"]),
+])
+def test_batched_clients_equal_sequential_training_exactly(tmp_path, model, loss, extra):
+    sim = float64(prepare(config(tmp_path, f"model.name={model}", f"loss.name={loss}", "fl.batch_size=16",
+                                 "data.image_size=8", *extra)))
+    msg = Message(weights=clone_state(sim.worker))
+    cids = sim.schedule[0]
+    contexts = [sim._context(c, 1) for c in cids]
+    steps = {-(-len(ctx.data) // 16) for ctx in contexts}
+    assert len(steps) > 1, "the test needs clients with unequal numbers of batches"
+    batched = train_clients(sim.worker, contexts, [dict(msg.weights)] * len(cids),
+                            [sim.client.local_objective(ctx, msg) for ctx in contexts])
+    for cid, (weights, metrics) in zip(cids, batched):
+        ctx = sim._context(cid, 1)
+        loss_fn = local_loss(ctx, msg)
+        expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
+        assert metrics["steps"] == expected["steps"]
+        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)
+        for name, value in ctx.model.state_dict().items():
+            assert torch.allclose(weights[name], value, rtol=0, atol=1e-10), (cid, name)
+
+
+@pytest.mark.parametrize("method,extra,atol,acc_tol", [
+    ("fedavg", ["loss.name=la"], 1e-5, 0.15),
+    ("fedprox", ["method_args.mu=0.5"], 1e-5, 0.15),
+    # float32 rounding differs between grouped and single convolutions; BatchNorm amplifies it
+    # (the float64 test above shows the arithmetic is the same)
+    ("fedavg", ["model.name=resnet8", "data.image_size=8", "loss.name=bsm"], 2e-3, 2.0),
+])
+def test_vectorized_run_equals_sequential_run(tmp_path, method, extra, atol, acc_tol):
+    runs = {}
+    for backend in ("sequential", "vectorized"):
+        sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
+        assert sim.backend == backend
+        states, aggregate = [], sim.server.aggregate  # capture the global model after each aggregation
+
+        def spy(rnd, replies, aggregate=aggregate, states=states, sim=sim):
+            aggregate(rnd, replies)
+            states.append(clone_state(sim.server.model))
+
+        sim.server.aggregate = spy
+        (tmp_path / backend).mkdir()
+        result = sim.run(tmp_path / backend, quiet=True)
+        runs[backend] = (states[0], result)
+    (seq_state, seq), (vec_state, vec) = runs["sequential"], runs["vectorized"]
+    for name, value in seq_state.items():
+        assert torch.allclose(vec_state[name].double(), value.double(), atol=atol), name
+    assert vec.summary["final"]["acc"] == pytest.approx(seq.summary["final"]["acc"], abs=acc_tol)  # percent
+    assert [r["train_loss"] for r in vec.metrics] == pytest.approx([r["train_loss"] for r in seq.metrics], rel=1e-3)
+    assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == "vectorized"
+    assert vec.summary["communication_bytes"] == seq.summary["communication_bytes"]
+
+
+def test_backend_choice_and_fallback(tmp_path):
+    assert prepare(config(tmp_path, "method=feddecorr", "run.backend=auto")).backend == "sequential"
+    assert prepare(config(tmp_path, "method=fedavgm", "run.backend=auto")).backend == "vectorized"
+    assert prepare(config(tmp_path, "run.backend=auto", "calibration=ccvr")).backend == "sequential"
+    assert prepare(config(tmp_path)).backend == "sequential"  # the default: measured faster on CPU
+    with pytest.raises(ConfigError, match="run.backend=vectorized does not support method scaffold"):
+        prepare(config(tmp_path, "method=scaffold", "run.backend=vectorized"))
+
+
+def test_many_clients_keep_no_per_client_state(tmp_path):
+    """1,000 clients at 0.5% participation: a round touches only the 5 sampled clients."""
+    sim = prepare(config(tmp_path, "data.num_clients=1000", "fl.participation=0.005", "data.imbalance_factor=1",
+                         "data.partition=iid", "run.backend=vectorized", "eval.personalized=false"))
+    touched = []
+    original = sim._context
+    sim._context = lambda cid, rnd: touched.append(cid) or original(cid, rnd)
+    sim.setup()
+    row = sim.fit_round(1)
+    assert sorted(set(touched)) == sim.schedule[0] and len(sim.schedule[0]) == 5
+    assert sim.client_states == {} and row["train_loss"] > 0
+
+
+def test_reference_loop_of_the_speed_bench_trains_a_fedavg_round(tmp_path):
+    from fedlt.bench.speed import reference_round, time_backend
+
+    sim = prepare(config(tmp_path, "run.channels_last=false"))
+    before = clone_state(sim.server_model)
+    timing = time_backend(sim, "reference", rounds=1)
+    sampled = sim.schedule[1]
+    assert timing["images_per_round"] == sum(len(sim.train_data.partition.client_indices[c]) for c in sampled)
+    assert timing["s_per_round"] > 0
+    changed = [k for k, v in sim.server_model.state_dict().items() if not torch.equal(v, before[k])]
+    assert sorted(changed) == sorted(k for k, _ in sim.server_model.named_parameters())
+    reference_round(sim, 2)  # the global model keeps training
+    assert not torch.equal(sim.server_model.head.weight, before["head.weight"])
