@@ -138,6 +138,14 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
     _guard(go)
 
 
+def _print_and_save(text: str, out: Optional[Path]) -> None:
+    """A benchmark's Markdown: printed, and written to ``out`` when given."""
+    typer.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 @bench_app.command("speed")
 def bench_speed_cmd(
     args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
@@ -157,10 +165,7 @@ def bench_speed_cmd(
             text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True))
         else:
             text = run_speed_bench(config, args, rounds=rounds)
-        typer.echo(text)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
+        _print_and_save(text, out)
 
     _guard(go)
 
@@ -181,10 +186,7 @@ def bench_engines_cmd(
         if "=" in args[0]:
             raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
         text = run_engine_bench(args[0], args[1:], nodes=nodes)
-        typer.echo(text)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
+        _print_and_save(text, out)
 
     _guard(go)
 
