@@ -27,10 +27,11 @@ def config(tmp_path, *overrides: str):
 
 def float64(sim):
     """The simulation in float64, where batched and sequential arithmetic agree to ~1e-15."""
-    sim.worker.double()
-    sim._worker_init = clone_state(sim.worker)
-    standardize = sim._standardizer()
-    sim._standardizer = lambda: (lambda x: standardize(x).double())
+    clients = sim.clients
+    clients.worker.double()
+    clients._worker_init = clone_state(clients.worker)
+    standardize = clients._standardizer()
+    clients._standardizer = lambda: (lambda x: standardize(x).double())
     return sim
 
 
