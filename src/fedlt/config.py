@@ -15,6 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedlt.errors import ConfigError
 
 
+def _unit_fraction(v: float) -> float:
+    """Participation and reply fractions: a share of the clients, so in (0, 1]."""
+    if not 0 < v <= 1:
+        raise ValueError(f"must be in (0, 1], got {v}")
+    return v
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -75,9 +82,7 @@ class FLConfig(_Section):
     @field_validator("participation")
     @classmethod
     def _fraction(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError(f"must be in (0, 1], got {v}")
-        return v
+        return _unit_fraction(v)
 
 
 
@@ -134,9 +139,7 @@ class FlowerConfig(_Section):
     @field_validator("min_reply_fraction")
     @classmethod
     def _fraction(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError(f"must be in (0, 1], got {v}")
-        return v
+        return _unit_fraction(v)
 
 
 class Config(_Section):
