@@ -28,7 +28,7 @@ TIMING_KEYS = ("time_s", "elapsed_s")
 #: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
 #: every other key is a method's own diagnostic (``Server.metrics()``)
 EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
-ENGINE_KEYS = ("round", "lr", "train_loss", "comm", *TIMING_KEYS, *EVAL_KEYS)
+ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", *TIMING_KEYS, *EVAL_KEYS)
 
 
 def write_atomic(path: Path, text: str) -> None:
