@@ -63,8 +63,9 @@ def tiny(tmp_path, method: str, name: str, **top) -> dict:
     return cfg
 
 
-EQUIVALENT = {  # FedAvg, two methods with extra query phases, and one with per-client state
+EQUIVALENT = {  # FedAvg, two methods with extra query phases, one with per-client state, secure FedAvg
     "fedavg": {},
+    "fedavg+secagg": {"secagg": {"enabled": True}},
     "creff": {"calibration_args": {"creff_feature_steps": 5, "creff_retrain_steps": 20}},
     "sfd": {"calibration_args": {"safs_max_per_class": 100, "safs_min_per_class": 50, "safs_steps": 5,
                                  "safs_rff_dim": 50, "safs_finetune_epochs": 1}},
@@ -73,16 +74,16 @@ EQUIVALENT = {  # FedAvg, two methods with extra query phases, and one with per-
 
 
 def test_flower_simulation_equals_in_process_for_methods_with_phases_and_state(tmp_path):
-    """One Flower simulation (one Ray start) runs four methods in turn over the same virtual
+    """One Flower simulation (one Ray start) runs five methods in turn over the same virtual
     SuperNodes; each must give what the in-process engine gives: same partition, same clients
-    (same traffic), identical metrics."""
+    (same traffic), identical metrics (secure aggregation's masks cancel exactly, so its sums too)."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
     from fedlt.engine.flower_app import clientapp, run_on_grid
 
-    configs = {m: build_config(tiny(tmp_path, m, f"flower-{m}", **extra)) for m, extra in EQUIVALENT.items()}
+    configs = {m: build_config(tiny(tmp_path, m.split("+")[0], f"flower-{m}", **extra)) for m, extra in EQUIVALENT.items()}
     flower: dict = {}
     app = ServerApp()
 
@@ -96,7 +97,7 @@ def test_flower_simulation_equals_in_process_for_methods_with_phases_and_state(t
                                    "init_args": {"include_dashboard": False}})
     assert set(flower) == set(EQUIVALENT)
     for method, extra in EQUIVALENT.items():
-        local = fedlt.run(tiny(tmp_path, method, f"local-{method}", **extra), quiet=True)
+        local = fedlt.run(tiny(tmp_path, method.split("+")[0], f"local-{method}", **extra), quiet=True)
         remote = flower[method]
         assert (remote.run_dir / "partition.json").read_text() == (local.run_dir / "partition.json").read_text()
         assert len(remote.metrics) == len(local.metrics) == 2

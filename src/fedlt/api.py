@@ -70,7 +70,30 @@ def check_config(cfg: Config) -> MethodSpec:
         raise ConfigError("run.backend=vectorized trains clients of one process together, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
     choose_backend(cfg, spec.client)
+    _check_secagg(cfg, spec)
     return spec
+
+
+def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
+    """``secagg.enabled`` only where the method's own fit upload can be aggregated securely."""
+    if not cfg.secagg.enabled:
+        return
+    if spec.pooled:
+        raise ConfigError(f"method {cfg.method} trains on pooled data: there is nothing to aggregate securely; "
+                          "set secagg.enabled=false")
+    if "fit" not in spec.server.secure_phases(cfg):
+        raise ConfigError(f"secagg.enabled: method {cfg.method}'s server reads each client's fit reply, so it cannot "
+                          "be aggregated securely; use a method whose server averages or sums the replies (fedavg, "
+                          "sfd, ccvr, fedloge, fedrod, ...: see README, Secure aggregation) or set secagg.enabled=false")
+    if cfg.clients_per_round() < 2:
+        raise ConfigError(f"secagg.enabled needs at least 2 clients per round, fl.participation samples "
+                          f"{cfg.clients_per_round()}; raise fl.participation")
+    if cfg.run.backend == "vectorized":
+        raise ConfigError("run.backend=vectorized does not run secure aggregation's masked exchanges; "
+                          "use run.backend=sequential (or auto) with secagg.enabled")
+    from fedlt.engine.secure_aggregation import flower_crypto
+
+    flower_crypto()
 
 
 def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:

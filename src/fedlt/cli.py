@@ -174,18 +174,25 @@ def bench_speed_cmd(
 def bench_engines_cmd(
     args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...] for the measured config"),
     nodes: int = typer.Option(3, help="SuperNodes of the loopback deployment"),
+    engines: str = typer.Option("inprocess,flower,deployment", help="comma-separated engines to measure"),
+    secagg: bool = typer.Option(False, "--secagg", help="run each engine again with secagg.enabled=true"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
 ) -> None:
     """Seconds per round of one config in-process, on Flower's simulation engine and on a loopback deployment."""
     args = list(args)
 
     def go() -> None:
-        from fedlt.bench.engines import run_engine_bench
+        from fedlt.bench.engines import ENGINES, run_engine_bench
         from fedlt.errors import ConfigError
 
         if "=" in args[0]:
             raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
-        text = run_engine_bench(args[0], args[1:], nodes=nodes)
+        chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+        unknown = [e for e in chosen if e not in ENGINES]
+        if unknown or not chosen:
+            raise ConfigError(f"unknown engine '{unknown[0] if unknown else engines}' in --engines; use a comma-separated "
+                              f"list of {', '.join(ENGINES)}")
+        text = run_engine_bench(args[0], args[1:], nodes=nodes, engines=chosen, secagg=secagg)
         _print_and_save(text, out)
 
     _guard(go)

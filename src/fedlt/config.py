@@ -142,6 +142,29 @@ class FlowerConfig(_Section):
         return _unit_fraction(v)
 
 
+class SecAggConfig(_Section):
+    """Secure aggregation (SecAgg+) of the phases a method declares as sums or weighted means."""
+
+    enabled: bool = Field(False, description="the server sees only sums of the secure phases' replies (needs fedlt[flower])")
+    neighbours: int = Field(0, ge=0, description="SecAgg+: clients each one masks with, itself included (odd, >= 3); "
+                            "0: every client of the phase (SecAgg)")
+    threshold: float = Field(0.5, description="fraction of a client's neighbours whose shares rebuild its secrets: "
+                             "t = max(2, ceil(threshold x neighbours)); more dropouts than neighbours - t abort the phase")
+    fraction_bits: int = Field(24, ge=8, le=40, description="fixed-point precision of the masked integers (2^-bits)")
+
+    @field_validator("threshold")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        return _unit_fraction(v)
+
+    @field_validator("neighbours")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v and (v < 3 or v % 2 == 0):
+            raise ValueError(f"must be 0 (every client) or an odd number >= 3, got {v}")
+        return v
+
+
 class Config(_Section):
     """The whole experiment."""
 
@@ -171,6 +194,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
     flower: FlowerConfig = FlowerConfig()
+    secagg: SecAggConfig = SecAggConfig()
 
     @model_validator(mode="after")
     def _clients_vs_participation(self) -> "Config":

@@ -89,8 +89,9 @@ def describe_message(msg: Message | Reply) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
                     "bytes": value.numel() * value.element_size()}
-        return {"value": value if isinstance(value, (int, float, str, bool)) else type(value).__name__,
-                "bytes": payload_nbytes({"v": value})}
+        shown = value if isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) <= 64) \
+            else type(value).__name__  # long strings (keys, ciphertexts) by size only
+        return {"value": shown, "bytes": payload_nbytes({"v": value})}
 
     model_bytes, payload_bytes = msg.nbytes()
     out: dict[str, Any] = {

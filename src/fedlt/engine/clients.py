@@ -15,6 +15,7 @@ from fedlt.config import Config
 from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
+from fedlt.engine import secure_aggregation as secagg
 from fedlt.evaluation import predict
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
@@ -76,6 +77,12 @@ class ClientRuntime:
     def handle(self, kind: str, cid: int, rnd: int, msg: Message, state: dict[str, Any]) -> Reply:
         """Answer one exchange: ``fit``, ``query:NAME`` or ``evaluate``; ``state`` is the client's
         persistent ``ctx.state`` and is updated in place."""
+        if kind.startswith("secagg:"):
+            return secagg.client_step(kind, cid, msg, state)
+        secure = msg.payload.get(secagg.ENTRY)
+        if secure is not None:  # a secure phase: answer as usual, upload only the masked vector
+            msg = Message(msg.weights, {k: v for k, v in msg.payload.items() if k != secagg.ENTRY})
+            return secagg.mask_reply(cid, self.handle(kind, cid, rnd, msg, state), secure, state)
         ctx = self.context(cid, rnd, state)
         if kind == "fit":
             return self.client.fit(ctx, msg)

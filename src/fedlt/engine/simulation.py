@@ -22,6 +22,7 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.sampling import lr_at, sampling_schedule
+from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import choose_backend, fit_vectorized
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
@@ -71,6 +72,9 @@ class Simulation:
         #: method); clients on Flower SuperNodes train one message at a time
         self.backend = choose_backend(cfg, spec.client) if self.clients is not None else "sequential"
         self.client_states: dict[int, dict[str, Any]] = {}
+        #: secure aggregation of the method's linear phases (secagg.enabled), else None
+        self.secure = (SecureAggregation(cfg.secagg, spec.server.secure_phases(cfg), cfg.seed, device)
+                       if cfg.secagg.enabled else None)
         self.all_clients = list(range(self.train_data.num_clients))
         self._local_test: list[torch.Tensor] | None = None
         per_round = 1 if spec.pooled else cfg.clients_per_round()
@@ -112,6 +116,16 @@ class Simulation:
             yield cid, msg, reply
 
     def _exchange(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
+        """One phase of messages; under ``secagg.enabled`` a phase the method declared linear goes
+        through secure aggregation and yields one aggregate reply."""
+        if self.secure is not None:
+            if kind in self.secure.phases:
+                return self.secure.exchange(self._exchange_plain, kind, rnd, list(messages))
+            if not kind.startswith("secagg:"):
+                self.secure.in_clear.add(kind)
+        return self._exchange_plain(kind, rnd, messages)
+
+    def _exchange_plain(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
         """One phase of messages, with traffic accounting (evaluation is not traffic)."""
         replies = {}
         for cid, msg, reply in self._deliver(kind, rnd, messages):
@@ -222,7 +236,8 @@ class Simulation:
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
-                "pending": pending, "messages": self.message_record}
+                "pending": pending, "messages": self.message_record,
+                "in_clear": sorted(self.secure.in_clear) if self.secure else []}
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;
@@ -234,6 +249,8 @@ class Simulation:
             ckpt = load_checkpoint(run_dir, self.device)
             start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
             self.message_record = ckpt["messages"]
+            if self.secure is not None:
+                self.secure.in_clear.update(ckpt.get("in_clear", []))
             self.server.load_state_dict(ckpt["server"])
             self.client_states = ckpt["clients"]
             rows = read_metrics(run_dir, up_to_round=start)
@@ -291,5 +308,6 @@ class Simulation:
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
+            **({"secure_aggregation": self.secure.describe()} if self.secure is not None else {}),
         })
         return RunResult(run_dir, summary, rows)

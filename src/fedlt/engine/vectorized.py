@@ -29,7 +29,7 @@ def supports_vectorized(client_cls: type[Client]) -> bool:
 def choose_backend(cfg: Config, client_cls: type[Client]) -> str:
     """``sequential`` or ``vectorized`` for this run; a ConfigError for an impossible request."""
     wanted = cfg.run.backend
-    if wanted == "sequential" or (wanted == "auto" and not supports_vectorized(client_cls)):
+    if wanted == "sequential" or cfg.secagg.enabled or (wanted == "auto" and not supports_vectorized(client_cls)):
         return "sequential"
     if not supports_vectorized(client_cls):
         raise ConfigError(f"run.backend=vectorized does not support method {cfg.method} (its local step is its own); "

@@ -166,6 +166,15 @@ class Server:
         self.model = ctx.model
         self.args = ctx.args
 
+    @classmethod
+    def secure_phases(cls, config: Config) -> dict[str, str]:
+        """Exchanges (``fit``, ``query:NAME``) whose replies this server only sums (``sum``) or
+        averages by ``num_samples`` (``weighted_mean``), so ``secagg.enabled`` can hand it one
+        aggregate reply instead of each client's (:mod:`fedlt.engine.secure_aggregation`).
+        Default: ``fit`` if the server keeps FedAvg's :meth:`aggregate`; a server that reads
+        individual replies must not declare them."""
+        return {"fit": "weighted_mean"} if cls.aggregate is Server.aggregate else {}
+
     def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
         """The next extra round-trip at ``stage``, or None when the stage has nothing (more) to ask."""
         return None

@@ -49,6 +49,20 @@ class CalibratedServer(Server):
     inner_cls: type[Server]
     names: tuple[str, ...]
 
+    @classmethod
+    def secure_phases(cls, config):
+        """The inner method's, minus fit when a calibrator reads each client's fit reply (CReFF's
+        per-class gradients), plus the statistics query when it carries only sums (not the
+        oracle's raw features)."""
+        calibrators = [CALIBRATORS[n] for n in cls.names]
+        phases = dict(cls.inner_cls.secure_phases(config))
+        if any(c.reads_fit_replies for c in calibrators):
+            phases.pop("fit", None)
+        needs = set().union(*(c.needs for c in calibrators))
+        if needs and "features" not in needs:
+            phases[f"query:{STATS_QUERY}"] = "sum"
+        return phases
+
     def __init__(self, ctx: ServerContext):
         self.inner = self.inner_cls(ctx)
         super().__init__(ctx)

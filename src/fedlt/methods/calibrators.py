@@ -98,6 +98,8 @@ class Calibrator:
     private: ClassVar[bool] = True
     #: statistics it needs from every client after training (see STAT_KINDS)
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: whether :meth:`on_fit_replies` reads each client's reply (then fit cannot be aggregated securely)
+    reads_fit_replies: ClassVar[bool] = False
 
     def __init__(self, args: CalibrationArgs, ctx: ServerContext):
         self.args, self.ctx = args, ctx
@@ -151,6 +153,7 @@ class CReFF(Calibrator):
     gradients (Eq. 3-6), a new classifier re-trained on them every round (Eq. 7)."""
 
     name = "creff"
+    reads_fit_replies = True
 
     def __init__(self, args, ctx):
         super().__init__(args, ctx)

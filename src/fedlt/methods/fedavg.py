@@ -23,6 +23,10 @@ class FedAvgServer(Server):
         super().__init__(ctx)
         self.global_counts: torch.Tensor | None = None
 
+    @classmethod
+    def secure_phases(cls, config):
+        return {**super().secure_phases(config), "query:class_counts": "sum"}
+
     def _needs_global_counts(self) -> bool:
         loss = self.ctx.config.loss
         return loss.name in PRIOR_LOSSES and loss.prior == "global"

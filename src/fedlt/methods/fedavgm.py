@@ -26,6 +26,10 @@ class FedAvgMServer(FedAvgServer):
         super().__init__(ctx)
         self.velocity: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def secure_phases(cls, config):
+        return {"fit": "weighted_mean", "query:class_counts": "sum"}  # the momentum acts on the mean only
+
     def aggregate(self, rnd, replies):
         averaged = weighted_average(replies)
         params = dict(self.model.named_parameters())
