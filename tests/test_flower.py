@@ -117,7 +117,8 @@ class LoopbackGrid:
     handler; nodes in ``dead`` stay registered but never answer (as after a crash, until the
     SuperLink's heartbeat gives up)."""
 
-    def __init__(self, nodes: int, die_after_fits: int | None = None):
+    def __init__(self, nodes: int, die_after_fits: int | None = None, leave_after_fits: int | None = None,
+                 fail_after_fits: int | None = None):
         from flwr.app import Context, RecordDict
 
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
@@ -125,22 +126,40 @@ class LoopbackGrid:
                          for i in range(nodes)}
         self.dead: set[int] = set()
         self.fits, self.die_after_fits = 0, die_after_fits
+        self.leave_after_fits, self.fail_after_fits = leave_after_fits, fail_after_fits
+        self.left: set[int] = set()
+        self.batches: list[tuple[str, list[int]]] = []  # (message type, nodes) of every send
         self.timeouts: list[float] = []
 
     def get_node_ids(self):
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.left]
 
     def send_and_receive(self, messages, *, timeout):
         from fedlt.engine.flower_app import handle
 
         self.timeouts.append(timeout)
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode
+
         messages = list(messages)
         if messages and messages[0].metadata.message_type == "train":
             self.fits += 1
             if self.fits == self.die_after_fits:
                 self.dead.add(max(self.contexts))
-        return [handle(m, self.contexts[m.metadata.dst_node_id]) for m in messages
-                if m.metadata.dst_node_id not in self.dead]
+            if self.fits == self.leave_after_fits:  # de-registered after this phase (heartbeat expired)
+                self.left.add(max(self.contexts))
+        if messages:
+            self.batches.append((messages[0].metadata.message_type, [m.metadata.dst_node_id for m in messages]))
+        out = []
+        for m in messages:
+            node = m.metadata.dst_node_id
+            if node in self.dead:
+                continue
+            if self.fits == self.fail_after_fits and node == max(self.contexts):
+                out.append(Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ValueError: boom"), reply_to=m))
+            else:
+                out.append(handle(m, self.contexts[node]))
+        return out
 
 
 @pytest.fixture
@@ -188,6 +207,23 @@ def test_a_dead_supernode_is_recorded_and_the_minimum_reply_fraction_enforced(tm
                                          r"fewer than flower.min_reply_fraction=0.75 requires"):
         flower_run(tiny(tmp_path, "fedavg", "strict", data=data, fl=fl, flower={"min_reply_fraction": 0.75}),
                    LoopbackGrid(nodes=2, die_after_fits=2))
+
+
+def test_a_deregistered_supernode_is_not_sent_to_and_a_clientapp_exception_ends_the_run(tmp_path, server_identity):
+    from fedlt.errors import FedltError
+
+    data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
+    fl = {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+    # node 101 answers round 1's fit, then leaves the SuperLink's node list before evaluation
+    grid = LoopbackGrid(nodes=2, leave_after_fits=1)
+    res = flower_run(tiny(tmp_path, "fedper", "left", data=data, fl=fl), grid)
+    first_fit = [kind for kind, _ in grid.batches].index("train")
+    assert 101 in grid.batches[first_fit][1]
+    assert all(101 not in nodes for _, nodes in grid.batches[first_fit + 1:])
+    assert res.metrics[0]["dropped"] == [{"round": 1, "kind": "evaluate", "clients": [1, 3]}]
+    assert {d["kind"] for d in res.summary["dropped"]} == {"evaluate", "fit"}
+    with pytest.raises(FedltError, match=r"a ClientApp failed \(fit\) on node 101: ValueError: boom"):
+        flower_run(tiny(tmp_path, "fedavg", "fails", data=data, fl=fl), LoopbackGrid(nodes=2, fail_after_fits=2))
 
 
 def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
