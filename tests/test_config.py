@@ -10,7 +10,7 @@ import yaml
 from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.errors import ConfigError
 
-TOP_LEVEL_KEYS = ["seed", "engine", "method", "method_args", "calibration", "calibration_args", "data", "model", "fl", "loss", "eval", "run", "flower"]
+TOP_LEVEL_KEYS = ["seed", "engine", "method", "method_args", "calibration", "calibration_args", "data", "model", "fl", "loss", "eval", "run", "flower", "secagg"]
 
 
 def config_error(path: str | Path | None = None, overrides: list[str] | None = None) -> str:
@@ -221,7 +221,7 @@ def _non_default_config() -> Config:
         "data.imbalance_factor=50", "data.num_clients=7", "data.root=/some/where", "fl.rounds=4",
         "fl.participation=0.5", "fl.lr_schedule=step", "fl.lr_decay_at=[0.25, 0.9]", "fl.grad_clip=5",
         "loss.name=la", "loss.prior=global", "eval.shot_rule=cumulative", "eval.many_threshold=30",
-        "run.name=exp1", "run.compile=true",
+        "run.name=exp1", "run.compile=true", "secagg.enabled=true", "secagg.neighbours=5",
     ])
 
 
