@@ -83,6 +83,14 @@ def test_longtail_indices_seeded_and_test_split_untouched():
     assert np.bincount(test).tolist() == [20] * 10
 
 
+def test_a_train_fraction_keeps_each_class_in_proportion_as_a_subset_of_the_full_draw():
+    labels = balanced_labels(10, 100, seed=3)
+    full = longtail_indices(labels, 10, rng(0))
+    tenth = longtail_indices(labels, 10, rng(0), fraction=0.1)
+    assert np.bincount(labels[tenth]).tolist() == [10, 8, 6, 5, 4, 3, 2, 2, 1, 1]  # round(0.1 n_c), >= 1
+    assert set(tenth) <= set(full)
+
+
 def test_longtail_indices_missing_class():
     labels = np.array([0, 0, 2, 2])
     with pytest.raises(DataError, match="class 1 has no samples"):

@@ -33,6 +33,8 @@ class DataConfig(_Section):
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
+    train_fraction: float = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
+                                  "(at least one sample each): quick runs and scaling studies")
     partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
     classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
@@ -50,6 +52,11 @@ class DataConfig(_Section):
         if v < 1:
             raise ValueError(f"must be >= 1 (1 = balanced), got {v}")
         return v
+
+    @field_validator("train_fraction")
+    @classmethod
+    def _train_fraction(cls, v: float) -> float:
+        return _unit_fraction(v)
 
     @field_validator("alpha")
     @classmethod

@@ -86,7 +86,7 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     """
     pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size)
     rng = numpy_rng(seed, "data")
-    keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng)
+    keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction)
     train = pair.train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, pair.test.labels.numpy(), numpy_rng(seed, "local_test"))

@@ -43,8 +43,11 @@ def longtail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> np
     return counts
 
 
-def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random.Generator) -> np.ndarray:
-    """Sorted indices into ``labels`` that form the long-tailed training subset.
+def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random.Generator,
+                     fraction: float = 1.0) -> np.ndarray:
+    """Sorted indices into ``labels`` that form the long-tailed training subset; with
+    ``fraction`` < 1, ``max(1, round(fraction x count))`` of each class (the first ones of the
+    same draw, so a smaller fraction is a subset of a larger one).
 
     ``n_max`` is the size of the *smallest* class of the (nominally balanced) source, so every
     class has at least its target count even when the source is slightly unbalanced. Which
@@ -62,6 +65,8 @@ def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random
             "reach its target count; check the dataset files (every class 0..C-1 must be present)"
         )
     targets = longtail_counts(int(class_sizes.min()), class_sizes.size, imbalance_factor)
+    if fraction < 1:
+        targets = np.maximum(1, np.round(targets * fraction)).astype(np.int64)
     kept = []
     for c, target in enumerate(targets):
         members = np.flatnonzero(labels == c)
