@@ -16,7 +16,7 @@ import fedlt  # noqa: E402
 from fedlt.api import prepare  # noqa: E402
 from fedlt.config import SecAggConfig, build_config  # noqa: E402
 from fedlt.engine.secure_aggregation import (  # noqa: E402
-    AGGREGATE, ENTRY, SecureAggregation, client_step, mask_reply, neighbour_groups,
+    AGGREGATE, ENTRY, SecureAggregation, client_step, connected, mask_reply, neighbour_groups,
 )
 from fedlt.errors import FedltError  # noqa: E402
 from fedlt.messages import Message, Reply  # noqa: E402
@@ -93,11 +93,14 @@ def test_neighbour_groups_are_symmetric_rings_of_the_requested_size():
     assert all(len(g) == 5 and c in g for c, g in groups.items())
     assert all(c in groups[j] for c, g in groups.items() for j in g)
     assert neighbour_groups([3, 5], 5, rng) == {3: [3, 5], 5: [3, 5]}
+    # a ring 0-1-2-3-0: without 1 and 3, clients 0 and 2 share no mask (each sum would be revealed)
+    ring = {0: [3, 0, 1], 1: [0, 1, 2], 2: [1, 2, 3], 3: [2, 3, 0]}
+    assert connected({0, 1, 2}, ring) and not connected({0, 2}, ring)
 
 
 def test_what_secure_aggregation_refuses():
     data = replies(4)
-    with pytest.raises(FedltError, match=r"round 1 \(phase\): 3 of the 4 shares needed to unmask client 0 arrived"):
+    with pytest.raises(FedltError, match=r"round 1 \(phase\): 3 of the 4 shares needed to unmask client 0 can arrive"):
         secure(threshold=1.0).exchange(Clients(data, drop={"phase": {3}}), "phase", 1,
                                        [(c, Message()) for c in data])
     odd = dict(data)
@@ -112,6 +115,28 @@ def test_what_secure_aggregation_refuses():
         secure("sum").exchange(Clients(text), "phase", 1, [(c, Message()) for c in text])
     with pytest.raises(FedltError, match="needs at least 2 clients"):
         secure().exchange(Clients(data), "phase", 1, [(0, Message())])
+    with pytest.raises(FedltError, match=r"1 client\(s\) answered the key exchange; secure aggregation needs at least 2"):
+        secure().exchange(Clients(data, drop={"secagg:keys": {1, 2, 3}}), "phase", 1, [(c, Message()) for c in data])
+
+
+def test_a_client_uploads_once_per_key_set_and_unmasks_only_what_it_may():
+    data = replies(3)
+    clients = Clients(data)
+    state: dict = {}
+    keys = {c: client_step("secagg:keys", c, Message(), clients.states.setdefault(c, {})) for c in data}
+    group = {c: [keys[c].payload["pk_c"], keys[c].payload["pk_s"]] for c in data}
+    shares = {c: client_step("secagg:shares", c, Message(payload={"t": 2, "group": group}), clients.states[c])
+              for c in data}
+    spec = {"mode": "sum", "bits": 24, "clients": 3, "cts": {c: shares[c].payload["cts"][0] for c in data}}
+    mask_reply(0, data[0], spec, clients.states[0])
+    with pytest.raises(FedltError, match="client 0 refuses to upload: it already did"):
+        mask_reply(0, data[0], spec, clients.states[0])
+    with pytest.raises(FedltError, match="both secrets of clients \\[1\\]"):
+        client_step("secagg:unmask", 0, Message(payload={"alive": [0, 1], "dropped": [1]}), clients.states[0])
+    with pytest.raises(FedltError, match="client 1 refuses to unmask: it uploaded nothing"):
+        client_step("secagg:unmask", 1, Message(payload={"alive": [0, 1, 2], "dropped": []}), clients.states[1])
+    with pytest.raises(FedltError, match="refuses to share its keys"):
+        client_step("secagg:shares", 2, Message(payload={"t": 1, "group": group}), state | {ENTRY: {"sk_c": "", "sk_s": "", "seed": ""}})
 
 
 def test_secure_fedavg_matches_plain_fedavg_and_its_server_never_sees_a_client_reply(tmp_path, monkeypatch):
@@ -137,6 +162,13 @@ def test_secure_fedavg_matches_plain_fedavg_and_its_server_never_sees_a_client_r
     assert sec.summary["secure_aggregation"]["in_clear"] == []
     fit = sec.summary["messages"]["fit"]["from_client"]
     assert sorted(fit["payload"]) == ["masked", "schema"] and fit["model_bytes"] == 0 and fit["metrics"] == []
+
+
+def test_the_raw_feature_oracle_is_refused_under_secure_aggregation(tmp_path):
+    from fedlt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="calibration oracle uploads real features"):
+        fedlt.run(tiny(tmp_path, "ccvr", "oracle", calibration=["oracle"], secagg={"enabled": True}), quiet=True)
 
 
 def test_secure_sfd_aggregates_its_statistics_and_matches_the_plain_run(tmp_path):

@@ -85,6 +85,12 @@ def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
         raise ConfigError(f"secagg.enabled: method {cfg.method}'s server reads each client's fit reply, so it cannot "
                           "be aggregated securely; use a method whose server averages or sums the replies (fedavg, "
                           "sfd, ccvr, fedloge, fedrod, ...: see README, Secure aggregation) or set secagg.enabled=false")
+    from fedlt.methods.calibrators import CALIBRATORS
+
+    raw = [name for name in spec.calibration if not CALIBRATORS[name].private]
+    if raw:
+        raise ConfigError(f"secagg.enabled: calibration {raw[0]} uploads real features, which secure aggregation "
+                          "cannot sum; drop it from calibration or set secagg.enabled=false")
     if cfg.clients_per_round() < 2:
         raise ConfigError(f"secagg.enabled needs at least 2 clients per round, fl.participation samples "
                           f"{cfg.clients_per_round()}; raise fl.participation")

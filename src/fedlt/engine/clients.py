@@ -80,9 +80,14 @@ class ClientRuntime:
         if kind.startswith("secagg:"):
             return secagg.client_step(kind, cid, msg, state)
         secure = msg.payload.get(secagg.ENTRY)
-        if secure is not None:  # a secure phase: answer as usual, upload only the masked vector
-            msg = Message(msg.weights, {k: v for k, v in msg.payload.items() if k != secagg.ENTRY})
-            return secagg.mask_reply(cid, self.handle(kind, cid, rnd, msg, state), secure, state)
+        if secure is None:
+            state.pop(secagg.ENTRY, None)  # secrets of a secure phase this client dropped out of
+            return self._answer(kind, cid, rnd, msg, state)
+        # a secure phase: answer as usual, upload only the masked vector
+        msg = Message(msg.weights, {k: v for k, v in msg.payload.items() if k != secagg.ENTRY})
+        return secagg.mask_reply(cid, self._answer(kind, cid, rnd, msg, state), secure, state)
+
+    def _answer(self, kind: str, cid: int, rnd: int, msg: Message, state: dict[str, Any]) -> Reply:
         ctx = self.context(cid, rnd, state)
         if kind == "fit":
             return self.client.fit(ctx, msg)

@@ -96,8 +96,10 @@ def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
             value = entries[key]
             if isinstance(value, torch.Tensor):
                 arr, kind = value.detach().cpu().to(torch.float64).numpy(), str(value.dtype)
-            elif isinstance(value, (bool, int, float)):
-                arr, kind = np.asarray(float(value)), type(value).__name__
+            elif isinstance(value, (bool, int, float, np.bool_, np.number)):
+                kind = ("bool" if isinstance(value, (bool, np.bool_)) else
+                        "int" if isinstance(value, (int, np.integer)) else "float")
+                arr = np.asarray(float(value))
             else:
                 raise FedltError(f"secure aggregation sums tensors and numbers, but reply {section} entry '{key}' is "
                                  f"a {type(value).__name__}; set secagg.enabled=false for this method")
@@ -149,6 +151,10 @@ def client_step(kind: str, cid: int, msg: Message, state: dict[str, Any]) -> Rep
     if kind == SHARES:
         group, t = msg.payload["group"], int(msg.payload["t"])
         ids = sorted(group)
+        if cid not in group or len(ids) < 2 or not 2 <= t <= len(ids):
+            raise FedltError(f"secure aggregation: client {cid} refuses to share its keys with group {ids} at "
+                             f"threshold {t} (needs itself, another client and 2 <= t <= group size)")
+        own["t"] = t
         seed_shares = shamir.create_shares(_unb64(own["seed"]), t, len(ids))
         key_shares = shamir.create_shares(own["sk_s"].encode(), t, len(ids))
         own["pk_c"] = {j: group[j][0] for j in ids}
@@ -162,6 +168,9 @@ def client_step(kind: str, cid: int, msg: Message, state: dict[str, Any]) -> Rep
         alive, dropped = set(msg.payload["alive"]), set(msg.payload["dropped"])
         if alive & dropped:
             raise FedltError(f"secure aggregation: client {cid} was asked for both secrets of clients {sorted(alive & dropped)}")
+        if not own.get("uploaded") or len(alive) < own["t"]:
+            raise FedltError(f"secure aggregation: client {cid} refuses to unmask: it uploaded nothing under these keys "
+                             f"or fewer than t={own['t']} of its neighbours did")
         seed_shares, key_shares = {}, {}
         for src, ct in own.get("cts", {}).items():
             if src not in alive and src not in dropped:
@@ -182,7 +191,10 @@ def mask_reply(cid: int, reply: Reply, spec: dict[str, Any], state: dict[str, An
     own = state.get(ENTRY)
     if own is None or "pk_s" not in own:
         raise FedltError(f"secure aggregation: client {cid} got a masked phase before sharing its keys")
-    own["cts"] = dict(spec["cts"])
+    if own.get("uploaded") or len(spec["cts"]) < own["t"] or cid not in spec["cts"]:
+        raise FedltError(f"secure aggregation: client {cid} refuses to upload: it already did under these keys, or "
+                         f"fewer than t={own['t']} of its group shared their keys")
+    own["cts"], own["uploaded"] = dict(spec["cts"]), True
     schema, values = flatten(reply, spec["mode"])
     bits, clients = int(spec["bits"]), int(spec["clients"])
     limit = 2.0 ** (62 - bits) / clients
@@ -209,6 +221,19 @@ def neighbour_groups(ids: list[int], neighbours: int, rng: np.random.Generator) 
     ring = [ids[i] for i in rng.permutation(n)]
     half = neighbours // 2
     return {c: sorted({ring[(i + o) % n] for o in range(-half, half + 1)}) for i, c in enumerate(ring)}
+
+
+def connected(uploaders: set[int], groups: dict[int, list[int]]) -> bool:
+    """Whether pairwise masks link every uploader to every other (through uploaders): otherwise
+    unmasking reveals the sum of each linked part, not only the total."""
+    start = min(uploaders)
+    seen, todo = {start}, [start]
+    while todo:
+        for j in groups[todo.pop()]:
+            if j in uploaders and j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return seen == uploaders
 
 
 def threshold(cfg: SecAggConfig, group_size: int) -> int:
@@ -241,6 +266,9 @@ class SecureAggregation:
             raise FedltError(f"round {rnd} ({kind}): secure aggregation needs at least 2 clients and this phase has "
                              f"{len(items)}; raise fl.participation or set secagg.enabled=false")
         keys = send(KEYS, rnd, [(cid, Message()) for cid, _ in items])
+        if len(keys) < 2:
+            raise FedltError(f"round {rnd} ({kind}): {len(keys)} client(s) answered the key exchange; secure "
+                             "aggregation needs at least 2 (a lone reply would be revealed)")
         rng = numpy_rng(self.seed, "secagg", rnd, zlib.crc32(kind.encode()))
         groups = neighbour_groups(sorted(keys), self.cfg.neighbours, rng)
         t = threshold(self.cfg, len(next(iter(groups.values())))) if groups else 2
@@ -257,6 +285,15 @@ class SecureAggregation:
                                   for cid, msg in items if cid in shares])
         if not masked:
             return {}
+        if not connected(set(masked), groups):
+            raise FedltError(f"round {rnd} ({kind}): dropouts split the clients that uploaded into groups with no mask "
+                             "between them, so unmasking would reveal each group's sum; the phase is not aggregated "
+                             "(raise secagg.neighbours, or 0 for every pair)")
+        for owner in sorted(shares):  # each secret needs t share holders among the uploaders
+            holders = sum(j in masked for j in groups[owner])
+            if holders < t:
+                raise FedltError(f"round {rnd} ({kind}): {holders} of the {t} shares needed to unmask client {owner} "
+                                 "can arrive (too many dropouts for secagg.threshold); the phase cannot be aggregated")
         schemas = {r.payload["schema"] for r in masked.values()}
         if len(schemas) > 1:
             raise FedltError(f"round {rnd} ({kind}): the clients' replies differ in entries or shapes; secure "
@@ -285,5 +322,5 @@ class SecureAggregation:
         shares = [_unb64(r.payload[entry][owner]) for r in unmask.values() if owner in r.payload[entry]]
         if len(shares) < t:
             raise FedltError(f"round {rnd} ({kind}): {len(shares)} of the {t} shares needed to unmask client {owner} "
-                             "arrived (too many dropouts for secagg.threshold); the phase cannot be aggregated")
+                             "arrived (clients dropped out while unmasking); the phase cannot be aggregated")
         return shamir.combine_shares(shares[:t])

@@ -97,7 +97,7 @@ class SFDClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         ctx.model.load_state_dict(msg.weights, strict=False)
         if len(ctx.data) == 0:
-            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan")})
+            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
         args: SFDArgs = self.args
         counts = ctx.data.class_counts()
         device = ctx.data.labels.device
