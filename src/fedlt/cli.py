@@ -153,6 +153,9 @@ def bench_speed_cmd(
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
     backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/vectorized with a "
                                   "peer-style reference loop (CNN and ResNet-8, 10/20 clients; K=10 vs 1,000)"),
+    models: str = typer.Option("cnn,resnet8", help="--backends: models to measure (ResNets on synthetic data)"),
+    sampled: str = typer.Option("10,20", help="--backends: sampled clients per round to measure"),
+    synthetic_size: int = typer.Option(16, help="--backends: image side of the ResNets' synthetic data (32: CIFAR-shaped)"),
 ) -> None:
     """Images/s of local training, seconds per round and achieved GFLOP/s vs. a measured matmul peak."""
     args = list(args or [])
@@ -162,7 +165,22 @@ def bench_speed_cmd(
 
         config = args.pop(0) if args and "=" not in args[0] else None
         if backends:
-            text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True))
+            from fedlt.errors import ConfigError
+            from fedlt.models.registry import MODELS
+
+            names = tuple(m.strip() for m in models.split(",") if m.strip())
+            unknown = [m for m in names if m not in MODELS]
+            try:
+                counts = tuple(int(s) for s in sampled.split(","))
+            except ValueError:
+                counts = ()
+            if unknown or not names:
+                raise ConfigError(f"unknown model '{unknown[0] if unknown else models}' in --models; use a comma-separated "
+                                  f"list of {', '.join(MODELS)}")
+            if not counts or min(counts) < 1:
+                raise ConfigError(f"--sampled {sampled}: give comma-separated client counts >= 1, e.g. 10,40")
+            text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True),
+                                     models=names, sampled_counts=counts, synthetic_size=synthetic_size)
         else:
             text = run_speed_bench(config, args, rounds=rounds)
         _print_and_save(text, out)

@@ -116,8 +116,14 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
 
 
 # ---- backends: sequential vs vectorized vs the way peer frameworks train ---------------------
-BACKEND_MODELS = {"cnn": [], "resnet8": ["data.dataset=synthetic"]}  # ResNet-8 on 16 px synthetic data: CPU-sized
+BACKEND_MODELS = ("cnn", "resnet8")  # the CNN on the config's data; ResNets on synthetic data (16 px: CPU-sized)
 SAMPLED = (10, 20)
+
+
+def model_data(model: str, synthetic_size: int) -> list[str]:
+    """The data a model is measured on: the config's for the CNN, the synthetic set otherwise
+    (``synthetic_size`` 32 makes it CIFAR-shaped)."""
+    return [] if model == "cnn" else ["data.dataset=synthetic", f"data.image_size={synthetic_size}"]
 
 
 def reference_round(sim, rnd: int) -> None:
@@ -163,37 +169,45 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
 
 
 def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
-                      echo: Callable[[str], None] = lambda line: None) -> str:
+                      echo: Callable[[str], None] = lambda line: None, models: tuple[str, ...] = BACKEND_MODELS,
+                      sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16) -> str:
     """Sequential vs vectorized vs the peer-style reference loop, for the CNN and ResNet-8 with 10
     and 20 sampled clients; then K=10 vs K=1,000 clients at 10 sampled per round with equal data
     per client (K=10 keeps 1% of the training set). ``echo`` gets
     each table row as it is measured (the whole bench takes minutes on a CPU)."""
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
+    device = prepare(base).device
+    peak = matmul_peak_gflops(device)
     lines = [
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
         f"{rounds} timed round(s) after one warm-up",
         "",
-        f"device {prepare(base).device}, {torch.get_num_threads()} threads, torch {torch.__version__}. "
-        "reference = a DataLoader over a TensorDataset and a deep copy of the model per client, NCHW "
-        "(no channels-last), as peer frameworks train; sequential / vectorized = `run.backend`.",
+        f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}; matmul peak measured now "
+        f"{peak:.1f} GFLOP/s (float32, 2048x2048). reference = a DataLoader over a TensorDataset and a deep copy of "
+        "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / vectorized = "
+        "`run.backend`. GFLOP/s = images/s x the model's forward+backward FLOPs per image.",
         "",
-        "| model | data | sampled clients | backend | s/round | images/s | vs reference |",
-        "|---|---|---|---|---|---|---|",
+        "| model | data | sampled clients | backend | s/round | images/s | vs reference | GFLOP/s | % of peak |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, extra in BACKEND_MODELS.items():
-        for sampled in SAMPLED:
-            common = [*overrides, f"fl.rounds={rounds + 1}", f"model.name={model}", *extra,
+    for model in models:
+        for sampled in sampled_counts:
+            common = [*overrides, f"fl.rounds={rounds + 1}", f"model.name={model}", *model_data(model, synthetic_size),
                       f"data.num_clients={max(sampled, base.data.num_clients)}"]
             common.append(f"fl.participation={sampled / max(sampled, base.data.num_clients)}")
-            results = {}
+            results, flops = {}, None
             for backend in ("reference", "sequential", "vectorized"):
                 pick = ["run.channels_last=false"] if backend == "reference" else [f"run.backend={backend}"]
                 cfg = load_config(config, [*common, *pick])
-                results[backend] = time_backend(prepare(cfg), backend, rounds)
+                sim = prepare(cfg)
+                flops = flops or train_flops_per_image(sim)
+                results[backend] = time_backend(sim, backend, rounds)
             ref = results["reference"]["s_per_round"]
             for backend, r in results.items():
+                gflops = r["images_per_s"] * flops / 1e9
                 lines.append(f"| {model} | {cfg.data.dataset} | {sampled} | {backend} | {r['s_per_round']:.3f} "
-                             f"| {r['images_per_s']:.0f} | {ref / r['s_per_round']:.2f}x |")
+                             f"| {r['images_per_s']:.0f} | {ref / r['s_per_round']:.2f}x | {gflops:.1f} "
+                             f"| {100 * gflops / peak:.1f} |")
                 echo(lines[-1])
     k_rounds = max(rounds, 5)  # short rounds: time more of them
     lines += ["", f"### K = 10 vs 1,000 clients, 10 sampled per round, the same data per client "
