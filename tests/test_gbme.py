@@ -227,6 +227,29 @@ def test_scaffold_with_zero_variates_is_fedavg_then_differs(tmp_path):
     assert up["from_client"]["payload"]["delta_c"]["shape"] == [n_params]
 
 
+def test_scaffold_variate_is_option_two_under_plain_sgd_and_survives_momentum(tmp_path):
+    """c_i+ = the mean step gradient: with plain SGD exactly option II's c_i - c + (x - y)/(K lr);
+    with momentum 0.9 (where option II's formula is 10x too large) the run stays finite."""
+    from fedlt.api import prepare
+    from fedlt.methods.scaffold import STATE_KEY, param_vector
+
+    cfg = tiny(tmp_path, method="scaffold")
+    cfg["fl"] = {**cfg["fl"], "momentum": 0.0, "weight_decay": 0.001}
+    sim = prepare(build_config(cfg))
+    sim.server.c = 0.01 * torch.randn(sim.server.c.shape, generator=torch.Generator().manual_seed(0))
+    msg = sim.server.fit_message(1, 0)
+    start = sim._new_model()
+    start.load_state_dict(msg.weights, strict=False)
+    ctx = sim._context(0, 1)
+    reply = sim.client.fit(ctx, msg)
+    steps = reply.metrics["steps"]
+    option_two = -sim.server.c + (param_vector(start) - param_vector(ctx.model)) / (steps * 0.05)  # c_i = 0
+    assert steps > 1 and torch.allclose(ctx.state[STATE_KEY], option_two, atol=2e-4)
+    heavy = fedlt.run(tiny(tmp_path, method="scaffold", fl={**tiny(tmp_path)["fl"], "rounds": 4, "momentum": 0.9},
+                           seed=1), quiet=True)
+    assert all(math.isfinite(m["train_loss"]) for m in heavy.metrics)
+
+
 def test_fedavgm_with_zero_momentum_is_fedavg(tmp_path):
     fedavg = fedlt.run(tiny(tmp_path), quiet=True).metrics
     zero = fedlt.run(tiny(tmp_path, method="fedavgm", method_args={"beta": 0.0}), quiet=True).metrics
