@@ -7,19 +7,22 @@ that produced it. Unknown keys are errors (a typo must not silently fall back to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedlt.errors import ConfigError
 
 
 def _unit_fraction(v: float) -> float:
-    """Participation and reply fractions: a share of the clients, so in (0, 1]."""
+    """Participation, reply, threshold and data fractions: a share of something, so in (0, 1]."""
     if not 0 < v <= 1:
         raise ValueError(f"must be in (0, 1], got {v}")
     return v
+
+
+UnitFraction = Annotated[float, AfterValidator(_unit_fraction)]
 
 
 class _Section(BaseModel):
@@ -33,7 +36,7 @@ class DataConfig(_Section):
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
-    train_fraction: float = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
+    train_fraction: UnitFraction = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
                                   "(at least one sample each): quick runs and scaling studies")
     partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
@@ -53,11 +56,6 @@ class DataConfig(_Section):
             raise ValueError(f"must be >= 1 (1 = balanced), got {v}")
         return v
 
-    @field_validator("train_fraction")
-    @classmethod
-    def _train_fraction(cls, v: float) -> float:
-        return _unit_fraction(v)
-
     @field_validator("alpha")
     @classmethod
     def _alpha_positive(cls, v: float) -> float:
@@ -75,7 +73,7 @@ class FLConfig(_Section):
     """Federation and local optimisation."""
 
     rounds: int = Field(50, ge=1)
-    participation: float = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
+    participation: UnitFraction = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
     local_epochs: int = Field(2, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.05, gt=0)
@@ -85,11 +83,6 @@ class FLConfig(_Section):
     lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
     lr_decay: float = 0.1
     grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm during local training")
-
-    @field_validator("participation")
-    @classmethod
-    def _fraction(cls, v: float) -> float:
-        return _unit_fraction(v)
 
 
 
@@ -137,16 +130,11 @@ class FlowerConfig(_Section):
     """The Flower engine (``engine: flower``): timeouts and how many missing replies a phase survives."""
 
     timeout_s: float = Field(600.0, gt=0, description="longest wait for the replies of one phase (every send has it)")
-    min_reply_fraction: float = Field(
+    min_reply_fraction: UnitFraction = Field(
         0.5, description="a phase goes on with the replies that arrived if at least this fraction of its clients answered"
     )
     connect_timeout_s: float = Field(120.0, gt=0, description="longest wait for every partition's SuperNode to connect")
     cpus_per_client: float = Field(1.0, gt=0, description="simulation: CPU cores Ray reserves per running ClientApp")
-
-    @field_validator("min_reply_fraction")
-    @classmethod
-    def _fraction(cls, v: float) -> float:
-        return _unit_fraction(v)
 
 
 class SecAggConfig(_Section):
@@ -155,14 +143,9 @@ class SecAggConfig(_Section):
     enabled: bool = Field(False, description="the server sees only sums of the secure phases' replies (needs fedlt[flower])")
     neighbours: int = Field(0, ge=0, description="SecAgg+: clients each one masks with, itself included (odd, >= 3); "
                             "0: every client of the phase (SecAgg)")
-    threshold: float = Field(0.5, description="fraction of a client's neighbours whose shares rebuild its secrets: "
+    threshold: UnitFraction = Field(0.5, description="fraction of a client's neighbours whose shares rebuild its secrets: "
                              "t = max(2, ceil(threshold x neighbours)); more dropouts than neighbours - t abort the phase")
     fraction_bits: int = Field(24, ge=8, le=40, description="fixed-point precision of the masked integers (2^-bits)")
-
-    @field_validator("threshold")
-    @classmethod
-    def _fraction(cls, v: float) -> float:
-        return _unit_fraction(v)
 
     @field_validator("neighbours")
     @classmethod
