@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext, clone_state
+from fedlt.methods.base import ClientContext
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 
 STATE_KEY = "scaffold_c"
