@@ -10,6 +10,7 @@ import torch
 import fedlt
 from fedlt.engine.aggregation import weighted_average
 from fedlt.engine.sampling import lr_at, sampling_schedule
+from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.messages import Reply
 from fedlt.results import TIMING_KEYS
 
@@ -171,3 +172,13 @@ def test_client_batches_augment_only_with_a_generator_and_respect_hflip():
     assert torch.equal(x, images[[1, 5]].float() / 255 * 2) and y.tolist() == [1, 5] and seen == []
     x, _ = data.batch(torch.tensor([0, 2]), torch.Generator().manual_seed(0))
     assert torch.allclose(x, (1 - images[[1, 5]].float() / 255) * 2) and seen == [False]
+
+
+def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
+    """A NaN model would otherwise report chance accuracy every round as if it were a result."""
+    with pytest.raises(TrainingDiverged) as err:
+        fedlt.run(tiny(tmp_path, fl__lr=1e8, fl__rounds=3), quiet=True)
+    message = str(err.value)
+    assert message.startswith("training diverged in round 1: the clients' mean training loss is ")
+    assert "lower fl.lr (now 100000000.0) or set fl.grad_clip" in message
+    assert isinstance(err.value, FedltError)  # the CLI prints it as one line, exit code 2

@@ -248,6 +248,7 @@ def test_scaffold_variate_is_option_two_under_plain_sgd_and_survives_momentum(tm
     heavy = fedlt.run(tiny(tmp_path, method="scaffold", fl={**tiny(tmp_path)["fl"], "rounds": 4, "momentum": 0.9},
                            seed=1), quiet=True)
     assert all(math.isfinite(m["train_loss"]) for m in heavy.metrics)
+    assert all(m["train_loss"] > 0 for m in heavy.metrics)  # the task loss (CE), without the correction
 
 
 def test_fedavgm_with_zero_momentum_is_fedavg(tmp_path):

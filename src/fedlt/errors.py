@@ -16,3 +16,7 @@ class ConfigError(FedltError):
 
 class DataError(FedltError):
     """A missing, unreadable or corrupt dataset file, or an impossible data split."""
+
+
+class TrainingDiverged(FedltError):
+    """The clients' training loss became NaN or infinite: the optimiser settings do not suit the run."""

@@ -9,6 +9,7 @@ the Flower engine (``engine/flower_app.py``) reuses this loop and replaces only 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from fedlt.config import Config
 from fedlt.data.federated import FederatedData
+from fedlt.errors import TrainingDiverged
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.sampling import lr_at, sampling_schedule
@@ -234,6 +236,17 @@ class Simulation:
             tensors["test_features"], tensors["test_labels"] = torch.cat(feats), test.labels[rows].cpu()
         save_artifacts(run_dir, tensors)
 
+    def _check_finite(self, row: dict[str, Any]) -> None:
+        """Stop a diverged run at once: its model is NaN and every later round would report chance
+        accuracy as if it were a result."""
+        loss = row["train_loss"]
+        if loss is not None and not math.isfinite(loss):
+            fl = self.cfg.fl
+            clip = f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"
+            raise TrainingDiverged(
+                f"training diverged in round {row['round']}: the clients' mean training loss is {loss}; "
+                f"lower fl.lr (now {fl.lr}) or {clip}")
+
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record,
@@ -265,6 +278,7 @@ class Simulation:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
                 row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
+                self._check_finite(row)
                 last = rnd == cfg.fl.rounds
                 if last:
                     self._run_queries("final", rnd, self.all_clients)

@@ -1,8 +1,10 @@
 """SCAFFOLD (Karimireddy et al., ICML 2020): local steps corrected by control variates.
 
 Each client keeps its control variate c_i in ``ctx.state`` (one flat vector over the model's
-parameters, zero at first); the server keeps c. Local SGD follows ``g(y) - c_i + c``, added to the
-loss as the linear term ``<y, c - c_i>`` so any local loss works. After K local steps at learning
+parameters, zero at first); the server keeps c. Local SGD follows ``g(y) - c_i + c``: a gradient
+hook adds ``c - c_i`` to each parameter's gradient, so any local loss works and the reported
+training loss stays the task loss (a linear loss term ``<y, c - c_i>`` would give the same step but
+a loss without a floor). After K local steps at learning
 rate lr the client sets ``c_i+`` to the mean over its K steps of the minibatch gradient it
 computed (plus weight decay as SGD adds it): with plain SGD that is exactly the paper's option II,
 ``c_i - c + (x - y) / (K lr)``; with momentum beta, option II's formula overestimates it by about
@@ -65,14 +67,14 @@ class ScaffoldClient(FedAvgClient):
         correction = c - c_i
         params = list(ctx.model.parameters())
         sizes = [p.numel() for p in params]
-        self._corrections = [(p, d.view(p.shape)) for p, d in zip(params, correction.split(sizes))]
+        corrections = [d.view(p.shape) for p, d in zip(params, correction.split(sizes))]
         sums = [torch.zeros_like(p) for p in params]
         wd = ctx.train.weight_decay
 
         def accumulate(i: int, p: torch.nn.Parameter):
-            def hook(grad: torch.Tensor) -> torch.Tensor:  # the step's gradient without the correction
-                sums[i].add_(grad - self._corrections[i][1] + wd * p.detach())
-                return grad
+            def hook(grad: torch.Tensor) -> torch.Tensor:  # sum the step's own gradient, then correct it
+                sums[i].add_(grad + wd * p.detach())
+                return grad + corrections[i]
             return hook
 
         handles = [p.register_hook(accumulate(i, p)) for i, p in enumerate(params)]
@@ -89,6 +91,3 @@ class ScaffoldClient(FedAvgClient):
         else:
             reply.payload["delta_c"] = torch.zeros_like(x).cpu()
         return reply
-
-    def regularizer(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
-        return sum((p * d).sum() for p, d in self._corrections)
