@@ -182,3 +182,5 @@ def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
     assert message.startswith("training diverged in round 1: the clients' mean training loss is ")
     assert "lower fl.lr (now 100000000.0) or set fl.grad_clip" in message
     assert isinstance(err.value, FedltError)  # the CLI prints it as one line, exit code 2
+    kept = [d for d in tmp_path.iterdir() if d.is_dir()]  # the rounds before stay, for diagnosis
+    assert len(kept) == 1 and (kept[0] / "config.yaml").is_file() and not (kept[0] / "summary.json").exists()
