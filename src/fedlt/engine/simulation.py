@@ -20,12 +20,12 @@ import torch
 
 from fedlt.config import Config
 from fedlt.data.federated import FederatedData
-from fedlt.errors import TrainingDiverged
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import choose_backend, fit_vectorized
+from fedlt.errors import TrainingDiverged
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
