@@ -140,3 +140,28 @@ def test_tensorboard_without_the_package_is_a_config_error(monkeypatch, tmp_path
     with pytest.raises(ConfigError, match=r"run.tensorboard=true needs the tensorboard package; pip install"):
         fedlt.run(overrides=["data.dataset=synthetic", "run.tensorboard=true", f"run.out_dir={tmp_path}"], quiet=True)
     assert not any(tmp_path.iterdir())  # failed before the run directory existed
+
+
+def _run_with_metrics(path: Path, seed: int, lines: list[dict]) -> Run:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return Run(path, seed, {"final": {}})
+
+
+def test_diagnostics_plot_only_changing_method_numbers(tmp_path):
+    from fedlt.reporting import plots
+
+    def lines(tv: list[float]) -> list[dict]:  # engine keys, a constant and a boolean are not diagnostics
+        return [{"round": r + 1, "lr": 0.05, "train_loss": 1.0 / (r + 1), "acc": 50.0 + r, "dp_epsilon": 5.0,
+                 "converged": r > 1, "prior_tv": v, "prior_l2": v / 2} for r, v in enumerate(tv)]
+
+    yoyo = Row("FedYoYo", None, [_run_with_metrics(tmp_path / f"y{s}", s, lines([0.5 - 0.1 * r - 0.01 * s for r in range(4)]))
+                                 for s in range(2)])
+    plain = Row("FedAvg", None, [_run_with_metrics(tmp_path / "a0", 0, [{"round": r + 1, "acc": 40.0} for r in range(4)])])
+    setting = Setting("IF=100", [plain, yoyo])
+    assert plots.diagnostic_keys(setting) == ["prior_l2", "prior_tv"]
+    x, mean, std = plots._mean_curve(yoyo, "prior_tv", Run.diagnostics)
+    assert list(x) == [1, 2, 3, 4] and mean[0] == pytest.approx(0.495) and std[0] == pytest.approx(np.std([0.5, 0.49], ddof=1))
+    assert_readable_png(plots.plot_diagnostics(setting, tmp_path / "d.png"))
+    assert plots.plot_diagnostics(Setting("none", [plain]), tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

@@ -47,7 +47,8 @@ def write_plots(collection: Collection, out: Path) -> list[Path]:
     for setting in collection.settings:
         s = _slug(setting.name)
         files += [plots.plot_curves(setting, out / f"curves-{s}.png"), plots.plot_shot_bars(setting, out / f"shots-{s}.png"),
-                  plots.plot_per_class(setting, out / f"per-class-{s}.png")]
+                  plots.plot_per_class(setting, out / f"per-class-{s}.png"),
+                  plots.plot_diagnostics(setting, out / f"diagnostics-{s}.png")]
         first = setting.first_run()
         if first is not None and (first.path / PARTITION_FILE).is_file():
             record = json.loads((first.path / PARTITION_FILE).read_text())

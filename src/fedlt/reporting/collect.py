@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from fedlt.errors import FedltError
-from fedlt.results import SUMMARY_FILE, read_metrics
+from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
 
@@ -37,6 +37,13 @@ class Run:
 
     def curve(self) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.path) if r.get("acc") is not None]
+
+    def diagnostics(self) -> list[dict[str, Any]]:
+        """Every round's own numbers of the method (``Server.metrics()``: the keys the engine does
+        not write), e.g. FedYoYo's distance between its estimated and the true global prior."""
+        return [{"round": r["round"], **{k: v for k, v in r.items() if k not in ENGINE_KEYS
+                                         and isinstance(v, (int, float)) and not isinstance(v, bool)}}
+                for r in read_metrics(self.path)]
 
 
 @dataclass

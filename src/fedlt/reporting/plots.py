@@ -1,17 +1,18 @@
 """The report's figures, as small PNGs (dpi 100): accuracy vs round, shot-group bars, the
-client x class partition heatmap, per-class accuracy against class size, and real vs synthetic
-features in one PCA plane. Every figure has a title, axis labels with units and a legend.
+client x class partition heatmap, per-class accuracy against class size, a method's own
+per-round diagnostics, and real vs synthetic features in one PCA plane. Every figure has a title, axis labels with units and a legend.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedlt.reporting.collect import Row, Setting
+from fedlt.reporting.collect import Row, Run, Setting
 
 DPI = 100
 SHOTS = (("acc", "overall"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"))
@@ -42,9 +43,11 @@ def _colors(n: int) -> list:
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def _mean_curve(row: Row, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Rounds evaluated in every seed, with the mean and std of ``key`` there."""
-    per_seed = [{r["round"]: r[key] for r in run.curve() if r.get(key) is not None} for run in row.runs]
+def _mean_curve(row: Row, key: str, lines: Callable[[Run], list[dict[str, Any]]] = Run.curve
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rounds with ``key`` in every seed's ``lines`` (default: the evaluated rounds), with the mean
+    and std of ``key`` there."""
+    per_seed = [{r["round"]: r[key] for r in lines(run) if r.get(key) is not None} for run in row.runs]
     per_seed = [c for c in per_seed if c]
     if not per_seed:
         return None
@@ -79,6 +82,47 @@ def plot_curves(setting: Setting, path: Path) -> Path | None:
     band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
     fig.suptitle(f"{setting.name}: accuracy vs round ({band}; post-hoc heads appear at the last round only)",
                  fontsize=10)
+    return _save(fig, path)
+
+
+def diagnostic_keys(setting: Setting) -> list[str]:
+    """The method diagnostics worth a curve: numbers some run logs with changing values over rounds
+    (constants such as a privacy budget are already in the run's summary)."""
+    keys: set[str] = set()
+    for row in setting.rows:
+        for run in row.runs if row.variant is None else []:
+            values: dict[str, set[float]] = {}
+            for line in run.diagnostics():
+                for k, v in line.items():
+                    values.setdefault(k, set()).add(float(v))
+            keys |= {k for k, v in values.items() if k != "round" and len(v) > 1}
+    return sorted(keys)
+
+
+def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | None:
+    """Each changing method diagnostic (:func:`diagnostic_keys`, the first ``max_keys``) vs round,
+    per row that logs it: mean over seeds, ± std band. None when no run logs one."""
+    keys = diagnostic_keys(setting)[:max_keys]
+    rows = [r for r in setting.rows if r.variant is None and r.runs]
+    if not keys:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    for color, row in zip(_colors(len(rows)), rows):
+        for ax, key in zip(axes[0], keys):
+            curve = _mean_curve(row, key, Run.diagnostics)
+            if curve is None:
+                continue
+            x, mean, std = curve
+            ax.plot(x, mean, marker="o", ms=3, color=color, label=row.label)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
+    for ax, key in zip(axes[0], keys):
+        ax.set(xlabel="communication round", ylabel=key, title=key)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
+    seeds = max(len(r.runs) for r in rows)
+    band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
+    fig.suptitle(f"{setting.name}: the methods' own diagnostics vs round ({band})", fontsize=10)
     return _save(fig, path)
 
 
