@@ -89,13 +89,12 @@ def diagnostic_keys(setting: Setting) -> list[str]:
     """The method diagnostics worth a curve: numbers some run logs with changing values over rounds
     (constants such as a privacy budget are already in the run's summary)."""
     keys: set[str] = set()
-    for row in setting.rows:
-        for run in row.runs if row.variant is None else []:
-            values: dict[str, set[float]] = {}
-            for line in run.diagnostics():
-                for k, v in line.items():
-                    values.setdefault(k, set()).add(float(v))
-            keys |= {k for k, v in values.items() if k != "round" and len(v) > 1}
+    for run in (run for row in setting.rows if row.variant is None for run in row.runs):
+        values: dict[str, set[float]] = {}
+        for line in run.diagnostics():
+            for k, v in line.items():
+                values.setdefault(k, set()).add(float(v))
+        keys |= {k for k, v in values.items() if k != "round" and len(v) > 1}
     return sorted(keys)
 
 
@@ -103,9 +102,9 @@ def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | 
     """Each changing method diagnostic (:func:`diagnostic_keys`, the first ``max_keys``) vs round,
     per row that logs it: mean over seeds, ± std band. None when no run logs one."""
     keys = diagnostic_keys(setting)[:max_keys]
-    rows = [r for r in setting.rows if r.variant is None and r.runs]
     if not keys:
         return None
+    rows = [r for r in setting.rows if r.variant is None and r.runs]
     plt = _plt()
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
     for color, row in zip(_colors(len(rows)), rows):
