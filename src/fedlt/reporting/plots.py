@@ -1,6 +1,7 @@
 """The report's figures, as small PNGs (dpi 100): accuracy vs round, shot-group bars, the
 client x class partition heatmap, per-class accuracy against class size, a method's own
-per-round diagnostics, and real vs synthetic features in one PCA plane. Every figure has a title, axis labels with units and a legend.
+per-round diagnostics, and real vs synthetic features in one PCA plane. Every figure has a
+title, axis labels with units and a legend.
 """
 
 from __future__ import annotations
