@@ -66,10 +66,10 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
     check_tracking(cfg)
-    if cfg.engine == "flower" and cfg.run.backend == "vectorized":
-        raise ConfigError("run.backend=vectorized trains clients of one process together, but under engine=flower "
+    if cfg.engine == "flower" and cfg.run.backend in ("vectorized", "parallel"):
+        raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
-    choose_backend(cfg, spec.client)
+    choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
     _check_secagg(cfg, spec)
     return spec
 

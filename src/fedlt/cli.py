@@ -151,7 +151,7 @@ def bench_speed_cmd(
     args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
     rounds: int = typer.Option(3, help="rounds to time (after one warm-up round)"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
-    backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/vectorized with a "
+    backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/parallel/vectorized with a "
                                   "peer-style reference loop (CNN and ResNet-8, 10/20 clients; K=10 vs 1,000)"),
     models: str = typer.Option("cnn,resnet8", help="--backends: models to measure (ResNets on synthetic data)"),
     sampled: str = typer.Option("10,20", help="--backends: sampled clients per round to measure"),

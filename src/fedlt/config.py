@@ -115,13 +115,17 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
     checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice; under "
+                                "run.backend=parallel: per worker, cores / run.workers)")
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format (measured faster for convs on CPU)")
-    backend: Literal["auto", "sequential", "vectorized"] = Field(
-        "sequential", description="local training: sampled clients one after another, or all at once as one batched "
-        "computation (vectorized; FedAvg, FedProx); auto = vectorized where the method supports it"
+    backend: Literal["auto", "sequential", "parallel", "vectorized"] = Field(
+        "sequential", description="local training: sampled clients one after another; at the same time in "
+        "run.workers CPU processes (parallel, any method); or all at once as one batched computation (vectorized; "
+        "FedAvg, FedProx); auto = vectorized where the method supports it"
     )
+    workers: int | None = Field(None, ge=1, description="run.backend=parallel: worker processes (default: one per "
+                                "CPU core, at most the clients sampled per round)")
     deterministic: bool = True
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 

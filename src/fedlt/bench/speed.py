@@ -4,7 +4,7 @@ Reports, for the given config: images/s of local training, seconds per round (tr
 and evaluation separately), training GFLOP/s achieved (FLOPs counted by torch's FlopCounterMode
 on one forward+backward) against a float32 matrix-multiply peak measured in the same process,
 and the same figures with channels-last and torch.compile, so the faster setting can be kept.
-With ``--backends``: sequential vs vectorized local training (``run.backend``) against a loop
+With ``--backends``: sequential vs parallel vs vectorized local training (``run.backend``) against a loop
 written the way peer frameworks train, and K=10 vs K=1,000 clients at the same sampled count and
 the same data per client.
 """
@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedlt.api import prepare
 from fedlt.config import load_config
+from fedlt.engine.process_pool import cpu_cores
 
 
 def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -> float:
@@ -118,6 +119,7 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
 # ---- backends: sequential vs vectorized vs the way peer frameworks train ---------------------
 BACKEND_MODELS = ("cnn", "resnet8")  # the CNN on the config's data; ResNets on synthetic data (16 px: CPU-sized)
 SAMPLED = (10, 20)
+BACKENDS = ("sequential", "parallel", "vectorized")  # run.backend values measured
 
 
 def model_data(model: str, synthetic_size: int) -> list[str]:
@@ -164,6 +166,7 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
         images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
     _sync(sim.device)
     seconds = time.perf_counter() - t0
+    sim.close()
     return {"s_per_round": seconds / rounds, "images_per_s": images * sim.cfg.fl.local_epochs / seconds,
             "images_per_round": images * sim.cfg.fl.local_epochs / rounds}
 
@@ -171,21 +174,23 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
 def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
                       echo: Callable[[str], None] = lambda line: None, models: tuple[str, ...] = BACKEND_MODELS,
                       sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16) -> str:
-    """Sequential vs vectorized vs the peer-style reference loop, for the CNN and ResNet-8 with 10
+    """Sequential vs parallel vs vectorized vs the peer-style reference loop, for the CNN and ResNet-8 with 10
     and 20 sampled clients; then K=10 vs K=1,000 clients at 10 sampled per round with equal data
     per client (K=10 keeps 1% of the training set). ``echo`` gets
     each table row as it is measured (the whole bench takes minutes on a CPU)."""
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
     device = prepare(base).device
     peak = matmul_peak_gflops(device)
+    backends = [b for b in BACKENDS if b != "parallel" or device.type == "cpu"]
     lines = [
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
         f"{rounds} timed round(s) after one warm-up",
         "",
         f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}; matmul peak measured now "
         f"{peak:.1f} GFLOP/s (float32, 2048x2048). reference = a DataLoader over a TensorDataset and a deep copy of "
-        "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / vectorized = "
-        "`run.backend`. GFLOP/s = images/s x the model's forward+backward FLOPs per image.",
+        "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / parallel / "
+        f"vectorized = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here). "
+        "GFLOP/s = images/s x the model's forward+backward FLOPs per image.",
         "",
         "| model | data | sampled clients | backend | s/round | images/s | vs reference | GFLOP/s | % of peak |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -196,7 +201,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
                       f"data.num_clients={max(sampled, base.data.num_clients)}"]
             common.append(f"fl.participation={sampled / max(sampled, base.data.num_clients)}")
             results, flops = {}, None
-            for backend in ("reference", "sequential", "vectorized"):
+            for backend in ("reference", *backends):
                 pick = ["run.channels_last=false"] if backend == "reference" else [f"run.backend={backend}"]
                 cfg = load_config(config, [*common, *pick])
                 sim = prepare(cfg)
@@ -216,7 +221,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
               "| K | participation | data.train_fraction | backend | s/round | images/round | images/s "
               "| per-client state on the server (bytes) |", "|---|---|---|---|---|---|---|---|"]
     for k in (10, 1000):
-        for backend in ("sequential", "vectorized"):
+        for backend in backends:
             cfg = load_config(config, [*overrides, f"fl.rounds={k_rounds + 1}", f"data.num_clients={k}",
                                        "data.partition=iid", "data.imbalance_factor=1", f"data.train_fraction={k / 1000:g}",
                                        f"fl.participation={10 / k:g}", f"run.backend={backend}"])

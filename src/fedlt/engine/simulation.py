@@ -22,6 +22,7 @@ from fedlt.config import Config
 from fedlt.data.federated import FederatedData
 from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
+from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import choose_backend, fit_vectorized
@@ -70,9 +71,10 @@ class Simulation:
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
         ))
-        #: how sampled clients train: "sequential" or "vectorized" (run.backend, resolved for the
-        #: method); clients on Flower SuperNodes train one message at a time
-        self.backend = choose_backend(cfg, spec.client) if self.clients is not None else "sequential"
+        #: how sampled clients train: "sequential", "parallel" or "vectorized" (run.backend, resolved
+        #: for the method); clients on Flower SuperNodes train one message at a time
+        self.backend = choose_backend(cfg, spec.client, device) if self.clients is not None else "sequential"
+        self._pool: ClientPool | None = None  # run.backend=parallel's worker processes, started on first use
         self.client_states: dict[int, dict[str, Any]] = {}
         #: secure aggregation of the method's linear phases (secagg.enabled), else None
         self.secure = (SecureAggregation(cfg.secagg, spec.server.secure_phases(cfg), cfg.seed, device)
@@ -110,12 +112,35 @@ class Simulation:
     def _deliver(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]
                  ) -> Iterator[tuple[int, Message, Reply]]:
         """The transport: send each (client, message) and yield the replies, in message order.
-        Here each client answers before the next message is built; the Flower engine sends a
-        whole phase at once and yields only the replies that arrived."""
+        Here each client answers before the next message is built (under run.backend=parallel
+        the phase goes to the worker processes at once); the Flower engine sends a whole phase at
+        once and yields only the replies that arrived."""
+        if self.backend == "parallel":
+            yield from self._deliver_parallel(kind, rnd, list(messages))
+            return
         for cid, msg in messages:
             reply = self.clients.handle(kind, cid, rnd, msg, self.client_states.setdefault(cid, {}))
             self._forget_empty_state(cid)
             yield cid, msg, reply
+
+    def _deliver_parallel(self, kind: str, rnd: int, items: list[tuple[int, Message]]
+                          ) -> Iterator[tuple[int, Message, Reply]]:
+        if not items:
+            return
+        if self._pool is None or not self._pool.open:  # first use, or after a worker failed
+            self._pool = ClientPool(self.cfg, default_workers(self.cfg))
+        sizes = {cid: len(self.train_data.partition.client_indices[cid]) for cid, _ in items}
+        jobs = [(cid, msg, self.client_states.get(cid, {})) for cid, msg in items]
+        for (cid, msg), (reply, state) in zip(items, self._pool.answer(kind, rnd, jobs, sizes)):
+            self.client_states[cid] = state
+            self._forget_empty_state(cid)
+            yield cid, msg, reply
+
+    def close(self) -> None:
+        """Stop run.backend=parallel's worker processes (a later exchange starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _exchange(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
         """One phase of messages; under ``secagg.enabled`` a phase the method declared linear goes
@@ -309,6 +334,7 @@ class Simulation:
         finally:
             progress.close()
             tracker.close()
+            self.close()
         self._save_artifacts(run_dir)
         summary = write_summary(run_dir, cfg, rows, {
             "elapsed_s": round(elapsed, 2),

@@ -1,5 +1,7 @@
 """The vectorized backend in the engine: which backend a run uses, and one round's fit with it.
 
+(``run.backend=parallel``, clients in worker processes, is :mod:`fedlt.engine.process_pool`.)
+
 ``run.backend=vectorized`` trains the round's sampled clients together
 (:func:`fedlt.batched_training.train_clients`) when the method's client declares its local step
 as a :class:`~fedlt.methods.base.LocalObjective`; ``auto`` does so where supported and trains one
@@ -9,6 +11,8 @@ client after another otherwise. Server hooks, messages and traffic accounting ar
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from fedlt.batched_training import stack_losses, train_clients
 from fedlt.config import Config
@@ -26,9 +30,15 @@ def supports_vectorized(client_cls: type[Client]) -> bool:
     return "local_objective" in vars(client_cls)
 
 
-def choose_backend(cfg: Config, client_cls: type[Client]) -> str:
-    """``sequential`` or ``vectorized`` for this run; a ConfigError for an impossible request."""
+def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) -> str:
+    """``sequential``, ``parallel`` or ``vectorized`` for this run; a ConfigError for an impossible
+    request."""
     wanted = cfg.run.backend
+    if wanted == "parallel":
+        if device.type != "cpu":
+            raise ConfigError(f"run.backend=parallel trains clients in CPU processes, but run.device is {device}; "
+                              "use run.backend=vectorized (or sequential) on a GPU, or run.device=cpu")
+        return "parallel"
     if wanted == "sequential" or cfg.secagg.enabled or (wanted == "auto" and not supports_vectorized(client_cls)):
         return "sequential"
     if not supports_vectorized(client_cls):

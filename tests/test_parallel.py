@@ -1,0 +1,81 @@
+"""run.backend=parallel: clients answered in worker processes give exactly the sequential run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import fedlt
+from fedlt.api import prepare
+from fedlt.engine.process_pool import ClientPool, default_workers
+from fedlt.engine.vectorized import choose_backend
+from fedlt.errors import ConfigError
+from fedlt.messages import Message
+from fedlt.methods.fedavg import FedAvgClient
+from fedlt.results import TIMING_KEYS
+
+
+def config(tmp_path, *overrides: str):
+    # run.threads=1 in both backends: the same arithmetic, so the runs must agree bit for bit
+    return fedlt.load_config(None, [
+        "seed=2", "data.dataset=synthetic", "data.imbalance_factor=10", "data.num_clients=6", "fl.participation=0.67",
+        "fl.rounds=3", "eval.every=1", f"run.out_dir={tmp_path}", "run.threads=1", "run.checkpoint_every=0",
+        "run.workers=2", *overrides,
+    ])
+
+
+@pytest.mark.parametrize("extra", [
+    ["method=fedavg", "loss.name=la"],
+    ["method=ditto"],  # per-client state kept between rounds, personalized evaluation in the workers
+    ["method=creff"],  # a query phase (gradients of real features) besides fit
+])
+def test_parallel_run_equals_sequential_run(tmp_path, extra):
+    runs = {}
+    for backend in ("sequential", "parallel"):
+        sim = prepare(config(tmp_path, f"run.backend={backend}", *extra))
+        assert sim.backend == backend
+        (tmp_path / backend).mkdir()
+        result = sim.run(tmp_path / backend, quiet=True)
+        runs[backend] = (result, sim.client_states)
+    (seq, seq_states), (par, par_states) = runs["sequential"], runs["parallel"]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    assert strip(par.metrics) == strip(seq.metrics)
+    assert par.summary["communication_bytes"] == seq.summary["communication_bytes"]
+    assert json.loads((par.run_dir / "summary.json").read_text())["backend"] == "parallel"
+    assert par_states.keys() == seq_states.keys()
+    for cid, state in seq_states.items():
+        flat_seq, flat_par = torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(par_states[cid])
+        assert len(flat_seq) == len(flat_par)
+        for a, b in zip(flat_seq, flat_par):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    if extra == ["method=ditto"]:
+        assert seq_states, "ditto keeps a personal model per client"
+
+
+def test_worker_failures_reach_the_caller(tmp_path):
+    cfg = config(tmp_path)
+    pool = ClientPool(cfg, workers=1)
+    with pytest.raises(ValueError, match="unknown exchange kind 'nonsense'"):
+        pool.answer("nonsense", 1, [(0, Message(), {})], {})
+    assert not pool.open  # a failed pool is closed, its worker gone
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.answer("fit", 1, [(0, Message(), {})], {})
+
+    pool = ClientPool(cfg, workers=1)
+    pool._procs[0].kill()
+    pool._procs[0].wait()
+    with pytest.raises(RuntimeError, match="worker process died .*run.backend=sequential"):
+        pool.answer("fit", 1, [(0, Message(), {})], {})
+
+
+def test_parallel_backend_choice(tmp_path):
+    cfg = config(tmp_path, "run.backend=parallel")
+    assert choose_backend(cfg, FedAvgClient, torch.device("cpu")) == "parallel"
+    with pytest.raises(ConfigError, match="run.backend=parallel trains clients in CPU processes.*run.device=cpu"):
+        choose_backend(cfg, FedAvgClient, torch.device("cuda"))
+    assert default_workers(cfg) == 2
+    cores = len(os.sched_getaffinity(0))
+    assert default_workers(config(tmp_path, "run.backend=parallel", "run.workers=null")) == min(cores, 4)
