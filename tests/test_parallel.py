@@ -12,7 +12,7 @@ import fedlt
 from fedlt.api import prepare
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.vectorized import choose_backend
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, DataError
 from fedlt.messages import Message
 from fedlt.methods.fedavg import FedAvgClient
 from fedlt.results import TIMING_KEYS
@@ -55,20 +55,46 @@ def test_parallel_run_equals_sequential_run(tmp_path, extra):
         assert seq_states, "ditto keeps a personal model per client"
 
 
-def test_worker_failures_reach_the_caller(tmp_path):
+def test_worker_failures_reach_the_caller_and_close_the_pool(tmp_path):
     cfg = config(tmp_path)
-    pool = ClientPool(cfg, workers=1)
-    with pytest.raises(ValueError, match="unknown exchange kind 'nonsense'"):
-        pool.answer("nonsense", 1, [(0, Message(), {})], {})
-    assert not pool.open  # a failed pool is closed, its worker gone
+    size = lambda cid: cid  # noqa: E731
+    pool = ClientPool(cfg, workers=2)
+    fit = [(cid, Message(), {}) for cid in range(3)]
+    replies = pool.answer("fit", 1, fit, size)
+    first = next(replies)[0]
+    assert first.num_samples > 0 and first.weights
+    replies.close()  # the caller abandons the phase: its other replies must never be read later
+    assert not pool.open
     with pytest.raises(RuntimeError, match="closed"):
-        pool.answer("fit", 1, [(0, Message(), {})], {})
+        list(pool.answer("fit", 1, fit, size))
+
+    pool = ClientPool(cfg, workers=2)
+    with pytest.raises(ValueError, match="unknown exchange kind 'nonsense'"):  # one worker fails, one is busy
+        list(pool.answer("nonsense", 1, [(0, Message(), {}), (1, Message(), {})], size))
+    assert not pool.open
 
     pool = ClientPool(cfg, workers=1)
     pool._procs[0].kill()
     pool._procs[0].wait()
     with pytest.raises(RuntimeError, match="worker process died .*run.backend=sequential"):
-        pool.answer("fit", 1, [(0, Message(), {})], {})
+        list(pool.answer("fit", 1, fit, size))
+    assert not pool.open
+
+
+def test_worker_setup_errors_are_reported(tmp_path):
+    cfg = config(tmp_path, "data.dataset=cifar10", f"data.root={tmp_path / 'missing'}")
+    pool = ClientPool(cfg, workers=1)  # the parent never loads the data here; the worker fails to
+    with pytest.raises(DataError, match="cifar10"):
+        list(pool.answer("fit", 1, [(0, Message(), {})], lambda cid: 0))
+
+
+def test_parallel_secure_aggregation_equals_sequential(tmp_path):
+    finals = []
+    for backend in ("sequential", "parallel"):
+        sim = prepare(config(tmp_path, f"run.backend={backend}", "secagg.enabled=true", "fl.rounds=2"))
+        (tmp_path / backend).mkdir()
+        finals.append(sim.run(tmp_path / backend, quiet=True).summary["final"])
+    assert finals[0] == finals[1]
 
 
 def test_parallel_backend_choice(tmp_path):

@@ -156,17 +156,19 @@ def reference_round(sim, rnd: int) -> None:
 def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
     """s/round and images/s of training (local training + aggregation) after one warm-up round."""
     step = (lambda r: reference_round(sim, r)) if backend == "reference" else sim.fit_round
-    sim.setup()
-    step(1)
-    _sync(sim.device)
-    images = 0
-    t0 = time.perf_counter()
-    for rnd in range(2, rounds + 2):
-        step(rnd)
-        images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
-    _sync(sim.device)
-    seconds = time.perf_counter() - t0
-    sim.close()
+    try:
+        sim.setup()
+        step(1)
+        _sync(sim.device)
+        images = 0
+        t0 = time.perf_counter()
+        for rnd in range(2, rounds + 2):
+            step(rnd)
+            images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
+        _sync(sim.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        sim.close()
     return {"s_per_round": seconds / rounds, "images_per_s": images * sim.cfg.fl.local_epochs / seconds,
             "images_per_round": images * sim.cfg.fl.local_epochs / rounds}
 

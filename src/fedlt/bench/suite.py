@@ -34,7 +34,7 @@ SUITES_DIR = Path(__file__).resolve().parent / "suites"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SUITE_FILE, FAILED_FILE, LOG_FILE = "suite.yaml", "failed.json", "bench-log.jsonl"
 #: config keys that do not change a cell's numbers: a finished cell is reused whatever they are
-IGNORED_KEYS = ("run.out_dir", "run.name", "run.threads", "run.checkpoint_every", "run.tensorboard", "data.root")
+IGNORED_KEYS = ("run.out_dir", "run.name", "run.threads", "run.workers", "run.checkpoint_every", "run.tensorboard", "data.root")
 
 
 def slug(text: str) -> str:
@@ -297,7 +297,7 @@ def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, t
     """One cell, in this process or a pool worker; never raises (the error is returned)."""
     from fedlt import api
 
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     out: dict[str, Any] = {"run_dir": run_dir}
     try:
         if state == "resume":
@@ -305,15 +305,22 @@ def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, t
         else:
             if Path(run_dir).exists():  # empty, or this suite's unfinished cell without a checkpoint
                 shutil.rmtree(run_dir)
-            extra = [f"run.threads={threads}"] if threads else []
+            # cells share the cores: a run.backend=parallel cell gets one worker of its share
+            extra = [f"run.threads={threads}", "run.workers=1"] if threads else []
             result = api.run(base, overrides=[*overrides, *extra], quiet=True)
         final = result.summary["final"]
         out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"))
     except Exception as err:  # a failing cell must not stop the suite; it is reported
         out.update(status="failed", error=f"{type(err).__name__}: {err}",
                    traceback=None if isinstance(err, FedltError) else traceback.format_exc(limit=-8))
-    out.update(wall_s=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time() - c0, 2))
+    out.update(wall_s=round(time.perf_counter() - t0, 2), cpu_s=round(_cpu_seconds() - c0, 2))
     return out
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (run.backend=parallel's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass

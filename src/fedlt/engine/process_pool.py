@@ -1,17 +1,18 @@
 """The parallel backend: a phase's clients answer at the same time, in worker processes.
 
 Why processes: a small model's batch does not split well over CPU threads. Measured on this
-project's 2-core machine (CNN, batch 32): one process with 2 threads trains 65 steps/s, two
-single-threaded processes 90 together (docs/results/speed.md). So ``run.backend=parallel``
-starts ``run.workers`` processes (default: one per core), each with cores / workers threads and
-its own :class:`~fedlt.engine.clients.ClientRuntime` built from the run's config, exactly as a
-Flower SuperNode builds one, and hands each phase's messages to whichever worker is free,
-largest client first.
+project's 2-core machine (CNN, batch 32, one client's steps): one process with 2 threads trains
+65 steps/s, two single-threaded processes 90 together (docs/results/speed.md has the per-round
+figures). So ``run.backend=parallel`` starts ``run.workers`` processes (default: one per core),
+each with cores / workers threads and its own :class:`~fedlt.engine.clients.ClientRuntime` built
+from the run's config, exactly as a Flower SuperNode builds one, and hands each phase's messages
+to whichever worker is free, largest client first.
 
-Results equal sequential training's (to float rounding: a different thread count may sum in
-another order): a client's answer depends only on its message, its ``ctx.state`` (sent along
-and returned) and its seeds, never on which process computed it. Each worker holds its own
-copy of the federation's data.
+Results equal sequential training's (bit for bit at the same thread count): a client's answer
+depends only on its message, its ``ctx.state`` (sent along and returned) and its seeded
+generators, never on which process computed it. Client code that draws from torch's or numpy's
+global RNG gets a per-(round, client, exchange) seed here instead of the sequential loop's running
+state; no built-in method does. Each worker holds its own copy of the federation's data.
 """
 
 from __future__ import annotations
@@ -24,16 +25,22 @@ import socket
 import subprocess
 import sys
 import traceback
+import zlib
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from fedlt.config import Config
+from fedlt.errors import FedltError
 from fedlt.messages import Message, Reply
+from fedlt.seeding import seed_for
 
 #: one job: (client id, message, the client's ctx.state); its answer: (reply, updated state)
 Job = tuple[int, Message, dict[str, Any]]
+#: jobs in flight or waiting, per worker: bounds the messages and replies held at once
+LOOKAHEAD = 4
 
 
 def cpu_cores() -> int:
@@ -52,7 +59,7 @@ class ClientPool:
     Workers are fresh interpreters (:func:`serve_fd`) talking over a socket pair: unlike
     multiprocessing's spawn they do not re-import the caller's ``__main__``, so a user script needs
     no ``if __name__ == "__main__"`` guard, and unlike fork they never inherit torch's OpenMP
-    threads."""
+    threads. Any failure closes the pool (no reply of an abandoned phase can be read later)."""
 
     def __init__(self, cfg: Config, workers: int):
         threads = cfg.run.threads or max(1, cpu_cores() // workers)
@@ -60,39 +67,71 @@ class ClientPool:
         config_json = json.dumps(cfg.dump()).encode()
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
-        for _ in range(workers):
-            mine, theirs = socket.socketpair()
-            code = f"from fedlt.engine.process_pool import serve_fd; serve_fd({theirs.fileno()}, {threads})"
-            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
-                                    stdin=subprocess.DEVNULL, env=env)
-            theirs.close()
-            conn = Connection(mine.detach())
-            conn.send_bytes(config_json)
-            self._conns.append(conn)
-            self._procs.append(proc)
+        try:
+            for _ in range(workers):
+                mine, theirs = socket.socketpair()
+                # Ctrl-C is the parent's to handle, from the first instruction: a worker ends when
+                # the parent closes its socket
+                code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                        f"from fedlt.engine.process_pool import serve_fd; serve_fd({theirs.fileno()}, {threads})")
+                proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                        stdin=subprocess.DEVNULL, env=env)
+                theirs.close()
+                self._procs.append(proc)
+                self._conns.append(Connection(mine.detach()))
+                self._conns[-1].send_bytes(config_json)
+        except BaseException:
+            self.close(wait_s=0)
+            raise
 
-    def answer(self, kind: str, rnd: int, jobs: list[Job], cost: dict[int, int]) -> list[tuple[Reply, dict[str, Any]]]:
-        """Every job's (reply, state), in job order. Jobs go out largest ``cost`` first, each to
-        the next free worker, so one big client does not leave the other workers idle at the end."""
+    @property
+    def open(self) -> bool:
+        return bool(self._conns)
+
+    def answer(self, kind: str, rnd: int, jobs: Iterable[Job], cost: Callable[[int], int]
+               ) -> Iterator[tuple[Reply, dict[str, Any]]]:
+        """Each job's (reply, state), in job order. Jobs are read lazily, at most ``LOOKAHEAD``
+        per worker ahead of the replies handed out; of those read, the largest ``cost(cid)`` goes
+        first to the next free worker, so one big client does not leave the others idle at the end."""
         if not self.open:
             raise RuntimeError("this ClientPool is closed; start a new one")
-        order = sorted(range(len(jobs)), key=lambda i: -cost.get(jobs[i][0], 0))
-        results: list[Any] = [None] * len(jobs)
+        source, exhausted = iter(jobs), False
+        waiting: dict[int, Job] = {}  # read, not sent yet
         busy: dict[Connection, int] = {}
-        idle = list(self._conns)
-        while order or busy:
-            while order and idle:
-                conn, i = idle.pop(), order.pop(0)
-                try:
-                    conn.send_bytes(pickle.dumps((kind, rnd, *jobs[i]), protocol=pickle.HIGHEST_PROTOCOL))
-                except OSError:
-                    self._died()
-                busy[conn] = i
-            for conn in wait(list(busy)):
-                i = busy.pop(conn)
-                results[i] = self._receive(conn)
-                idle.append(conn)
-        return results
+        done: dict[int, tuple[Reply, dict[str, Any]]] = {}
+        idle, read, handed = list(self._conns), 0, 0
+        try:
+            while True:
+                while not exhausted and read - handed < LOOKAHEAD * len(self._conns):
+                    job = next(source, None)
+                    if job is None:
+                        exhausted = True
+                    else:
+                        waiting[read] = job
+                        read += 1
+                while waiting and idle:
+                    i = max(waiting, key=lambda j: (cost(waiting[j][0]), -j))
+                    conn = idle.pop()
+                    self._send(conn, (kind, rnd, *waiting.pop(i)))
+                    busy[conn] = i
+                while handed in done:
+                    yield done.pop(handed)
+                    handed += 1
+                if exhausted and handed == read:
+                    return
+                if handed not in done:
+                    for conn in wait(list(busy)):
+                        done[busy.pop(conn)] = self._receive(conn)
+                        idle.append(conn)
+        except BaseException:  # includes the caller abandoning the phase (GeneratorExit)
+            self.close(wait_s=0)
+            raise
+
+    def _send(self, conn: Connection, job: tuple) -> None:
+        try:
+            conn.send_bytes(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            self._died()
 
     def _receive(self, conn: Connection) -> tuple[Reply, dict[str, Any]]:
         try:
@@ -100,28 +139,23 @@ class ClientPool:
         except (EOFError, OSError):
             self._died()
         if status == "error":
-            self.close()
             error, text = value
             if isinstance(error, BaseException):
-                raise error from RuntimeError(f"in a worker process:\n{text}")
-            raise RuntimeError(f"a worker process failed:\n{text}")
+                raise error from RuntimeError(f"in a run.backend=parallel worker process:\n{text}")
+            raise RuntimeError(f"a run.backend=parallel worker process failed:\n{text}")
         return value
 
-    @property
-    def open(self) -> bool:
-        return bool(self._conns)
-
     def _died(self) -> None:
-        self.close()
         raise RuntimeError("a run.backend=parallel worker process died (killed, or out of memory?); "
                            "lower run.workers or use run.backend=sequential") from None
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Close the sockets (idle workers then exit) and stop every worker within ``wait_s``."""
         for conn in self._conns:
             conn.close()
         for proc in self._procs:
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -130,45 +164,56 @@ class ClientPool:
 
 def _serve(conn: Connection, threads: int) -> None:
     """A worker's loop: build the client runtime from the config it is sent first, then answer
-    jobs until the pipe closes. A failure is sent back with the job it stopped."""
-    from fedlt.api import setup_parts
-    from fedlt.config import build_config
-    from fedlt.engine.clients import ClientRuntime
-
+    jobs until the socket closes. Any failure goes back as the answer to the job it stopped."""
+    try:
+        config = json.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
     runtime, failure = None, None
     try:
-        cfg = build_config(json.loads(conn.recv_bytes()))
+        from fedlt.api import setup_parts
+        from fedlt.config import build_config
+        from fedlt.engine.clients import ClientRuntime
+
+        cfg = build_config(config)
         spec, data, device = setup_parts(cfg)
         torch.set_num_threads(threads)
         runtime = ClientRuntime(cfg, spec, data, device)
-    except (EOFError, OSError):
-        return
+        if cfg.run.compile:
+            runtime.worker.compile()
     except Exception as error:
         failure = error
     while True:
         try:
-            kind, rnd, cid, msg, state = pickle.loads(conn.recv_bytes())
+            job = conn.recv_bytes()
         except (EOFError, OSError):
             return
         try:
+            kind, rnd, cid, msg, state = pickle.loads(job)
             if runtime is None:
                 raise failure
-            out: Any = ("ok", (runtime.handle(kind, cid, rnd, msg, state), state))
+            exchange = zlib.crc32(kind.encode())
+            torch.manual_seed(seed_for(cfg.seed, "worker", rnd, cid, exchange))
+            np.random.seed(seed_for(cfg.seed, "worker", rnd, cid, exchange, 1) % 2**32)
+            answer = pickle.dumps(("ok", (runtime.handle(kind, cid, rnd, msg, state), state)),
+                                  protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:
-            out = ("error", (_picklable(error), traceback.format_exc()))
-        conn.send_bytes(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+            answer = pickle.dumps(("error", (_picklable(error), traceback.format_exc())))
+        try:
+            conn.send_bytes(answer)
+        except OSError:  # the parent gave up on this phase
+            return
 
 
 def _picklable(error: BaseException) -> BaseException | None:
+    """The error itself if it survives pickling; a user error keeps its one-line message."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:
-        return None
+        return FedltError(str(error)) if isinstance(error, FedltError) else None
 
 
 def serve_fd(fd: int, threads: int) -> None:
-    """A worker process's entry point: serve the socket it inherited as file descriptor ``fd``.
-    Ctrl-C is the parent's to handle: a worker ends when the parent closes the socket."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A worker process's entry point: serve the socket it inherited as file descriptor ``fd``."""
     _serve(Connection(fd), threads)

@@ -116,22 +116,28 @@ class Simulation:
         the phase goes to the worker processes at once); the Flower engine sends a whole phase at
         once and yields only the replies that arrived."""
         if self.backend == "parallel":
-            yield from self._deliver_parallel(kind, rnd, list(messages))
+            yield from self._deliver_parallel(kind, rnd, messages)
             return
         for cid, msg in messages:
             reply = self.clients.handle(kind, cid, rnd, msg, self.client_states.setdefault(cid, {}))
             self._forget_empty_state(cid)
             yield cid, msg, reply
 
-    def _deliver_parallel(self, kind: str, rnd: int, items: list[tuple[int, Message]]
+    def _deliver_parallel(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]
                           ) -> Iterator[tuple[int, Message, Reply]]:
-        if not items:
-            return
-        if self._pool is None or not self._pool.open:  # first use, or after a worker failed
-            self._pool = ClientPool(self.cfg, default_workers(self.cfg))
-        sizes = {cid: len(self.train_data.partition.client_indices[cid]) for cid, _ in items}
-        jobs = [(cid, msg, self.client_states.get(cid, {})) for cid, msg in items]
-        for (cid, msg), (reply, state) in zip(items, self._pool.answer(kind, rnd, jobs, sizes)):
+        if self._pool is None or not self._pool.open:  # first use, or after a failure closed it
+            self._pool = ClientPool(self.cfg, 1 if self.spec.pooled else default_workers(self.cfg))
+        sent: list[tuple[int, Message] | None] = []  # in order; replies come back in the same order
+
+        def jobs():
+            for cid, msg in messages:
+                sent.append((cid, msg))
+                yield cid, msg, self.client_states.get(cid, {})
+
+        size = lambda cid: len(self.train_data.partition.client_indices[cid])  # noqa: E731
+        for i, (reply, state) in enumerate(self._pool.answer(kind, rnd, jobs(), size)):
+            cid, msg = sent[i]
+            sent[i] = None  # the message is not needed any more
             self.client_states[cid] = state
             self._forget_empty_state(cid)
             yield cid, msg, reply
