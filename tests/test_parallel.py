@@ -10,7 +10,7 @@ import torch
 
 import fedlt
 from fedlt.api import prepare
-from fedlt.engine.process_pool import ClientPool, default_workers
+from fedlt.engine.process_pool import LOOKAHEAD, ClientPool, default_workers
 from fedlt.engine.vectorized import choose_backend
 from fedlt.errors import ConfigError, DataError
 from fedlt.messages import Message
@@ -58,11 +58,15 @@ def test_parallel_run_equals_sequential_run(tmp_path, extra):
 def test_worker_failures_reach_the_caller_and_close_the_pool(tmp_path):
     cfg = config(tmp_path)
     size = lambda cid: cid  # noqa: E731
-    pool = ClientPool(cfg, workers=2)
+    pool = ClientPool(cfg, workers=1)
+    # more jobs than the look-ahead holds (4 per worker): replies still come back, in job order
+    many = [(cid % 6, Message(), {}) for cid in range(2 * LOOKAHEAD + 1)]
+    counts = [len(ix) for ix in prepare(cfg).train_data.partition.client_indices]
+    assert [reply.num_samples for reply, _ in pool.answer("fit", 1, many, size)] == [counts[c] for c, _, _ in many]
     fit = [(cid, Message(), {}) for cid in range(3)]
     replies = pool.answer("fit", 1, fit, size)
     first = next(replies)[0]
-    assert first.num_samples > 0 and first.weights
+    assert first.num_samples == counts[0] and first.weights
     replies.close()  # the caller abandons the phase: its other replies must never be read later
     assert not pool.open
     with pytest.raises(RuntimeError, match="closed"):

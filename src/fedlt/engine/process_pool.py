@@ -119,7 +119,7 @@ class ClientPool:
                     handed += 1
                 if exhausted and handed == read:
                     return
-                if handed not in done:
+                if busy and handed not in done:  # (with nothing busy: read and send more first)
                     for conn in wait(list(busy)):
                         done[busy.pop(conn)] = self._receive(conn)
                         idle.append(conn)
