@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import statistics
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from conftest import TINY_SUITE, write_suite
@@ -84,6 +86,25 @@ def test_table_means_stds_and_marks_match_the_cells(tiny_suite):
                 assert "**" not in cell and "<u>" not in cell
     tex = (report.out / "tables.tex").read_text()
     assert tex.count(r"\textbf{") >= 4 and r"\underline{" in tex and r"$\pm$" in tex
+
+
+def test_unranked_rows_and_the_message_section_of_a_suite(tiny_suite, tmp_path):
+    """Suite keys ``unranked`` (a row shown with a dagger, never bold or underlined) and
+    ``report_messages`` (bytes a client uploads per exchange kind)."""
+    _, out, _ = tiny_suite
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    tree = yaml.safe_load((copy / "suite.yaml").read_text())
+    (copy / "suite.yaml").write_text(yaml.safe_dump({**tree, "unranked": ["FedProx"], "report_messages": True}))
+    markdown = write_report(copy, with_plots=False).markdown
+    fedprox = [line for line in markdown.splitlines() if line.startswith("| FedProx")]
+    assert len(fedprox) == 1 and fedprox[0].startswith("| FedProx † |")
+    assert "**" not in fedprox[0] and "<u>" not in fedprox[0]
+    ranked = [line for line in markdown.splitlines() if line.startswith("| FedAvg")]
+    assert sum(line.count("**") for line in ranked) >= 2  # the best GM accuracy is one of the other rows
+    section = markdown.split("## What a client uploads (bytes per message)")[1]
+    assert "fit" in section and "calibration_stats" in section
+    assert "## What a client uploads" not in write_report(out, tmp_path / "plain", with_plots=False).markdown
 
 
 def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch):

@@ -110,6 +110,8 @@ def error_cases(data: Path) -> dict[str, Case]:
                                           "fewer clients"),
         "missing_data_files": Case(["run", "data.dataset=cifar10", f"data.root={data / 'empty'}"], "cifar10",
                                    str(data / "empty"), "data_batch_1", "data.root="),
+        "missing_data_files_via_data_root_flag": Case(["run", "data.dataset=cifar10", "--data-root", str(data / "empty")],
+                                                      "cifar10", str(data / "empty"), "data_batch_1"),
         "corrupt_data_file": Case(["run", "data.dataset=fmnist", f"data.root={data / 'fmnist-garbage'}"], "fmnist",
                                   str(data / "fmnist-garbage" / "train-images-idx3-ubyte"), "re-download"),
         "unknown_key": Case(["run", "data.alphaa=1", *SYN], "'data.alphaa'", "valid keys", "alpha"),

@@ -132,6 +132,20 @@ def test_global_prior_is_queried_once_and_costs_payload(tmp_path):
     assert all(r["comm"]["down_payload"] == 0 for r in local.metrics)
 
 
+def test_uniform_prior_makes_logit_adjustment_plain_cross_entropy(tmp_path):
+    """A uniform prior shifts every logit by the same log(1/C): softmax, hence training, is CE's
+    (up to float rounding); the local prior of the same loss trains differently."""
+    # two rounds: rounding differences grow chaotically later (train loss 1.020 vs 1.008 at round 4)
+    ce = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="ce"), quiet=True)
+    uniform = fedlt.run(tiny(tmp_path, fl__rounds=2, loss={"name": "bsm", "prior": "uniform"}, run__name="u"), quiet=True)
+    local = fedlt.run(tiny(tmp_path, fl__rounds=2, loss={"name": "bsm", "prior": "local"}, run__name="l"), quiet=True)
+    assert len(ce.metrics) == len(uniform.metrics) == 1
+    for a, b in zip(ce.metrics, uniform.metrics):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
+        assert b["comm"]["down_payload"] == 0
+    assert local.metrics[-1]["train_loss"] != pytest.approx(ce.metrics[-1]["train_loss"], abs=1e-3)
+
+
 @pytest.mark.parametrize("loss", ["la", "focal", "ldam"])
 def test_loss_variants_train(tmp_path, loss):
     """Every loss learns: far above the 10% chance level after 4 rounds."""

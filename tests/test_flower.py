@@ -209,6 +209,26 @@ def test_a_dead_supernode_is_recorded_and_the_minimum_reply_fraction_enforced(tm
                    LoopbackGrid(nodes=2, die_after_fits=2))
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("missing", r"only partitions \[0, 1\] connected within flower.connect_timeout_s=1; start the missing SuperNodes"),
+    ("disagree", r"SuperNodes disagree on num-partitions \(\[3, 4\]\); start all with the same N"),
+    ("duplicate", r"two SuperNodes share a partition-id \(\[0, 1, 1\]\); give each its own"),
+])
+def test_supernodes_that_cannot_form_the_federation_stop_the_run_with_the_fix(tmp_path, server_identity, fault, message):
+    from fedlt.errors import FedltError
+
+    grid = LoopbackGrid(nodes=3)
+    if fault == "missing":
+        grid.left.add(102)  # partition 2's SuperNode never registers
+    else:
+        grid.contexts[102].node_config.update({"num-partitions": 4} if fault == "disagree" else {"partition-id": 1})
+    started = time.monotonic()
+    with pytest.raises(FedltError, match=message):
+        flower_run(tiny(tmp_path, "fedavg", fault, flower={"connect_timeout_s": 1}), grid)
+    assert time.monotonic() - started < 30
+    assert not [b for b in grid.batches if b[0] == "train"]  # nothing was trained
+
+
 def test_a_deregistered_supernode_is_not_sent_to_and_a_clientapp_exception_ends_the_run(tmp_path, server_identity):
     from fedlt.errors import FedltError
 

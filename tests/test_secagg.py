@@ -20,6 +20,7 @@ from fedlt.engine.secure_aggregation import (  # noqa: E402
 )
 from fedlt.errors import FedltError  # noqa: E402
 from fedlt.messages import Message, Reply  # noqa: E402
+from fedlt.methods.registry import get_method  # noqa: E402
 from test_flower import LoopbackGrid, flower_run, tiny  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -181,6 +182,25 @@ def test_secure_sfd_aggregates_its_statistics_and_matches_the_plain_run(tmp_path
     assert sec.summary["final"]["acc"] == pytest.approx(plain.summary["final"]["acc"], abs=0.5)
     unc = [r["final"]["variants"]["uncalibrated"]["acc"] for r in (plain.summary, sec.summary)]
     assert unc[1] == pytest.approx(unc[0], abs=0.5)
+
+
+SECURE_METHODS = ["fedprox", "fedlc", "feddecorr", "fedavgm", "fedloge", "fedetf", "fedbabu", "fedrod", "fedrep",
+                  "fedper", "ditto", "fedbn", "ccvr", "fedncm", "fed3r", "taunorm"]  # fedavg and sfd: above
+
+
+@pytest.mark.parametrize("method", SECURE_METHODS)
+def test_every_method_that_accepts_secure_aggregation_matches_its_plain_run(tmp_path, method):
+    plain = fedlt.run(tiny(tmp_path, method, "plain"), quiet=True)
+    sec = fedlt.run(tiny(tmp_path, method, "secure", secagg={"enabled": True}), quiet=True)
+    assert sec.summary["secure_aggregation"]["phases"]["fit"] == "weighted_mean"
+    personalized = get_method(method).client.personalized  # a personal model per client: `evaluate` messages
+    # only the personalized evaluation (a measurement of the simulation) stays in the clear
+    assert sec.summary["secure_aggregation"]["in_clear"] == (["evaluate"] if personalized else [])
+    for a, b in zip(plain.metrics, sec.metrics):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
+    for key in ("acc", "pm_acc"):
+        if plain.summary["final"].get(key) is not None:
+            assert sec.summary["final"][key] == pytest.approx(plain.summary["final"][key], abs=0.5), key
 
 
 def test_flower_secure_aggregation_survives_a_supernode_dying_between_stages(tmp_path, monkeypatch):

@@ -125,3 +125,24 @@ def test_reference_loop_of_the_speed_bench_trains_a_fedavg_round(tmp_path):
     assert sorted(changed) == sorted(k for k, _ in sim.server_model.named_parameters())
     reference_round(sim, 2)  # the global model keeps training
     assert not torch.equal(sim.server_model.head.weight, before["head.weight"])
+
+
+def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
+    """`fedlt bench speed` (no --backends): one row per variant, GFLOP/s = images/s x FLOPs per image;
+    the compile row runs the model under torch.compile (run.compile=true)."""
+    import re
+
+    from fedlt.bench.speed import run_speed_bench
+
+    text = run_speed_bench(None, ["data.dataset=synthetic", "data.num_clients=4", "fl.participation=0.5",
+                                  "fl.local_epochs=1", "run.threads=1", "run.checkpoint_every=0",
+                                  f"run.out_dir={tmp_path}"], rounds=1)
+    mflop = float(re.search(r"Training cost: ([\d.]+) MFLOP per image", text).group(1))
+    peak = float(re.search(r"Matmul peak measured now: ([\d.]+) GFLOP/s", text).group(1))
+    rows = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| (eager|channels_last|compile) \|", line)]
+    assert [r[0].strip() for r in rows] == ["eager", "channels_last", "compile"]
+    for _, s_round, images, gflops, percent, eval_s in rows:
+        assert float(s_round) > 0 and float(eval_s) > 0
+        assert float(gflops) == pytest.approx(float(images) * mflop / 1e3, rel=0.01, abs=0.01)
+        assert float(percent) == pytest.approx(100 * float(gflops) / peak, abs=0.1)
+    assert re.search(r"Fastest here: (eager|channels_last|compile) \([\d.]+x eager\)", text)
