@@ -133,6 +133,8 @@ def error_cases(data: Path) -> dict[str, Case]:
         "secagg_even_neighbours": Case(["run", "secagg.enabled=true", "secagg.neighbours=4", *SYN],
                                        "secagg.neighbours", "odd number >= 3"),
         "override_without_equals": Case(["run", *SYN, "fl.rounds"], "'fl.rounds'", "key=value"),
+        "config_is_a_folder": Case(["run", str(data / "empty"), *SYN], f"config file {data / 'empty'} is a folder",
+                                   "pass a YAML file"),
         "missing_config_file": Case(["run", str(data / "nope.yaml"), *SYN], str(data / "nope.yaml"), "does not exist"),
         "resume_non_run_dir": Case(["run", "--resume", str(data / "not-a-run")], str(data / "not-a-run"),
                                    "not a fedlt run directory", "pass the directory of a run", out_dir=False),
@@ -140,6 +142,23 @@ def error_cases(data: Path) -> dict[str, Case]:
                                   "set run.out_dir to a writable folder", out_dir=False),
         "table_non_run_dir": Case(["table", str(data / "not-a-run")], str(data / "not-a-run"), "summary.json",
                                   out_dir=False),
+        # output paths and option values are checked before any work starts
+        "report_out_is_a_file": Case(["report", str(data / "not-a-run"), "--out", str(data / "a-file")],
+                                     f"--out {data / 'a-file'} is a file", "give a folder", out_dir=False),
+        "describe_out_under_a_file": Case(["data", "describe", *SYN, "--out", str(data / "a-file" / "sub")],
+                                          f"{data / 'a-file'} is a file, not a folder", out_dir=False),
+        "speed_out_is_a_folder": Case(["bench", "speed", *SYN, "--rounds", "1", "--out", str(data / "empty")],
+                                      f"--out {data / 'empty'} is a folder", "path of a file", out_dir=False),
+        "speed_zero_rounds": Case(["bench", "speed", *SYN, "--rounds", "0"], "--rounds 0", "1 or more", out_dir=False),
+        "engines_zero_nodes": Case(["bench", "engines", "configs/synthetic_smoke.yaml", "--nodes", "0"], "--nodes 0",
+                                   "1 or more SuperNodes", out_dir=False),
+        "duplicate_seeds": Case(["bench", "run", "demo", "--seeds", "0,0", "--dry-run"], "--seeds 0,0", "distinct",
+                                out_dir=False),
+        # usage errors (typer/click) are one line too
+        "unknown_option": Case(["run", "--nosuch"], "No such option '--nosuch'", "see `fedlt run --help`", out_dir=False),
+        "bad_option_value": Case(["bench", "run", "demo", "--workers", "abc"], "'--workers'", "not a valid integer",
+                                 "see `fedlt bench run --help`", out_dir=False),
+        "unknown_command": Case(["nosuchcmd"], "No such command 'nosuchcmd'", out_dir=False),
     }
 
 

@@ -103,6 +103,19 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
     assert resumed.summary["final"] == full.summary["final"]
 
 
+def test_resume_refuses_a_checkpoint_that_no_longer_fits_the_edited_config(tmp_path):
+    from fedlt.errors import FedltError
+
+    run_dir = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="edited"), quiet=True).run_dir
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("name: cnn", "name: resnet8"))
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(FedltError, match=r"checkpoint.pt does not fit the run's config.yaml \(Error\(s\) in loading "
+                                         r"state_dict for FedModel\); restore the config.yaml it was saved with"):
+        fedlt.resume(run_dir, quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing rewritten
+
+
 def test_different_seed_different_partition_and_metrics(tmp_path):
     a = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="s3"), quiet=True)
     b = fedlt.run(tiny(tmp_path, fl__rounds=2, seed=4, run__name="s4"), quiet=True)

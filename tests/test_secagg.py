@@ -219,11 +219,20 @@ def test_flower_secure_aggregation_survives_a_supernode_dying_between_stages(tmp
     assert res.summary["final"]["round"] == 2 and res.summary["secure_aggregation"]["in_clear"] == []
 
 
-def test_engines_benchmark_reports_the_cost_of_secure_aggregation(tmp_path):
-    from fedlt.bench.engines import run_engine_bench
+def test_engines_benchmark_reports_the_cost_of_secure_aggregation(tmp_path, monkeypatch):
+    import tempfile
 
+    from fedlt.bench.engines import run_engine_bench
+    from fedlt.errors import ConfigError, FedltError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs' scratch folder goes here
     text = run_engine_bench("configs/synthetic_smoke.yaml", ["fl.rounds=1", "data.num_clients=4", "run.threads=1"],
                             engines=("inprocess",), secagg=True)
+    with pytest.raises(ConfigError, match="fl.rounds"):
+        run_engine_bench("configs/synthetic_smoke.yaml", ["fl.rounds=abc"], engines=("inprocess",))
+    with pytest.raises(FedltError, match="data.num_clients"):  # fails inside the first run
+        run_engine_bench("configs/synthetic_smoke.yaml", ["data.num_clients=100000"], engines=("inprocess",))
+    assert list(tmp_path.glob("fedlt-engines-*")) == []  # no scratch folder left, after success or failure
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("| in")}
     assert sorted(rows) == ["inprocess", "inprocess + secagg"]
     # masked uploads are 64-bit integers: about twice the float32 model's bytes

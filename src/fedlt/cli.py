@@ -138,6 +138,29 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
     _guard(go)
 
 
+def _check_out(path: Optional[Path], folder: bool, flag: str = "--out") -> None:
+    """Refuse an output path that cannot be written, before any work starts: a file where a
+    folder must go (or the reverse), or a file on the way to it."""
+    from fedlt.errors import ConfigError
+
+    if path is None:
+        return
+    existing = next((p for p in [path, *path.parents] if p.exists()), path)  # the nearest existing one
+    if existing == path and folder and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a folder (it is created if missing)")
+    if existing == path and not folder and path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give the path of a file to write")
+    if existing != path and not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+
+
+def _check_at_least_one(value: int, flag: str, what: str) -> None:
+    from fedlt.errors import ConfigError
+
+    if value < 1:
+        raise ConfigError(f"{flag} {value}: use 1 or more {what}")
+
+
 def _print_and_save(text: str, out: Optional[Path]) -> None:
     """A benchmark's Markdown: printed, and written to ``out`` when given."""
     typer.echo(text)
@@ -163,6 +186,8 @@ def bench_speed_cmd(
     def go() -> None:
         from fedlt.bench.speed import run_backend_bench, run_speed_bench
 
+        _check_at_least_one(rounds, "--rounds", "rounds to time")
+        _check_out(out, folder=False)
         config = args.pop(0) if args and "=" not in args[0] else None
         if backends:
             from fedlt.errors import ConfigError
@@ -205,6 +230,8 @@ def bench_engines_cmd(
 
         if "=" in args[0]:
             raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
+        _check_at_least_one(nodes, "--nodes", "SuperNodes")
+        _check_out(out, folder=False)
         chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
         unknown = [e for e in chosen if e not in ENGINES]
         if unknown or not chosen:
@@ -237,7 +264,10 @@ def bench_run_cmd(
             seed_list = [int(x) for x in seeds.split(",")] if seeds else None
         except ValueError:
             raise ConfigError(f"--seeds {seeds}: give integers separated by commas, e.g. 0,1,2") from None
+        if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):
+            raise ConfigError(f"--seeds {seeds}: give distinct seeds >= 0, e.g. 0,1,2")
         folder = out or Path("runs/bench") / loaded.spec.name
+        _check_out(folder, folder=True)
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
                            echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []))
         if dry_run:
@@ -278,6 +308,10 @@ def report_cmd(
     def go() -> None:
         from fedlt.reporting import write_report
 
+        if out is not None:
+            _check_out(out, folder=True)
+        elif path.is_dir():
+            _check_out(path / "report", folder=True, flag="the report folder")
         written = write_report(path, out, with_plots=plots)
         typer.echo(written.markdown)
         typer.echo(f"report: {written.out} ({len(written.files)} files)", err=True)
@@ -296,6 +330,7 @@ def data_describe_cmd(
     def go() -> None:
         from fedlt.reporting.describe import describe_data
 
+        _check_out(out, folder=True)
         config = args.pop(0) if args and "=" not in args[0] else None
         text, files = describe_data(config, args, out)
         typer.echo(text)
@@ -306,8 +341,24 @@ def data_describe_cmd(
 
 
 def main() -> None:
+    """Usage errors (unknown option, missing argument, bad option value) are user input too: one
+    line, exit code 2, like every other error; running with no arguments prints the help."""
+    import click
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(app())
+    try:
+        code = app(standalone_mode=False, prog_name="fedlt")
+    except click.exceptions.NoArgsIsHelpError as help_request:
+        typer.echo(help_request.ctx.get_help())
+        code = 0
+    except click.UsageError as err:
+        where = err.ctx.command_path if err.ctx else "fedlt"
+        typer.echo(f"fedlt: error: {err.format_message().rstrip('.')}; see `{where} --help`", err=True)
+        code = 2
+    except click.exceptions.Abort:
+        typer.echo("fedlt: interrupted", err=True)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

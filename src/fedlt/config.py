@@ -268,6 +268,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder; pass a YAML file, e.g. {p / 'config.yaml'}")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
         try:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from fedlt.config import load_config
+from fedlt.results import read_summary
 
 
 ENGINES = ("inprocess", "flower", "deployment")
@@ -24,7 +25,7 @@ def _run_record(run_dir: Path) -> tuple[list[float], float, float]:
     """Seconds of each round, final accuracy, mean uploaded bytes per round."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     up = sum(r["comm"]["up_model"] + r["comm"]["up_payload"] for r in rows) / len(rows)
-    return [r["time_s"] for r in rows], json.loads((run_dir / "summary.json").read_text())["final"]["acc"], up
+    return [r["time_s"] for r in rows], read_summary(run_dir)["final"]["acc"], up
 
 
 def run_engine_bench(config: str, overrides: list[str], nodes: int = 3, engines: tuple[str, ...] = ENGINES,
@@ -36,27 +37,28 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int = 3, engines:
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-    work = Path(tempfile.mkdtemp(prefix="fedlt-engines-"))
-    base = [*overrides, "eval.every=1", f"run.out_dir={work}"]
-    cfg = load_config(config, base)
+    cfg = load_config(config, [*overrides, "eval.every=1"])  # bad input fails before anything is created
     variants = [("", [])] + ([(" + secagg", ["secagg.enabled=true"])] if secagg else [])
-    # untimed: the process's first run pays one-time costs (torch kernels, dataset files)
-    fedlt.run(config, overrides=[*base, "fl.rounds=1", "run.name=warm-up"], quiet=True)
     results = {}
-    for engine in engines:
-        for suffix, extra in variants:
-            name = f"{engine}{suffix}".replace(" + ", "-")
-            t0 = time.perf_counter()
-            if engine == "deployment":
-                with local_federation(work / f"federation-{name}", nodes) as fed:
-                    done = fed.run(Path(config), [*base, *extra, f"run.name={name}"], timeout=3600)
-                if not (work / name / "summary.json").is_file():
-                    raise RuntimeError(f"the deployment run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-                label = f"deployment ({nodes} SuperNodes, loopback){suffix}"
-            else:
-                fedlt.run(config, overrides=[*base, *extra, f"engine={engine}", f"run.name={name}"], quiet=True)
-                label = f"{engine}{suffix}"
-            results[label] = (*_run_record(work / name), time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory(prefix="fedlt-engines-") as tmp:
+        work = Path(tmp)
+        base = [*overrides, "eval.every=1", f"run.out_dir={work}"]
+        # untimed: the process's first run pays one-time costs (torch kernels, dataset files)
+        fedlt.run(config, overrides=[*base, "fl.rounds=1", "run.name=warm-up"], quiet=True)
+        for engine in engines:
+            for suffix, extra in variants:
+                name = f"{engine}{suffix}".replace(" + ", "-")
+                t0 = time.perf_counter()
+                if engine == "deployment":
+                    with local_federation(work / f"federation-{name}", nodes) as fed:
+                        done = fed.run(Path(config), [*base, *extra, f"run.name={name}"], timeout=3600)
+                    if not (work / name / "summary.json").is_file():
+                        raise RuntimeError(f"the deployment run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+                    label = f"deployment ({nodes} SuperNodes, loopback){suffix}"
+                else:
+                    fedlt.run(config, overrides=[*base, *extra, f"engine={engine}", f"run.name={name}"], quiet=True)
+                    label = f"{engine}{suffix}"
+                results[label] = (*_run_record(work / name), time.perf_counter() - t0)
     lines = [
         f"Config: `{config}` {' '.join(overrides)} ({cfg.data.num_clients} clients, "
         f"{cfg.clients_per_round()} per round, {cfg.fl.rounds} rounds, method {cfg.method}); "

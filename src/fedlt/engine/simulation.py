@@ -20,13 +20,13 @@ import torch
 
 from fedlt.config import Config
 from fedlt.data.federated import FederatedData
-from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import choose_backend, fit_vectorized
-from fedlt.errors import TrainingDiverged
+from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
@@ -34,7 +34,7 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition, write_summary,
+    CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition, write_summary,
 )
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
@@ -291,12 +291,17 @@ class Simulation:
         pending: dict[str, Any] = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
-            start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
-            self.message_record = ckpt["messages"]
-            if self.secure is not None:
-                self.secure.in_clear.update(ckpt.get("in_clear", []))
-            self.server.load_state_dict(ckpt["server"])
-            self.client_states = ckpt["clients"]
+            try:
+                start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
+                self.message_record = ckpt["messages"]
+                if self.secure is not None:
+                    self.secure.in_clear.update(ckpt.get("in_clear", []))
+                self.server.load_state_dict(ckpt["server"])
+                self.client_states = ckpt["clients"]
+            except (KeyError, RuntimeError, ValueError, TypeError) as err:  # the config no longer builds this state
+                reason = str(err).strip().splitlines()[0][:160].rstrip(":") if str(err).strip() else type(err).__name__
+                raise FedltError(f"{run_dir / CHECKPOINT_FILE} does not fit the run's {CONFIG_FILE} ({reason}); "
+                                 f"restore the {CONFIG_FILE} it was saved with, or start a new run") from None
             rows = read_metrics(run_dir, up_to_round=start)
             rewrite_metrics(run_dir, rows)
         else:
