@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import statistics
 
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 from conftest import TINY_SUITE, write_suite
 from fedlt.bench.suite import cell_dir, load_suite, run_suite, slug
 from fedlt.cli import app
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, FedltError
 from fedlt.reporting import write_report
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
@@ -156,6 +157,26 @@ def test_interrupted_cell_resumes_from_its_checkpoint(tiny_suite, tmp_path, monk
     assert {k: resumed[k] for k in METRICS} == {k: uninterrupted[k] for k in METRICS}
 
 
+@pytest.mark.parametrize("corrupt", ["cut_off", "not_an_object"])
+def test_a_cell_with_an_unreadable_summary_is_unfinished_and_resumes(tiny_suite, tmp_path, corrupt):
+    """A cut-off or foreign summary.json is not a finished cell: the report names the file, and the
+    next ``bench run`` resumes the cell from its last checkpoint, which rewrites the summary."""
+    path, reference, _ = tiny_suite
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    bad = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 1) / "summary.json"
+    good = bad.read_text()
+    bad.write_text(good[:40] if corrupt == "cut_off" else "[1, 2]")
+    with pytest.raises(FedltError, match=rf"{re.escape(str(bad))} is not a readable run summary .*delete that folder"):
+        write_report(out, with_plots=False)
+    cells = run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells
+    assert {c.label: c.state for c in cells if c.state != "done"} == {"IF=10, alpha=0.5 / FedProx / seed 1": "resume"}
+    again = run_suite(load_suite(path), out, echo=lambda line: None)
+    assert [c.label for c in again.ran] == ["IF=10, alpha=0.5 / FedProx / seed 1"] and len(again.skipped) == 3
+    assert json.loads(bad.read_text())["final"] == json.loads(good)["final"]
+    assert "| FedProx |" in write_report(out, with_plots=False).markdown
+
+
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite
     path = write_suite(tmp_path / "s.yaml", {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1]]})
@@ -208,13 +229,34 @@ def test_unknown_suite_name_and_bad_yaml(tmp_path):
     assert result.exit_code == 2 and "is not valid YAML at line" in result.stderr
 
 
-def test_builtin_suites_validate_and_list(tmp_path):
+def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
+    import fedlt.data.registry
+
     result = CliRunner().invoke(app, ["bench", "list"])
     assert result.exit_code == 0
     names = [line.split()[0] for line in result.stdout.splitlines()]
     assert {"demo", "calibration", "cpu-paper", "paper-creff", "paper-fedloge", "paper-gbme", "paper-fedyoyo",
             "paper-sfd"} <= set(names)
-    for name in names:  # every cell's config passes the same checks as a run (no data needed)
+    loaded = []  # the data check is recorded, not run: the paper suites need CIFAR files this machine lacks
+    monkeypatch.setattr(fedlt.data.registry, "load_dataset", lambda name, root, size: loaded.append(name))
+    for name in names:  # every cell's config passes the same checks as a run, and each dataset is checked once
+        loaded.clear()
         dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])
         assert dry.exit_code == 0, (name, dry.stderr)
         assert "0 finished" in dry.stderr
+        assert loaded and len(loaded) == len(set(loaded)), (name, loaded)
+        if name == "paper-creff":
+            assert loaded == ["cifar10", "cifar100"]
+
+
+def test_missing_data_files_stop_a_suite_before_any_cell_trains(tmp_path):
+    (tmp_path / "empty").mkdir()
+    tree = {**TINY_SUITE, "seeds": [0], "methods": [
+        TINY_SUITE["methods"][1], {"name": "On CIFAR", "overrides": ["data.dataset=cifar10", f"data.root={tmp_path / 'empty'}"]}]}
+    path = write_suite(tmp_path / "s.yaml", tree)
+    for extra in ([], ["--dry-run"]):
+        result = CliRunner().invoke(app, ["bench", str(path), "--out", str(tmp_path / "out"), *extra])
+        assert result.exit_code == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "cell 'IF=10, alpha=0.5 / On CIFAR / seed 0': cifar10: no cifar-10-batches-py/" in lines[0]
+        assert not (tmp_path / "out").exists()  # the FedProx cell did not train either

@@ -96,7 +96,7 @@ class Case:
 
 
 def error_cases(data: Path) -> dict[str, Case]:
-    """``data`` holds the prepared folders: empty/, fmnist-garbage/, not-a-run/."""
+    """``data`` holds the prepared folders: empty/, fmnist-garbage/, not-a-run/, cut-off-run/."""
     return {
         "unknown_method": Case(["run", "method=nosuch", *SYN], "'nosuch'", "method=", "fedavg, fedprox, centralized"),
         "unknown_dataset": Case(["run", "data.dataset=nosuch"], "'nosuch'", "data.dataset", "synthetic"),
@@ -142,6 +142,8 @@ def error_cases(data: Path) -> dict[str, Case]:
                                   "set run.out_dir to a writable folder", out_dir=False),
         "table_non_run_dir": Case(["table", str(data / "not-a-run")], str(data / "not-a-run"), "summary.json",
                                   out_dir=False),
+        "table_cut_off_summary": Case(["table", str(data / "cut-off-run")], str(data / "cut-off-run" / "summary.json"),
+                                      "not a readable run summary", "invalid JSON", "fedlt run --resume", out_dir=False),
         # output paths and option values are checked before any work starts
         "report_out_is_a_file": Case(["report", str(data / "not-a-run"), "--out", str(data / "a-file")],
                                      f"--out {data / 'a-file'} is a file", "give a folder", out_dir=False),
@@ -172,6 +174,8 @@ def make_data_folders(data: Path) -> None:
     (data / "not-a-run").mkdir()
     (data / "not-a-run" / "notes.txt").write_text("not a run\n")
     (data / "a-file").write_text("not a folder\n")
+    (data / "cut-off-run").mkdir()
+    (data / "cut-off-run" / "summary.json").write_text('{"method": "fedavg", "fin')
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ code 2; nothing is left half-written because every check runs before the run dir
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -126,13 +125,13 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
 
     def go() -> None:
         from fedlt.report import comparison_table
+        from fedlt.results import read_summary
 
         summaries = []
         for d in run_dirs:
-            path = d / "summary.json"
-            if not path.is_file():
+            if not (d / "summary.json").is_file():
                 raise FedltError(f"{d} has no summary.json; pass directories of finished runs")
-            summaries.append((d.name, json.loads(path.read_text())))
+            summaries.append((d.name, read_summary(d)))
         typer.echo(comparison_table(summaries))
 
     _guard(go)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedlt.results import check_summary
+
 
 def _cell(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
@@ -15,6 +17,7 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
 
     The headline is the final round; the best round's GM accuracy is a separate, labelled column.
     """
+    summaries = [(name, check_summary(s, name)) for name, s in summaries]
     rules = sorted({s.get("shot_rule", "") for _, s in summaries})
     lines = [
         "| run | method | loss | final round | GM acc | many | medium | few | PM acc | best-round GM acc (round) |",

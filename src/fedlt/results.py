@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from fedlt.config import Config
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, FedltError
 
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
     "config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png",
@@ -120,6 +120,51 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         } if rows else {},
         **extra,
     }
+
+
+#: what every caller of a summary indexes; a summary of this version of fedlt has all of them
+SUMMARY_KEYS = {"method": str, "final": dict, "best_round": dict}
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+             bool: "a boolean"}
+    return names.get(type(value), "null")
+
+
+def _unreadable(run_dir: str | Path, reason: str) -> FedltError:
+    return FedltError(f"{Path(run_dir) / SUMMARY_FILE} is not a readable run summary ({reason}); rewrite it with "
+                      f"`fedlt run --resume {run_dir}` (a suite's cell: `fedlt bench run` again) or delete that folder")
+
+
+def check_summary(summary: Any, run_dir: str | Path) -> dict[str, Any]:
+    """``summary`` if it is a run summary (a JSON object with :data:`SUMMARY_KEYS`), else a
+    FedltError naming ``run_dir/summary.json``."""
+    if not isinstance(summary, dict):
+        raise _unreadable(run_dir, f"it holds {_json_type(summary)}, not a JSON object")
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise _unreadable(run_dir, f"no key{'s' * (len(missing) > 1)} {', '.join(repr(k) for k in missing)}")
+    for key, kind in SUMMARY_KEYS.items():
+        if not isinstance(summary[key], kind):
+            raise _unreadable(run_dir, f"'{key}' is {_json_type(summary[key])}, not {_json_type(kind())}")
+    return summary
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """``run_dir/summary.json``, checked by :func:`check_summary`: a cut-off, empty or foreign file
+    is one FedltError naming it, never a JSONDecodeError or KeyError later on."""
+    try:
+        text = (Path(run_dir) / SUMMARY_FILE).read_text()
+        summary = json.loads(text)
+    except OSError as err:
+        raise _unreadable(run_dir, err.strerror or type(err).__name__) from None
+    except UnicodeDecodeError:
+        raise _unreadable(run_dir, "not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise _unreadable(run_dir, "the file is empty" if not text.strip() else
+                          f"invalid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    return check_summary(summary, run_dir)
 
 
 def _fmt(value: Any) -> str:

@@ -4,7 +4,7 @@ A suite file (format in the README, built-in ones in ``bench/suites/``) lists se
 groups) and methods (table rows). Cell ``(setting, method, seed)`` runs ``fedlt run`` with the
 overrides of the suite, the setting, the method, then ``seed=S`` and its run directory
 ``OUT/<setting-slug>/<method-slug>/seed<S>``. Because the cell's place is fixed, the suite is
-resumable: a finished cell (``summary.json`` and the same config) is skipped, an interrupted one
+resumable: a finished cell (a readable ``summary.json`` and the same config) is skipped, an interrupted one
 continues from its checkpoint, and a folder holding a *different* config is an error, never
 silently mixed into a table. Every cell's config is validated before the first cell trains.
 A failing cell is logged to ``OUT/failed.json`` and the others go on.
@@ -23,12 +23,15 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Callable
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedlt.errors import ConfigError, FedltError
+
+if TYPE_CHECKING:
+    from fedlt.config import Config
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -263,9 +266,9 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, and classify its folder, before anything trains."""
     from fedlt.api import check_config
     from fedlt.config import load_config
-    from fedlt.engine.checkpoint import CHECKPOINT_FILE
-    from fedlt.results import CONFIG_FILE, SUMMARY_FILE
+    from fedlt.data.registry import load_dataset
 
+    datasets: dict[tuple, str] = {}  # (name, root, image size) the cells to train read -> one such cell
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
@@ -273,23 +276,42 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
         cell.threads = cfg.run.threads
-        saved_path = cell.run_dir / CONFIG_FILE
-        if not saved_path.is_file():
-            if cell.run_dir.exists() and any(cell.run_dir.iterdir()):
-                raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds files but no fedlt run; "
-                                  "delete that folder or pass --out to a fresh one")
-            cell.state = "new"
-            continue
-        diff = config_difference(yaml.safe_load(saved_path.read_text()) or {}, cfg.dump())
-        if diff is not None:
-            raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
+        validate_cell_folder(cell, cfg)
+        if cell.state != "done":
+            datasets.setdefault((cfg.data.dataset, cfg.data.root, cfg.data.image_size), cell.label)
+    for (name, root, size), label in datasets.items():  # missing or corrupt files: before any cell trains
+        try:
+            load_dataset(name, root, size)
+        except FedltError as err:
+            raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
+
+
+def validate_cell_folder(cell: Cell, cfg: Config) -> None:
+    """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error."""
+    from fedlt.engine.checkpoint import CHECKPOINT_FILE
+    from fedlt.results import CONFIG_FILE, SUMMARY_FILE, read_summary
+
+    saved_path = cell.run_dir / CONFIG_FILE
+    if not saved_path.is_file():
+        if cell.run_dir.exists() and any(cell.run_dir.iterdir()):
+            raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds files but no fedlt run; "
                               "delete that folder or pass --out to a fresh one")
-        if (cell.run_dir / SUMMARY_FILE).is_file():
-            cell.state = "done"
-        elif (cell.run_dir / CHECKPOINT_FILE).is_file():
-            cell.state = "resume"
-        else:
-            cell.state = "new"  # started, killed before its first checkpoint: nothing to keep
+        cell.state = "new"
+        return
+    diff = config_difference(yaml.safe_load(saved_path.read_text()) or {}, cfg.dump())
+    if diff is not None:
+        raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
+                          "delete that folder or pass --out to a fresh one")
+    try:
+        finished = (cell.run_dir / SUMMARY_FILE).is_file() and bool(read_summary(cell.run_dir))
+    except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
+        finished = False
+    if finished:
+        cell.state = "done"
+    elif (cell.run_dir / CHECKPOINT_FILE).is_file():
+        cell.state = "resume"
+    else:
+        cell.state = "new"  # started, killed before its first checkpoint: nothing to keep
 
 
 # ---- running ----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ a single run directory (``summary.json``), or a folder of run directories (e.g. 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import yaml
 
 from fedlt.errors import FedltError
-from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics
+from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
 
@@ -84,10 +83,9 @@ class Collection:
 
 
 def _load_run(path: Path, seed: int | None = None) -> Run | None:
-    summary_path = path / SUMMARY_FILE
-    if not summary_path.is_file():
+    if not (path / SUMMARY_FILE).is_file():
         return None
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(path)
     if seed is None:
         cfg_path = path / "config.yaml"
         seed = int((yaml.safe_load(cfg_path.read_text()) or {}).get("seed", 0)) if cfg_path.is_file() else 0
