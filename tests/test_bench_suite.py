@@ -238,7 +238,7 @@ def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
     assert {"demo", "calibration", "cpu-paper", "paper-creff", "paper-fedloge", "paper-gbme", "paper-fedyoyo",
             "paper-sfd"} <= set(names)
     loaded = []  # the data check is recorded, not run: the paper suites need CIFAR files this machine lacks
-    monkeypatch.setattr(fedlt.data.registry, "load_dataset", lambda name, root, size: loaded.append(name))
+    monkeypatch.setattr(fedlt.data.registry, "load_dataset", lambda name, root, size, **_: loaded.append(name))
     for name in names:  # every cell's config passes the same checks as a run, and each dataset is checked once
         loaded.clear()
         dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])

@@ -15,6 +15,8 @@ import scipy.io
 import torch
 from PIL import Image
 
+from fedlt.config import DataConfig
+from fedlt.data.federated import build_federated_data
 from fedlt.data.registry import DATASETS, list_datasets, load_dataset
 from fedlt.data.sources import cinic, common, idx, listfile
 from fedlt.data.sources.synthetic import make_synthetic
@@ -587,3 +589,70 @@ def test_registry_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("FEDLT_DATA", str(tmp_path))  # no svhn/ below it: FEDLT_DATA itself is used
     message = error_of("svhn")
     assert f"in {tmp_path};" in message and "train_32x32.mat" in message
+
+
+# ----------------------------------------------------------------------------- what training needs
+
+
+def rewrite_cifar10(parent: Path, train_labels: list[int], test_labels: list[int]) -> None:
+    """Replace every batch of a written CIFAR-10 folder: each training batch gets ``train_labels``.
+
+    Protocol 4, because at protocol 2 Python writes an empty array's bytes as a call to a global.
+    """
+    folder = parent / "cifar-10-batches-py"
+    for name, labels in [*((f"data_batch_{i}", train_labels) for i in range(1, 6)), ("test_batch", test_labels)]:
+        x = RNG.integers(0, 256, (len(labels), 3072), dtype=np.uint8)
+        with (folder / name).open("wb") as handle:
+            pickle.dump({b"data": x, b"labels": labels}, handle, protocol=4)
+
+
+def test_a_class_without_training_samples_is_a_data_error(tmp_path: Path) -> None:
+    write_cifar10(tmp_path)
+    rewrite_cifar10(tmp_path, list(range(9)), list(range(10)))  # no truck (class 9) in training
+    assert load_dataset("cifar10", root=str(tmp_path)).num_classes == 10  # tiny files may lack classes
+    message = error_of("cifar10", tmp_path, every_class=True)
+    for fragment in ["cifar10: class 9 (truck) has no training samples", str(tmp_path), "has 10 classes",
+                     "not cifar10's", "re-download"]:
+        assert fragment in message
+    # What a run does: before the fix the class count shrank to 9 and a ValueError followed.
+    cfg = DataConfig(dataset="cifar10", root=str(tmp_path), imbalance_factor=1, num_clients=2)
+    with pytest.raises(DataError, match=r"class 9 \(truck\) has no training samples"):
+        build_federated_data(cfg, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "fragment"),
+    [
+        ("svhn", {}, "svhn: class 2 and 5 other classes have no training samples"),  # train digits 0, 1, 4, 9
+        ("imagenet_lt", {"image_size": 8}, "imagenet_lt: class 1 and 1 other classes have no training samples"),
+    ],
+)
+def test_every_class_applies_to_every_format(tmp_path: Path, name: str, kwargs: dict, fragment: str) -> None:
+    root = tmp_path / name
+    if name == "svhn":
+        write_svhn(root)
+    else:
+        write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")  # train labels 0, 2, 4 of 0..4
+    message = error_of(name, root, every_class=True, **kwargs)
+    assert fragment in message and str(root) in message
+
+
+@pytest.mark.parametrize("which", ["test", "training"])
+def test_an_empty_split_is_a_data_error(tmp_path: Path, which: str) -> None:
+    write_cifar10(tmp_path)
+    labels = list(range(10))
+    if which == "test":
+        rewrite_cifar10(tmp_path, train_labels=labels, test_labels=[])
+    else:
+        rewrite_cifar10(tmp_path, train_labels=[], test_labels=labels)
+    message = error_of("cifar10", tmp_path)
+    assert f"cifar10: the {which} set in {tmp_path} is empty (0 images)" in message
+    # Before the fix an empty test set trained and reported accuracy NaN.
+    cfg = DataConfig(dataset="cifar10", root=str(tmp_path), imbalance_factor=1, num_clients=2)
+    with pytest.raises(DataError, match=f"the {which} set in .* is empty"):
+        build_federated_data(cfg, seed=0)
+
+
+def test_an_empty_split_is_caught_for_other_formats_too(tmp_path: Path) -> None:
+    write_fmnist(tmp_path / "fm", n_train=0)
+    assert "fmnist: the training set in" in error_of("fmnist", tmp_path / "fm")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
+from fedlt.config import DataConfig
+from fedlt.data.federated import build_federated_data
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_counts, longtail_indices
 from fedlt.data.partition import (
@@ -95,6 +98,9 @@ def test_longtail_indices_missing_class():
     labels = np.array([0, 0, 2, 2])
     with pytest.raises(DataError, match="class 1 has no samples"):
         longtail_indices(labels, 2, rng())
+    # A missing *last* class is only visible with the dataset's class count.
+    with pytest.raises(DataError, match="class 3 has no samples"):
+        longtail_indices(np.array([0, 1, 2, 2]), 1, rng(), num_classes=4)
 
 
 # --- partitions -----------------------------------------------------------------------------
@@ -219,6 +225,64 @@ def test_pathological_rejects_bad_settings():
         pathological_partition(LABELS, 20, 0, rng())
     with pytest.raises(DataError, match="some class would be dropped; use more clients"):
         pathological_partition(LABELS, 4, 2, rng())
+
+
+# Long-tailed labels as the synthetic dataset gives them at IF=100: 300, 179, ..., 5, 3 per class.
+LT_LABELS = rng(5).permutation(np.repeat(np.arange(10), longtail_counts(300, 10, 100)))  # 740 samples
+
+
+def digest(part: Partition) -> str:
+    return hashlib.sha256(b"".join(ix.tobytes() + b"|" for ix in part.client_indices)).hexdigest()[:16]
+
+
+def test_pathological_valid_seeded_splits_unchanged():
+    # Digests of the splits made before the redraw for min_client_size existed: valid splits stay identical.
+    assert digest(pathological_partition(LABELS, 20, 2, rng(0))) == "10e41964bfc915ef"
+    assert digest(pathological_partition(LABELS, 7, 3, rng(7))) == "da480ac4997dbcd9"
+    assert digest(pathological_partition(LT_LABELS, 20, 2, rng(0))) == "eadebe7f849b6dda"
+    assert digest(pathological_partition(LT_LABELS, 30, 1, rng(1))) == "5abcbb3f58f9b08c"
+
+
+def test_pathological_never_leaves_a_client_empty():
+    generator = rng(0)
+    state = generator.bit_generator.state
+    with pytest.raises(DataError) as info:  # class 9 (3 samples) is shared among 50 clients
+        pathological_partition(LT_LABELS, 500, 1, generator)
+    message = str(info.value)
+    for fragment in ["500 clients x 1 class", "at least 50 clients", "class 9 has only 3 training samples",
+                     "use data.num_clients <= 30", "data.classes_per_client", "data.imbalance_factor"]:
+        assert fragment in message
+    assert generator.bit_generator.state == state  # failed before drawing
+    assert pathological_partition(LT_LABELS, 30, 1, rng(0)).sizes.min() >= 1  # the bound it names works
+    with pytest.raises(DataError, match=r"every client holding >= 1 samples after 20 draws.*use fewer clients"):
+        pathological_partition(LT_LABELS, 500, 3, rng(0), max_retries=20)
+
+
+def test_pathological_min_size_honoured():
+    assert pathological_partition(LT_LABELS, 20, 2, rng(3)).sizes.min() < 10  # the draw a min_size redraws
+    for seed in range(4):
+        part = pathological_partition(LT_LABELS, 20, 2, rng(seed), min_size=10)
+        part.validate(LT_LABELS.size)
+        assert part.sizes.min() >= 10
+        assert ((part.counts > 0).sum(axis=1) <= 2).all()
+    with pytest.raises(DataError, match=r"after 1000 draws.*lower data.min_client_size"):
+        pathological_partition(LT_LABELS, 20, 2, rng(0), min_size=30)
+
+
+def test_pathological_impossible_min_size_fails_before_drawing():
+    generator = rng(0)
+    state = generator.bit_generator.state
+    with pytest.raises(DataError, match=r"pathological partition: data.min_client_size=38 is impossible.*<= 37"):
+        pathological_partition(LT_LABELS, 20, 2, generator, min_size=38)
+    assert generator.bit_generator.state == state
+
+
+def test_pathological_config_reaches_the_partition():
+    cfg = DataConfig(dataset="synthetic", partition="pathological", classes_per_client=1, num_clients=500)
+    with pytest.raises(DataError, match="some client would get none"):
+        build_federated_data(cfg, seed=0)
+    cfg = DataConfig(dataset="synthetic", partition="pathological", min_client_size=8)
+    assert build_federated_data(cfg, seed=0).partition.sizes.min() >= 8
 
 
 def test_iid_near_equal_and_mixed():

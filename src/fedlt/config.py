@@ -42,8 +42,8 @@ class DataConfig(_Section):
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
     classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
     num_clients: int = Field(20, ge=1)
-    min_client_size: int = Field(0, ge=0, description="Dirichlet: redraw until every client holds at least this many")
-    max_retries: int = Field(1000, ge=1, description="Dirichlet: draws tried before giving up with an error")
+    min_client_size: int = Field(0, ge=0, description="Dirichlet, pathological: redraw until every client holds at least this many")
+    max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
     augment: Literal["none", "weak", "strong"] = Field(
         "none", description="training augmentation on the device: weak = crop+flip+rotate, strong = + RandAugment+Cutout"

@@ -281,7 +281,7 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
             datasets.setdefault((cfg.data.dataset, cfg.data.root, cfg.data.image_size), cell.label)
     for (name, root, size), label in datasets.items():  # missing or corrupt files: before any cell trains
         try:
-            load_dataset(name, root, size)
+            load_dataset(name, root, size, every_class=True)  # as training loads it
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
 

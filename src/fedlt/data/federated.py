@@ -74,7 +74,10 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
             min_size=cfg.min_client_size, max_retries=cfg.max_retries, equal_size=cfg.equal_size,
         )
     if cfg.partition == "pathological":
-        return pathological_partition(labels, cfg.num_clients, cfg.classes_per_client, rng)
+        return pathological_partition(
+            labels, cfg.num_clients, cfg.classes_per_client, rng,
+            min_size=cfg.min_client_size, max_retries=cfg.max_retries,
+        )
     return iid_partition(labels, cfg.num_clients, rng)
 
 
@@ -84,9 +87,10 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     All randomness comes from the config seed's ``data`` and ``local_test`` streams, so every
     method run with the same seed sees the same federation.
     """
-    pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size)
+    pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True)
     rng = numpy_rng(seed, "data")
-    keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction)
+    keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
+                            num_classes=pair.num_classes)
     train = pair.train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, pair.test.labels.numpy(), numpy_rng(seed, "local_test"))

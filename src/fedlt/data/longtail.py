@@ -44,20 +44,20 @@ def longtail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> np
 
 
 def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random.Generator,
-                     fraction: float = 1.0) -> np.ndarray:
+                     fraction: float = 1.0, num_classes: int | None = None) -> np.ndarray:
     """Sorted indices into ``labels`` that form the long-tailed training subset; with
     ``fraction`` < 1, ``max(1, round(fraction x count))`` of each class (the first ones of the
     same draw, so a smaller fraction is a subset of a larger one).
 
     ``n_max`` is the size of the *smallest* class of the (nominally balanced) source, so every
     class has at least its target count even when the source is slightly unbalanced. Which
-    samples a class keeps is a uniform draw from ``rng``. The number of classes is
-    ``labels.max() + 1``; every class in ``0..C-1`` must be present.
+    samples a class keeps is a uniform draw from ``rng``. The number of classes C is
+    ``num_classes`` (default ``labels.max() + 1``); every class in ``0..C-1`` must be present.
     """
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
         raise ValueError("labels must be a non-empty 1-D array of non-negative integers")
-    class_sizes = np.bincount(labels)
+    class_sizes = np.bincount(labels, minlength=num_classes or 0)
     empty = np.flatnonzero(class_sizes == 0)
     if empty.size:
         raise DataError(

@@ -76,16 +76,9 @@ def dirichlet_partition(
     _check_num_clients(num_clients, n)
     if not alpha > 0:
         raise DataError(f"data.alpha={alpha} must be > 0 (Dirichlet concentration); use e.g. data.alpha=0.5")
-    if min_size < 0:
-        raise DataError(f"data.min_client_size={min_size} is negative; use data.min_client_size >= 0")
+    _check_min_size("Dirichlet", min_size, num_clients, n)
     if max_retries < 1:
         raise ValueError(f"max_retries must be >= 1, got {max_retries}")
-    if min_size * num_clients > n:
-        raise DataError(
-            f"Dirichlet partition: data.min_client_size={min_size} is impossible for {num_clients} clients "
-            f"and {n} samples ({num_clients} x {min_size} > {n}); use data.min_client_size <= {n // num_clients} "
-            "or fewer clients"
-        )
     members = _class_members(labels)
     class_sizes = np.array([m.size for m in members], dtype=np.int64)
     for _ in range(max_retries):
@@ -110,7 +103,12 @@ def dirichlet_partition(
 
 
 def pathological_partition(
-    labels: np.ndarray, num_clients: int, classes_per_client: int, rng: np.random.Generator
+    labels: np.ndarray,
+    num_clients: int,
+    classes_per_client: int,
+    rng: np.random.Generator,
+    min_size: int = 0,
+    max_retries: int = 1000,
 ) -> Partition:
     """Each client holds exactly ``classes_per_client`` distinct classes (FedAvg's shard split).
 
@@ -118,6 +116,11 @@ def pathological_partition(
     ``floor`` or ``ceil`` of ``K * k / C`` clients and none is dropped; the resulting class sets
     are then given to a random permutation of the clients. Each class is shuffled and cut into
     near-equal shards, one per client holding it.
+
+    As in :func:`dirichlet_partition`, the deal is repeated until every client holds
+    ``>= max(min_size, 1)`` samples, at most ``max_retries`` times, so no client is ever empty.
+    A class with fewer samples than holders leaves some of them without a shard of it; those
+    clients hold fewer than ``k`` classes.
     """
     labels = _check_labels(labels)
     n = labels.size
@@ -136,11 +139,32 @@ def pathological_partition(
             f"{num_classes} classes, so some class would be dropped; use more clients or raise "
             "data.classes_per_client"
         )
-    order = rng.permutation(num_classes)
-    owner = rng.permutation(num_clients)
-    holders: list[list[int]] = [[] for _ in range(num_classes)]
-    for slot in range(num_clients * k):
-        holders[int(order[slot % num_classes])].append(int(owner[slot // k]))
+    _check_min_size("pathological", min_size, num_clients, n)
+    if max_retries < 1:
+        raise ValueError(f"max_retries must be >= 1, got {max_retries}")
+    class_sizes = np.array([m.size for m in members], dtype=np.int64)
+    if k == 1:
+        _check_one_class_clients(class_sizes, num_clients)
+    least = max(min_size, 1)  # a client without samples is never produced
+    for _ in range(max_retries):
+        order = rng.permutation(num_classes)
+        owner = rng.permutation(num_clients)
+        holders: list[list[int]] = [[] for _ in range(num_classes)]
+        for slot in range(num_clients * k):
+            holders[int(order[slot % num_classes])].append(int(owner[slot // k]))
+        # Client sizes: np.array_split (below) cuts class c into shards for its sorted holders.
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for c, clients in enumerate(holders):
+            sizes[sorted(clients)] += _shard_sizes(int(class_sizes[c]), len(clients))
+        if sizes.min() >= least:
+            break
+    else:
+        lower = "lower data.min_client_size, " if min_size > 1 else ""
+        raise DataError(
+            f"pathological partition: no split with every client holding >= {least} samples after "
+            f"{max_retries} draws ({k} classes per client, {num_clients} clients, {n} samples); "
+            f"{lower}use fewer clients or a smaller data.imbalance_factor"
+        )
     per_client: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, idx in enumerate(members):
         clients = sorted(holders[c])
@@ -170,6 +194,35 @@ def _check_num_clients(num_clients: int, num_samples: int) -> None:
         raise DataError(
             f"data.num_clients={num_clients} exceeds the {num_samples} training samples; use fewer clients"
         )
+
+
+def _check_min_size(kind: str, min_size: int, num_clients: int, num_samples: int) -> None:
+    if min_size < 0:
+        raise DataError(f"data.min_client_size={min_size} is negative; use data.min_client_size >= 0")
+    if min_size * num_clients > num_samples:
+        raise DataError(
+            f"{kind} partition: data.min_client_size={min_size} is impossible for {num_clients} clients "
+            f"and {num_samples} samples ({num_clients} x {min_size} > {num_samples}); "
+            f"use data.min_client_size <= {num_samples // num_clients} or fewer clients"
+        )
+
+
+def _check_one_class_clients(class_sizes: np.ndarray, num_clients: int) -> None:
+    """With one class per client, a class with fewer samples than holders leaves a client empty in every deal."""
+    least_holders = num_clients // class_sizes.size  # every class goes to at least this many clients
+    c = int(np.argmin(class_sizes))
+    if class_sizes[c] < least_holders:
+        raise DataError(
+            f"pathological partition: {num_clients} clients x 1 class each share every class among at least "
+            f"{least_holders} clients, but class {c} has only {class_sizes[c]} training samples, so some client "
+            f"would get none; use data.num_clients <= {class_sizes.size * class_sizes[c]}, a higher "
+            "data.classes_per_client or a smaller data.imbalance_factor"
+        )
+
+
+def _shard_sizes(num_samples: int, num_shards: int) -> np.ndarray:
+    """Sizes of the ``np.array_split`` pieces of ``num_samples`` items into ``num_shards``."""
+    return num_samples // num_shards + (np.arange(num_shards) < num_samples % num_shards)
 
 
 def _class_members(labels: np.ndarray) -> list[np.ndarray]:

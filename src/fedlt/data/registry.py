@@ -13,12 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.sources import cifar, cinic, idx, listfile, svhn, synthetic
 from fedlt.data.sources.common import check_labels
 from fedlt.errors import DataError
 
 Loader = Callable[[Path | None, int], DatasetPair]
+
+_REFETCH = "re-download or regenerate the dataset files"
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,9 @@ def list_datasets() -> list[tuple[str, str]]:
     return [(name, info.description) for name, info in DATASETS.items()]
 
 
-def load_dataset(name: str, root: str | None = None, image_size: int | None = None) -> DatasetPair:
+def load_dataset(
+    name: str, root: str | None = None, image_size: int | None = None, *, every_class: bool = False
+) -> DatasetPair:
     """Load dataset ``name`` as uint8 train/test tensors.
 
     Parameters
@@ -120,11 +126,14 @@ def load_dataset(name: str, root: str | None = None, image_size: int | None = No
     root : folder holding the dataset's files; see the module docstring for the fallbacks
     image_size : image side for imagenet_lt, inat and synthetic; for fixed-size datasets it
         may only repeat the native size
+    every_class : also require a training sample of every class (``classes``, the dataset's
+        class list), as training does; small test files may lack classes
 
     Raises
     ------
     DataError
-        unknown name, no or unusable folder, missing or corrupt files, bad labels
+        unknown name, no or unusable folder, missing or corrupt files, bad labels, an empty
+        split, a class without training samples (``every_class``)
     """
     info = DATASETS.get(name)
     if info is None:
@@ -133,8 +142,10 @@ def load_dataset(name: str, root: str | None = None, image_size: int | None = No
     folder = _resolve_root(name, info, root)
     pair = info.loader(folder, size)
     where = folder if folder is not None else name
-    for split in (pair.train, pair.test):
-        _finish(name, where, split)
+    for split, which in ((pair.train, "training"), (pair.test, "test")):
+        _finish(name, where, split, which)
+    if every_class:
+        _require_every_class(name, where, pair.train)
     return pair
 
 
@@ -173,8 +184,23 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
     )
 
 
-def _finish(name: str, where: Path | str, split: ImageDataset) -> None:
-    """Enforce what every consumer relies on: labels index ``classes``, images are contiguous."""
-    check_labels(name, where, split.labels, split.num_classes, "re-download or regenerate the dataset files")
+def _finish(name: str, where: Path | str, split: ImageDataset, which: str) -> None:
+    """Enforce what every consumer relies on: a non-empty split, labels index ``classes``, contiguous images."""
+    if len(split) == 0:
+        raise DataError(f"{name}: the {which} set in {where} is empty (0 images); {_REFETCH}")
+    check_labels(name, where, split.labels, split.num_classes, _REFETCH)
     if not split.images.is_contiguous():
         split.images = split.images.contiguous()
+
+
+def _require_every_class(name: str, where: Path | str, train: ImageDataset) -> None:
+    """Every class in ``train.classes`` needs a training sample, or the class count would shrink downstream."""
+    missing = torch.nonzero(train.class_counts() == 0).flatten().tolist()
+    if missing:
+        c = missing[0]
+        label = f"class {c}" if train.classes[c] == str(c) else f"class {c} ({train.classes[c]})"
+        others = f" and {len(missing) - 1} other classes have" if len(missing) > 1 else " has"
+        raise DataError(
+            f"{name}: {label}{others} no training samples in {where}, but {name} has {train.num_classes} "
+            f"classes; the files are incomplete or not {name}'s, {_REFETCH}"
+        )
