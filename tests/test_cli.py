@@ -151,6 +151,7 @@ def error_cases(data: Path) -> dict[str, Case]:
                                           f"{data / 'a-file'} is a file, not a folder", out_dir=False),
         "speed_out_is_a_folder": Case(["bench", "speed", *SYN, "--rounds", "1", "--out", str(data / "empty")],
                                       f"--out {data / 'empty'} is a folder", "path of a file", out_dir=False),
+        "speed_bad_override": Case(["bench", "speed", *SYN, "fl.rounds=abc"], "fl.rounds", "valid integer", out_dir=False),
         "speed_zero_rounds": Case(["bench", "speed", *SYN, "--rounds", "0"], "--rounds 0", "1 or more", out_dir=False),
         "engines_zero_nodes": Case(["bench", "engines", "configs/synthetic_smoke.yaml", "--nodes", "0"], "--nodes 0",
                                    "1 or more SuperNodes", out_dir=False),

@@ -210,7 +210,16 @@ def test_override_with_empty_key_part(item: str) -> None:
 
 def test_override_below_a_scalar_value(tmp_path: Path) -> None:
     msg = config_error(write(tmp_path, "seed: 3\n"), ["seed.x=1"])
-    assert "'seed' is a value, not a section" in msg
+    assert "override 'seed.x': seed is a value, not a section of keys; write seed=VALUE" in msg
+
+
+def test_a_section_given_a_plain_value_names_the_section_and_the_fix(tmp_path: Path) -> None:
+    path = write(tmp_path, "fl: 5\n")
+    assert config_error(path, ["fl.rounds=1"]) == (
+        "override 'fl.rounds': the config file sets fl to 5, but fl is a section of keys; put its keys under `fl:` there")
+    msg = config_error(path)
+    assert msg.startswith("invalid config value fl: 5 where a section of keys is expected (rounds, participation")
+    assert msg.endswith("in YAML put its keys under `fl:`, as an override write fl.rounds=VALUE")
 
 
 # ---- dump round-trip ----------------------------------------------------------------------

@@ -185,9 +185,12 @@ def bench_speed_cmd(
     def go() -> None:
         from fedlt.bench.speed import run_backend_bench, run_speed_bench
 
+        from fedlt.config import load_config
+
         _check_at_least_one(rounds, "--rounds", "rounds to time")
         _check_out(out, folder=False)
         config = args.pop(0) if args and "=" not in args[0] else None
+        load_config(config, args)  # as given: the bench's own fl.rounds would hide a bad one
         if backends:
             from fedlt.errors import ConfigError
             from fedlt.models.registry import MODELS

@@ -225,10 +225,14 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not all(parts):
             raise ConfigError(f"override key '{key}' is empty or has an empty part; write it like fl.rounds=50")
         node = tree
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1], start=1):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
+                prefix = ".".join(parts[:depth])
+                if _valid_keys(prefix):  # a section in the schema: the config file gave it a plain value
+                    raise ConfigError(f"override '{key}': the config file sets {prefix} to {child!r}, but {prefix} "
+                                      f"is a section of keys; put its keys under `{prefix}:` there")
+                raise ConfigError(f"override '{key}': {prefix} is a value, not a section of keys; write {prefix}=VALUE")
             node = child
         node[parts[-1]] = _parse_scalar(value)
     return tree
@@ -241,6 +245,11 @@ def _describe(err: ValidationError) -> str:
         section = ".".join(str(p) for p in first["loc"][:-1])
         valid = _valid_keys(section)
         return f"unknown config key '{where}'; valid keys{' in ' + section if section else ''}: {', '.join(valid)}"
+    if first["type"] == "model_type":  # a section given a plain value, e.g. `fl: 5`
+        keys = _valid_keys(where)
+        return (f"invalid config value {where}: {first.get('input')!r} where a section of keys is expected "
+                f"({', '.join(keys[:4])}, ...); in YAML put its keys under `{where}:`, as an override write "
+                f"{where}.{keys[0]}=VALUE")
     msg = first["msg"].removeprefix("Value error, ")
     return f"invalid config value {where}: {msg}"
 
