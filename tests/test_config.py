@@ -213,10 +213,17 @@ def test_override_below_a_scalar_value(tmp_path: Path) -> None:
     assert "override 'seed.x': seed is a value, not a section of keys; write seed=VALUE" in msg
 
 
+def test_an_empty_yaml_section_takes_overrides(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "method: fedprox\nmethod_args:\n"), ["method_args.mu=0.1"])
+    assert cfg.method_args == {"mu": 0.1}
+
+
 def test_a_section_given_a_plain_value_names_the_section_and_the_fix(tmp_path: Path) -> None:
     path = write(tmp_path, "fl: 5\n")
     assert config_error(path, ["fl.rounds=1"]) == (
-        "override 'fl.rounds': the config file sets fl to 5, but fl is a section of keys; put its keys under `fl:` there")
+        "override 'fl.rounds': fl is set to 5 (in the config file or an earlier override), but fl is a section of "
+        "keys; put its keys under it")
+    assert "method_args is set to 3" in config_error(None, ["method_args=3", "method_args.mu=0.1"])
     msg = config_error(path)
     assert msg.startswith("invalid config value fl: 5 where a section of keys is expected (rounds, participation")
     assert msg.endswith("in YAML put its keys under `fl:`, as an override write fl.rounds=VALUE")

@@ -110,7 +110,7 @@ def test_resume_refuses_a_checkpoint_that_no_longer_fits_the_edited_config(tmp_p
     config = run_dir / "config.yaml"
     config.write_text(config.read_text().replace("name: cnn", "name: resnet8"))
     metrics = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(FedltError, match=r"checkpoint.pt does not fit the run's config.yaml \(Error\(s\) in loading "
+    with pytest.raises(FedltError, match=r"checkpoint.pt does not fit the run's config.yaml \(RuntimeError: Error\(s\) in loading "
                                          r"state_dict for FedModel\); restore the config.yaml it was saved with"):
         fedlt.resume(run_dir, quiet=True)
     assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing rewritten

@@ -351,11 +351,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False, prog_name="fedlt")
     except click.exceptions.NoArgsIsHelpError as help_request:
-        typer.echo(help_request.ctx.get_help())
+        text = help_request.format_message()  # rich help was printed while the error was built
+        if text:
+            typer.echo(text)
         code = 0
     except click.UsageError as err:
-        where = err.ctx.command_path if err.ctx else "fedlt"
-        typer.echo(f"fedlt: error: {err.format_message().rstrip('.')}; see `{where} --help`", err=True)
+        hint = f"; see `{err.ctx.command_path} --help`" if err.ctx else ""
+        typer.echo(f"fedlt: error: {err.format_message().rstrip('.')}{hint}", err=True)
         code = 2
     except click.exceptions.Abort:
         typer.echo("fedlt: interrupted", err=True)

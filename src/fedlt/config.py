@@ -7,7 +7,7 @@ that produced it. Unknown keys are errors (a typo must not silently fall back to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -226,12 +226,14 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override key '{key}' is empty or has an empty part; write it like fl.rounds=50")
         node = tree
         for depth, part in enumerate(parts[:-1], start=1):
-            child = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty YAML section (`method_args:`)
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
                 prefix = ".".join(parts[:depth])
-                if _valid_keys(prefix):  # a section in the schema: the config file gave it a plain value
-                    raise ConfigError(f"override '{key}': the config file sets {prefix} to {child!r}, but {prefix} "
-                                      f"is a section of keys; put its keys under `{prefix}:` there")
+                if _is_section(prefix):  # the config file (or an earlier override) gave a section a plain value
+                    raise ConfigError(f"override '{key}': {prefix} is set to {child!r} (in the config file or an "
+                                      f"earlier override), but {prefix} is a section of keys; put its keys under it")
                 raise ConfigError(f"override '{key}': {prefix} is a value, not a section of keys; write {prefix}=VALUE")
             node = child
         node[parts[-1]] = _parse_scalar(value)
@@ -252,6 +254,21 @@ def _describe(err: ValidationError) -> str:
                 f"{where}.{keys[0]}=VALUE")
     msg = first["msg"].removeprefix("Value error, ")
     return f"invalid config value {where}: {msg}"
+
+
+def _is_section(key: str) -> bool:
+    """Whether dotted ``key`` holds keys: a nested section, or a free-form mapping like method_args."""
+    if _valid_keys(key):
+        return True
+    *parents, last = key.split(".")
+    model: Any = Config
+    for part in parents:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return False
+        model = field.annotation
+    field = model.model_fields.get(last)
+    return field is not None and get_origin(field.annotation) is dict
 
 
 def _valid_keys(section: str) -> list[str]:

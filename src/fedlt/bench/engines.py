@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -52,8 +53,11 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int = 3, engines:
                 if engine == "deployment":
                     with local_federation(work / f"federation-{name}", nodes) as fed:
                         done = fed.run(Path(config), [*base, *extra, f"run.name={name}"], timeout=3600)
-                    if not (work / name / "summary.json").is_file():
-                        raise RuntimeError(f"the deployment run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+                    if not (work / name / "summary.json").is_file():  # keep the federation's logs
+                        kept = shutil.copytree(work, Path(tempfile.mkdtemp(prefix="fedlt-engines-failed-")),
+                                               dirs_exist_ok=True)
+                        raise RuntimeError(f"the deployment run failed (logs kept in {kept}):\n"
+                                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
                     label = f"deployment ({nodes} SuperNodes, loopback){suffix}"
                 else:
                     fedlt.run(config, overrides=[*base, *extra, f"engine={engine}", f"run.name={name}"], quiet=True)

@@ -163,7 +163,8 @@ def pathological_partition(
         raise DataError(
             f"pathological partition: no split with every client holding >= {least} samples after "
             f"{max_retries} draws ({k} classes per client, {num_clients} clients, {n} samples); "
-            f"{lower}use fewer clients or a smaller data.imbalance_factor"
+            f"{lower}use fewer clients, a higher data.classes_per_client or data.train_fraction, or a smaller "
+            "data.imbalance_factor"
         )
     per_client: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, idx in enumerate(members):
@@ -216,7 +217,7 @@ def _check_one_class_clients(class_sizes: np.ndarray, num_clients: int) -> None:
             f"pathological partition: {num_clients} clients x 1 class each share every class among at least "
             f"{least_holders} clients, but class {c} has only {class_sizes[c]} training samples, so some client "
             f"would get none; use data.num_clients <= {class_sizes.size * class_sizes[c]}, a higher "
-            "data.classes_per_client or a smaller data.imbalance_factor"
+            "data.classes_per_client or data.train_fraction, or a smaller data.imbalance_factor"
         )
 
 

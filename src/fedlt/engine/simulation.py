@@ -299,7 +299,10 @@ class Simulation:
                 self.server.load_state_dict(ckpt["server"])
                 self.client_states = ckpt["clients"]
             except (KeyError, RuntimeError, ValueError, TypeError) as err:  # the config no longer builds this state
-                reason = str(err).strip().splitlines()[0][:160].rstrip(":") if str(err).strip() else type(err).__name__
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    raise
+                text = str(err).strip().splitlines()[0][:160].rstrip(":") if str(err).strip() else ""
+                reason = f"{type(err).__name__}: {text}" if text else type(err).__name__
                 raise FedltError(f"{run_dir / CHECKPOINT_FILE} does not fit the run's {CONFIG_FILE} ({reason}); "
                                  f"restore the {CONFIG_FILE} it was saved with, or start a new run") from None
             rows = read_metrics(run_dir, up_to_round=start)
