@@ -184,7 +184,6 @@ def bench_speed_cmd(
 
     def go() -> None:
         from fedlt.bench.speed import run_backend_bench, run_speed_bench
-
         from fedlt.config import load_config
 
         _check_at_least_one(rounds, "--rounds", "rounds to time")

@@ -42,8 +42,10 @@ class DataConfig(_Section):
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
     classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
     num_clients: int = Field(20, ge=1)
-    min_client_size: int = Field(0, ge=0, description="Dirichlet, pathological: redraw until every client holds at least this many")
-    max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an error")
+    min_client_size: int = Field(0, ge=0, description="Dirichlet, pathological: redraw until every client holds "
+                                 "at least this many")
+    max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an "
+                             "error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
     augment: Literal["none", "weak", "strong"] = Field(
         "none", description="training augmentation on the device: weak = crop+flip+rotate, strong = + RandAugment+Cutout"
@@ -256,29 +258,30 @@ def _describe(err: ValidationError) -> str:
     return f"invalid config value {where}: {msg}"
 
 
+def _annotation(key: str) -> Any:
+    """The declared type of dotted ``key`` in the schema ("" is the whole Config), or None."""
+    kind: Any = Config
+    for part in filter(None, key.split(".")):
+        field = _is_model(kind) and kind.model_fields.get(part)
+        if not field:
+            return None
+        kind = field.annotation
+    return kind
+
+
+def _is_model(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
+
+
 def _is_section(key: str) -> bool:
     """Whether dotted ``key`` holds keys: a nested section, or a free-form mapping like method_args."""
-    if _valid_keys(key):
-        return True
-    *parents, last = key.split(".")
-    model: Any = Config
-    for part in parents:
-        field = model.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
-            return False
-        model = field.annotation
-    field = model.model_fields.get(last)
-    return field is not None and get_origin(field.annotation) is dict
+    kind = _annotation(key)
+    return _is_model(kind) or get_origin(kind) is dict
 
 
 def _valid_keys(section: str) -> list[str]:
-    model: type[BaseModel] = Config
-    for part in filter(None, section.split(".")):
-        field = model.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
-            return []
-        model = field.annotation
-    return list(model.model_fields)
+    kind = _annotation(section)
+    return list(kind.model_fields) if _is_model(kind) else []
 
 
 def build_config(tree: dict[str, Any] | None = None) -> Config:

@@ -34,7 +34,8 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition, write_summary,
+    CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition,
+    write_summary,
 )
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
