@@ -1,5 +1,5 @@
 """``fedlt bench``: suite files, validation before any cell runs, resumable cells, failed cells,
-parallel workers, and the tables' arithmetic (means, stds, bold/underline)."""
+parallel workers, and the tables' arithmetic (means, stds, intervals, paired differences, marks)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import statistics
 
 import pytest
 import yaml
+from scipy import stats
 from typer.testing import CliRunner
 
 from conftest import TINY_SUITE, write_suite
@@ -50,7 +51,16 @@ def test_rerun_skips_finished_cells(tiny_suite):
     assert "4 already finished, 0 to run" in lines[0]
 
 
-def test_table_means_stds_and_marks_match_the_cells(tiny_suite):
+def _paired(seeds, a, b):
+    """(mean difference, 95% interval) of rows a - b over their shared seeds, by scipy; None below 2 pairs."""
+    shared = sorted(set(seeds[a]) & set(seeds[b]))
+    if len(shared) < 2:
+        return None
+    x, y = [seeds[a][s] for s in shared], [seeds[b][s] for s in shared]
+    return statistics.mean(x) - statistics.mean(y), tuple(stats.ttest_rel(x, y).confidence_interval(0.95))
+
+
+def test_table_means_stds_differences_and_marks_match_the_cells(tiny_suite):
     _, out, _ = tiny_suite
     report = write_report(out, out / "tables-only", with_plots=False)
     setting = "IF=10, alpha=0.5"
@@ -58,35 +68,64 @@ def test_table_means_stds_and_marks_match_the_cells(tiny_suite):
                 "FedAvg": finals(out, setting, "FedAvg + CCVR", [0, 1], variant="uncalibrated"),
                 "FedProx": finals(out, setting, "FedProx", [0, 1])}
     rows = list(csv.DictReader((report.out / "tables.csv").open()))
-    assert [r["row"] for r in rows] == list(expected)
+    assert [r["row"] for r in rows] == list(expected) and {r["reference"] for r in rows} == {"FedAvg + CCVR"}
     for row in rows:
         for m in METRICS:
             values = [f[m] for f in expected[row["row"]] if f.get(m) is not None]
             if not values:
-                assert row[f"{m}_mean"] == ""
+                assert row[f"{m}_mean"] == "" and row[f"{m}_seed0"] == ""
                 continue
+            assert [float(row[f"{m}_seed{s}"]) for s in (0, 1)] == pytest.approx(values, abs=1e-4)
             assert float(row[f"{m}_mean"]) == pytest.approx(statistics.mean(values), abs=1e-4)
             assert float(row[f"{m}_std"]) == pytest.approx(statistics.stdev(values), abs=1e-4)
-    # bold = best mean of the column, underline = second best (as printed, 2 decimals)
-    md = [line for line in report.markdown.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    for col, m in enumerate(("acc", "many_acc", "medium_acc", "few_acc", "pm_acc"), start=1):
-        means = {r["row"]: round(float(r[f"{m}_mean"]), 2) for r in rows if r[f"{m}_mean"]}
-        if not means:
-            continue
-        levels = sorted(set(means.values()), reverse=True)
-        for line in md:
-            label = line.split(" | ")[0][2:]
-            cell = line.strip("|").split("|")[col].strip()
-            if label not in means:
-                assert cell == "-"
-            elif means[label] == levels[0]:
-                assert cell.startswith("**") and cell.endswith("**"), (m, line)
-            elif len(levels) > 1 and means[label] == levels[1]:
-                assert cell.startswith("<u>") and cell.endswith("</u>"), (m, line)
+            mean = statistics.mean(values)  # equal seeds (e.g. few-shot 0.0 twice): the point; scipy gives nan
+            lo, hi = (mean, mean) if len(set(values)) == 1 else \
+                stats.t.interval(0.95, 1, loc=mean, scale=stats.sem(values))
+            assert (float(row[f"{m}_ci_lo"]), float(row[f"{m}_ci_hi"])) == pytest.approx((lo, hi), abs=1e-4)
+    # Δ and bold/underline, recomputed with scipy from the per-seed values of the cells
+    md = [line.strip("|").split(" | ") for line in report.markdown.splitlines() if line.startswith("| ")]
+    header, body = [h.strip() for h in md[0]], {cells[0].strip(): [c.strip() for c in cells] for cells in md[1:]}
+    assert header[:4] == ["method", "GM acc", "95% CI", "Δ GM vs FedAvg + CCVR"]
+    for m, col, delta in (("acc", "GM acc", "Δ GM vs FedAvg + CCVR"), ("many_acc", "many", None),
+                          ("medium_acc", "medium", None), ("few_acc", "few", None),
+                          ("pm_acc", "PM acc", "Δ PM vs FedAvg + CCVR")):
+        seeds = {r["row"]: {s: float(r[f"{m}_seed{s}"]) for s in (0, 1) if r[f"{m}_seed{s}"]} for r in rows}
+        if not any(seeds.values()):  # a metric no run reports: "-" (PM: no column)
+            if m == "pm_acc":
+                assert col not in header
             else:
-                assert "**" not in cell and "<u>" not in cell
+                assert {cells[header.index(col)] for cells in body.values()} == {"-"}
+            continue
+        label = {r["row"]: r["row"] + ("" if r["ranked"] == "1" else " †") for r in rows}
+        if delta:
+            for name in expected:
+                d = _paired(seeds, name, "FedAvg + CCVR") if name != "FedAvg + CCVR" and seeds[name] else None
+                text = body[label[name]][header.index(delta)]
+                if d is not None:
+                    mean, (lo, hi) = d
+                    assert text == f"{mean:+.2f} [{lo:.2f}, {hi:.2f}] {'*' if lo > 0 or hi < 0 else '≈'}", (m, name)
+                else:
+                    assert text in ("ref", "-"), (m, name, text)
+
+        def leads(a, b, above=True):
+            d = _paired(seeds, a, b)
+            return d is not None and (d[1][0] > 0 or (not above and d[1][1] < 0))
+
+        order = sorted((r["row"] for r in rows if r["ranked"] == "1" and seeds[r["row"]]),
+                       key=lambda name: -statistics.mean(seeds[name].values()))
+        clear = [name for name in order if name == "FedAvg + CCVR" or leads(name, "FedAvg + CCVR", above=False)]
+        marks = {}
+        if len(order) >= 2 and leads(order[0], order[1]):
+            marks[order[0]] = "best"
+            if len(order) == 2 or leads(order[1], order[2]):
+                marks[order[1]] = "second"
+        marks = {k: v for k, v in marks.items() if k in clear}
+        for name in expected:
+            cell = body[label[name]][header.index(col)]
+            assert cell.startswith("**") == (marks.get(name) == "best"), (m, name, cell)
+            assert cell.startswith("<u>") == (marks.get(name) == "second"), (m, name, cell)
     tex = (report.out / "tables.tex").read_text()
-    assert tex.count(r"\textbf{") >= 4 and r"\underline{" in tex and r"$\pm$" in tex
+    assert r"$\pm$" in tex and r"$\Delta$GM" in tex and "FedAvg + CCVR & " in tex
 
 
 def test_unranked_rows_and_the_message_section_of_a_suite(tiny_suite, tmp_path):
@@ -101,8 +140,7 @@ def test_unranked_rows_and_the_message_section_of_a_suite(tiny_suite, tmp_path):
     fedprox = [line for line in markdown.splitlines() if line.startswith("| FedProx")]
     assert len(fedprox) == 1 and fedprox[0].startswith("| FedProx † |")
     assert "**" not in fedprox[0] and "<u>" not in fedprox[0]
-    ranked = [line for line in markdown.splitlines() if line.startswith("| FedAvg")]
-    assert sum(line.count("**") for line in ranked) >= 2  # the best GM accuracy is one of the other rows
+    assert "| Δ GM vs FedAvg + CCVR |" in markdown and "Measured on:" in markdown
     section = markdown.split("## What a client uploads (bytes per message)")[1]
     assert "fit" in section and "calibration_stats" in section
     assert "## What a client uploads" not in write_report(out, tmp_path / "plain", with_plots=False).markdown
@@ -203,6 +241,10 @@ BAD_SUITES = {
     "unknown_setting": ({**TINY_SUITE, "methods": [{"name": "A", "settings": ["nope"]}]},
                         "methods[0].settings names 'nope'"),
     "duplicate_row": ({**TINY_SUITE, "methods": [{"name": "A", "variants": {"A": "ccvr"}}]}, "row label 'A'"),
+    "unknown_reference": ({**TINY_SUITE, "reference": "FedAvgg"}, "reference names 'FedAvgg', which is no row; use one "
+                          "of: FedAvg + CCVR, FedAvg, FedProx"),
+    "row_seed_outside_suite": ({**TINY_SUITE, "methods": [{**TINY_SUITE["methods"][1], "seeds": [0, 7]}]},
+                               "methods[0].seeds names seed 7, which the suite does not run; use some of: 0, 1"),
     "method_typo_in_last_cell": ({**TINY_SUITE, "methods": [*TINY_SUITE["methods"],
                                                             {"name": "Typo", "overrides": ["method=fedavgg"]}]},
                                  "cell 'IF=10, alpha=0.5 / Typo / seed 0': unknown method 'fedavgg'"),
@@ -260,3 +302,44 @@ def test_missing_data_files_stop_a_suite_before_any_cell_trains(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "cell 'IF=10, alpha=0.5 / On CIFAR / seed 0': cifar10: no cifar-10-batches-py/" in lines[0]
         assert not (tmp_path / "out").exists()  # the FedProx cell did not train either
+
+
+def test_seed_placeholder_and_row_seeds_expand_into_the_right_cells(tmp_path):
+    from fedlt.bench.suite import expand
+
+    tree = {**TINY_SUITE, "seeds": [0, 1, 2], "methods": [
+        {"name": "FedAvg", "overrides": ["method=fedavg"]},
+        {"name": "FedAvg replicate", "overrides": ["method=fedavg", "data.seed={seed}", "seed=100{seed}"],
+         "seeds": [1, 2]}]}
+    suite = load_suite(write_suite(tmp_path / "s.yaml", tree))
+    cells = expand(suite, tmp_path / "out")
+    assert [(c.method, c.seed) for c in cells] == [("FedAvg", 0), ("FedAvg", 1), ("FedAvg", 2),
+                                                   ("FedAvg replicate", 1), ("FedAvg replicate", 2)]
+    replicate = cells[-1].overrides
+    assert replicate[0] == "seed=2" and "data.seed=2" in replicate and "seed=1002" in replicate
+    assert replicate.index("seed=1002") > 0  # the row's own seed comes after the cell's: it wins
+    from fedlt.config import load_config
+
+    cfg = load_config(suite.base, replicate)
+    assert (cfg.seed, cfg.data.seed) == (1002, 2)
+
+
+def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
+    import datetime
+
+    from fedlt.reporting.cost import suite_cost
+
+    _, out, _ = tiny_suite
+    records = [json.loads(line) for line in (out / "bench-log.jsonl").read_text().splitlines()]
+    cost = suite_cost(out / "bench-log.jsonl")
+    ok = [r for r in records if r["status"] == "ok"]
+    assert cost.cells == 4 == len(ok) and cost.cpu_s == pytest.approx(sum(r["cpu_s"] for r in ok))
+    ends = [datetime.datetime.fromisoformat(r["time"]) for r in ok]
+    starts = [e - datetime.timedelta(seconds=r["wall_s"]) for e, r in zip(ends, ok)]
+    assert cost.span_s == pytest.approx((max(ends) - min(starts)).total_seconds())
+    text = write_report(out, tmp_path / "report", with_plots=False).markdown
+    assert f"Measured by this run (bench-log.jsonl): 4 cells, {cost.cpu_s / 60:.1f} CPU-minutes" in text
+    log = tmp_path / "log.jsonl"  # a retried cell counts once (its last ok record); a torn line is skipped
+    log.write_text(json.dumps({**ok[0], "cpu_s": 1.0}) + "\n" + json.dumps({**ok[0], "cpu_s": 2.0}) + "\n{\"cut")
+    assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 2.0
+    assert suite_cost(tmp_path / "absent.jsonl") is None

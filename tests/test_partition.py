@@ -338,3 +338,59 @@ def test_local_test_on_dirichlet_partition():
     part = dirichlet_partition(LABELS, 10, 0.3, rng(3))
     for row, idx in zip(part.counts, local_test_indices(part.counts, test_labels, rng(4))):
         assert np.bincount(test_labels[idx], minlength=10).tolist() == expected_takes(row, np.bincount(test_labels))
+
+
+# --- class order: which classes are head and tail -------------------------------------------
+
+def synthetic_data_cfg(**kw) -> DataConfig:
+    return DataConfig(**{"dataset": "synthetic", "num_clients": 4, "imbalance_factor": 10, **kw})
+
+
+def test_class_order_moves_the_counts_and_keeps_each_class_draw():
+    labels = balanced_labels(10, 100)
+    natural = longtail_indices(labels, 10, rng(0))
+    order = np.array([3, 7, 0, 9, 1, 5, 2, 8, 4, 6])
+    moved = longtail_indices(labels, 10, rng(0), class_order=order)
+    targets = longtail_counts(100, 10, 10)
+    assert np.bincount(labels[moved], minlength=10)[order].tolist() == targets.tolist()  # class order[r] has rank r
+    assert np.array_equal(longtail_indices(labels, 10, rng(0), class_order=np.arange(10)), natural)
+    for c in range(10):  # the same draw per class: the smaller kept set is a prefix of the larger
+        a, b = set(natural[labels[natural] == c]), set(moved[labels[moved] == c])
+        assert a <= b or b <= a
+
+
+def test_shuffled_class_order_is_a_seeded_permutation_from_its_own_stream():
+    counts = {seed: build_federated_data(synthetic_data_cfg(class_order="shuffled"), seed).train_counts
+              for seed in (0, 1, 2)}
+    natural = build_federated_data(synthetic_data_cfg(), 0).train_counts
+    assert all(sorted(c.tolist()) == sorted(natural.tolist()) for c in counts.values())  # same long tail, moved
+    assert np.array_equal(build_federated_data(synthetic_data_cfg(class_order="shuffled"), 0).train_counts, counts[0])
+    assert len({tuple(c.tolist()) for c in counts.values()}) == 3  # a different order per seed
+    assert natural.tolist() == sorted(natural.tolist(), reverse=True)  # natural: class 0 the head
+    # its own stream: the order of seed 0 does not depend on the data stream (same order, other IF)
+    steep = build_federated_data(synthetic_data_cfg(class_order="shuffled", imbalance_factor=50), 0).train_counts
+    assert np.array_equal(np.argsort(-steep, kind="stable"), np.argsort(-counts[0], kind="stable"))
+
+
+def test_explicit_class_order_and_its_errors():
+    reverse = list(range(9, -1, -1))
+    counts = build_federated_data(synthetic_data_cfg(class_order=reverse), 0).train_counts
+    assert counts.tolist() == sorted(counts.tolist())  # class 9 is the head
+    with pytest.raises(DataError, match=r"data.class_order=\[0, 1, 2\] is not a permutation of the 10 classes 0..9"):
+        build_federated_data(synthetic_data_cfg(class_order=[0, 1, 2]), 0)
+    with pytest.raises(ValueError, match="must list every class once"):
+        synthetic_data_cfg(class_order=[0, 0, 1])
+
+
+def test_data_seed_fixes_the_federation_while_the_run_seed_varies(tmp_path):
+    from fedlt.config import load_config
+    from fedlt.engine.sampling import sampling_schedule
+    from fedlt.data.federated import federation_seed
+
+    fixed = synthetic_data_cfg(seed=3, class_order="shuffled")
+    a, b = build_federated_data(fixed, 0), build_federated_data(fixed, 1)
+    assert same_partition(a.partition, b.partition) and np.array_equal(a.train_counts, b.train_counts)
+    assert same_partition(a.partition, build_federated_data(synthetic_data_cfg(class_order="shuffled"), 3).partition)
+    cfg = load_config(None, ["data.seed=3", "seed=7"])
+    assert federation_seed(cfg.data, cfg.seed) == 3 and federation_seed(synthetic_data_cfg(), 7) == 7
+    assert sampling_schedule(3, 20, 8, 5) != sampling_schedule(7, 20, 8, 5)

@@ -1,14 +1,20 @@
-"""The comparison table users paste into papers, and summaries that cannot be read."""
+"""The comparison table users paste into papers, summaries that cannot be read, and the report tables' statistics:
+95% intervals, paired differences to a reference row, marks only where the seeds resolve the order, and the
+environment line."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from fedlt.cli import app
-from fedlt.errors import FedltError
+from fedlt.errors import ConfigError, FedltError
 from fedlt.report import comparison_table
 from fedlt.reporting import write_report
+from fedlt.reporting.collect import Row, Run, Setting
+from fedlt.reporting.tables import build_table
 from fedlt.results import read_summary
 
 
@@ -74,3 +80,166 @@ def test_a_good_summary_reads_back_and_a_folder_of_runs_names_its_bad_one(tmp_pa
 def test_comparison_table_rejects_what_is_not_a_run_summary(bad):
     with pytest.raises(FedltError, match=r"broken/summary\.json is not a readable run summary"):
         comparison_table([("plain", summary(50.0)), ("broken", bad)])
+
+
+# ---- tables: 95% CI, paired difference to a reference row, marks only where resolved ----------
+ENV = {"fedlt": "0.1.0", "git_commit": "abc123", "torch": "2.13.0+cpu", "cpu": "AMD EPYC 7B13",
+       "cpu_capability": "AVX2", "gpu": None, "threads": 2, "backend": "sequential", "os": "Linux", "python": "3.11.2"}
+#: GM accuracy per seed (0, 1, 2); None: that seed did not finish. PM = GM + seed, shot groups GM + 10/-10/-20,
+#: so every column has the paired differences of GM. FedAvg - A: 2, 3, 1 (within the noise); B - FedAvg:
+#: 5, 5.5, 5.5 and B - A: 3, 2.5, 4.5 (both resolved); Oracle (unranked) is always 20 above FedAvg.
+ROWS = {"FedAvg": [70.0, 71.0, 72.0], "A": [72.0, 74.0, 73.0], "B": [75.0, 76.5, 77.5], "C": [60.0, None, None],
+        "Oracle": [90.0, 91.0, 92.0]}
+
+
+def run_summary(acc, seed=0, env=ENV):
+    final = {"round": 25, "acc": acc, "many_acc": acc + 10, "medium_acc": acc - 10, "few_acc": acc - 20,
+             "pm_acc": acc + seed, "variants": None}
+    return {"method": "fedavg", "final": final, "best_round": {"round": 25, "acc": acc},
+            **({"environment": env} if env is not None else {})}
+
+
+def fake_suite(root, rows=ROWS, **keys):
+    """A `fedlt bench` output folder holding only what the report reads: suite.yaml and summaries."""
+    from fedlt.bench.suite import cell_dir
+
+    tree = {"name": "fake", "title": "Fake", "seeds": [0, 1, 2], "methods": [{"name": n} for n in rows],
+            "unranked": [n for n in rows if n == "Oracle"], **keys}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "suite.yaml").write_text(yaml.safe_dump(tree))
+    settings = [s["name"] for s in tree.get("settings", [{"name": "default"}])]
+    for method in tree["methods"]:
+        for setting in method.get("settings") or settings:
+            for seed, acc in enumerate(rows[method["name"]]):
+                if acc is not None:
+                    d = cell_dir(root, setting, method["name"], seed)
+                    d.mkdir(parents=True)
+                    (d / "summary.json").write_text(json.dumps(run_summary(acc, seed)))
+    return root
+
+
+def table_lines(markdown):
+    return [line for line in markdown.splitlines() if line.startswith("| ")]
+
+
+def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_order(tmp_path):
+    report = write_report(fake_suite(tmp_path / "out"), with_plots=False)
+    assert table_lines(report.markdown) == [
+        "| method | GM acc | 95% CI | Δ GM vs FedAvg | many | medium | few | PM acc | Δ PM vs FedAvg |",
+        "| FedAvg | 71.00 ± 1.00 | [68.52, 73.48] | ref | 81.00 ± 1.00 | 61.00 ± 1.00 | 51.00 ± 1.00 "
+        "| 72.00 ± 2.00 | ref |",
+        "| A | 73.00 ± 1.00 | [70.52, 75.48] | +2.00 [-0.48, 4.48] ≈ | 83.00 ± 1.00 | 63.00 ± 1.00 "
+        "| 53.00 ± 1.00 | 74.00 ± 1.73 | +2.00 [-0.48, 4.48] ≈ |",
+        # best: B - A is resolved; A is not underlined: A - FedAvg is not. Oracle † would be on top if it counted
+        "| B | **76.33 ± 1.26** | [73.21, 79.46] | +5.33 [4.62, 6.05] * | **86.33 ± 1.26** | **66.33 ± 1.26** "
+        "| **56.33 ± 1.26** | **77.33 ± 2.25** | +5.33 [4.62, 6.05] * |",
+        "| C (1/3 seeds) | 60.00 | - | n/a (1 seed) | 70.00 | 50.00 | 40.00 | 60.00 | n/a (1 seed) |",
+        "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 [20.00, 20.00] * | 101.00 ± 1.00 | 81.00 ± 1.00 "
+        "| 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 [20.00, 20.00] * |",
+    ]
+    assert "Measured on: torch 2.13.0+cpu, AVX2, 2 threads, AMD EPYC 7B13" in report.markdown.splitlines()
+    caption = report.markdown.split("## default")[0]
+    assert "95% CI: the t-interval of the mean over seeds" in caption and "seed by seed" in caption
+    assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`≈` one within" in caption
+    assert "best is **bold** only if its lead over the second is resolved" in caption
+    tex = (report.out / "tables.tex").read_text()
+    assert "Method & GM & $\\Delta$GM & Many & Med. & Few & PM \\\\" in tex
+    assert ("B & \\textbf{76.33 $\\pm$ 1.26} & +5.33 [4.62, 6.05] * & \\textbf{86.33 $\\pm$ 1.26} & "
+            "\\textbf{66.33 $\\pm$ 1.26} & \\textbf{56.33 $\\pm$ 1.26} & \\textbf{77.33 $\\pm$ 2.25} \\\\") in tex
+    assert "A & 73.00 $\\pm$ 1.00 & +2.00 [-0.48, 4.48] $\\approx$ & 83.00" in tex
+    assert "FedAvg & 71.00 $\\pm$ 1.00 & ref &" in tex
+    assert "$\\Delta$GM: GM minus FedAvg's, paired by seed" in tex and "\\begin{tabular}{lcccccc}" in tex
+
+
+def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
+    import csv
+
+    report = write_report(fake_suite(tmp_path / "out"), with_plots=False)
+    rows = {r["row"]: r for r in csv.DictReader((report.out / "tables.csv").open())}
+    header = next(csv.reader((report.out / "tables.csv").open()))
+    assert header[:15] == ["setting", "row", "variant", "ranked", "reference", "seeds", "acc_mean", "acc_std",
+                           "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p",
+                           "acc_resolved"]
+    assert header[15:19] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 6 + 5 * 12
+    a = rows["A"]
+    assert [a[k] for k in ("reference", "seeds", "acc_mean", "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff",
+                           "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p", "acc_resolved")] == \
+        ["FedAvg", "3", "73.0000", "1.0000", "70.5159", "75.4841", "2.0000", "-0.4841", "4.4841", "0.07418", "0"]
+    assert [a[f"pm_acc_seed{s}"] for s in range(3)] == ["72.0000", "75.0000", "75.0000"]
+    assert rows["B"]["acc_resolved"] == "1" and rows["B"]["acc_diff_p"] == "0.0009751"
+    assert rows["Oracle"]["acc_diff_p"] == "0" and rows["Oracle"]["ranked"] == "0"  # zero-variance difference
+    assert [rows["FedAvg"][k] for k in ("acc_diff", "acc_diff_p", "acc_resolved")] == ["", "", ""]  # the reference
+    c = rows["C"]  # one shared seed: the difference, no interval, not resolved
+    assert [c[k] for k in ("acc_std", "acc_ci_lo", "acc_diff", "acc_diff_ci_lo", "acc_diff_p", "acc_resolved",
+                           "acc_seed0", "acc_seed1")] == ["", "", "-10.0000", "", "", "0", "60.0000", ""]
+
+
+def _row(label, accs, ranked=True):
+    runs = [Run(Path(label, f"seed{seed}"), seed, {"final": {"acc": a}}) for seed, a in enumerate(accs)]
+    return Row(label, None, runs, ranked=ranked)
+
+
+def _acc_marks(*rows, reference=None):
+    setting = Setting("s", list(rows), reference=reference)
+    return {setting.rows[i].label: m for (i, metric), m in build_table(setting).marks.items() if metric == "acc"}
+
+
+def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference():
+    # both neighbours resolved: best and second (reference Z, first row)
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81, 82]), _row("Y", [75, 76, 77.5])) == \
+        {"X": "best", "Y": "second"}
+    # Y - W is within the noise (-0.5, 1.5, 1.5): X stays best, Y loses its underline
+    assert _acc_marks(_row("W", [75.5, 74.5, 76.0]), _row("X", [80, 81, 82]), _row("Y", [75, 76, 77.5])) == \
+        {"X": "best"}
+    # the top's lead is within the noise (2, -2, 3): no bold, and so no underline either
+    assert _acc_marks(_row("R", [60, 61, 62]), _row("T", [74, 70, 75]), _row("S", [72, 72, 72])) == {}
+    # T leads S clearly, but its difference to the noisy reference R (30, 7, 24) is not resolved: unmarked
+    assert _acc_marks(_row("R", [50, 75, 60]), _row("T", [80, 82, 84]), _row("S", [70, 70.5, 71.2])) == {}
+    assert _acc_marks(_row("R", [50, 75, 60]), _row("T", [80, 82, 84]), _row("S", [70, 70.5, 71.2]),
+                      reference="S") == {"T": "best"}
+    # T's higher mean comes from a seed S lacks; on the seeds they share T is below S: not best
+    assert _acc_marks(_row("S", [75, 76, 77.5]), _row("T", [70, 71, 72, 100]), reference="S") == {}
+    # one seed, a single ranked row, or an equal pair (the same runs): nothing to resolve
+    assert _acc_marks(_row("a", [70]), _row("b", [80]), _row("c", [75])) == {}
+    assert _acc_marks(_row("a", [70, 71]), _row("up", [99, 98], ranked=False)) == {}
+    assert _acc_marks(_row("a", [70, 71, 72]), _row("b", [70, 71, 72]), _row("c", [60, 61, 62])) == {}
+
+
+def test_reference_key_names_the_row_differences_are_taken_against(tmp_path):
+    rows = {k: ROWS[k] for k in ("FedAvg", "A", "B")}
+    tree = {"settings": [{"name": "s1"}, {"name": "s2"}],
+            "methods": [{"name": "FedAvg"}, {"name": "A"}, {"name": "B", "settings": ["s2"]}]}
+    report = write_report(fake_suite(tmp_path / "out", rows, reference="B", **tree), with_plots=False)
+    s1, s2 = report.markdown.split("## s1")[1].split("## s2")
+    assert table_lines(s2)[0].endswith("| Δ GM vs B | many | medium | few | PM acc | Δ PM vs B |")
+    lines = {line.split(" | ")[0][2:]: line.split(" | ")[3] for line in table_lines(s2)[1:]}
+    assert lines == {"FedAvg": "-5.33 [-6.05, -4.62] *", "A": "-3.33 [-5.92, -0.75] *", "B": "ref"}
+    # B is not in s1: that table says so and takes its first row
+    assert "Δ GM vs FedAvg" in table_lines(s1)[0]
+    assert ("> note: the reference row 'B' is not in this setting; differences are against its first row 'FedAvg'"
+            in s1)
+    with pytest.raises(ConfigError, match=r"reference names 'Nope', which is no row; use one of: FedAvg, A, B$"):
+        write_report(fake_suite(tmp_path / "bad", rows, reference="Nope"), with_plots=False)
+
+
+def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path):
+    gpu = {**ENV, "torch": "2.13.0+cu128", "cpu_capability": "AVX512", "threads": 4, "gpu": "NVIDIA H100 80GB HBM3"}
+    for name, acc, env in (("a", 70.0, ENV), ("b", 72.0, ENV)):
+        (tmp_path / "same" / name).mkdir(parents=True)
+        (tmp_path / "same" / name / "summary.json").write_text(json.dumps(run_summary(acc, env=env)))
+    report = write_report(tmp_path / "same", with_plots=False)
+    assert table_lines(report.markdown)[1:] == [
+        "| a | 70.00 | - | ref | 80.00 | 60.00 | 50.00 | 70.00 | ref |",
+        "| b | 72.00 | - | n/a (1 seed) | 82.00 | 62.00 | 52.00 | 72.00 | n/a (1 seed) |"]  # one seed: nothing marked
+    assert "Measured on: torch 2.13.0+cpu, AVX2, 2 threads, AMD EPYC 7B13" in report.markdown
+    for name, acc, env in (("a", 70.0, ENV), ("b", 72.0, gpu), ("c", 71.0, None)):
+        (tmp_path / "mixed" / name).mkdir(parents=True)
+        (tmp_path / "mixed" / name / "summary.json").write_text(json.dumps(run_summary(acc, env=env)))
+    mixed = write_report(tmp_path / "mixed", with_plots=False).markdown
+    assert ("> note: cells of this table were measured on 3 different environments: torch 2.13.0+cpu, AVX2, "
+            "2 threads, AMD EPYC 7B13 (1 run); torch 2.13.0+cu128, AVX512, 4 threads, NVIDIA H100 80GB HBM3 (1 run); "
+            "not recorded (1 run)") in mixed.splitlines()
+    assert "Measured on:" not in mixed
+    (tmp_path / "mixed" / "b" / "summary.json").write_text(json.dumps(run_summary(72.0, env=None)))
+    (tmp_path / "mixed" / "a" / "summary.json").write_text(json.dumps(run_summary(70.0, env=None)))
+    assert "Measured on: not recorded" in write_report(tmp_path / "mixed", with_plots=False).markdown.splitlines()

@@ -58,12 +58,15 @@ def _row(label, accs, ranked=True):
     return Row(label, None, runs, ranked=ranked)
 
 
-def test_best_is_bold_second_underlined_ties_share_and_upper_bounds_are_not_ranked():
+def test_unresolved_orders_get_no_marks_and_upper_bounds_are_never_ranked():
     setting = Setting("s", [_row("a", [50.0, 60.0]), _row("b", [70.0]), _row("c", [55.001, 54.999]),
                             _row("d", [69.999]), _row("oracle", [99.0], ranked=False), _row("e", [10.0])])
     table = build_table(setting)
-    marks = {setting.rows[i].label: m for (i, metric), m in table.marks.items() if metric == "acc"}
-    assert marks == {"b": "best", "d": "best", "a": "second", "c": "second"}  # 70.00 = 70.00; 55.00 = 55.00
+    assert table.marks == {}  # one-seed rows on top: their order against the others is not resolved
+    resolved = Setting("s", [_row("a", [50.0, 51.0, 52.0]), _row("b", [60.0, 62.0, 61.0]),
+                             _row("oracle", [99.0, 98.0, 97.0], ranked=False)])
+    # b - a = +10 over 3 seeds: b best, a (the reference) second; the oracle is above both but not ranked
+    assert build_table(resolved).marks == {(1, "acc"): "best", (0, "acc"): "second"}
     assert [c for c, _ in table.columns] == ["acc", "many_acc", "medium_acc", "few_acc"]  # no PM reported: no column
     a = table.cells[0]["acc"]
     assert a.mean == 55.0 and a.std == pytest.approx(np.std([50, 60], ddof=1)) and a.n == 2
@@ -165,3 +168,17 @@ def test_diagnostics_plot_only_changing_method_numbers(tmp_path):
     assert_readable_png(plots.plot_diagnostics(setting, tmp_path / "d.png"))
     assert plots.plot_diagnostics(Setting("none", [plain]), tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_per_class_accuracy_is_averaged_by_class_size_rank_under_any_class_order(tmp_path):
+    from fedlt.reporting.plots import by_class_size, plot_per_class
+
+    def run(seed, counts, acc):
+        return Run(tmp_path / f"s{seed}", seed, {"train_class_counts": counts, "final": {"per_class_acc": acc},
+                                                 "shot_groups": {"many": [], "medium": [], "few": []}})
+
+    # seed 0: class 0 is the head; seed 1 (shuffled order): class 2 is the head. The head scores 90, the tail 10.
+    runs = [run(0, [100, 10, 1], [90.0, 50.0, 10.0]), run(1, [10, 1, 100], [60.0, 20.0, 80.0])]
+    sizes, acc = by_class_size(runs)
+    assert sizes.tolist() == [1.0, 10.0, 100.0] and acc.tolist() == [15.0, 55.0, 85.0]  # by index: [75, 35, 45]
+    assert_readable_png(plot_per_class(Setting("s", [Row("FedAvg", None, runs)]), tmp_path / "per-class.png"))

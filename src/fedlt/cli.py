@@ -304,7 +304,8 @@ def report_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default PATH/report)"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="also draw the PNG figures"),
 ) -> None:
-    """Tables (Markdown, CSV, LaTeX: mean ± std over seeds, best bold, second underlined) and PNG plots."""
+    """Tables (Markdown, CSV, LaTeX: mean ± std and 95% CI over seeds, paired difference against a reference row;
+    bold/underlined only where the order is resolved) and PNG plots."""
 
     def go() -> None:
         from fedlt.reporting import write_report

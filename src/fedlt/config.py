@@ -36,6 +36,12 @@ class DataConfig(_Section):
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
+    seed: int | None = Field(None, ge=0, description="seed of the federation: long-tail draw, class order, partition, "
+                             "local test sets and client sampling (default: the run's seed); fix it and vary the run's "
+                             "seed to measure the training noise of one federation")
+    class_order: Literal["natural", "shuffled"] | list[int] = Field(
+        "natural", description="which classes are head and tail: natural (class 0 the head), shuffled (a permutation "
+        "drawn per seed from its own stream) or an explicit list of every class, head first")
     train_fraction: UnitFraction = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
                                   "(at least one sample each): quick runs and scaling studies")
     partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
@@ -56,6 +62,13 @@ class DataConfig(_Section):
     def _if_at_least_one(cls, v: float) -> float:
         if v < 1:
             raise ValueError(f"must be >= 1 (1 = balanced), got {v}")
+        return v
+
+    @field_validator("class_order")
+    @classmethod
+    def _order_lists_classes_once(cls, v: str | list[int]) -> str | list[int]:
+        if isinstance(v, list) and (len(set(v)) != len(v) or min(v, default=0) < 0):
+            raise ValueError(f"{v} must list every class once (non-negative class indices, head first)")
         return v
 
     @field_validator("alpha")

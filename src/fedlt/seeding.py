@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-STREAMS = {"data": 0, "sampling": 1, "model": 2, "train": 3, "local_test": 4, "server": 5, "secagg": 6, "worker": 7}
+STREAMS = {"data": 0, "sampling": 1, "model": 2, "train": 3, "local_test": 4, "server": 5, "secagg": 6, "worker": 7,
+           "class_order": 8}
 
 
 def seed_for(seed: int, stream: str, *keys: int) -> int:

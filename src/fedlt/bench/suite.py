@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class MethodRow(_Strict):
     overrides: Overrides = []
     variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
     settings: list[str] | None = Field(None, description="run this row only in these settings")
+    seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
 
 
 class SuiteSpec(_Strict):
@@ -87,6 +89,9 @@ class SuiteSpec(_Strict):
     #: optional: row labels shown but never bold/underlined (the centralized method and the
     #: ``oracle`` variant are never ranked anyway: they are upper bounds, not competitors)
     unranked: list[str] = []
+    #: optional: the row label the tables' paired differences (Δ) are taken against; default: the
+    #: first row of each setting
+    reference: str | None = None
     #: optional: add "what a client uploads" (first cell's messages) to the report
     report_messages: bool = False
     #: optional: markdown appended to the report's tables
@@ -119,6 +124,10 @@ class SuiteSpec(_Strict):
                 if s not in names:
                     raise ValueError(f"methods[{i}].settings names '{s}', which is not a setting; use one of: "
                                      + ", ".join(names))
+            outside = sorted(set(m.seeds or []) - set(self.seeds))
+            if outside or m.seeds == []:
+                raise ValueError(f"methods[{i}].seeds names seed {outside[0] if outside else '(none)'}, which the suite "
+                                 f"does not run; use some of: {', '.join(map(str, self.seeds))}")
             for label in [m.name, *m.variants]:
                 if label in labels:
                     raise ValueError(f"row label '{label}' (methods[{i}]) appears twice; give every row its own name")
@@ -126,6 +135,9 @@ class SuiteSpec(_Strict):
         for label in self.unranked:
             if label not in labels:
                 raise ValueError(f"unranked names '{label}', which is no row; use a method name or variant label")
+        if self.reference is not None and self.reference not in labels:
+            raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
+                             + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))
         return self
 
 
@@ -226,7 +238,11 @@ def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
 
 def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[str] | None = None) -> list[Cell]:
     """All cells, settings-major then methods then seeds (the tables' order). ``extra`` overrides
-    (from the command line, e.g. ``data.root=...``) follow the method's."""
+    (from the command line, e.g. ``data.root=...``) follow the method's.
+
+    ``{seed}`` in an override is the cell's seed, and the cell's ``seed=S`` comes first, so a row
+    can train the federation of seed S with other training randomness:
+    ``[data.seed={seed}, seed=100{seed}]`` (a replicate: what a paired comparison calls noise)."""
     s = suite.spec
     cells = []
     for setting in s.settings:
@@ -234,8 +250,11 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
             if m.settings is not None and setting.name not in m.settings:
                 continue
             for seed in seeds or s.seeds:
+                if m.seeds is not None and seed not in m.seeds:
+                    continue
                 run_dir = cell_dir(out, setting.name, m.name, seed)
-                overrides = [*s.overrides, *setting.overrides, *m.overrides, *(extra or []), f"seed={seed}",
+                given = [*s.overrides, *setting.overrides, *m.overrides, *(extra or [])]
+                overrides = [f"seed={seed}", *(o.replace("{seed}", str(seed)) for o in given),
                              f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
                 cells.append(Cell(setting.name, m.name, seed, overrides, run_dir))
     return cells
@@ -331,10 +350,12 @@ def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, t
             extra = [f"run.threads={threads}", "run.workers=1"] if threads else []
             result = api.run(base, overrides=[*overrides, *extra], quiet=True)
         final = result.summary["final"]
-        out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"))
+        out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"),
+                   environment=result.summary["environment"])
     except Exception as err:  # a failing cell must not stop the suite; it is reported
         out.update(status="failed", error=f"{type(err).__name__}: {err}",
-                   traceback=None if isinstance(err, FedltError) else traceback.format_exc(limit=-8))
+                   traceback=None if isinstance(err, FedltError) else traceback.format_exc(limit=-8),
+                   environment=collect_environment())
     out.update(wall_s=round(time.perf_counter() - t0, 2), cpu_s=round(_cpu_seconds() - c0, 2))
     return out
 
@@ -426,7 +447,8 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
                 try:
                     info = fut.result()
                 except BrokenProcessPool as err:  # a worker died (killed, out of memory)
-                    info = {"status": "failed", "error": f"worker process died: {err}", "wall_s": 0.0, "cpu_s": 0.0}
+                    info = {"status": "failed", "error": f"worker process died: {err}", "wall_s": 0.0, "cpu_s": 0.0,
+                            "environment": collect_environment()}
                 finished(futures[fut], info)
     echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before), "
          f"{len(result.failed)} failed" + (f" (see {out / FAILED_FILE})" if result.failed else "")

@@ -10,7 +10,7 @@ import torch
 from fedlt.config import DataConfig
 from fedlt.data.dataset import ImageDataset
 from fedlt.data.local_test import local_test_indices
-from fedlt.data.longtail import longtail_indices
+from fedlt.data.longtail import longtail_indices, resolve_class_order
 from fedlt.data.partition import Partition, dirichlet_partition, iid_partition, pathological_partition
 from fedlt.data.registry import DATASETS, load_dataset
 from fedlt.errors import DataError
@@ -62,6 +62,11 @@ class FederatedData:
         )
 
 
+def federation_seed(cfg: DataConfig, run_seed: int) -> int:
+    """``data.seed`` when set, else the run's seed: the seed of everything that defines the federation."""
+    return run_seed if cfg.seed is None else cfg.seed
+
+
 def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generator) -> Partition:
     if cfg.num_clients > len(labels):
         raise DataError(
@@ -84,13 +89,15 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
 def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu") -> FederatedData:
     """Load the source, subsample it long-tailed (IF), split it over clients, draw local test sets.
 
-    All randomness comes from the config seed's ``data`` and ``local_test`` streams, so every
-    method run with the same seed sees the same federation.
+    All randomness comes from the federation seed's ``data``, ``class_order`` and ``local_test``
+    streams, so every method run with the same seed sees the same federation.
     """
     pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True)
+    seed = federation_seed(cfg, seed)
     rng = numpy_rng(seed, "data")
+    order = resolve_class_order(cfg.class_order, pair.num_classes, numpy_rng(seed, "class_order"))
     keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
-                            num_classes=pair.num_classes)
+                            num_classes=pair.num_classes, class_order=order)
     train = pair.train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, pair.test.labels.numpy(), numpy_rng(seed, "local_test"))

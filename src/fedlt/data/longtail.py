@@ -44,7 +44,8 @@ def longtail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> np
 
 
 def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random.Generator,
-                     fraction: float = 1.0, num_classes: int | None = None) -> np.ndarray:
+                     fraction: float = 1.0, num_classes: int | None = None,
+                     class_order: np.ndarray | None = None) -> np.ndarray:
     """Sorted indices into ``labels`` that form the long-tailed training subset; with
     ``fraction`` < 1, ``max(1, round(fraction x count))`` of each class (the first ones of the
     same draw, so a smaller fraction is a subset of a larger one).
@@ -53,6 +54,10 @@ def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random
     class has at least its target count even when the source is slightly unbalanced. Which
     samples a class keeps is a uniform draw from ``rng``. The number of classes C is
     ``num_classes`` (default ``labels.max() + 1``); every class in ``0..C-1`` must be present.
+
+    ``class_order`` (a permutation of ``0..C-1``, default the natural order) lists the classes
+    from head to tail: class ``class_order[r]`` gets the ``r``-th largest count. ``rng`` draws
+    the same per-class permutations whatever the order, so an order only moves the counts.
     """
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
@@ -67,8 +72,28 @@ def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random
     targets = longtail_counts(int(class_sizes.min()), class_sizes.size, imbalance_factor)
     if fraction < 1:
         targets = np.maximum(1, np.round(targets * fraction)).astype(np.int64)
+    if class_order is not None:
+        by_class = np.empty_like(targets)
+        by_class[np.asarray(class_order)] = targets
+        targets = by_class
     kept = []
     for c, target in enumerate(targets):
         members = np.flatnonzero(labels == c)
         kept.append(rng.permutation(members)[:target])
     return np.sort(np.concatenate(kept)).astype(np.int64)
+
+
+def resolve_class_order(order: str | list[int], num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """The head-to-tail class order a config asks for: ``natural`` (0, 1, ..., C-1), ``shuffled``
+    (a permutation drawn from ``rng``, its own seeded stream) or an explicit permutation."""
+    if order == "natural":
+        return np.arange(num_classes)
+    if order == "shuffled":
+        return rng.permutation(num_classes)
+    explicit = np.asarray(order, dtype=np.int64)
+    if sorted(explicit.tolist()) != list(range(num_classes)):
+        raise DataError(
+            f"data.class_order={list(order)} is not a permutation of the {num_classes} classes 0..{num_classes - 1}; "
+            "list every class once, head first, or use natural or shuffled"
+        )
+    return explicit

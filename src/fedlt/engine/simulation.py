@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from fedlt.config import Config
-from fedlt.data.federated import FederatedData
+from fedlt.data.federated import FederatedData, federation_seed
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import choose_backend, fit_vectorized
+from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
 from fedlt.messages import Message, Reply, describe_message
@@ -83,7 +84,7 @@ class Simulation:
         self.all_clients = list(range(self.train_data.num_clients))
         self._local_test: list[torch.Tensor] | None = None
         per_round = 1 if spec.pooled else cfg.clients_per_round()
-        self.schedule = sampling_schedule(cfg.seed, len(self.all_clients), per_round, cfg.fl.rounds)
+        self.schedule = sampling_schedule(federation_seed(cfg.data, cfg.seed), len(self.all_clients), per_round, cfg.fl.rounds)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
         #: clients that were sent a message but did not answer: {"round", "kind", "clients"}
         self.dropped: list[dict[str, Any]] = []
@@ -360,6 +361,7 @@ class Simulation:
             "class_names": self.eval_data.train.classes,
             "device": str(self.device),
             "backend": self.backend,
+            "environment": collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),

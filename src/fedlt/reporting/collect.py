@@ -3,6 +3,8 @@
 Three kinds of folder are understood: a suite output (``suite.yaml`` written by ``fedlt bench``),
 a single run directory (``summary.json``), or a folder of run directories (e.g. the main job's
 ``runs/fmnist_lt/``). Each becomes a :class:`Collection`; tables and plots read only that.
+Each setting names the row its differences are taken against: the suite's ``reference`` where
+that row is in the setting, else the setting's first row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import yaml
 
 from fedlt.errors import FedltError
+from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
@@ -53,13 +56,17 @@ class Row:
     ranked: bool = True
     expected: int = 0  # seeds the suite asked for (0: unknown)
 
-    def values(self, metric: str) -> list[float]:
-        out = []
+    def by_seed(self, metric: str) -> dict[int, float]:
+        """Final value of ``metric`` per seed, for the seeds that report it (pairing is by seed)."""
+        out = {}
         for run in self.runs:
             final = run.final(self.variant)
             if final is not None and final.get(metric) is not None:
-                out.append(float(final[metric]))
+                out[run.seed] = float(final[metric])
         return out
+
+    def values(self, metric: str) -> list[float]:
+        return list(self.by_seed(metric).values())
 
 
 @dataclass
@@ -67,9 +74,17 @@ class Setting:
     name: str
     rows: list[Row]
     warnings: list[str] = field(default_factory=list)
+    reference: str | None = None  # label of the row differences are taken against; None: the first row
 
     def first_run(self) -> Run | None:
         return next((r.runs[0] for r in self.rows if r.runs), None)
+
+    def reference_index(self) -> int:
+        return next((i for i, r in enumerate(self.rows) if r.label == self.reference), 0)
+
+    def all_runs(self) -> list[Run]:
+        """Every run of the setting once (variant rows share their method's runs)."""
+        return list({str(run.path): run for row in self.rows for run in row.runs}.values())
 
 
 @dataclass
@@ -80,6 +95,8 @@ class Collection:
     seeds: list[int]
     notes: str = ""
     report_messages: bool = False
+    reference: str | None = None  # the suite's ``reference`` row label; None: each setting's first row
+    cost: str = ""  # what the suite's own bench-log measured (wall, CPU); empty outside a suite
 
 
 def _load_run(path: Path, seed: int | None = None) -> Run | None:
@@ -127,7 +144,8 @@ def collect(path: Path) -> Collection:
     run = _load_run(path)
     if run is not None:
         cfg = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
-        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), _run_rows(_run_label(run), run))],
+        rows = _run_rows(_run_label(run), run)
+        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, reference=rows[0].label)],
                           [run.seed])
     children = sorted(p for p in path.iterdir() if (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
     if not children:
@@ -139,11 +157,12 @@ def collect(path: Path) -> Collection:
         rows += _run_rows(child.name, run)
     cfg_path = children[0] / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else None
-    return Collection(path.name, "", [Setting(setting_label(runs[0].summary, cfg), rows)], sorted({r.seed for r in runs}))
+    return Collection(path.name, "", [Setting(setting_label(runs[0].summary, cfg), rows, reference=rows[0].label)],
+                      sorted({r.seed for r in runs}))
 
 
 def _collect_suite(path: Path) -> Collection:
-    from fedlt.bench.suite import cell_dir, parse_suite
+    from fedlt.bench.suite import LOG_FILE, cell_dir, parse_suite
 
     tree = yaml.safe_load((path / "suite.yaml").read_text())
     spec = parse_suite(tree, str(path / "suite.yaml"))
@@ -163,15 +182,22 @@ def _collect_suite(path: Path) -> Collection:
                             runs.append(run)
             runs.sort(key=lambda r: r.seed)
             upper = bool(runs) and _is_upper_bound(runs[0], None)
-            rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=len(spec.seeds)))
+            expected = len(m.seeds or spec.seeds)
+            rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
             for label, key in m.variants.items():
                 rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
-                                expected=len(spec.seeds)))
+                                expected=expected))
                 missing = [r.path for r in runs if r.final(key) is None]
                 if missing:
                     have = sorted((runs[0].final(None) or {}).get("variants") or {})
                     warnings.append(f"row '{label}': variant '{key}' is not in {missing[0]}/summary.json "
                                     f"(it has: {', '.join(have) or 'none'})")
-        settings.append(Setting(s.name, rows, warnings))
+        in_setting = any(r.label == spec.reference for r in rows)
+        reference = spec.reference if in_setting else rows[0].label if rows else None
+        if spec.reference is not None and not in_setting and rows:
+            warnings.append(f"the reference row '{spec.reference}' is not in this setting; "
+                            f"differences are against its first row '{reference}'")
+        settings.append(Setting(s.name, rows, warnings, reference))
+    cost = suite_cost(path / LOG_FILE)
     return Collection(spec.title or spec.name, spec.description.strip(), settings, spec.seeds, spec.notes.strip(),
-                      spec.report_messages)
+                      spec.report_messages, spec.reference, cost.sentence() if cost else "")

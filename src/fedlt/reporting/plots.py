@@ -191,6 +191,21 @@ def plot_partition(record: dict[str, Any], path: Path, title: str | None = None)
     return _save(fig, path)
 
 
+def by_class_size(runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-class final accuracy averaged over seeds by class *size rank* (smallest first), with the
+    mean class size of each rank: under ``data.class_order=shuffled`` a class index is the head in
+    one seed and the tail in another, so averaging by index would mix head and tail."""
+    sizes, accs = [], []
+    for run in runs:
+        acc = run.summary["final"].get("per_class_acc")
+        if acc:
+            counts = np.asarray(run.summary["train_class_counts"], dtype=float)
+            rank = np.argsort(counts, kind="stable")
+            sizes.append(counts[rank])
+            accs.append(np.asarray(acc, dtype=float)[rank])
+    return np.mean(sizes, axis=0), np.mean(accs, axis=0)
+
+
 def plot_per_class(setting: Setting, path: Path) -> Path | None:
     """Final per-class accuracy against the class's training samples (log x), per method row."""
     rows = [r for r in setting.rows if r.variant is None and r.runs
@@ -200,12 +215,10 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     plt = _plt()
     run0 = rows[0].runs[0].summary
     counts = np.asarray(run0["train_class_counts"], dtype=float)
-    order = np.argsort(counts)
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     for color, row in zip(_colors(len(rows)), rows):
-        per_seed = np.array([r.summary["final"]["per_class_acc"] for r in row.runs if r.summary["final"].get("per_class_acc")])
-        mean = per_seed.mean(0)
-        ax.plot(counts[order], mean[order], marker="o", ms=4, lw=1, color=color, label=row.label)
+        sizes, mean = by_class_size(row.runs)
+        ax.plot(sizes, mean, marker="o", ms=4, lw=1, color=color, label=row.label)
     groups = run0.get("shot_groups") or {}
     for low_name, high_name in (("few", "medium"), ("medium", "many")):
         low, high = groups.get(low_name) or [], groups.get(high_name) or []
@@ -220,7 +233,7 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set(xlabel="training samples of the class in the federation (log scale)", ylabel="final test accuracy (%)",
-           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size (mean over seeds)")
+           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size (mean over seeds by size rank)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
     return _save(fig, path)

@@ -1,45 +1,48 @@
 """Paper-style tables: one per setting, rows = methods (and variant heads), columns = final-round
 GM accuracy overall / many / medium / few and PM accuracy when the runs report it.
 
-Cells are mean ± sample standard deviation (n - 1) over seeds. Per column, the best mean is bold
-and the second best underlined; ranks compare the means as printed (2 decimals), so equal printed
-values share a mark. Upper bounds (the centralized oracle, real-feature heads) are shown but not
-ranked, as in the papers.
+Cells are mean ± sample std (n - 1) over seeds. The headline GM accuracy also gets its 95%
+t-interval, and GM and PM accuracy their paired difference Δ to the setting's reference row,
+taken seed by seed (:mod:`fedlt.reporting.stats`): ``*`` when its 95% interval excludes 0
+(resolved), ``≈`` when it does not (within the noise of the reference).
+
+Bold and underline claim an order, so they are given only where the seeds resolve it. Per
+column, the ranked rows are sorted by mean; the top one is best only if its paired lead over the
+second is resolved; the second is second only if its lead over the third (when there is one) is
+resolved too; and a row whose difference to the reference is not resolved is never marked (the
+reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
+centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
+
+The CSV has one line per (setting, row) and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi,
+m_diff, m_diff_ci_lo, m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row,
+empty on that row), then one column ``m_seed<S>`` per seed found in any table, empty where the
+row lacks that seed: rectangular, and every number in it can be recomputed from those columns.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import statistics
 from dataclasses import dataclass
 
 from fedlt.reporting.collect import Collection, Row, Setting
+from fedlt.reporting.environment import environment_lines
+from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
 
 COLUMNS = (("acc", "GM acc"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"), ("pm_acc", "PM acc"))
 LATEX_HEADERS = {"acc": "GM", "many_acc": "Many", "medium_acc": "Med.", "few_acc": "Few", "pm_acc": "PM"}
+DELTA_HEADERS = {"acc": "Δ GM", "pm_acc": "Δ PM"}  # the columns whose difference to the reference is shown
 UNRANKED_MARK = "†"
-
-
-@dataclass
-class Stat:
-    mean: float
-    std: float | None  # None with one seed
-    n: int
-
-
-def stat(values: list[float]) -> Stat | None:
-    if not values:
-        return None
-    return Stat(statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
 
 
 @dataclass
 class Table:
     setting: Setting
     columns: list[tuple[str, str]]
-    cells: list[dict[str, Stat | None]]  # per row, per metric
+    cells: list[dict[str, SeedStats | None]]  # per row, per metric
+    diffs: list[dict[str, PairedDiff | None]]  # per row, per metric: row - reference (None on the reference)
     marks: dict[tuple[int, str], str]  # (row index, metric) -> "best" | "second"
+    reference: int  # row index
 
     @property
     def rows(self) -> list[Row]:
@@ -48,25 +51,62 @@ class Table:
 
 def build_table(setting: Setting) -> Table:
     metrics = [m for m, _ in COLUMNS]
-    cells = [{m: stat(row.values(m)) for m in metrics} for row in setting.rows]
+    values = [{m: row.by_seed(m) for m in metrics} for row in setting.rows]
+    cells = [{m: summarize(list(v[m].values())) if v[m] else None for m in metrics} for v in values]
+    ref = setting.reference_index()
+    diffs = [{m: None if i == ref else paired_difference(v[m], values[ref][m]) for m in metrics}
+             for i, v in enumerate(values)]
     columns = [(m, h) for m, h in COLUMNS if m != "pm_acc" or any(c["pm_acc"] for c in cells)]
     marks: dict[tuple[int, str], str] = {}
     for metric, _ in columns:
-        shown = {i: round(c[metric].mean, 2) for i, c in enumerate(cells)
-                 if c[metric] is not None and setting.rows[i].ranked}
-        levels = sorted(set(shown.values()), reverse=True)
-        for i, v in shown.items():
-            if v == levels[0]:
-                marks[(i, metric)] = "best"
-            elif len(levels) > 1 and v == levels[1]:
-                marks[(i, metric)] = "second"
-    return Table(setting, columns, cells, marks)
+        marks.update(_marks(setting.rows, metric, values, cells, diffs, ref))
+    return Table(setting, columns, cells, diffs, marks, ref)
 
 
-def _number(s: Stat | None, pm: str) -> str:
+def _marks(rows: list[Row], metric: str, values: list[dict[str, dict[int, float]]],
+           cells: list[dict[str, SeedStats | None]], diffs: list[dict[str, PairedDiff | None]],
+           ref: int) -> dict[tuple[int, str], str]:
+    """The marking rule of the module docstring, for one column."""
+    order = sorted((i for i, r in enumerate(rows) if r.ranked and cells[i][metric] is not None),
+                   key=lambda i: -cells[i][metric].mean)
+
+    def leads(a: int, b: int) -> bool:  # a is above b by a resolved paired difference
+        d = paired_difference(values[a][metric], values[b][metric])
+        return d is not None and d.resolved and d.mean > 0
+
+    def clear_of_ref(i: int) -> bool:
+        return i == ref or (diffs[i][metric] is not None and diffs[i][metric].resolved)
+
+    marks = {}
+    if len(order) >= 2 and leads(order[0], order[1]):
+        if clear_of_ref(order[0]):
+            marks[(order[0], metric)] = "best"
+        if (len(order) == 2 or leads(order[1], order[2])) and clear_of_ref(order[1]):
+            marks[(order[1], metric)] = "second"
+    return marks
+
+
+def _number(s: SeedStats | None, pm: str) -> str:
     if s is None:
         return "-"
     return f"{s.mean:.2f}" if s.std is None else f"{s.mean:.2f} {pm} {s.std:.2f}"
+
+
+def _interval(s: SeedStats | None) -> str:
+    return "-" if s is None or s.ci is None else f"[{s.ci[0]:.2f}, {s.ci[1]:.2f}]"
+
+
+def _delta(t: Table, i: int, metric: str, unresolved: str = "≈") -> str:
+    """``+1.23 [-0.50, 2.96] ≈``: mean paired difference to the reference, its 95% interval, marker."""
+    if i == t.reference:
+        return "ref"
+    if t.cells[i][metric] is None:
+        return "-"
+    d = t.diffs[i][metric]
+    if d is None or d.ci is None:
+        k = d.n if d is not None else 0
+        return f"n/a ({k} seed{'s' * (k != 1)})"
+    return f"{d.mean:+.2f} [{d.ci[0]:.2f}, {d.ci[1]:.2f}] {'*' if d.resolved else unresolved}"
 
 
 def _label(row: Row) -> str:
@@ -78,11 +118,21 @@ def _label(row: Row) -> str:
 
 def _caption_text(c: Collection) -> str:
     seeds = ", ".join(map(str, c.seeds))
-    spread = f"mean ± sample std over seeds {seeds}" if len(c.seeds) > 1 else f"one seed ({seeds}), so no std"
+    if len(c.seeds) > 1:
+        spread = (f"mean ± sample std over seeds {seeds}; 95% CI: the t-interval of the mean over seeds "
+                  "(mean ± t·s/√n, t the 97.5% quantile of Student's t with n - 1 degrees of freedom)")
+    else:
+        spread = f"one seed ({seeds}), so no std, no interval, no resolved difference and no bold or underline"
     return (f"Final-round accuracy (%): the global model (GM) on the balanced test set, overall and per shot "
             f"group, and personalized accuracy (PM: mean over clients of accuracy on local test sets drawn in each "
-            f"client's training proportions) where reported; {spread}. Per column the "
-            f"best is **bold** and the second <u>underlined</u>; rows marked {UNRANKED_MARK} are upper bounds "
+            f"client's training proportions) where reported; {spread}. Δ: the row minus the reference row named "
+            "in the column header (the suite's `reference`, else the first row), seed by seed (the same seed gives "
+            "the same partition and the same sampled clients), averaged over the seeds both have, with the 95% "
+            "t-interval of those paired differences; `*` marks a resolved difference (the interval excludes 0: paired t-test p < 0.05), `≈` one within "
+            "the noise of the reference (the interval holds 0), `n/a (k seeds)` fewer than 2 shared seeds. "
+            "Per column the best is **bold** only if its lead over the second is resolved, and the second "
+            "<u>underlined</u> only if its lead over the third is resolved too; a row whose difference to the "
+            f"reference is within the noise is never marked. Rows marked {UNRANKED_MARK} are upper bounds "
             "(centralized training, heads re-trained on real features: not private) and are not ranked.")
 
 
@@ -95,27 +145,50 @@ def _setting_facts(setting: Setting) -> str:
             f"{s.get('shot_rule', '?')}.")
 
 
+def _markdown_columns(t: Table) -> list[tuple[str, str, str]]:
+    """(kind, metric, header): each metric's cell, plus GM's interval and the Δ columns."""
+    ref = t.rows[t.reference].label if t.rows else ""
+    columns = []
+    for metric, header in t.columns:
+        columns.append(("cell", metric, header))
+        if metric == "acc":
+            columns.append(("ci", metric, "95% CI"))
+        if metric in DELTA_HEADERS:
+            columns.append(("delta", metric, f"{DELTA_HEADERS[metric]} vs {ref}"))
+    return columns
+
+
 def markdown(c: Collection, tables: list[Table]) -> str:
     lines = [f"# {c.title}", ""]
     if c.description:
         lines += [c.description, ""]
     lines += [_caption_text(c)]
     for t in tables:
+        columns = _markdown_columns(t)
         lines += ["", f"## {t.setting.name}", "", _setting_facts(t.setting), "",
-                  "| method | " + " | ".join(h for _, h in t.columns) + " |", "|---|" + "---|" * len(t.columns)]
+                  "| method | " + " | ".join(h.replace("|", "/") for _, _, h in columns) + " |",
+                  "|---|" + "---|" * len(columns)]
         for i, row in enumerate(t.rows):
             cells = []
-            for metric, _ in t.columns:
-                text = _number(t.cells[i][metric], "±")
-                mark = t.marks.get((i, metric))
-                cells.append(f"**{text}**" if mark == "best" else f"<u>{text}</u>" if mark == "second" else text)
+            for kind, metric, _ in columns:
+                if kind == "ci":
+                    cells.append(_interval(t.cells[i][metric]))
+                elif kind == "delta":
+                    cells.append(_delta(t, i, metric))
+                else:
+                    text = _number(t.cells[i][metric], "±")
+                    mark = t.marks.get((i, metric))
+                    cells.append(f"**{text}**" if mark == "best" else f"<u>{text}</u>" if mark == "second" else text)
             lines.append(f"| {_label(row).replace('|', '/')} | " + " | ".join(cells) + " |")
+        lines += ["", *environment_lines(t.setting.all_runs())]
         if t.setting.warnings:
             lines += ["", *(f"> note: {w}" for w in t.setting.warnings)]
     if c.report_messages:
         lines += ["", *messages_section(tables)]
     if c.notes:
         lines += ["", c.notes]
+    if c.cost:
+        lines += ["", c.cost]
     return "\n".join(lines) + "\n"
 
 
@@ -134,19 +207,32 @@ def messages_section(tables: list[Table]) -> list[str]:
 
 
 def csv_text(tables: list[Table]) -> str:
-    """One line per (setting, row): means, stds and the number of seeds, unformatted."""
+    """One line per (setting, row), unformatted; the columns are listed in the module docstring."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     metrics = [m for m, _ in COLUMNS]
-    writer.writerow(["setting", "row", "variant", "ranked", "seeds", *(f"{m}_{k}" for m in metrics for k in ("mean", "std"))])
+    seeds = sorted({run.seed for t in tables for row in t.rows for run in row.runs})
+    fields = ("mean", "std", "ci_lo", "ci_hi", "diff", "diff_ci_lo", "diff_ci_hi", "diff_p", "resolved")
+    writer.writerow(["setting", "row", "variant", "ranked", "reference", "seeds",
+                     *(f"{m}_{k}" for m in metrics for k in (*fields, *(f"seed{s}" for s in seeds)))])
     for t in tables:
         for i, row in enumerate(t.rows):
             values = []
             for m in metrics:
-                s = t.cells[i][m]
-                values += ["" if s is None else f"{s.mean:.4f}", "" if s is None or s.std is None else f"{s.std:.4f}"]
-            writer.writerow([t.setting.name, row.label, row.variant or "", int(row.ranked), len(row.runs), *values])
+                s, d, per_seed = t.cells[i][m], t.diffs[i][m], row.by_seed(m)
+                ci = s.ci if s is not None and s.ci is not None else (None, None)
+                d_ci = d.ci if d is not None and d.ci is not None else (None, None)
+                values += [_f(s.mean if s else None), _f(s.std if s else None), _f(ci[0]), _f(ci[1]),
+                           _f(d.mean if d else None), _f(d_ci[0]), _f(d_ci[1]),
+                           "" if d is None or d.p is None else f"{d.p:.4g}", "" if d is None else int(d.resolved),
+                           *(_f(per_seed.get(seed)) for seed in seeds)]
+            writer.writerow([t.setting.name, row.label, row.variant or "", int(row.ranked),
+                             t.rows[t.reference].label, len(row.runs), *values])
     return buf.getvalue()
+
+
+def _f(x: float | None) -> str:
+    return "" if x is None else f"{x:.4f}"
 
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -159,15 +245,21 @@ def latex_escape(text: str) -> str:
 
 def latex(c: Collection, tables: list[Table]) -> str:
     lines = [f"% {c.title}: generated by `fedlt report`; needs \\usepackage{{booktabs}}",
-             f"% seeds {', '.join(map(str, c.seeds))}; best \\textbf{{bold}}, second \\underline{{underlined}}"]
+             f"% seeds {', '.join(map(str, c.seeds))}; best \\textbf{{bold}} and second \\underline{{underlined}} "
+             "only where a paired difference over seeds resolves the order (see tables.md)"]
     for t in tables:
+        ref = latex_escape(t.rows[t.reference].label) if t.rows else ""
         lines += ["", r"\begin{table}[t]", r"\centering",
                   f"\\caption{{{latex_escape(c.title)}: {latex_escape(t.setting.name)}. Final-round accuracy (\\%), "
                   + (f"mean $\\pm$ std over {len(c.seeds)} seeds" if len(c.seeds) > 1 else "one seed")
-                  + "; best in bold, second underlined"
-                  + (f"; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "") + ".}",
-                  r"\begin{tabular}{l" + "c" * len(t.columns) + "}", r"\toprule",
-                  "Method & " + " & ".join(LATEX_HEADERS[m] for m, _ in t.columns) + r" \\", r"\midrule"]
+                  + f". $\\Delta$GM: GM minus {ref}'s, paired by seed (same partition, same sampled clients), "
+                  "with its 95\\% t-interval; * the interval excludes 0, $\\approx$ within the noise of the reference. "
+                  "Best in bold only if its lead over the second is resolved, second underlined only if its lead "
+                  "over the third is too; rows within the noise of the reference are never marked"
+                  + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "") + ".}",
+                  r"\begin{tabular}{l" + "c" * (len(t.columns) + 1) + "}", r"\toprule",
+                  "Method & " + " & ".join(LATEX_HEADERS[m] + (r" & $\Delta$GM" if m == "acc" else "")
+                                           for m, _ in t.columns) + r" \\", r"\midrule"]
         for i, row in enumerate(t.rows):
             cells = []
             for metric, _ in t.columns:
@@ -175,6 +267,8 @@ def latex(c: Collection, tables: list[Table]) -> str:
                 mark = t.marks.get((i, metric))
                 cells.append(f"\\textbf{{{text}}}" if mark == "best" else f"\\underline{{{text}}}" if mark == "second"
                              else text)
+                if metric == "acc":
+                    cells.append(_delta(t, i, metric, unresolved=r"$\approx$"))
             lines.append(latex_escape(_label(row)) + " & " + " & ".join(cells) + r" \\")
         lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(lines) + "\n"

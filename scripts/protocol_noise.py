@@ -1,0 +1,102 @@
+"""The noise floor of candidate reference protocols, from `fedlt bench` outputs of the `protocol`
+and `protocol-long` suites (docs/results/protocol.md).
+
+Per setting (a candidate protocol) of FedAvg:
+- final accuracy over seeds: mean, sample std, 95% CI of the mean;
+- the last 5 evaluated rounds of each seed: their range (max - min) and how far the final round
+  sits from their mean;
+- the "FedAvg replicate" row (same federation, other training randomness): the paired difference
+  FedAvg - replicate is pure noise; its std gives the smallest paired difference the protocol
+  resolves at n seeds, t(0.975, n-1) * sd / sqrt(n);
+- a twice-as-long run of the same seeds (if given): the paired difference long - short.
+
+Usage: .venv/bin/python scripts/protocol_noise.py runs/bench/protocol [runs/bench/protocol-long]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as st
+
+from fedlt.reporting.collect import Row, collect
+from fedlt.reporting.stats import paired_difference, summarize
+
+LAST = 5
+
+
+def by_seed(row: Row, metric: str = "acc") -> dict[int, float]:
+    return {run.seed: float(run.final(None)[metric]) for run in row.runs if run.final(None).get(metric) is not None}
+
+
+def last_rounds(row: Row) -> tuple[float, float]:
+    """Mean over seeds of the range of the last LAST evaluated rounds, and of |final - their mean|."""
+    ranges, offsets = [], []
+    for run in row.runs:
+        accs = [r["acc"] for r in run.curve()][-LAST:]
+        if len(accs) == LAST:
+            ranges.append(max(accs) - min(accs))
+            offsets.append(abs(accs[-1] - np.mean(accs)))
+    return (float(np.mean(ranges)), float(np.mean(offsets))) if ranges else (float("nan"), float("nan"))
+
+
+def resolvable(sd: float, n: int) -> float:
+    """Half-width of the 95% CI of a mean paired difference over n seeds whose std is sd."""
+    return float(st.t.ppf(0.975, n - 1) * sd / np.sqrt(n))
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def main(folders: list[str]) -> None:
+    settings = {}
+    for folder in folders:
+        for s in collect(Path(folder)).settings:
+            settings[s.name] = s
+    rounds_epochs = {}
+    for name in settings:
+        head = name.split()[0]
+        r, e = head.split("x")
+        rounds_epochs[name] = (int(r), int(e), name[len(head):])
+    print("| protocol | seeds | FedAvg acc: mean ± std [95% CI] | few-shot: mean ± std | last-5 range | "
+          "final vs last-5 mean | replicate: sd of paired diff (pairs) | resolvable at 3 / 5 seeds | "
+          "2x as long: paired diff [95% CI] |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, setting in settings.items():
+        rows = {r.label: r for r in setting.rows}
+        fedavg = rows.get("FedAvg")
+        if fedavg is None or not fedavg.runs:
+            continue
+        acc = by_seed(fedavg)
+        s = summarize(list(acc.values()))
+        few = summarize(list(by_seed(fedavg, "few_acc").values()))
+        spread, offset = last_rounds(fedavg)
+        rep_text, res_text = "-", "-"
+        replicate = rows.get("FedAvg replicate")
+        if replicate is not None and len(replicate.runs) >= 2:
+            d = paired_difference(acc, by_seed(replicate))
+            if d is not None and d.std is not None:
+                rep_text = f"{d.std:.2f} ({d.n})"
+                res_text = f"{resolvable(d.std, 3):.2f} / {resolvable(d.std, 5):.2f}"
+        long_text = "-"
+        r, e, rest = rounds_epochs[name]
+        for other, (r2, e2, rest2) in rounds_epochs.items():
+            if rest2 == rest and r2 * e2 == 2 * r * e and (r2 == 2 * r or e2 == 2 * e) and "FedAvg" in {
+                    x.label for x in settings[other].rows}:
+                longer = next(x for x in settings[other].rows if x.label == "FedAvg")
+                d = paired_difference(by_seed(longer), acc)
+                if d is not None and d.ci is not None:
+                    long_text = f"{other.split()[0]}: {d.mean:+.2f} [{d.ci[0]:+.2f}, {d.ci[1]:+.2f}] ({d.n} seeds)"
+                    break
+        ci = f" [{s.ci[0]:.2f}, {s.ci[1]:.2f}]" if s.ci is not None else ""
+        print(f"| {name} | {s.n} | {s.mean:.2f} ± {fmt(s.std)}{ci} | {few.mean:.2f} ± {fmt(few.std)} | "
+              f"{fmt(spread)} | {fmt(offset)} | {rep_text} | {res_text} | {long_text} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])

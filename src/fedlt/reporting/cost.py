@@ -1,0 +1,51 @@
+"""What a suite cost, as its own ``bench-log.jsonl`` measured it (never a figure typed into a file).
+
+Each finished cell appends one record with its end time, wall and CPU seconds; a cell run again
+(failed, interrupted) appends another, and the last ``ok`` record of a cell counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+
+@dataclass
+class SuiteCost:
+    cells: int
+    cpu_s: float  # sum over cells (a cell's process and its finished children)
+    cell_wall_s: float  # sum over cells of their own wall time
+    span_s: float  # first cell's start to last cell's end (pauses between invocations included)
+
+    def sentence(self) -> str:
+        return (f"Measured by this run (bench-log.jsonl): {self.cells} cells, {self.cpu_s / 60:.1f} CPU-minutes, "
+                f"{_minutes(self.span_s)} wall from the first cell's start to the last cell's end "
+                f"({_minutes(self.cell_wall_s)} of cell time summed over cells).")
+
+
+def _minutes(seconds: float) -> str:
+    minutes, sec = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min {sec} s"
+
+
+def suite_cost(log: Path) -> SuiteCost | None:
+    """The cost of the cells that finished, or None without a log (or without a finished cell)."""
+    if not log.is_file():
+        return None
+    last: dict[str, dict] = {}
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a killed run
+            continue
+        if isinstance(record, dict) and record.get("status") == "ok" and "time" in record:
+            last[record.get("run_dir") or record.get("cell")] = record
+    if not last:
+        return None
+    ends = [datetime.fromisoformat(r["time"]) for r in last.values()]
+    starts = [end - timedelta(seconds=float(r.get("wall_s", 0))) for end, r in zip(ends, last.values())]
+    return SuiteCost(len(last), sum(float(r.get("cpu_s", 0)) for r in last.values()),
+                     sum(float(r.get("wall_s", 0)) for r in last.values()),
+                     (max(ends) - min(starts)).total_seconds())

@@ -1,0 +1,74 @@
+"""Statistics over seeds: the spread of one row, and the paired difference between two rows.
+
+A seed fixes the partition and the clients sampled each round, so two rows run with the same
+seed share most of their noise. Their difference is therefore measured seed by seed (a paired
+t-test): that is what can tell a real gap from seed noise with 3 seeds, where comparing two
+overlapping mean ± std cells cannot.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from scipy import stats
+
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class SeedStats:
+    n: int
+    mean: float
+    std: float | None  # sample std (n - 1); None for one value
+    ci: tuple[float, float] | None  # 95% t-interval of the mean; None for fewer than 2 values
+
+
+@dataclass(frozen=True)
+class PairedDiff:
+    n: int  # seeds both rows have
+    mean: float | None  # mean over those seeds of (row - reference); None without pairs
+    std: float | None  # sample std of the differences; None for fewer than 2 pairs
+    ci: tuple[float, float] | None  # 95% t-interval of the mean difference; None for fewer than 2 pairs
+    p: float | None  # two-sided paired t-test; None for fewer than 2 pairs
+    resolved: bool  # the interval excludes 0 (equivalently p < 0.05)
+
+
+def _interval(mean: float, std: float, n: int) -> tuple[float, float]:
+    """mean ± t_{0.975, n-1} · s / √n, written out so that s = 0 gives the point (scipy: nan)."""
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * std / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def summarize(values: list[float]) -> SeedStats:
+    """Mean, sample std and the 95% t-interval of the mean of one row's per-seed values."""
+    if not values:
+        raise ValueError("summarize needs at least one value")
+    n, mean = len(values), statistics.fmean(values)
+    if n < 2:
+        return SeedStats(n, mean, None, None)
+    std = statistics.stdev(values)
+    return SeedStats(n, mean, std, _interval(mean, std, n))
+
+
+def paired_difference(row: dict[int, float], ref: dict[int, float]) -> PairedDiff | None:
+    """``row - ref`` over the seeds both have (values keyed by seed); None when they share none.
+
+    With fewer than 2 pairs there is no interval and nothing is resolved. When every difference is
+    the same (zero variance) the interval is that point and the difference is resolved iff it is
+    non-zero (p = 0 or 1): scipy's t statistic is ±inf or 0/0 (nan) there.
+    """
+    seeds = sorted(set(row) & set(ref))
+    if not seeds:
+        return None
+    diffs = [row[s] - ref[s] for s in seeds]
+    n, mean = len(diffs), statistics.fmean(diffs)
+    if n < 2:
+        return PairedDiff(n, mean, None, None, None, False)
+    std = statistics.stdev(diffs)
+    if std == 0:
+        return PairedDiff(n, mean, 0.0, (mean, mean), 0.0 if mean != 0 else 1.0, mean != 0)
+    lo, hi = _interval(mean, std, n)
+    p = float(stats.ttest_rel([row[s] for s in seeds], [ref[s] for s in seeds]).pvalue)
+    return PairedDiff(n, mean, std, (lo, hi), p, lo > 0 or hi < 0)

@@ -1,0 +1,72 @@
+"""Statistics over seeds against scipy and a hand computation: one row's mean, std and 95%
+t-interval, and the paired difference of two rows keyed by seed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from scipy import stats
+
+from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
+
+T_975_2 = 4.302652729749462  # t_{0.975} with 2 degrees of freedom (tables: 4.303)
+
+
+def test_summarize_matches_scipy_t_interval_and_sem():
+    values = [71.3, 69.8, 72.9, 70.4]
+    s = summarize(values)
+    assert s.n == 4 and s.mean == pytest.approx(71.1)
+    assert s.std == pytest.approx(stats.tstd(values))
+    lo, hi = stats.t.interval(0.95, 3, loc=71.1, scale=stats.sem(values))
+    assert s.ci == pytest.approx((lo, hi)) and s.ci == pytest.approx((68.9533, 73.2467), abs=1e-4)
+
+
+def test_summarize_one_value_has_no_std_and_no_interval_and_constant_values_a_point():
+    assert summarize([72.5]) == SeedStats(1, 72.5, None, None)
+    assert summarize([3.0, 3.0, 3.0]) == SeedStats(3, 3.0, 0.0, (3.0, 3.0))  # scipy's t.interval gives nan here
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_paired_difference_by_hand():
+    d = paired_difference({0: 11.0, 1: 12.0, 2: 13.0}, {0: 10.0, 1: 10.0, 2: 10.0})  # differences 1, 2, 3
+    assert d.n == 3 and d.mean == 2.0 and d.std == 1.0
+    assert d.ci == pytest.approx((2 - T_975_2 / math.sqrt(3), 2 + T_975_2 / math.sqrt(3)))
+    assert d.ci == pytest.approx((-0.4841, 4.4841), abs=1e-4) and not d.resolved
+
+
+def test_paired_difference_matches_scipy_ttest_rel():
+    a = {0: 74.1, 1: 75.9, 2: 73.8, 3: 76.2, 4: 75.0}
+    b = {0: 72.0, 1: 74.1, 2: 72.9, 3: 73.3, 4: 73.6}
+    d = paired_difference(a, b)
+    ref = stats.ttest_rel(list(a.values()), list(b.values()))
+    assert d.n == 5 and d.mean == pytest.approx(1.82)
+    assert d.p == pytest.approx(ref.pvalue) and d.p == pytest.approx(0.005675, abs=1e-6)
+    assert d.ci == pytest.approx(tuple(ref.confidence_interval(0.95)))
+    assert d.ci == pytest.approx((0.8850, 2.7550), abs=1e-4) and d.resolved
+    assert paired_difference(b, a).ci == pytest.approx((-d.ci[1], -d.ci[0])) and paired_difference(b, a).resolved
+
+
+def test_only_shared_seeds_are_paired():
+    row = {0: 80.0, 1: 81.0, 2: 79.0, 7: 99.0}  # seed 7 has no partner: dropped, not averaged in
+    ref = {0: 78.0, 1: 79.5, 2: 78.0, 5: 10.0}
+    d = paired_difference(row, ref)
+    ref_test = stats.ttest_rel([80.0, 81.0, 79.0], [78.0, 79.5, 78.0])
+    assert d.n == 3 and d.mean == pytest.approx(1.5) and d.p == pytest.approx(ref_test.pvalue)
+    assert d.ci == pytest.approx(tuple(ref_test.confidence_interval(0.95)))
+
+
+def test_fewer_than_two_pairs_give_no_interval_and_nothing_resolved():
+    assert paired_difference({0: 80.0, 1: 81.0}, {1: 70.0, 2: 71.0}) == PairedDiff(1, 11.0, None, None, None, False)
+    assert paired_difference({0: 80.0}, {1: 70.0}) is None
+    assert paired_difference({}, {0: 70.0}) is None
+
+
+def test_zero_variance_differences_are_a_point_resolved_iff_non_zero():
+    """scipy's paired t statistic is inf or nan there; the point interval decides instead."""
+    shifted = paired_difference({0: 72.0, 1: 74.0, 2: 73.0}, {0: 70.0, 1: 72.0, 2: 71.0})
+    assert shifted == PairedDiff(3, 2.0, 0.0, (2.0, 2.0), 0.0, True)
+    same = paired_difference({0: 72.0, 1: 74.0}, {0: 72.0, 1: 74.0})
+    assert same == PairedDiff(2, 0.0, 0.0, (0.0, 0.0), 1.0, False)
+    assert math.isnan(stats.ttest_rel([72.0, 74.0], [72.0, 74.0]).pvalue)  # why it is handled explicitly
