@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything fedlt needs on a fresh Debian-like machine, idempotently:
 #   - Fashion-MNIST (Debian package dataset-fashion-mnist; else a download into data/ when online)
-#   - a virtual environment in .venv with the CPU build of torch 2.13.0 and fedlt[test]
+#   - a virtual environment in .venv with the CPU build of torch 2.13.0 and fedlt[test,docs]
 # Sourced by scripts/main.sh and scripts/test.sh; safe to run again (it skips what is done).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +37,7 @@ fi
 STAMP=".venv/.fedlt-installed"
 WANT="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "setup: creating .venv (torch 2.13.0 CPU, fedlt[test])" >&2
+  echo "setup: creating .venv (torch 2.13.0 CPU, fedlt[test,docs])" >&2
   [ -x .venv/bin/python ] || $PY -m venv .venv
   pip_install() {  # quiet, minus the warnings this machine's pip config prints for absent mirrors
     .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2)
@@ -52,6 +52,6 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; th
   else
     pip_install "torch==2.13.0"
   fi
-  pip_install -e ".[test]"
+  pip_install -e ".[test,docs]"
   echo "$WANT" > "$STAMP"
 fi

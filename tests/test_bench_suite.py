@@ -218,6 +218,8 @@ def test_a_cell_with_an_unreadable_summary_is_unfinished_and_resumes(tiny_suite,
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite
     path = write_suite(tmp_path / "s.yaml", {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1]]})
+    # bit-identical, not close: TINY_SUITE sets run.threads=1, which a worker process keeps, so each
+    # cell runs the reference's kernels (same CPU, inherited environment) with its thread count
     result = run_suite(load_suite(path), tmp_path / "par", workers=2, echo=lambda line: None)
     assert len(result.ran) == 2 and not result.failed
     for cell in result.cells:

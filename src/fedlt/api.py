@@ -84,7 +84,7 @@ def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
     if "fit" not in spec.server.secure_phases(cfg):
         raise ConfigError(f"secagg.enabled: method {cfg.method}'s server reads each client's fit reply, so it cannot "
                           "be aggregated securely; use a method whose server averages or sums the replies (fedavg, "
-                          "sfd, ccvr, fedloge, fedrod, ...: see README, Secure aggregation) or set secagg.enabled=false")
+                          "sfd, ccvr, fedloge, fedrod, ...: see docs/secure-aggregation.md) or set secagg.enabled=false")
     from fedlt.methods.calibrators import CALIBRATORS
 
     raw = [name for name in spec.calibration if not CALIBRATORS[name].private]

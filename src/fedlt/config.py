@@ -32,7 +32,8 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """Source dataset, long-tail subsampling and the split over clients."""
 
-    dataset: str = "fmnist"
+    dataset: str = Field("fmnist", description="dataset name (see `fedlt datasets`): fmnist, cifar10, cifar100, svhn, "
+                         "cinic10, imagenet_lt, inat, synthetic")
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
@@ -44,10 +45,12 @@ class DataConfig(_Section):
         "drawn per seed from its own stream) or an explicit list of every class, head first")
     train_fraction: UnitFraction = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
                                   "(at least one sample each): quick runs and scaling studies")
-    partition: Literal["dirichlet", "pathological", "iid"] = "dirichlet"
+    partition: Literal["dirichlet", "pathological", "iid"] = Field(
+        "dirichlet", description="how the training set is split over clients: per-class Dirichlet proportions "
+        "(data.alpha), a fixed number of classes per client (data.classes_per_client), or uniformly at random")
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
     classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
-    num_clients: int = Field(20, ge=1)
+    num_clients: int = Field(20, ge=1, description="clients in the federation (K)")
     min_client_size: int = Field(0, ge=0, description="Dirichlet, pathological: redraw until every client holds "
                                  "at least this many")
     max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an "
@@ -81,22 +84,27 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = "cnn"
+    """The network every client trains (methods with special heads or experts build on it)."""
+
+    name: str = Field("cnn", description="model name (see `fedlt models`): cnn, resnet8, resnet18, resnet32, "
+                      "resnet34, resnet50")
 
 
 class FLConfig(_Section):
     """Federation and local optimisation."""
 
-    rounds: int = Field(50, ge=1)
+    rounds: int = Field(50, ge=1, description="communication rounds (R)")
     participation: UnitFraction = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
-    local_epochs: int = Field(2, ge=1)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.9, ge=0)
-    weight_decay: float = Field(5e-4, ge=0)
-    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    local_epochs: int = Field(2, ge=1, description="passes over the local data per round")
+    batch_size: int = Field(32, ge=1, description="local mini-batch size")
+    lr: float = Field(0.05, gt=0, description="local SGD learning rate (at round 1, before the schedule)")
+    momentum: float = Field(0.9, ge=0, description="local SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0, description="local SGD weight decay")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "constant", description="learning rate over the rounds: constant, cosine decay, or step (fl.lr_decay_at, "
+        "fl.lr_decay)")
     lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
-    lr_decay: float = 0.1
+    lr_decay: float = Field(0.1, description="step schedule: factor applied at each fl.lr_decay_at")
     grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm during local training")
 
 
@@ -104,17 +112,20 @@ class FLConfig(_Section):
 class LossConfig(_Section):
     """The local classification loss of methods that let the user choose it (FedAvg family)."""
 
-    name: str = "ce"
+    name: str = Field("ce", description="ce (cross-entropy), la (logit adjustment), bsm (balanced softmax), focal, "
+                      "ldam")
     prior: Literal["local", "global", "uniform"] = Field(
         "local", description="class prior for la/bsm/ldam: client's own counts, or the server's aggregate of all counts"
     )
-    tau: float = 1.0
-    focal_gamma: float = Field(2.0, ge=0)
-    ldam_max_margin: float = Field(0.5, gt=0)
+    tau: float = Field(1.0, description="logit adjustment: temperature of the log-prior added to the logits")
+    focal_gamma: float = Field(2.0, ge=0, description="focal loss: focusing parameter gamma")
+    ldam_max_margin: float = Field(0.5, gt=0, description="LDAM: margin of the rarest class (margins ~ n^(-1/4))")
     ldam_scale: float = Field(1.0, gt=0, description="logit scale s; the LDAM paper uses 30 with a cosine head, 1 suits a linear head")
 
 
 class EvalConfig(_Section):
+    """When and how the models are evaluated."""
+
     every: int = Field(5, ge=1, description="evaluate every N rounds (and always after the last)")
     shot_rule: Literal["count", "cumulative"] = Field(
         "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples"
@@ -122,11 +133,13 @@ class EvalConfig(_Section):
     many_threshold: int | None = Field(None, description="many-shot: > this many training samples (default by #classes)")
     few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
-    batch_size: int = Field(1000, ge=1)
+    batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory only; results do not change)")
 
 
 class RunConfig(_Section):
-    out_dir: str = "runs"
+    """Where a run writes, and how it uses the machine."""
+
+    out_dir: str = Field("runs", description="folder that holds the run directories")
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
     checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -141,7 +154,7 @@ class RunConfig(_Section):
     )
     workers: int | None = Field(None, ge=1, description="run.backend=parallel: worker processes (default: one per "
                                 "CPU core, at most the clients sampled per round)")
-    deterministic: bool = True
+    deterministic: bool = Field(True, description="cuDNN deterministic mode, no cuDNN autotuning (GPU runs)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 
 
@@ -177,11 +190,12 @@ class SecAggConfig(_Section):
 class Config(_Section):
     """The whole experiment."""
 
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="seed of every random stream of the run (data split, client sampling, "
+                      "model init, training, server); data.seed overrides the federation's")
     engine: Literal["inprocess", "flower"] = Field(
         "inprocess", description="inprocess: one deterministic process; flower: Flower's simulation engine (fedlt[flower])"
     )
-    method: str = "fedavg"
+    method: str = Field("fedavg", description="the federated method (see `fedlt methods`)")
     method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
     calibration: list[str] = Field(
         default_factory=list,

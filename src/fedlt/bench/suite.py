@@ -1,6 +1,6 @@
 """Benchmark suites: a grid of methods x settings x seeds where every cell is an ordinary run.
 
-A suite file (format in the README, built-in ones in ``bench/suites/``) lists settings (table
+A suite file (format in docs/benchmarks.md, built-in ones in ``bench/suites/``) lists settings (table
 groups) and methods (table rows). Cell ``(setting, method, seed)`` runs ``fedlt run`` with the
 overrides of the suite, the setting, the method, then ``seed=S`` and its run directory
 ``OUT/<setting-slug>/<method-slug>/seed<S>``. Because the cell's place is fixed, the suite is
@@ -168,9 +168,9 @@ def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "suite"
     if first["type"] == "extra_forbidden":
-        return f"unknown key '{where}'; remove it or fix its spelling (see the suite format in the README)"
+        return f"unknown key '{where}'; remove it or fix its spelling (see the suite format in docs/benchmarks.md)"
     if first["type"] == "missing":
-        return f"key '{where}' is missing; add it (see the suite format in the README)"
+        return f"key '{where}' is missing; add it (see the suite format in docs/benchmarks.md)"
     return f"{where}: {first['msg'].removeprefix('Value error, ')}"
 
 

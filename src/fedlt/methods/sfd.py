@@ -34,7 +34,7 @@ from fedlt.training import train_local
 
 
 class SFDArgs(MethodArgs):
-    """ABBL's knobs; the ablations of the paper's Table 2 are combinations of them (see README)."""
+    """ABBL's knobs; the ablations of the paper's Table 2 are combinations of them (see docs/methods/sfd.md)."""
 
     ce_gamma: float = Field(0.1, ge=0, description="A-CE: gamma of the logit adjustment (0: plain CE, 'SFD-CE')")
     beta_pi: float = Field(1.0, ge=0, le=1, description="A-CE: a missing class's pi = beta_pi * smallest present "

@@ -1,0 +1,192 @@
+"""The configuration reference, generated from the pydantic schema (``fedlt.config``) and the
+methods' and calibrations' knob classes, so the documentation cannot drift from the code.
+
+``docs/hooks.py`` serves its output as the site's ``configuration.md`` at every ``mkdocs build``;
+``python -m fedlt.docs_config [FILE]`` prints (or writes) the same page.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from fedlt.config import Config
+
+INTRO = """\
+# Configuration reference
+
+One validated tree (`src/fedlt/config.py`), read from a YAML file plus dotted `key=value`
+overrides applied in order (values are parsed as YAML scalars: `0.1` is a float, `true` a bool,
+`[ccvr,fed3r]` a list). Unknown keys are errors that name the valid keys of their section.
+
+```bash
+fedlt run configs/fmnist_lt.yaml data.alpha=0.1 fl.rounds=50 method=fedprox method_args.mu=0.01
+```
+
+```yaml
+# the same as a file
+method: fedprox
+method_args: {mu: 0.01}
+data: {alpha: 0.1}
+fl: {rounds: 50}
+```
+
+*This page is generated from the schema at every documentation build
+(`python -m fedlt.docs_config` prints it).*
+"""
+
+
+def _is_model(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
+
+
+def _constraint(meta: list[Any]) -> str:
+    """``>= 1``, ``in (0, 1]`` ... from a field's metadata (Field(ge=...) and AfterValidators)."""
+    parts = []
+    for m in meta:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                parts.append(f"{sym} {getattr(m, attr)}")
+        func = getattr(m, "func", None)
+        if func is not None and func.__name__ == "_unit_fraction":
+            parts.append("in (0, 1]")
+    return ", ".join(parts)
+
+
+def type_name(kind: Any) -> str:
+    """A readable type: ``int``, ``float | null``, ``"a" | "b"``, ``list[float]``."""
+    origin = get_origin(kind)
+    if kind is type(None):
+        return "null"
+    if origin is Annotated:
+        base, *meta = get_args(kind)
+        extra = _constraint(meta)
+        return type_name(base) + (f" {extra}" if extra else "")
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in get_args(kind))
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in get_args(kind))
+    if origin in (list, tuple):
+        return f"list[{', '.join(type_name(a) for a in get_args(kind) if a is not Ellipsis)}]"
+    if origin is dict:
+        return "mapping"
+    if kind is Any:
+        return "any"
+    return getattr(kind, "__name__", str(kind))
+
+
+def field_type(field: FieldInfo) -> str:
+    name = type_name(field.annotation)
+    extra = _constraint(field.metadata)
+    if not extra:
+        return name
+    return f"{name} {extra}" if extra.startswith("in ") else f"{name} ({extra})"
+
+
+def default_text(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        if _is_model(field.annotation):
+            continue
+        rows.append(f"| `{prefix}{name}` | `{_cell(field_type(field))}` | `{_cell(default_text(field))}` | "
+                    f"{_cell(field.description or '')} |")
+    return rows
+
+
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """Every leaf key of the schema as (dotted key, field)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        if _is_model(field.annotation):
+            keys += config_keys(field.annotation, f"{prefix}{name}.")
+        else:
+            keys.append((prefix + name, field))
+    return keys
+
+
+def missing_descriptions() -> list[str]:
+    """Config keys, method knobs and calibration knobs without a ``description``."""
+    missing = [key for key, field in config_keys() if not field.description]
+    for label, model in knob_classes():
+        missing += [f"{label}.{k}" for k, f in model.model_fields.items() if not f.description]
+    return missing
+
+
+def knob_classes() -> list[tuple[str, type[BaseModel]]]:
+    """(label, knob class) of every method with knobs and of the calibrations."""
+    from fedlt.methods.calibrated import CalibrationArgs
+    from fedlt.methods.registry import METHODS
+
+    seen: set[type] = set()
+    out = []
+    for spec in METHODS.values():
+        if spec.args.model_fields and spec.args not in seen:
+            seen.add(spec.args)
+            out.append((f"method={spec.name}", spec.args))
+    out.append(("calibration_args", CalibrationArgs))
+    return out
+
+
+def render() -> str:
+    from fedlt.methods.calibrated import CalibrationArgs
+    from fedlt.methods.registry import METHODS
+
+    lines = [INTRO, "## Top level", "", *_table(Config, ""), ""]
+    for name, field in Config.model_fields.items():
+        if not _is_model(field.annotation):
+            continue
+        section = field.annotation
+        lines += [f"## `{name}`", ""]
+        doc = (section.__doc__ or "").strip()
+        if doc:
+            lines += [doc.replace("``", "`"), ""]
+        lines += [*_table(section, f"{name}."), ""]
+
+    lines += ["## `method_args`: each method's knobs", "",
+              "`method_args.KEY=VALUE`; a knob the chosen method does not have is an error that lists its knobs "
+              "(`fedlt methods` prints them too). Methods not listed here have no knobs.", ""]
+    for spec in METHODS.values():
+        if not spec.args.model_fields:
+            continue
+        lines += [f"### `{spec.name}`", "", _cell(spec.description), "", *_table(spec.args, "method_args."), ""]
+    lines += ["## `calibration_args`", "",
+              "Knobs of the classifier calibrations (`calibration=NAME`, and the methods that apply one: "
+              "`creff`, `ccvr`, `fedncm`, `fed3r`, `taunorm`, `safs`, `sfd`); see [Calibration](calibration.md).",
+              "", *_table(CalibrationArgs, "calibration_args."), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if argv:
+        with open(argv[0], "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
