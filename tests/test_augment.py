@@ -10,12 +10,16 @@ from torch import Tensor
 
 from fedlt.data import augment
 from fedlt.data.augment import (
+    ALL_OPS,
     AUGMENTATIONS,
     GEOMETRIC_OPS,
     OP_NAMES,
+    SIGNED_OPS,
     apply_op,
+    auto_augment,
     cutout,
     get_augmentation,
+    op_parameter,
     rand_augment,
     random_crop,
     random_flip,
@@ -23,6 +27,7 @@ from fedlt.data.augment import (
     strong_view,
     weak_view,
 )
+from fedlt.data.autoaugment import CIFAR10_POLICY
 from fedlt.errors import ConfigError
 
 SHAPES = [(4, 1, 28, 28), (4, 3, 32, 32)]
@@ -34,10 +39,12 @@ FUNCTIONS: dict[str, Fn] = {
     "random_rotation": lambda x, g: random_rotation(x, 30.0, g),
     "cutout": lambda x, g: cutout(x, 8, g),
     "rand_augment": lambda x, g: rand_augment(x, g),
+    "auto_augment": lambda x, g: auto_augment(x, g),
     "weak_view": lambda x, g: weak_view(x, g),
     "weak_view_noflip": lambda x, g: weak_view(x, g, flip=False),
     "strong_view": lambda x, g: strong_view(x, g),
     "strong_view_noflip": lambda x, g: strong_view(x, g, flip=False),
+    "strong_view_autoaugment": lambda x, g: strong_view(x, g, policy="autoaugment"),
     "none": lambda x, g: AUGMENTATIONS["none"](x, g, True),
 }
 
@@ -163,18 +170,22 @@ def test_rand_augment_rejects_unknown_op_and_magnitude() -> None:
     with pytest.raises(ValueError, match="subset"):
         rand_augment(x, gen(), ops=("rotate", "blur"))
     with pytest.raises(ValueError, match="magnitude"):
-        apply_op(x, "rotate", 11, gen())
+        rand_augment(x, gen(), magnitude=31)
+    with pytest.raises(ValueError, match="strength"):
+        apply_op(x, "rotate", 1.1, gen())
     with pytest.raises(ValueError, match="unknown"):
-        apply_op(x, "blur", 5, gen())
+        apply_op(x, "blur", 0.5, gen())
+    with pytest.raises(ValueError, match="strong policy"):
+        strong_view(x, gen(), policy="trivialaugment")
 
 
 @pytest.mark.parametrize("channels", [1, 3])
-@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("name", ALL_OPS)
 def test_each_op_contract(name: str, channels: int) -> None:
     x = batch((4, channels, 28, 28))
     before = x.clone()
-    for magnitude in (0, 5, 10):
-        out = apply_op(x, name, magnitude, gen())
+    for strength in (0.0, 0.5, 1.0):
+        out = apply_op(x, name, strength, gen())
         assert out.shape == x.shape and out.dtype == x.dtype
         assert out.min() >= 0.0 and out.max() <= 1.0
     assert torch.equal(x, before)
@@ -183,12 +194,12 @@ def test_each_op_contract(name: str, channels: int) -> None:
 @pytest.mark.parametrize("name", ["solarize", "contrast", "brightness", "color", "sharpness"])
 def test_photometric_ops_at_magnitude_zero_are_identity(name: str) -> None:
     x = batch((4, 3, 16, 16))
-    torch.testing.assert_close(apply_op(x, name, 0, gen()), x, atol=1e-6, rtol=0)
+    torch.testing.assert_close(apply_op(x, name, 0.0, gen()), x, atol=1e-6, rtol=0)
 
 
 def test_brightness_scales_by_0_1_or_1_9() -> None:
     x = batch((32, 3, 8, 8)) * 0.5
-    out = apply_op(x, "brightness", 10, gen())
+    out = apply_op(x, "brightness", 1.0, gen())
     ratio = (out / x).flatten(1)
     torch.testing.assert_close(ratio.amin(dim=1), ratio.amax(dim=1))
     factors = ratio[:, 0]
@@ -196,16 +207,16 @@ def test_brightness_scales_by_0_1_or_1_9() -> None:
     assert (factors < 1).any() and (factors > 1).any()
 
 
-def test_solarize_full_magnitude_inverts_positive_pixels() -> None:
+def test_solarize_inverts_pixels_at_or_above_the_threshold() -> None:
     x = batch((4, 3, 8, 8))
     x[:, :, 0, 0] = 0.0
-    out = apply_op(x, "solarize", 10, gen())
-    expected = torch.where(x > 0, 1 - x, x)
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(apply_op(x, "solarize", 1.0, gen()), 1 - x)  # threshold 0: all
+    out = apply_op(x, "solarize", 0.3, gen())  # threshold 0.7
+    torch.testing.assert_close(out, torch.where(x >= 0.7, 1 - x, x))
 
 
 def test_posterize_full_magnitude_keeps_four_bits() -> None:
-    out = apply_op(batch((4, 3, 32, 32)), "posterize", 10, gen())
+    out = apply_op(batch((4, 3, 32, 32)), "posterize", 1.0, gen())
     levels = torch.unique((out * 255).round())
     assert len(levels) <= 16
     assert torch.all(levels % 16 == 0)
@@ -214,7 +225,7 @@ def test_posterize_full_magnitude_keeps_four_bits() -> None:
 def test_autocontrast_spans_unit_range_per_channel() -> None:
     x = 0.3 + 0.2 * batch((4, 3, 16, 16))
     x[1, 2] = 0.5  # a constant channel stays as it is
-    out = apply_op(x, "autocontrast", 5, gen())
+    out = apply_op(x, "autocontrast", 0.5, gen())
     lo, hi = out.amin(dim=(2, 3)), out.amax(dim=(2, 3))
     lo[1, 2], hi[1, 2] = 0.0, 1.0
     torch.testing.assert_close(lo, torch.zeros(4, 3))
@@ -224,34 +235,35 @@ def test_autocontrast_spans_unit_range_per_channel() -> None:
 
 def test_equalize_flattens_histogram() -> None:
     x = 0.4 + 0.2 * batch((2, 1, 32, 32))
-    out = apply_op(x, "equalize", 5, gen())
+    out = apply_op(x, "equalize", 0.5, gen())
     assert out.min() < 0.05 and out.max() > 0.95
     hist = torch.histc(out[0], bins=4, min=0, max=1)
     assert hist.min() > 0.15 * out[0].numel()
     order = x[0].flatten().argsort()
     assert (out[0].flatten()[order].diff() >= 0).all()
     constant = torch.full((1, 3, 8, 8), 0.25)
-    assert torch.equal(apply_op(constant, "equalize", 5, gen()), constant)
+    assert torch.equal(apply_op(constant, "equalize", 0.5, gen()), constant)
 
 
 def test_color_is_identity_on_gray_and_single_channel() -> None:
     gray = batch((4, 1, 16, 16))
-    assert torch.equal(apply_op(gray, "color", 10, gen()), gray)
+    assert torch.equal(apply_op(gray, "color", 1.0, gen()), gray)
     rgb_gray = gray.expand(4, 3, 16, 16)
-    torch.testing.assert_close(apply_op(rgb_gray, "color", 10, gen()), rgb_gray)
+    torch.testing.assert_close(apply_op(rgb_gray, "color", 1.0, gen()), rgb_gray)
     rgb = batch((4, 3, 16, 16))
-    assert not torch.allclose(apply_op(rgb, "color", 10, gen()), rgb)
+    assert not torch.allclose(apply_op(rgb, "color", 1.0, gen()), rgb)
 
 
 @pytest.mark.parametrize("name, axis", [("translate_x", 1), ("translate_y", 0)])
-def test_translate_full_magnitude_shifts_by_30_percent(name: str, axis: int) -> None:
-    x = torch.zeros(16, 1, 40, 40)
-    x[:, :, 20, 20] = 1.0
-    out = apply_op(x, name, 10, gen())
+def test_translate_full_range_shifts_by_150_of_331(name: str, axis: int) -> None:
+    """331 px images as in the papers: full strength moves content by exactly 150 px."""
+    x = torch.zeros(16, 1, 331, 331)
+    x[:, :, 165, 165] = 1.0
+    out = apply_op(x, name, 1.0, gen())
     pos = out[:, 0].flatten(1).argmax(dim=1)
-    shift = (pos % 40 if axis == 1 else pos // 40) - 20
-    other = (pos // 40 if axis == 1 else pos % 40) - 20
-    assert torch.equal(shift.abs(), torch.full((16,), 12))
+    shift = (pos % 331 if axis == 1 else pos // 331) - 165
+    other = (pos // 331 if axis == 1 else pos % 331) - 165
+    assert torch.equal(shift.abs(), torch.full((16,), 150))
     assert (other == 0).all()
     assert (shift > 0).any() and (shift < 0).any()
 
@@ -326,3 +338,101 @@ def test_client_batch_views_keep_labels_shape_and_dtype(view: str, shape: tuple[
     assert torch.equal(y, labels[[9, 2, 4, 7]]) and torch.equal(y, plain_y)
     assert x.shape == plain.shape == (4, *shape) and x.dtype == plain.dtype == torch.float32
     assert not torch.equal(x, plain)
+
+
+# ---- RandAugment and AutoAugment magnitudes (torchvision's op ranges) --------------------------
+def test_op_parameters_at_randaugment_magnitude_9_and_30() -> None:
+    """M of 30 bins: M=9 is 30% of each range, M=30 all of it."""
+    at_9 = {name: op_parameter(name, 9 / 30) for name in ALL_OPS}
+    expected = {
+        "identity": 0.0, "autocontrast": 0.0, "equalize": 0.0, "invert": 0.0,
+        "rotate": 9.0, "shear_x": 0.09, "shear_y": 0.09,
+        "translate_x": 0.3 * 150 / 331, "translate_y": 0.3 * 150 / 331,
+        "contrast": 0.27, "brightness": 0.27, "color": 0.27, "sharpness": 0.27,
+        "posterize": 7.0, "solarize": 0.7,
+    }
+    assert at_9 == pytest.approx(expected)
+    assert op_parameter("rotate", 1.0) == 30.0 and op_parameter("posterize", 1.0) == 4.0
+    assert op_parameter("solarize", 1.0) == 0.0 and op_parameter("translate_x", 1.0) == pytest.approx(0.4532, abs=1e-4)
+    assert SIGNED_OPS == {"rotate", "shear_x", "shear_y", "translate_x", "translate_y",
+                          "contrast", "brightness", "color", "sharpness"}
+
+
+def _record_rotations(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    angles: list[float] = []
+    real = augment._rotate
+    monkeypatch.setattr(augment, "_rotate", lambda x, deg: angles.extend(deg.tolist()) or real(x, deg))
+    return angles
+
+
+def test_rand_augment_m9_rotates_by_plus_or_minus_9_degrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    angles = _record_rotations(monkeypatch)
+    rand_augment(batch((64, 1, 28, 28)), gen(), num_ops=1, magnitude=9, ops=("rotate",))
+    assert len(angles) == 64 and {round(a, 6) for a in angles} == {-9.0, 9.0}
+    x = batch((64, 3, 8, 8)) * 0.5
+    ratio = (rand_augment(x, gen(), num_ops=1, magnitude=9, ops=("brightness",)) / x).flatten(1)[:, 0]
+    assert torch.all(((ratio - 0.73).abs() < 1e-4) | ((ratio - 1.27).abs() < 1e-4))
+
+
+def test_autoaugment_cifar10_table_is_the_published_policy() -> None:
+    assert len(CIFAR10_POLICY) == 25 and all(len(sub) == 2 for sub in CIFAR10_POLICY)
+    assert CIFAR10_POLICY[:4] == (
+        (("invert", 0.1, None), ("contrast", 0.2, 6)),
+        (("rotate", 0.7, 2), ("translate_x", 0.3, 9)),
+        (("sharpness", 0.8, 1), ("sharpness", 0.9, 3)),
+        (("shear_y", 0.5, 8), ("translate_y", 0.7, 9)),
+    )
+    assert CIFAR10_POLICY[14] == (("solarize", 0.5, 2), ("invert", 0.0, None))
+    assert CIFAR10_POLICY[22] == (("autocontrast", 0.9, None), ("solarize", 0.8, 3))
+    assert CIFAR10_POLICY[24] == (("translate_y", 0.7, 9), ("autocontrast", 0.9, None))
+    for name, probability, level in (step for sub in CIFAR10_POLICY for step in sub):
+        assert name in ALL_OPS and 0.0 <= probability <= 1.0
+        assert (level is None) == (name in ("invert", "autocontrast", "equalize"))
+        assert level is None or 0 <= level <= 9
+
+
+def test_auto_augment_bins_map_to_ninths_of_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bin b is b/9 of the range: (rotate, bin 2) turns by 20/3 degrees, either way."""
+    angles = _record_rotations(monkeypatch)
+    policy = ((("rotate", 1.0, 2), ("invert", 0.0, None)),)
+    auto_augment(batch((64, 1, 8, 8)), gen(), policy=policy)
+    assert {round(a, 5) for a in angles} == {round(-20 / 3, 5), round(20 / 3, 5)}
+    x = batch((8, 3, 16, 16))
+    posterized = auto_augment(x, gen(), policy=((("posterize", 1.0, 7), ("identity", 1.0, None)),))
+    assert torch.equal(posterized, apply_op(x, "posterize", 7 / 9, gen()))  # 8 - round(28/9) = 5 bits
+    assert torch.all((posterized * 255).round() % 8 == 0)
+
+
+def test_auto_augment_steps_fire_with_their_probability_and_sub_policies_uniformly() -> None:
+    x = torch.full((4000, 1, 2, 2), 0.25)
+    fired = auto_augment(x, gen(), policy=((("invert", 0.3, None), ("identity", 1.0, None)),))
+    assert ((fired == 0.75).flatten(1).all(1) | (fired == 0.25).flatten(1).all(1)).all()
+    assert (fired[:, 0, 0, 0] == 0.75).float().mean().item() == pytest.approx(0.3, abs=0.03)
+    half = ((("invert", 1.0, None), ("identity", 1.0, None)), (("identity", 1.0, None), ("identity", 1.0, None)))
+    assert (auto_augment(x, gen(), policy=half)[:, 0, 0, 0] == 0.75).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    # the second step composes with the first
+    twice = ((("invert", 1.0, None), ("invert", 1.0, None)),)
+    assert torch.equal(auto_augment(x, gen(), policy=twice), x)
+
+
+def test_strong_view_policies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """autoaugment runs the CIFAR-10 policy and no RandAugment; randaugment the reverse."""
+    calls: list[str] = []
+    real_auto, real_rand = augment.auto_augment, augment.rand_augment
+    monkeypatch.setattr(augment, "auto_augment", lambda x, g: calls.append("auto") or real_auto(x, g))
+    monkeypatch.setattr(augment, "rand_augment", lambda x, g, **kw: calls.append(f"rand{kw['magnitude']}") or real_rand(x, g, **kw))
+    x = batch((4, 3, 32, 32))
+    strong_view(x, gen(), policy="autoaugment", magnitude=20)
+    strong_view(x, gen(), policy="randaugment", magnitude=20)
+    assert calls == ["auto", "rand20"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["rand_augment", "auto_augment", "weak_view", "strong_view", "strong_view_autoaugment"])
+def test_uint8_in_uint8_out(name: str, shape: tuple[int, ...]) -> None:
+    """A uint8 batch is augmented as its [0, 1] floats and rounded back."""
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen(3))
+    out = FUNCTIONS[name](images, gen(1))
+    assert out.dtype == torch.uint8 and out.shape == images.shape
+    expected = (FUNCTIONS[name](images.float() / 255, gen(1)) * 255).round().to(torch.uint8)
+    assert torch.equal(out, expected)

@@ -17,7 +17,8 @@ from fedlt.methods.base import ClientContext, ClientData, ServerContext, TrainSe
 from fedlt.methods.feddecorr import decorrelation_loss
 from fedlt.methods.fedlc import calibrated_ce, calibration_margins
 from fedlt.methods.fedyoyo import (
-    FedYoYoArgs, FedYoYoClient, FedYoYoServer, asd_loss, dla_loss, effective_numbers, estimate_prior,
+    FedYoYoArgs, FedYoYoClient, FedYoYoServer, asd_loss, dla_loss, effective_numbers, estimate_prior, fuse_priors,
+    remixed_prior,
 )
 from fedlt.models import create_model
 
@@ -75,6 +76,74 @@ def test_dla_is_balanced_softmax_with_temperature():
     expected = -(math.log(0.25) + 0.5 / 1.5 - math.log(sum(p * math.exp(z / 1.5) for p, z in zip(pi.tolist(), logits[0].tolist()))))
     assert dla_loss(logits, torch.tensor([1]), pi.log(), 1.5).item() == pytest.approx(expected, rel=1e-6)
 
+
+def test_dla_with_a_prior_scale_is_ce_on_logits_plus_scaled_log_prior():
+    """ce_prior_scale=s: CE on f + s log pi, the temperature unused (the released code's 1.5)."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0]])
+    pi = [0.5, 0.25, 0.125, 0.125]
+    adjusted = [z + 1.5 * math.log(p) for z, p in zip(logits[0].tolist(), pi)]
+    expected = -adjusted[1] + math.log(sum(math.exp(a) for a in adjusted))
+    log_pi = torch.tensor(pi).log()
+    for temperature in (1.0, 1.5, 4.0):
+        assert dla_loss(logits, torch.tensor([1]), log_pi, temperature, 1.5).item() == pytest.approx(expected, rel=1e-6)
+    assert dla_loss(logits, torch.tensor([1]), log_pi, 1.5, 1.5).item() != pytest.approx(
+        dla_loss(logits, torch.tensor([1]), log_pi, 1.5).item(), rel=1e-3)
+
+
+# fixed logits where the reversed KL and other temperatures give clearly different values
+ASD_TEACHER = torch.tensor([[3.0, 0.5, -1.0, 0.2], [0.1, 2.5, 0.3, -0.4], [1.5, 1.4, 0.0, 0.0]])
+ASD_STUDENT = torch.tensor([[0.5, 1.0, 0.8, -0.3], [-1.0, 0.2, 1.9, 0.6], [2.0, -1.0, 0.5, 0.3]])
+ASD_PI = torch.tensor([0.4, 0.3, 0.2, 0.1])
+ASD_TARGETS = torch.tensor([0, 1, 1])  # the third teacher predicts class 0: it does not teach
+
+
+def _kl_reference(temperature: float, reverse: bool = False) -> torch.Tensor:
+    """Per-sample KL(teacher || student) of Eq. 7's softmax, by ``F.kl_div`` (input: log q, target: log p)."""
+    log_t = F.log_softmax(ASD_TEACHER / temperature + ASD_PI.log(), dim=1)
+    log_s = F.log_softmax(ASD_STUDENT / temperature + ASD_PI.log(), dim=1)
+    if reverse:
+        log_t, log_s = log_s, log_t
+    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(dim=1)
+
+
+def test_asd_value_against_kl_div():
+    kl = _kl_reference(1.5)
+    expected_batch = (kl[0] + kl[1]).item() / 3
+    got = asd_loss(ASD_TEACHER, ASD_STUDENT, ASD_TARGETS, ASD_PI.log(), 1.5).item()
+    assert got == pytest.approx(expected_batch, rel=1e-5)
+    # the test tells the direction and the temperature apart
+    assert (_kl_reference(1.5, reverse=True)[:2].sum().item() / 3) != pytest.approx(got, rel=0.05)
+    assert (_kl_reference(1.0)[:2].sum().item() / 3) != pytest.approx(got, rel=0.05)
+    # asd_average=correct: the mean over the two teaching samples
+    got_correct = asd_loss(ASD_TEACHER, ASD_STUDENT, ASD_TARGETS, ASD_PI.log(), 1.5, average="correct").item()
+    assert got_correct == pytest.approx((kl[0] + kl[1]).item() / 2, rel=1e-5)
+
+
+def test_asd_average_correct_divides_by_the_teaching_samples_only():
+    log_pi = torch.zeros(C)
+    teacher = torch.tensor([[5.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 5.0, 0], [0, 0, 0, 5.0]])
+    student = torch.randn(4, C, generator=gen(3))
+    one_teaches = torch.tensor([0, 0, 0, 0])  # only the first teacher is right
+    alone = asd_loss(teacher[:1], student[:1], one_teaches[:1], log_pi, 1.5).item()
+    assert asd_loss(teacher, student, one_teaches, log_pi, 1.5, average="correct").item() == pytest.approx(alone, rel=1e-6)
+    assert asd_loss(teacher, student, one_teaches, log_pi, 1.5, average="batch").item() == pytest.approx(alone / 4, rel=1e-6)
+    nobody = torch.tensor([1, 2, 3, 0])
+    assert asd_loss(teacher, student, nobody, log_pi, 1.5, average="correct").item() == 0.0
+
+
+def test_fuse_priors_eq6_by_hand():
+    pi_g, pi_k = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.1, 0.1, 0.7])
+    # (1 - 0.25) * pi_g + 0.25 * pi_k
+    assert fuse_priors(pi_g, pi_k, 0.25).tolist() == pytest.approx([0.325, 0.25, 0.175, 0.25])
+    assert fuse_priors(pi_g, pi_k, 0.0).tolist() == pytest.approx(pi_g.tolist())
+
+
+def test_remixed_prior_compounds_to_the_local_prior():
+    start, local = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.1, 0.1, 0.7])
+    assert torch.allclose(remixed_prior(start, local, 0.25, 1), fuse_priors(start, local, 0.25))  # batch 1: Eq. 6
+    # batch 2: 0.75^2 = 0.5625 of the start left
+    assert remixed_prior(start, local, 0.25, 2).tolist() == pytest.approx([0.26875, 0.2125, 0.15625, 0.3625])
+    assert torch.allclose(remixed_prior(start, local, 0.1, 200), local, atol=1e-8)
 
 # ---- the effective prior ----------------------------------------------------------------------
 def test_effective_number_is_one_for_duplicates_and_m_for_orthogonal_samples():
@@ -177,12 +246,12 @@ def test_asd_weight_warms_up_linearly():
 
 
 # ---- client -----------------------------------------------------------------------------------
-def _client_ctx(state: dict, rnd: int = 1) -> ClientContext:
+def _client_ctx(state: dict, rnd: int = 1, cid: int = 3) -> ClientContext:
     g = gen(7)
     images = torch.randint(0, 256, (40, 1, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.tensor([0] * 20 + [1] * 12 + [2] * 8)
     data = ClientData(images, labels, torch.arange(40), C, standardize=lambda x: (x - 0.5) / 0.5, hflip=False)
-    return ClientContext(cid=3, round=rnd, model=create_model("cnn", C, in_channels=1), data=data, state=state,
+    return ClientContext(cid=cid, round=rnd, model=create_model("cnn", C, in_channels=1), data=data, state=state,
                          train=TrainSettings(1, 10, 0.05, 0.9, 0.0, None), device=torch.device("cpu"), seed=0)
 
 
@@ -195,7 +264,7 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
         return real(pi_g, pi_k, gamma)
 
     monkeypatch.setattr(fedyoyo, "fuse_priors", spy)
-    client = FedYoYoClient(FedYoYoArgs(gamma=0.3))
+    client = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate"))
     pi_g = torch.tensor([0.1, 0.2, 0.3, 0.4])
     state: dict = {}
     ctx = _client_ctx(state)
@@ -214,14 +283,94 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
     assert len(calls) == 2 and torch.equal(calls[1][1], prior)
 
 
-def test_client_strong_view_uses_the_configured_magnitude_and_cutout(monkeypatch):
+def test_client_strong_view_uses_the_configured_policy_magnitude_and_cutout(monkeypatch):
     seen = []
     monkeypatch.setattr(fedyoyo, "strong_view", lambda x, g, flip, **kw: seen.append(kw) or x)
-    client = FedYoYoClient(FedYoYoArgs(strong_magnitude=5, cutout=0.25))
+    client = FedYoYoClient(FedYoYoArgs(strong_policy="randaugment", strong_magnitude=5, cutout=0.25))
     x = torch.rand(2, 1, 28, 28)
     assert client.view("weak") is fedyoyo.weak_view
     assert torch.equal(client.view("strong")(x, gen(), False), x)
-    assert seen == [{"magnitude": 5.0, "cutout_frac": 0.25}]
+    FedYoYoClient(FedYoYoArgs()).view("strong")(x, gen(), False)
+    assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25},
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5}]
+
+
+def test_client_views_are_seeded_per_round_and_client(monkeypatch):
+    """The same (round, client) gives the same strong views; another round or client others."""
+    real = fedyoyo.strong_view
+    views: list[torch.Tensor] = []
+    monkeypatch.setattr(fedyoyo, "strong_view", lambda *a, **kw: views.append(real(*a, **kw)) or views[-1])
+    client = FedYoYoClient(FedYoYoArgs(asd=False))
+
+    def first_strong_view(rnd: int, cid: int) -> torch.Tensor:
+        views.clear()
+        ctx = _client_ctx({}, rnd=rnd, cid=cid)
+        client.fit(ctx, Message(weights=clone_state(ctx.model), payload={"asd_weight": 0.0,
+                                                                         "global_prior": torch.full((C,), 0.25)}))
+        return views[0]
+
+    first = first_strong_view(1, 3)
+    assert torch.equal(first, first_strong_view(1, 3))
+    assert not torch.equal(first, first_strong_view(2, 3))
+    assert not torch.equal(first, first_strong_view(1, 4))
+
+
+def _recorded_log_priors(monkeypatch) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    real = fedyoyo.dla_loss
+    monkeypatch.setattr(fedyoyo, "dla_loss", lambda logits, y, log_pi, *rest: seen.append(log_pi) or real(logits, y, log_pi, *rest))
+    return seen
+
+
+def test_local_remix_moves_the_prior_to_the_label_distribution_batch_by_batch(monkeypatch):
+    seen = _recorded_log_priors(monkeypatch)
+    client = FedYoYoClient(FedYoYoArgs(gamma=0.3))  # prior=local_remix is the default
+    pi_g = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    labels = torch.tensor([0.5, 0.3, 0.2, 0.0])  # the context's label distribution
+    ctx = _client_ctx({})
+    reply = client.fit(ctx, Message(weights=clone_state(ctx.model), payload={"asd_weight": 4.0, "global_prior": pi_g}))
+    assert len(seen) == 4  # one prior per batch
+    for t, log_pi in enumerate(seen, start=1):
+        expected = (0.7 ** t) * pi_g + (1 - 0.7 ** t) * labels
+        assert log_pi.exp().tolist() == pytest.approx(expected.tolist(), rel=1e-5)
+    # nothing new leaves the client: the model and its estimated prior, as with fused_estimate
+    assert set(reply.payload) == {"prior"} and torch.equal(reply.payload["prior"], ctx.state["prior"])
+    fused = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate"))
+    seen.clear()
+    fused.fit(_client_ctx({}), Message(weights=clone_state(ctx.model), payload={"asd_weight": 4.0, "global_prior": pi_g}))
+    assert all(torch.equal(log_pi, seen[0]) for log_pi in seen)
+    assert seen[0].exp().tolist() == pytest.approx((0.7 * pi_g + 0.3 * labels).tolist(), rel=1e-5)
+
+
+def test_clean_eval_prior_comes_from_the_received_model_in_eval_mode_on_clean_images(monkeypatch):
+    estimates: list = []
+    real_estimate = fedyoyo.estimate_prior
+    monkeypatch.setattr(fedyoyo, "estimate_prior", lambda b, c: estimates.append(b) or real_estimate(b, c))
+    fused: list = []
+    real_fuse = fedyoyo.fuse_priors
+    monkeypatch.setattr(fedyoyo, "fuse_priors", lambda g, k, gamma: fused.append(k) or real_fuse(g, k, gamma))
+    client = FedYoYoClient(FedYoYoArgs(prior="fused_estimate", prior_features="clean_eval"))
+    ctx = _client_ctx({})
+    modes: list[bool] = []
+    encoder = next(ctx.model.children())
+    encoder.register_forward_hook(lambda module, inputs, output: modes.append(module.training))
+    received = clone_state(ctx.model)
+    reply = client.fit(ctx, Message(weights=received, payload={"asd_weight": 4.0, "global_prior": torch.full((C,), 0.25)}))
+
+    assert len(estimates) == 1 and [len(y) for _, y in estimates[0]] == [10, 10, 10, 10]  # training batch size
+    assert modes[:4] == [False] * 4 and all(modes[4:])  # eval mode, before training
+    model = create_model("cnn", C, in_channels=1)
+    model.load_state_dict(received)
+    with torch.no_grad():
+        x, y = ctx.data.batch(torch.arange(40))  # no generator: un-augmented
+        clean = model.forward_features(x)
+    got = torch.cat([f for f, _ in estimates[0]])
+    match = torch.cdist(got, clean).argmin(dim=1)  # the batches are a shuffle of the client's samples
+    assert sorted(match.tolist()) == list(range(40))
+    torch.testing.assert_close(got, clean[match], atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat([lab for _, lab in estimates[0]]), y[match])
+    # this estimate is uploaded and already this round's pi_k
+    assert torch.equal(reply.payload["prior"], real_estimate(estimates[0], C)) and torch.equal(fused[0], reply.payload["prior"])
 
 
 def test_client_without_dla_neither_estimates_nor_uploads():
@@ -296,3 +445,6 @@ def test_config_errors():
         fedlt.run(tiny("/nonexistent", "x", method="fedlc", loss={"name": "la"}))
     with pytest.raises(ConfigError, match="no knob method_args.beta"):
         fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"beta": 0.1}))
+    with pytest.raises(ConfigError, match="strong_magnitude.*randaugment"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"strong_magnitude": 5}))
+    fedlt.config.build_config({"method": "fedyoyo", "method_args": {"strong_policy": "randaugment", "strong_magnitude": 27}})

@@ -8,14 +8,16 @@ is reproducible from its seed.
 Conventions for every function: the input is a float batch ``(B, C, H, W)`` with values
 in ``[0, 1]`` and square images (``H == W``); the output has the same shape, dtype and
 device, is clamped to ``[0, 1]``, and the input is never modified in place. Labels are
-not touched.
+not touched. The views and the two policies also take uint8 batches and return uint8.
 
 The two views follow FedYoYo: a weak view (crop, flip, small rotation) and a strong view
-(crop, flip, RandAugment, Cutout).
+(crop, flip, RandAugment or AutoAugment's CIFAR-10 policy, Cutout). Op ranges follow
+torchvision's RandAugment/AutoAugment (:func:`op_parameter`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedlt.data.autoaugment import AUTOAUGMENT_LEVELS, CIFAR10_POLICY
 from fedlt.errors import ConfigError
 
 Augmentation = Callable[[Tensor, torch.Generator, bool], Tensor]
@@ -43,7 +46,25 @@ OP_NAMES = (
 ) + GEOMETRIC_OPS
 """Every RandAugment op, in the order ``rand_augment`` indexes them."""
 
-MAX_MAGNITUDE = 10.0
+ALL_OPS = OP_NAMES + ("invert",)
+"""Every op :func:`apply_op` knows: RandAugment's plus AutoAugment's ``invert``."""
+
+RANDAUGMENT_BINS = 30
+"""RandAugment magnitude ``M`` runs over 0..30; ``M`` is ``M / 30`` of each op's range."""
+
+_FULL_RANGE = {
+    "rotate": 30.0,  # degrees
+    "shear_x": 0.3,  # shear factor
+    "shear_y": 0.3,
+    "translate_x": 150.0 / 331.0,  # fraction of the side (AutoAugment: 150 px on 331 px images)
+    "translate_y": 150.0 / 331.0,
+    "contrast": 0.9,  # enhance factor 1 +/- this
+    "brightness": 0.9,
+    "color": 0.9,
+    "sharpness": 0.9,
+}
+SIGNED_OPS = frozenset(_FULL_RANGE)
+"""Ops whose parameter each image negates with probability 1/2."""
 
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's "L" conversion
 
@@ -160,52 +181,51 @@ def _sharpness_degenerate(x: Tensor) -> Tensor:
     return degenerate
 
 
-def apply_op(x: Tensor, name: str, magnitude: float, generator: torch.Generator) -> Tensor:
-    """Apply one RandAugment op (Cubuk et al., 2020) to every image of ``x``.
+def op_parameter(name: str, strength: float) -> float:
+    """The unsigned parameter of op ``name`` at ``strength`` (the fraction of its range, 0..1).
 
-    ``magnitude`` is on the paper's 0..10 scale; ``m = magnitude / 10`` scales each op to
-    its range below. Where marked, each image draws its own random sign.
+    torchvision's ranges: rotate ``30 s`` degrees; shear factor ``0.3 s``; translate
+    ``(150/331) s`` of the side; contrast, brightness, color, sharpness factor ``1 +/- 0.9 s``
+    (returns ``0.9 s``); solarize threshold ``1 - s``; posterize keeps ``8 - round(4 s)`` bits;
+    0 for the ops without a magnitude.
+    """
+    if name not in ALL_OPS:
+        raise ValueError(f"unknown op {name!r}; use one of {', '.join(ALL_OPS)}")
+    if name == "posterize":
+        return float(8 - round(4 * strength))
+    if name == "solarize":
+        return 1.0 - strength
+    return _FULL_RANGE.get(name, 0.0) * strength
 
-    ========================  ================================================
-    identity                  unchanged
-    autocontrast              per-channel stretch to [0, 1] (no magnitude)
-    equalize                  per-channel histogram equalisation (no magnitude)
-    solarize                  invert pixels ``> 1 - m`` (none at 0, all > 0 at 10)
-    posterize                 keep ``8 - round(4 m)`` bits (8 down to 4)
-    contrast                  blend with the mean gray, factor ``1 +/- 0.9 m``
-    brightness                blend with black, factor ``1 +/- 0.9 m``
-    color                     blend with grayscale, factor ``1 +/- 0.9 m``;
-                              identity for one-channel images
-    sharpness                 blend with a 3x3-smoothed image, factor ``1 +/- 0.9 m``
-    rotate                    ``+/- 30 m`` degrees
-    shear_x, shear_y          shear factor ``+/- 0.3 m``
-    translate_x, translate_y  shift ``+/- 0.3 m`` of the image size
-    ========================  ================================================
 
-    Geometric ops fill uncovered pixels with 0.
+def apply_op(x: Tensor, name: str, strength: float, generator: torch.Generator) -> Tensor:
+    """Apply one op at ``strength`` (0..1 of its range, :func:`op_parameter`) to every image.
+
+    Signed ops (:data:`SIGNED_OPS`) draw a sign per image. Solarize inverts pixels at or above
+    the threshold; color is the identity on one-channel images; rotations and shears act about
+    the centre and geometric ops fill uncovered pixels with 0.
     """
     _check_batch(x)
-    if name not in OP_NAMES:
-        raise ValueError(f"unknown RandAugment op {name!r}; use one of {', '.join(OP_NAMES)}")
-    if not 0.0 <= magnitude <= MAX_MAGNITUDE:
-        raise ValueError(f"magnitude must be in [0, {MAX_MAGNITUDE:g}], got {magnitude}")
-    m = magnitude / MAX_MAGNITUDE
-    n = x.shape[0]
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"strength must be in [0, 1], got {strength}")
+    value = op_parameter(name, strength)
+    if name in SIGNED_OPS:
+        value = value * _signs(x.shape[0], x, generator)
 
     if name == "identity":
         out = x
+    elif name == "invert":
+        out = 1.0 - x
     elif name == "autocontrast":
         out = _autocontrast(x)
     elif name == "equalize":
         out = _equalize(x)
     elif name == "solarize":
-        out = torch.where(x > 1.0 - m, 1.0 - x, x)
+        out = torch.where(x >= value, 1.0 - x, x)
     elif name == "posterize":
-        bits = 8 - round(4 * m)
-        mask = (0xFF << (8 - bits)) & 0xFF
+        mask = (0xFF << (8 - int(value))) & 0xFF
         out = torch.bitwise_and(_quantise(x), mask).to(x.dtype) / 255.0
     elif name in ("contrast", "brightness", "color", "sharpness"):
-        factor = 1.0 + 0.9 * m * _signs(n, x, generator)
         if name == "contrast":
             degenerate = _grayscale(x).mean(dim=(1, 2, 3), keepdim=True).expand_as(x)
         elif name == "brightness":
@@ -214,18 +234,29 @@ def apply_op(x: Tensor, name: str, magnitude: float, generator: torch.Generator)
             degenerate = _grayscale(x).expand_as(x) if x.shape[1] == 3 else x
         else:
             degenerate = _sharpness_degenerate(x)
-        out = _blend(degenerate, x, factor)
+        out = _blend(degenerate, x, 1.0 + value)
     elif name == "rotate":
-        out = _rotate(x, 30.0 * m * _signs(n, x, generator))
+        out = _rotate(x, value)
     else:
-        amount = 0.3 * m * _signs(n, x, generator)
-        zero = torch.zeros_like(amount)
+        zero = torch.zeros_like(value)
         axis = 0 if name.endswith("_x") else 1
         if name.startswith("shear"):
-            out = _shear_translate(x, amount, zero, axis)
+            out = _shear_translate(x, value, zero, axis)
         else:
-            out = _shear_translate(x, zero, amount, axis)
+            out = _shear_translate(x, zero, value, axis)
     return out.clamp(0.0, 1.0)
+
+
+def _accepts_uint8(view: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Let a float view take uint8 images too: scaled to [0, 1], augmented, rounded back."""
+
+    @functools.wraps(view)
+    def wrapper(x: Tensor, *args, **kwargs) -> Tensor:
+        if x.dtype != torch.uint8:
+            return view(x, *args, **kwargs)
+        return view(x.float() / 255.0, *args, **kwargs).mul(255.0).round().to(torch.uint8)
+
+    return wrapper
 
 
 def random_crop(x: Tensor, padding: int, generator: torch.Generator) -> Tensor:
@@ -284,6 +315,7 @@ def cutout(x: Tensor, size: int, generator: torch.Generator) -> Tensor:
     return x.masked_fill(hole[:, None], 0.0).clamp(0.0, 1.0)
 
 
+@_accepts_uint8
 def rand_augment(
     x: Tensor,
     generator: torch.Generator,
@@ -294,22 +326,48 @@ def rand_augment(
     """RandAugment (Cubuk et al., 2020): ``num_ops`` ops per image, each drawn uniformly.
 
     Every image draws its own ops from ``ops`` (default: all of :data:`OP_NAMES`) and all
-    are applied at the same ``magnitude`` (0..10, see :func:`apply_op`). Images that drew
-    the same op in a round are transformed together, so the loop runs over op types, not
-    samples.
+    are applied at ``magnitude`` ``M`` of :data:`RANDAUGMENT_BINS` (torchvision's scale: the
+    usual ``M = 9`` is 30% of each op's range, e.g. rotations of +/-9 degrees). Images that drew
+    the same op are transformed together, so the loop runs over op types, not samples.
     """
     _check_batch(x)
-    unknown = [name for name in ops if name not in OP_NAMES]
+    unknown = [name for name in ops if name not in ALL_OPS]
     if unknown or not ops:
-        raise ValueError(f"ops must be a non-empty subset of {', '.join(OP_NAMES)}; got {ops}")
+        raise ValueError(f"ops must be a non-empty subset of {', '.join(ALL_OPS)}; got {ops}")
+    if not 0.0 <= magnitude <= RANDAUGMENT_BINS:
+        raise ValueError(f"magnitude must be in [0, {RANDAUGMENT_BINS}], got {magnitude}")
+    strength = magnitude / RANDAUGMENT_BINS
     out = x.clone()
     for _ in range(num_ops):
         choice = torch.randint(0, len(ops), (x.shape[0],), generator=generator, device=x.device)
         for k, name in enumerate(ops):
             idx = (choice == k).nonzero().squeeze(1)
             if idx.numel() and name != "identity":
-                out[idx] = apply_op(out[idx], name, magnitude, generator)
+                out[idx] = apply_op(out[idx], name, strength, generator)
     return out.clamp(0.0, 1.0)
+
+
+@_accepts_uint8
+def auto_augment(x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR10_POLICY) -> Tensor:
+    """AutoAugment (Cubuk et al., 2019): each image draws one sub-policy uniformly, and each of
+    its two ``(op, probability, bin)`` steps fires with its probability at ``bin / 9`` of the
+    op's range (:mod:`fedlt.data.autoaugment`; default: the CIFAR-10 policy)."""
+    _check_batch(x)
+    n = x.shape[0]
+    out = x.clone()
+    choice = torch.randint(0, len(policy), (n,), generator=generator, device=x.device)
+    for step in range(2):
+        fire = torch.rand(n, generator=generator, device=x.device)
+        for k, sub_policy in enumerate(policy):
+            name, probability, level = sub_policy[step]
+            idx = ((choice == k) & (fire < probability)).nonzero().squeeze(1)
+            if idx.numel() and name != "identity":
+                strength = 0.0 if level is None else level / (AUTOAUGMENT_LEVELS - 1)
+                out[idx] = apply_op(out[idx], name, strength, generator)
+    return out.clamp(0.0, 1.0)
+
+
+STRONG_POLICIES = ("autoaugment", "randaugment")
 
 
 def _crop_padding(x: Tensor) -> int:
@@ -322,6 +380,7 @@ def no_augmentation(x: Tensor, generator: torch.Generator, flip: bool = True) ->
     return x
 
 
+@_accepts_uint8
 def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
     """FedYoYo's weak view: random crop, horizontal flip (if ``flip``), rotation up to 15 deg.
 
@@ -333,18 +392,30 @@ def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tenso
     return random_rotation(out, 15.0, generator)
 
 
+@_accepts_uint8
 def strong_view(
-    x: Tensor, generator: torch.Generator, flip: bool = True, magnitude: float = 9, cutout_frac: float = 0.5
+    x: Tensor,
+    generator: torch.Generator,
+    flip: bool = True,
+    policy: str = "randaugment",
+    magnitude: float = 9,
+    cutout_frac: float = 0.5,
 ) -> Tensor:
-    """FedYoYo's strong view: crop, flip (if ``flip``), RandAugment(2, ``magnitude``), Cutout.
+    """FedYoYo's strong view: crop, flip (if ``flip``), a policy, Cutout.
 
-    The cutout square's side is ``round(cutout_frac * H)``: 16px on 32px images at the default
-    0.5, as in FedYoYo; 0 turns Cutout off.
+    ``policy`` is ``randaugment`` (2 ops at ``magnitude`` of 30; 0: none) or ``autoaugment``
+    (the CIFAR-10 policy; ``magnitude`` unused). The cutout square's side is
+    ``round(cutout_frac * H)``: 16px on 32px images at the default 0.5, as in FedYoYo and
+    AutoAugment's CIFAR pipeline; 0 turns Cutout off.
     """
+    if policy not in STRONG_POLICIES:
+        raise ValueError(f"unknown strong policy {policy!r}; use one of {', '.join(STRONG_POLICIES)}")
     out = random_crop(x, _crop_padding(x), generator)
     if flip:
         out = random_flip(out, generator)
-    if magnitude > 0:
+    if policy == "autoaugment":
+        out = auto_augment(out, generator)
+    elif magnitude > 0:
         out = rand_augment(out, generator, num_ops=2, magnitude=magnitude)
     return cutout(out, round(cutout_frac * x.shape[-1]), generator)
 

@@ -2,7 +2,8 @@
 adjustment (DLA), aggregated with FedAvg.
 
 Every local batch is seen twice, as a weak view (crop, flip, rotation) and a strong view (crop,
-flip, RandAugment, Cutout); both go through the model in one forward pass. The local loss is
+flip, AutoAugment's CIFAR-10 policy as the paper's reference [4] and the released code, or
+RandAugment; then Cutout); both go through the model in one forward pass. The local loss is
 (Eq. 9)
 
     L = L_DLA + lambda_r * L_ASD.
@@ -10,7 +11,8 @@ flip, RandAugment, Cutout); both go through the model in one forward pass. The l
 - **DLA** (Eq. 7-8): cross-entropy of the distribution-fused balanced softmax
   ``p(y|x) ~ pi_mix[y] * exp(f_y(x) / T)`` on both views. ``pi_mix = (1 - gamma) pi_g +
   gamma pi_k`` (Eq. 6) fuses the server's estimate of the global prior ``pi_g`` with the
-  client's own prior ``pi_k``.
+  client's own prior ``pi_k``. Default (``ce_prior_scale=1.5``, the released code): the CE is
+  on ``f(x) + 1.5 log pi`` instead, without dividing by T.
 - **ASD** (Eq. 1): ``KL(p(teacher view) || p(student view))`` with the same adjusted softmax,
   the teacher detached, summed over the samples whose teacher prediction (argmax of the adjusted
   softmax) is the label, divided by the batch size (Eq. 1's ``1/n_k``).
@@ -24,33 +26,48 @@ flip, RandAugment, Cutout); both go through the model in one forward pass. The l
   once. The client uploads ``pi_k`` with its update; the server's ``pi_g`` is the
   sample-weighted mean of the client priors (FedAvg of the priors).
 
-Choices where the paper is silent, and deviations from the released code:
+Options where the released code (which produced the paper's numbers) departs from the text:
 
-- ``pi_mix`` is fused ONCE per round, before local training, from the ``pi_g`` just received and
-  the client's latest ``pi_k``. (The released code re-mixes every batch, ``prior <- (1 - g)
-  prior + g pi_k``, which compounds to the purely local prior within a round.)
+- ``prior=local_remix`` (default): the released code's per-batch re-mix ``prior <- (1 - gamma)
+  prior + gamma pi_local`` from ``pi_g`` at the start of each round, so batch ``t`` uses
+  ``(1 - gamma)^t pi_g + (1 - (1 - gamma)^t) pi_local`` with ``pi_local`` the client's label
+  distribution: batch 1 is Eq. 6, and within a round the prior moves to the client's own
+  distribution (nothing new leaves the client). ``fused_estimate``: Eq. 6 fused ONCE per round,
+  before training, from the ``pi_g`` just received and the client's latest estimate ``pi_k``.
+- ``ce_prior_scale`` (default 1.5, the released code): DLA's CE on ``f(x) + s log pi``;
+  ``null``: Eq. 7's ``f(x) / T + log pi``. ASD always uses Eq. 7's softmax.
+- ``prior_features``: ``train`` (default, the text's "during training": the teacher view's
+  features) or ``clean_eval`` (the released code: the received model in eval mode on the
+  un-augmented images, in shuffled batches of the training size, before training; this
+  estimate is then also this round's ``pi_k``).
+- ``asd_average``: ``batch`` (default, Eq. 1's ``1 / n_k``) or ``correct`` (the released code:
+  the mean over the teaching samples).
+
+Choices where the paper is silent:
+
 - Before any estimate exists: ``pi_g`` is uniform until the first clients have reported (round
   1 then trains with ``(1 - gamma) * uniform + gamma * pi_k``); a client that has not yet
   estimated its prior (first participation) uses its label distribution, which is what the
-  effective number reduces to for uncorrelated features. Each estimate is made during a round's
-  training and used from the client's next participation on.
+  effective number reduces to for uncorrelated features. With ``prior_features=train`` each
+  estimate is made during a round's training and used from the client's next participation on.
 - ``pi_g`` averages the latest prior of every client that has reported so far (weighted by its
   sample count), not only the current round's 40%; ``prior_memory=false`` uses only the round's
   participants.
 - An effective number is capped at the class's sample count in the batch (``a R a^T >= 1/m``):
   anti-correlated samples around the prototype would otherwise give arbitrarily large values
   (the released code clamps ``a R a^T`` at 1e-6 and patches outliers afterwards).
-- T = 1.5 divides the logits in both losses, as in Eq. 7 (the released code instead adds
-  ``1.5 * log prior`` in the CE and divides by T only in the KL; the two differ by a logit scale).
+- T = 1.5 divides the logits in the KL (and in the CE with ``ce_prior_scale=null``), Eq. 7.
 - ``lambda`` (default 4.0, the released script; the paper recommends 3-5.5) ramps linearly from
   0 over the first ``warmup`` fraction of the rounds (released script: 50 of 300 rounds); the
   server sends ``lambda_r`` with the model.
 - ``gamma`` (default 0.1, the released script) weights the LOCAL prior, as in Eq. 6 (the text of
   Sec. 3.4 says the opposite; Eq. 6 and the code agree).
 
-Knobs for what the paper leaves open on small grayscale images: ``strong_magnitude`` and
-``cutout`` (the strong view's RandAugment magnitude and Cutout side, CIFAR defaults 9 and 0.5),
-``teacher_filter`` (which argmax decides that a teacher is correct: the adjusted softmax, as
+Strong view: ``strong_policy`` ``autoaugment`` (default: AutoAugment's CIFAR-10 policy, the
+paper's [4] and the released code) or ``randaugment`` (2 ops at ``strong_magnitude`` M of 30
+bins, torchvision's scale: 9 = 30% of each op's range; fedlt's earlier strong view, 90%, is
+about M=27); ``cutout`` (side as a fraction of the image side, 0.5 = 16px on CIFAR as
+released). ``teacher_filter`` (which argmax decides that a teacher is correct: the adjusted softmax, as
 released, or the raw logits). Early in training the adjusted-correct teachers are almost all
 head samples, so ASD then acts as extra head-class cross-entropy on the strong views; on
 Fashion-MNIST-LT at 10-25 rounds this collapses the model to the head (README, FedYoYo).
@@ -72,7 +89,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from fedlt.data.augment import strong_view, weak_view
 from fedlt.errors import ConfigError
@@ -80,7 +97,7 @@ from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
-from fedlt.training import train_local
+from fedlt.training import epoch_batches, train_local
 
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")
@@ -93,12 +110,27 @@ class FedYoYoArgs(MethodArgs):
     student_view: Literal["weak", "strong"] = Field(
         "strong", description="view that learns in ASD; weak = RandAug off (Tables 4, 5)"
     )
+    strong_policy: Literal["autoaugment", "randaugment"] = Field(
+        "autoaugment", description="strong view: AutoAugment's CIFAR-10 policy (paper, released code) or RandAugment"
+    )
     strong_magnitude: float = Field(
-        9.0, ge=0, le=10, description="RandAugment magnitude (0..10) of the strong view; 0: no RandAugment"
+        9.0, ge=0, le=30, description="RandAugment magnitude M of 30 bins (strong_policy=randaugment); 0: none"
     )
     cutout: float = Field(0.5, ge=0, le=1, description="Cutout square side as a fraction of the image side; 0: off")
     teacher_filter: Literal["adjusted", "raw"] = Field(
         "adjusted", description="a teacher is correct by the argmax of the adjusted softmax, or of the raw logits"
+    )
+    prior: Literal["local_remix", "fused_estimate"] = Field(
+        "local_remix", description="per-batch re-mix towards the local label distribution (released code), or Eq. 6 once"
+    )
+    prior_features: Literal["train", "clean_eval"] = Field(
+        "train", description="estimate pi_k from the teacher view's training features, or clean eval-mode features"
+    )
+    asd_average: Literal["batch", "correct"] = Field(
+        "batch", description="ASD divided by the batch size (Eq. 1) or by the number of teaching samples"
+    )
+    ce_prior_scale: float | None = Field(
+        1.5, ge=0, description="DLA's CE on logits + s log(prior) (released: 1.5); null: logits / T + log(prior)"
     )
     prior_source: Literal["estimated", "counts"] = Field(
         "estimated", description="estimated effective priors, or the true label counts (NOT private; Fig. 6)"
@@ -108,6 +140,14 @@ class FedYoYoArgs(MethodArgs):
         False, description="server learns the true label counts (NOT private) and reports its prior's distance to them"
     )
 
+    @field_validator("strong_magnitude")
+    @classmethod
+    def _magnitude_needs_randaugment(cls, value: float, info: ValidationInfo) -> float:
+        """Runs only when set: a magnitude under AutoAugment (which has its own) is a mistake."""
+        if info.data.get("strong_policy") == "autoaugment":
+            raise ValueError("applies to strong_policy=randaugment only (AutoAugment has its own magnitudes)")
+        return value
+
 
 # ---- the math -------------------------------------------------------------------------------
 def adjusted_log_softmax(logits: torch.Tensor, log_pi: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -115,9 +155,15 @@ def adjusted_log_softmax(logits: torch.Tensor, log_pi: torch.Tensor, temperature
     return F.log_softmax(logits / temperature + log_pi.to(logits.dtype), dim=1)
 
 
-def dla_loss(logits: torch.Tensor, targets: torch.Tensor, log_pi: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Eq. 8: batch-mean negative log-likelihood under the adjusted softmax."""
-    return F.nll_loss(adjusted_log_softmax(logits, log_pi, temperature), targets)
+def dla_loss(
+    logits: torch.Tensor, targets: torch.Tensor, log_pi: torch.Tensor, temperature: float,
+    prior_scale: float | None = None,
+) -> torch.Tensor:
+    """Eq. 8: batch-mean cross-entropy of the adjusted softmax: Eq. 7's ``f / T + log pi``, or
+    with ``prior_scale`` s the released code's ``f + s log pi``."""
+    if prior_scale is None:
+        return F.nll_loss(adjusted_log_softmax(logits, log_pi, temperature), targets)
+    return F.cross_entropy(logits + prior_scale * log_pi.to(logits.dtype), targets)
 
 
 def asd_loss(
@@ -127,9 +173,11 @@ def asd_loss(
     log_pi: torch.Tensor,
     temperature: float,
     teacher_filter: str = "adjusted",
+    average: str = "batch",
 ) -> torch.Tensor:
     """Eq. 1: ``KL(p_teacher || p_student)`` summed over the samples the teacher classifies
-    correctly, divided by the batch size; no gradient flows into the teacher.
+    correctly, divided by the batch size (``average="batch"``) or by the number of those
+    samples (``"correct"``, the released code); no gradient flows into the teacher.
 
     "Correct" is the argmax of the adjusted softmax (``teacher_filter="adjusted"``, the released
     code) or of the raw logits (``"raw"``, the model's own prediction, as at test time)."""
@@ -138,7 +186,8 @@ def asd_loss(
     judged = log_t if teacher_filter == "adjusted" else teacher_logits.detach()
     correct = (judged.argmax(dim=1) == targets).to(log_s.dtype)
     kl = (log_t.exp() * (log_t - log_s)).sum(dim=1)
-    return (kl * correct).sum() / targets.shape[0]
+    count = correct.sum().clamp_min(1) if average == "correct" else targets.shape[0]
+    return (kl * correct).sum() / count
 
 
 def effective_numbers(features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -172,6 +221,13 @@ def estimate_prior(batches: list[tuple[torch.Tensor, torch.Tensor]], num_classes
 def fuse_priors(global_prior: torch.Tensor, local_prior: torch.Tensor, gamma: float) -> torch.Tensor:
     """Eq. 6: ``pi_mix = (1 - gamma) pi_g + gamma pi_k``."""
     return (1.0 - gamma) * global_prior + gamma * local_prior
+
+
+def remixed_prior(start: torch.Tensor, local: torch.Tensor, gamma: float, step: int) -> torch.Tensor:
+    """The released code's per-batch re-mix ``prior <- (1 - gamma) prior + gamma local`` after
+    ``step`` batches from ``start``, in closed form; step 1 is Eq. 6."""
+    keep = (1.0 - gamma) ** step
+    return keep * start + (1.0 - keep) * local
 
 
 def label_distribution(counts: torch.Tensor) -> torch.Tensor:
@@ -249,6 +305,19 @@ def weighted_mean_prior(entries) -> torch.Tensor:
 
 
 # ---- client -----------------------------------------------------------------------------------
+def clean_features(ctx: ClientContext, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The model's eval-mode features of the client's un-augmented images, in shuffled batches of
+    the training size: the released code's input to the prior estimate (``prior_features=clean_eval``)."""
+    ctx.model.eval()
+    batches = []
+    with torch.no_grad():
+        for rows in epoch_batches(len(ctx.data), ctx.train.batch_size, generator):
+            x, y = ctx.data.batch(rows)
+            batches.append((ctx.model.forward_features(x).float(), y))
+    ctx.model.train()
+    return batches
+
+
 class FedYoYoClient(FedAvgClient):
     def round_prior(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
         """``pi_mix`` for this round, fused once before training (uniform when DLA is off)."""
@@ -260,42 +329,62 @@ class FedYoYoClient(FedAvgClient):
             local = label_distribution(ctx.data.class_counts().cpu())
         return fuse_priors(msg.payload["global_prior"].cpu(), local.cpu(), self.args.gamma)
 
+    def prior_schedule(self, ctx: ClientContext, msg: Message):
+        """``t -> log prior`` of the round's batch ``t`` (1, 2, ...) on the device: the per-batch
+        re-mix towards the label distribution (``local_remix``) or the fixed ``pi_mix``."""
+        a, device = self.args, ctx.data.images.device
+        if a.dla and a.prior == "local_remix":
+            start = msg.payload["global_prior"].float().to(device)
+            local = label_distribution(ctx.data.class_counts()).to(device)
+            return lambda t: log_prior(remixed_prior(start, local, a.gamma, t))
+        fixed = log_prior(self.round_prior(ctx, msg)).to(device)
+        return lambda t: fixed
+
     def view(self, name: str):
-        """The weak view, or the strong view at the configured magnitude and Cutout size."""
+        """The weak view, or the strong view with the configured policy, magnitude and Cutout."""
         if name == "weak":
             return weak_view
-        return partial(strong_view, magnitude=self.args.strong_magnitude, cutout_frac=self.args.cutout)
+        a = self.args
+        return partial(strong_view, policy=a.strong_policy, magnitude=a.strong_magnitude, cutout_frac=a.cutout)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         a = self.args
         ctx.model.load_state_dict(msg.weights, strict=False)
-        device = ctx.data.images.device
-        log_pi = log_prior(self.round_prior(ctx, msg)).to(device)
-        weight = float(msg.payload["asd_weight"])
         estimate = a.dla and a.prior_source == "estimated"
+        fresh = None
+        if estimate and a.prior_features == "clean_eval":  # before training: also this round's pi_k
+            fresh = estimate_prior(clean_features(ctx, ctx.generator(purpose=3)), ctx.data.num_classes)
+            if fresh is not None:
+                ctx.state["prior"] = fresh.cpu()
+        log_prior_at = self.prior_schedule(ctx, msg)
+        weight = float(msg.payload["asd_weight"])
         teacher, student = (self.view(name) for name in (a.teacher_view, a.student_view))
         standardize, hflip = ctx.data.standardize, ctx.data.hflip
         views_gen = ctx.generator(purpose=2)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        step = 0
 
         def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            nonlocal step
+            step += 1
+            log_pi = log_prior_at(step)
             n = y.shape[0]
             both = torch.cat([teacher(x, views_gen, hflip), student(x, views_gen, hflip)])
             features = ctx.model.forward_features(standardize(both))
             logits = ctx.model.forward_head(features)
-            loss = dla_loss(logits, torch.cat([y, y]), log_pi, a.temperature)
+            loss = dla_loss(logits, torch.cat([y, y]), log_pi, a.temperature, a.ce_prior_scale)
             if weight > 0:
-                loss = loss + weight * asd_loss(logits[:n], logits[n:], y, log_pi, a.temperature, a.teacher_filter)
-            if estimate:
+                loss = loss + weight * asd_loss(logits[:n], logits[n:], y, log_pi, a.temperature,
+                                                a.teacher_filter, a.asd_average)
+            if estimate and a.prior_features == "train":
                 kept.append((features[:n].detach().float(), y))
             return loss
 
         # the views are built here from [0, 1] images, so the shared loop must not augment or standardise
         raw = replace(ctx, data=replace(ctx.data, augment=None, standardize=lambda x: x))
         metrics = train_local(raw, batch_loss)
-        payload = {}
-        prior = estimate_prior(kept, ctx.data.num_classes) if estimate else None
-        if prior is not None:
-            ctx.state["prior"] = prior.cpu()
-            payload["prior"] = prior.cpu()
+        if kept:
+            fresh = estimate_prior(kept, ctx.data.num_classes)
+            ctx.state["prior"] = fresh.cpu()
+        payload = {"prior": fresh.cpu()} if fresh is not None else {}
         return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), payload=payload, metrics=metrics)
