@@ -330,3 +330,48 @@ def test_classifier_retrained_on_federated_features_rivals_real_features():
     assert real_acc > 0.9
     assert fed_acc >= real_acc - 0.10
     assert unmatched_acc < 0.5  # the information comes from the matching
+
+
+def test_creff_feature_momentum_zero_is_plain_sgd():
+    """momentum 0 (the released code): every step is features - lr * grad of Eq. 6 at the current
+    features; with momentum 0.5 (the default) the second step differs."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(3, 4), torch.randn(3)
+    g_agg, present = torch.randn(3, 3, 5), torch.tensor([True, True, False])
+    plain = FederatedFeatures(3, 2, 4, torch.Generator().manual_seed(1), feature_lr=0.3, momentum=0.0)
+    heavy = FederatedFeatures(3, 2, 4, torch.Generator().manual_seed(1), feature_lr=0.3, momentum=0.5)
+    for step in range(2):
+        before = plain.features.detach().clone().requires_grad_(True)
+        probe = FederatedFeatures(3, 2, 4, torch.Generator().manual_seed(1))
+        probe.features = before
+        grad, = torch.autograd.grad(matching_loss(probe.gradients(weight, bias), g_agg, present), before)
+        plain.match(weight, bias, g_agg, present, steps=1)
+        heavy.match(weight, bias, g_agg, present, steps=1)
+        assert torch.allclose(plain.features.detach(), before.detach() - 0.3 * grad, atol=1e-6)
+    assert not torch.allclose(plain.features, heavy.features, atol=1e-4)
+
+
+@pytest.mark.parametrize("unit, expected", [("steps", 3), ("epochs", 3 * 2)])
+def test_creff_retrain_unit_counts_optimizer_steps(tmp_path, unit, expected):
+    """J = 3: three SGD steps, or three epochs over the 10 x 5 federated features in batches of 32
+    (two batches each)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+
+    cfg = {"seed": 1, "method": "creff", "data": {"dataset": "synthetic", "num_clients": 4},
+           "calibration_args": {"creff_features_per_class": 5, "creff_feature_steps": 2, "creff_retrain_steps": 3,
+                                "creff_retrain_unit": unit},
+           "run": {"out_dir": str(tmp_path), "threads": 1}}
+    cal = prepare(build_config(cfg)).server.calibrators[0]
+    d = cal.ctx.model.feature_dim
+    cal.g_agg, cal.present = torch.randn(10, 10, d + 1), torch.ones(10, dtype=torch.bool)
+    steps = []
+    handle = register_optimizer_step_pre_hook(lambda opt, *_: steps.append(opt.param_groups[0]["params"][0].shape))
+    try:
+        cal.end_round(1, None)
+    finally:
+        handle.remove()
+    assert steps.count((10, d)) == expected == cal.retrain_steps(50)
+    assert steps.count((10, 5, d)) == 2  # the I feature steps are unaffected

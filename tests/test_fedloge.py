@@ -186,3 +186,31 @@ def test_head_lr_scale_changes_the_heads_and_never_the_backbone(tmp_path, monkey
         assert enc and all(torch.equal(a["reply"].weights[k], b["reply"].weights[k]) for k in enc)
         assert not torch.allclose(a["reply"].weights["head.aux.weight"], b["reply"].weights["head.aux.weight"])
         assert not torch.allclose(a["after"]["personal/phi/weight"], b["after"]["personal/phi/weight"])
+
+
+def test_gamma_auto_sets_the_sse_c_norm_to_the_initial_backbones_mean_feature_norm(tmp_path):
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.methods.fedloge import NORM_QUERY
+
+    sim = prepare(build_config(tiny(tmp_path, gamma="auto", classifier="etf")))  # dense: norms exactly gamma
+    assert not bool(sim.server.model.head.fixed.weight.any())  # no SSE-C before the clients' norms
+    initial = sim._new_model()
+    initial.load_state_dict(sim.server.model.state_dict())
+    initial.train()
+    with torch.no_grad():  # the norm every client measures, pooled over all their data
+        norms = [initial.forward_features(sim._context(c, 0).data.batch(torch.arange(len(sim._context(c, 0).data)))[0])
+                 .norm(dim=1) for c in range(4)]
+    expected = float(torch.cat(norms).mean())
+    sim.setup()
+    assert sim.server.gamma == pytest.approx(expected, rel=1e-5) and sim.server.metrics()["sse_c_gamma"] == sim.server.gamma
+    row_norms = sim.server.model.head.fixed.weight.norm(dim=1)
+    assert torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-5)
+    sent = sim.message_record[f"query:{NORM_QUERY}"]["from_client"]["payload"]
+    assert sent == {"feature_norm": {"value": pytest.approx(sent["feature_norm"]["value"]), "bytes": 8}}
+    # under secure aggregation the server gets only the weighted mean, and the same gamma
+    cfg = tiny(tmp_path, name="secure", gamma="auto", classifier="etf")
+    secure = prepare(build_config({**cfg, "secagg": {"enabled": True}}))
+    secure.setup()
+    assert secure.server.gamma == pytest.approx(expected, rel=1e-5)
+    assert f"query:{NORM_QUERY}" not in secure.secure.in_clear

@@ -188,6 +188,7 @@ def test_gbme_and_gbme_p_end_to_end(tmp_path):
     res = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"diagnose_gpi": True}), quiet=True)
     last = res.metrics[-1]
     assert math.isfinite(last["loss"]) and -1 <= last[DIAG_KEY] <= 1
+    assert 0 <= last["diag_nonprivate_gpi_tv"] <= 1 and last["diag_nonprivate_gpi_tail_ratio"] >= 0
     # R = the round's clients (50% of 6 = 3) for EVERY expert (Alg. 1, Sec. 3.3), not 3 / M = 1
     assert all(last[f"expert{e}_trainers"] == 3 for e in range(3))
     assert 3 <= last["trainers"] <= 6
@@ -257,3 +258,120 @@ def test_fedavgm_with_zero_momentum_is_fedavg(tmp_path):
     momentum = fedlt.run(tiny(tmp_path, method="fedavgm"), quiet=True).metrics
     assert [m["loss"] for m in zero] == pytest.approx([m["loss"] for m in fedavg], rel=1e-5)
     assert momentum[1]["loss"] != pytest.approx(fedavg[1]["loss"], rel=1e-5)
+
+
+# ---- values of the proxy and the options of issue 23 ----------------------------------------
+def hand_model(head: torch.nn.Module):
+    """A multi-expert model whose features are its 2-d input, so the FC gradient is hand-computable."""
+    from torch import nn
+    from fedlt.models.multi_expert import MultiExpertEncoder, MultiExpertHead, MultiExpertModel
+
+    return MultiExpertModel(MultiExpertEncoder(nn.Identity(), [nn.Identity()]), MultiExpertHead([head], 2), 2)
+
+
+def test_per_sample_fc_gradient_and_lpi_hand_values_for_cosine_and_linear_heads():
+    from torch import nn
+    from fedlt.methods.proxy_prior import local_proxy
+    from fedlt.models.multi_expert import CosineLinear
+
+    h, y = torch.tensor([[3.0, 4.0]]), torch.tensor([0])
+    cosine = CosineLinear(2, 2, scale=2.0)
+    linear = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        cosine.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+        linear.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    # cosine: logits 2 * (0.6, 0.8); dL/dw_c = (p_c - y_c) s (h^ - cos_c w^_c) / ||w_c||, p_0 - 1 = -p_1
+    p1 = 1 / (1 + math.exp(-0.4))
+    expected = torch.tensor([[0.0, -p1 * 2 * 0.8], [p1 * 2 * 0.6 / 2, 0.0]])
+    g = per_sample_fc_gradients(hand_model(cosine), h, y)
+    assert torch.allclose(g[0], expected, atol=1e-6)
+    assert torch.allclose(local_proxy(g.sum(0)), torch.tensor([p1 * 1.6, -p1 * 0.6]), atol=1e-6)  # Eq. 4
+    # linear: logits (3, 8); dL/dW_c = (p_c - y_c) h with p_0 - 1 = -p_1, so the LPI is 7 p_1 (1, -1)
+    q1 = 1 / (1 + math.exp(-5.0))
+    g = per_sample_fc_gradients(hand_model(linear), h, y)
+    assert torch.allclose(g[0], torch.tensor([[-q1 * 3, -q1 * 4], [q1 * 3, q1 * 4]]), atol=1e-6)
+    assert torch.allclose(local_proxy(g.sum(0)), 7 * q1 * torch.tensor([1.0, -1.0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["cosine", "linear"])
+def test_fixed_pass_fc_gradient_equals_a_per_sample_backward_loop(head):
+    torch.manual_seed(0)
+    model = multi_expert_model("cnn", 10, 3, num_experts=2, width=0.25, head=head)
+    ctx = client_ctx(model, counts=[5, 3, 2, 1, 0, 0, 0, 0, 0, 0])
+    mean = fixed_fc_gradient(ctx, clip=None, sigma=0.0)
+    x, y = ctx.data.batch(torch.arange(len(ctx.data)))
+    model.eval()
+    names = [n for n, p in sorted(model.head.named_parameters()) if p.dim() == 2]
+    params = dict(model.head.named_parameters())
+    total = torch.zeros_like(mean)
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        total += torch.cat([params[n].grad for n in names], dim=1)
+    assert torch.allclose(mean, total / len(y), atol=1e-6)
+    # Eq. 4 through the client's own query: minus the row sums of that mean gradient
+    lpi = GBMEClient(GBMEArgs(lpi_pass="fixed")).lpi(ctx, Message(weights=clone_state(model)))
+    assert torch.allclose(lpi, -(total / len(y)).sum(1), atol=1e-5)
+
+
+def test_cosine_head_logits_are_scale_times_cosine_and_the_default_expert_head():
+    from fedlt.methods.gbme import make_gbme_model
+    from fedlt.models.multi_expert import CosineLinear
+
+    torch.manual_seed(0)
+    head, h = CosineLinear(6, 4, scale=30.0), torch.randn(5, 6)
+    expected = 30 * torch.nn.functional.cosine_similarity(h[:, None, :], head.weight[None], dim=2)
+    assert torch.allclose(head(h), expected, atol=1e-5)
+    cfg = build_config({"data": {"dataset": "synthetic"}, "method": "gbme", "loss": {"name": "bsm"},
+                        "method_args": {"cosine_scale": 12.0}})
+    heads = make_gbme_model(cfg, 10, 3, 16).head.heads  # the CNN too gets cosine heads by default
+    assert all(isinstance(e, CosineLinear) and e.scale == 12.0 for e in heads)
+    assert GBMEArgs().warmup() == 5.0 and GBMEArgs(expert_head="linear").warmup() == 0.0
+
+
+def test_lr_warmup_ramps_linearly_over_the_first_rounds_steps():
+    from fedlt.methods.gbme import lr_warmup, steps_per_epoch
+
+    def lrs(rnd, rounds, steps=4):
+        w = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([w], lr=0.1)
+        seen = []
+        with lr_warmup(rnd, steps, rounds):
+            for _ in range(steps):
+                w.grad = torch.ones(1)
+                opt.step()
+                seen.append(opt.param_groups[0]["lr"])
+        return seen
+
+    assert lrs(1, 2) == pytest.approx([0.1 * i / 8 for i in (1, 2, 3, 4)])
+    assert lrs(2, 2) == pytest.approx([0.1 * (4 + i) / 8 for i in (1, 2, 3, 4)])
+    assert lrs(3, 2) == lrs(1, 0) == [0.1] * 4  # after the warm-up, and without one
+    assert lrs(2, 1.5) == pytest.approx([0.1 * min(1, (1 + i / 4) / 1.5) for i in (1, 2, 3, 4)])
+    assert (steps_per_epoch(65, 32), steps_per_epoch(64, 32), steps_per_epoch(10, 32)) == (2, 2, 1)
+
+
+def test_joint_warmup_trains_every_expert_with_the_engines_clients(tmp_path):
+    from fedlt.api import prepare
+
+    cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"joint_warmup": 0.5})
+    cfg["fl"] = {**cfg["fl"], "rounds": 4}
+    server = prepare(build_config(cfg)).server
+    server.groups = [[0, 1], [2, 3], [4, 5]]
+    assert server.select_clients(2, [1, 4, 5]) == [1, 4, 5]  # rounds 1-2 of 4: joint
+    assert server.selection == {1: [0, 1, 2], 4: [0, 1, 2], 5: [0, 1, 2]}
+    server.select_clients(3, [1, 4, 5])  # then per expert: each expert's trainers from the rule
+    assert all(sum(e in ex for ex in server.selection.values()) == 3 for e in range(3))
+    assert any(len(ex) < 3 for ex in server.selection.values())
+
+
+def test_gpi_diagnostics_values():
+    from fedlt.methods.gbme import DIAG_TAIL_KEY, DIAG_TV_KEY, gpi_diagnostics
+
+    counts = torch.tensor([4.0, 2.0, 1.0, 1.0])  # true prior (.5, .25, .125, .125); tail = classes 2, 3
+    d = gpi_diagnostics(torch.tensor([3.0, 1.0, 0.0, 0.0]), counts)
+    assert d[DIAG_TV_KEY] == pytest.approx(0.25) and d[DIAG_TAIL_KEY] == 0.0
+    d = gpi_diagnostics(torch.tensor([1.0, 1.0, 1.0, 1.0]), counts)
+    assert d[DIAG_TV_KEY] == pytest.approx(0.25) and d[DIAG_TAIL_KEY] == pytest.approx(2.0)
+    d = gpi_diagnostics(counts * 3, counts)
+    assert d[DIAG_TV_KEY] == pytest.approx(0.0) and d[DIAG_TAIL_KEY] == pytest.approx(1.0)
+    assert d[DIAG_KEY] == pytest.approx(1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -33,13 +33,17 @@ class CalibrationArgs(MethodArgs):
 
     creff_features_per_class: int = Field(100, ge=1, description="CReFF m: federated features per class")
     creff_feature_steps: int = Field(100, ge=1, description="CReFF I: feature-optimisation steps per round")
-    creff_retrain_steps: int = Field(300, ge=1, description="CReFF J: classifier re-training steps per round")
+    creff_retrain_steps: int = Field(300, ge=1, description="CReFF J: classifier re-training steps (or epochs) per round")
+    creff_retrain_unit: Literal["steps", "epochs"] = Field(
+        "steps", description="CReFF: J counts mini-batch steps (paper text) or epochs over the federated features "
+        "(Algorithm 1 and the released code, which pairs it with creff_retrain_lr=0.01)")
     creff_feature_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of the federated features on the row-summed "
                                     "matching loss (paper and code: 0.1)")
     creff_retrain_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of classifier re-training (paper: 0.1)")
     creff_retrain_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of re-training (paper: plain SGD)")
     creff_feature_momentum: float = Field(0.5, ge=0, description="CReFF: momentum of the feature optimiser (the "
-                                          "gradient-matching optimiser of Zhao et al. 2021; the paper names none)")
+                                          "gradient-matching optimiser of Zhao et al. 2021; the paper names none; "
+                                          "the released code: plain SGD, 0)")
     retrain_steps: int = Field(300, ge=1, description="CCVR / oracle: classifier re-training steps")
     retrain_lr: float = Field(0.1, gt=0, description="CCVR / oracle: re-training lr")
     retrain_batch_size: int = Field(32, ge=1, description="re-training mini-batch (CReFF, CCVR, oracle)")
@@ -193,13 +197,20 @@ class CReFF(Calibrator):
         self.matching_loss = self.features.match(w, b, self.g_agg, self.present, self.args.creff_feature_steps)
         feats, labels = self.features.features_and_labels()
         weight, bias = retrain_linear(
-            feats.detach(), labels, self.num_classes, init=None, steps=self.args.creff_retrain_steps,
+            feats.detach(), labels, self.num_classes, init=None, steps=self.retrain_steps(len(labels)),
             lr=self.args.creff_retrain_lr, momentum=self.args.creff_retrain_momentum,
             batch_size=self.args.retrain_batch_size,
             generator=self.ctx.generator(rnd, purpose=33),
         )
         self.retrained = linear_head(weight, bias)
         self._head = self.retrained
+
+    def retrain_steps(self, num_features: int) -> int:
+        """SGD steps of the re-training: J, or J epochs of ``ceil(num_features / batch)`` batches."""
+        a = self.args
+        if a.creff_retrain_unit == "steps":
+            return a.creff_retrain_steps
+        return a.creff_retrain_steps * -(-num_features // a.retrain_batch_size)
 
     def metrics(self) -> dict[str, float]:
         return {"creff_matching_loss": self.matching_loss} if self.matching_loss is not None else {}

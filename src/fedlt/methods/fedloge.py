@@ -12,7 +12,7 @@ backbone with this head. Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| *
 the global head's directions with the client's norms; optionally fine-tuned on the client's
 features (Appendix A.5); personalized model k is the backbone with ``phi'_k``.
 
-Choices where the paper is silent (also in the README):
+Choices where the paper is silent (also in docs/methods/fedloge.md):
 
 - LA-FR uses the *direction* of ``psi`` (Algorithm 1, line 16 writes the raw ``psi_c``, which
   would multiply the global long-tailed norms back in after GA-FR removed them).
@@ -28,6 +28,13 @@ Choices where the paper is silent (also in the README):
   initialisation (Algorithm 1 initialises every ``phi_k`` separately from ``w``), seeded per client.
   A client that never trained has no ``phi_k``; its personalized model is the global one.
 - ``gamma`` defaults to 1.0, the paper's optimum for CIFAR (Sec. 4.4); the released code uses 0.1.
+  Both are for ResNet features; the logits through the SSE-C scale with gamma times the feature
+  norm, and the CNN's features are ~25 in norm. ``gamma=auto`` matches gamma to the backbone:
+  before round 1 (setup) every client runs the initial model over its data once (train mode, as
+  training will see the features; no augmentation) and replies its mean feature norm, a scalar
+  with its sample count; the server sets gamma to their sample-weighted mean and only then builds
+  the SSE-C. The reply is averaged, never read alone, so it goes through secure aggregation
+  with the updates. The measured gamma is reported as ``sse_c_gamma``.
 - The realignment and fine-tuning are evaluation-time steps: they run on every evaluation from
   the current weights and never change what is trained.
 - The released code's personalized output ``phi_k(h) + phi'_k(h)`` with the logits of classes
@@ -37,7 +44,7 @@ Choices where the paper is silent (also in the README):
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +52,14 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from fedlt.config import Config
-from fedlt.messages import Message, Reply
+from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state, parse_args
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
 from fedlt.training import train_local
 
+NORM_QUERY = "feature_norm"
 SSE_C_PURPOSE = 71
 PHI_INIT_PURPOSE = 72
 MASKED_LOGIT = -1e9
@@ -61,7 +69,9 @@ class FedLoGeArgs(MethodArgs):
     classifier: Literal["sse_c", "etf"] = Field(
         "sse_c", description="fixed classifier the backbone trains through: sparse SSE-C, or the dense ETF (ablation)")
     sparsity: float = Field(0.6, ge=0, lt=1, description="SSE-C: fraction beta of entries set to zero (paper 0.6)")
-    gamma: float = Field(1.0, gt=0, description="SSE-C: target norm of every class vector (paper 1.0, code 0.1)")
+    gamma: float | Literal["auto"] = Field(
+        1.0, description="SSE-C: target norm of every class vector (paper 1.0, code 0.1); auto = the initial "
+        "backbone's mean feature norm over the clients' data (one scalar per client before round 1)")
     sse_steps: int = Field(10000, ge=0, description="SSE-C: Adam steps on Eq. 5 (paper 10,000)")
     sse_lr: float = Field(1e-4, gt=0, description="SSE-C: Adam learning rate (paper 1e-4)")
     ga_fr: bool = Field(True, description="global model head = GA-FR(psi) (Eq. 6); false: the raw aggregated psi")
@@ -74,6 +84,12 @@ class FedLoGeArgs(MethodArgs):
                                                         "one step size for all, 1.0)")
     finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
                                                       "(Appendix A.5), on the client's features, at evaluation")
+
+    @model_validator(mode="after")
+    def _gamma_positive(self) -> "FedLoGeArgs":
+        if self.gamma != "auto" and self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0 or auto, got {self.gamma}")
+        return self
 
     @model_validator(mode="after")
     def _plus_needs_realignment(self) -> "FedLoGeArgs":
@@ -135,14 +151,49 @@ def set_head(model: FedModel, weight: torch.Tensor, bias: torch.Tensor | None = 
 class FedLoGeServer(Server):
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
-        a = self.args
+        self._views: dict[str, FedModel] = {}
+        self.gamma: float | None = None
+        if self.args.gamma != "auto":
+            self.build_classifier(self.args.gamma)
+
+    @classmethod
+    def secure_phases(cls, config):
+        return {**super().secure_phases(config), f"query:{NORM_QUERY}": "weighted_mean"}
+
+    def build_classifier(self, gamma: float) -> None:
+        """The SSE-C (or dense ETF) of norm ``gamma`` into the model's fixed classifier slot."""
+        a, ctx = self.args, self.ctx
         sparse = a.classifier == "sse_c"
         weight, _ = build_sse_c(
-            self.model.feature_dim, ctx.num_classes, sparsity=a.sparsity if sparse else 0.0, gamma=a.gamma,
+            self.model.feature_dim, ctx.num_classes, sparsity=a.sparsity if sparse else 0.0, gamma=gamma,
             steps=a.sse_steps if sparse else 0, lr=a.sse_lr, generator=ctx.generator(0, SSE_C_PURPOSE),
         )
         set_head(self.model, weight.to(ctx.device))
-        self._views: dict[str, FedModel] = {}
+        self.gamma = gamma
+
+    def next_query(self, stage, rnd, clients):
+        if stage == "setup" and self.gamma is None:
+            return Query(NORM_QUERY, {cid: Message(weights=clone_state(self.model)) for cid in clients})
+        return None
+
+    def receive(self, query: Query, replies: dict[int, Reply]) -> None:
+        if query.name != NORM_QUERY:
+            super().receive(query, replies)
+        total = sum(r.num_samples for r in replies.values())
+        if total <= 0:
+            raise RuntimeError("gamma=auto: no client holds data to measure the feature norm on")
+        # one aggregate reply under secure aggregation (a weighted mean already), else one per client
+        self.build_classifier(sum(float(r.payload["feature_norm"]) * r.num_samples for r in replies.values()) / total)
+
+    def metrics(self) -> dict[str, float]:
+        return {"sse_c_gamma": self.gamma} if self.gamma is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "gamma": self.gamma}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.gamma = state.get("gamma", self.gamma)
 
     def fit_message(self, rnd: int, cid: int) -> Message:
         return Message(weights=clone_state(self.model))  # backbone, psi and the frozen SSE-C
@@ -168,8 +219,30 @@ class FedLoGeServer(Server):
         return Message(weights=clone_state(self.model))
 
 
+def mean_feature_norm(ctx: ClientContext) -> float:
+    """Mean L2 norm of ``ctx.model``'s features over the client's data, in train mode (BatchNorm on
+    batch statistics, as local training sees them) without augmentation; nothing is trained."""
+    model, data = ctx.model, ctx.data
+    model.train()
+    total = 0.0
+    chunks = list(torch.arange(len(data), device=data.indices.device).split(ctx.train.batch_size))
+    if len(chunks) > 1 and len(chunks[-1]) == 1:  # BatchNorm cannot normalise a batch of one
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    with torch.no_grad():
+        for rows in chunks:
+            x, _ = data.batch(rows)
+            total += float(model.forward_features(x).norm(dim=1).sum())
+    return total / max(len(data), 1)
+
+
 class FedLoGeClient(Client):
     personalized = True
+
+    def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
+        if name != NORM_QUERY:
+            return super().query(name, ctx, msg)
+        ctx.model.load_state_dict(msg.weights, strict=False)
+        return Reply(payload={"feature_norm": mean_feature_norm(ctx)}, num_samples=len(ctx.data))
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model

@@ -9,17 +9,17 @@ Split per base model (``state_dict`` keys ``encoder.shared.*``, ``encoder.expert
 ``head.heads.<i>.*``):
 
 * ResNets (``resnet8/18/32/34``, BasicBlock): the stem and stage 1 are shared; each expert owns
-  stages 2..n at ``width`` (0.75) of the base width and a cosine head scaled by 30 — for
-  ResNet-32 that is GBME's released network (stages of 24 and 48 channels, 48-d expert feature).
+  stages 2..n at ``width`` (0.75) of the base width — for ResNet-32 that is GBME's released
+  network (stages of 24 and 48 channels, 48-d expert feature).
 * ``cnn``: the first conv block (conv 32, ReLU, pool) is shared; each expert owns the second
-  conv block and the FC feature layer at ``width`` of the base (conv 48, FC 96) and a linear
-  head like the base CNN's — the same "early layers shared, late layers per expert" split at
-  the CNN's scale.
+  conv block and the FC feature layer at ``width`` of the base (conv 48, FC 96) — the same
+  "early layers shared, late layers per expert" split at the CNN's scale.
 
-Cosine heads (``CosineLinear``, ``scale * cos(w_c, h)``) are what the paper's code puts on its
-ResNet-32 experts. On the BN-free CNN a scale-30 cosine head does not train at the main job's
-learning rate (0.05, momentum 0.9: loss stays at chance, measured), so the CNN's experts keep
-its linear head by default; ``head=cosine`` forces cosine heads.
+Every expert ends in a cosine head (``CosineLinear``, ``scale * cos(w_c, h)``, scale 30), the
+"normed" head of the paper's code, or a plain linear head (``head="linear"``). A cosine head's
+gradient into the backbone is ``scale / ||h||`` times a unit-scale term, 20x a linear head's on
+the CNN at initialisation, so GBME warms the learning rate up over the first round
+(:mod:`fedlt.methods.gbme`).
 """
 
 from __future__ import annotations
@@ -160,12 +160,9 @@ def _resnet_parts(name: str, in_channels: int, num_experts: int, width: float) -
 
 
 def multi_expert_model(name: str, num_classes: int, in_channels: int, num_experts: int = 3,
-                       width: float = 0.75, head_scale: float = 30.0, head: str = "auto") -> MultiExpertModel:
-    """The multi-expert version of base model ``name`` (see the module docstring for the split).
-
-    ``head``: ``cosine`` (scaled by ``head_scale``), ``linear``, or ``auto`` = cosine for the
-    ResNets, linear for the CNN.
-    """
+                       width: float = 0.75, cosine_scale: float = 30.0, head: str = "cosine") -> MultiExpertModel:
+    """The multi-expert version of base model ``name`` (see the module docstring for the split);
+    ``head``: ``cosine`` (scaled by ``cosine_scale``) or ``linear``."""
     if name not in SUPPORTED:
         raise ConfigError(f"GBME's multi-expert network has no version of model {name!r}; "
                           f"use model.name=<one of {', '.join(SUPPORTED)}> or method_args.ensemble=false")
@@ -176,10 +173,8 @@ def multi_expert_model(name: str, num_classes: int, in_channels: int, num_expert
     if name != "cnn":  # the base ResNets' initialisation (the CNN keeps torch's defaults, as its base)
         for module in (shared, *experts):
             _init_weights(module)
-    if head == "auto":
-        head = "linear" if name == "cnn" else "cosine"
     if head not in ("cosine", "linear"):
-        raise ConfigError(f"unknown expert head {head!r}; use cosine, linear or auto")
-    heads = [CosineLinear(dim, num_classes, head_scale) if head == "cosine" else nn.Linear(dim, num_classes)
+        raise ConfigError(f"unknown expert head {head!r}; use cosine or linear")
+    heads = [CosineLinear(dim, num_classes, cosine_scale) if head == "cosine" else nn.Linear(dim, num_classes)
              for _ in range(num_experts)]
     return MultiExpertModel(MultiExpertEncoder(shared, experts), MultiExpertHead(heads, dim), num_classes)
