@@ -11,6 +11,8 @@ Per setting (a candidate protocol) of FedAvg:
 - a twice-as-long run of the same seeds (if given): the paired difference long - short.
 
 Usage: .venv/bin/python scripts/protocol_noise.py runs/bench/protocol [runs/bench/protocol-long]
+       .venv/bin/python scripts/protocol_noise.py --classes runs/bench/class-order
+       (per class: training samples and final accuracy, mean over seeds, one column pair per setting)
 """
 
 from __future__ import annotations
@@ -96,7 +98,26 @@ def main(folders: list[str]) -> None:
               f"{fmt(spread)} | {fmt(offset)} | {rep_text} | {res_text} | {long_text} |")
 
 
+def classes(folder: str) -> None:
+    """Per-class training samples and final accuracy (mean over seeds) of the first row of each setting."""
+    settings = [s for s in collect(Path(folder)).settings if s.rows and s.rows[0].runs]
+    names = settings[0].rows[0].runs[0].summary.get("class_names") or []
+    print("| class | " + " | ".join(f"{s.name}: samples | acc" for s in settings) + " |")
+    print("|---|" + "---|---|" * len(settings))
+    for c, name in enumerate(names):
+        cells = []
+        for s in settings:
+            runs = s.rows[0].runs
+            counts = [r.summary["train_class_counts"][c] for r in runs]
+            accs = [r.summary["final"]["per_class_acc"][c] for r in runs]
+            cells.append(f"{np.mean(counts):.0f} | {np.mean(accs):.1f}")
+        print(f"| {c} {name} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    if sys.argv[1] == "--classes":
+        classes(sys.argv[2])
+    else:
+        main(sys.argv[1:])

@@ -22,7 +22,7 @@ def describe(env: Any) -> str:
     if not isinstance(env, dict) or not any(env.get(k) is not None for k in IDENTITY):
         return NOT_RECORDED
     parts = [f"torch {env['torch']}" if env.get("torch") else None, env.get("cpu_capability"),
-             f"{env['threads']} threads" if env.get("threads") is not None else None, env.get("gpu") or env.get("cpu")]
+             f"{env['threads']} thread{'s' * (env['threads'] != 1)}" if env.get("threads") is not None else None, env.get("gpu") or env.get("cpu")]
     return ", ".join(str(p) for p in parts if p)
 
 
