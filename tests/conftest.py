@@ -40,6 +40,26 @@ def tiny_suite(tmp_path_factory):
     return path, out, result
 
 
+@pytest.fixture
+def float64():
+    """Build and train in float64, for tests that compare two ways of computing the same thing.
+
+    Two code paths that do the same arithmetic in another order (grouped vs single convolutions,
+    fixed-point vs float sums, a logit shift) differ by float32 rounding, ~6e-8 relative, which
+    depends on the CPU's kernels (AVX2, AVX512 and the scalar fallback round differently). Training
+    amplifies it, chaotically: ResNet-8's BatchNorm turns it into 5e-4 (AVX2) to 3e-3 (AVX512) on
+    the weights within one round, and any float32 tolerance is a guess tuned on one CPU. In float64
+    rounding is 1.1e-16 and the same comparisons end <= 1e-14 apart under every
+    ATEN_CPU_CAPABILITY (measured: default, avx2), so a test can demand equality to 1e-10 (1e4 to
+    1e6 times that) and identical accuracy (a prediction flips only on a top-two logit tie within
+    ~1e-13) on any CPU.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # models, data standardisation and losses follow it
+    yield
+    torch.set_default_dtype(previous)
+
+
 def run_capturing_stats(sim, run_dir: Path):
     """Run ``sim`` (a calibrated method) and return (result, the server's merged statistics)."""
     captured = {}

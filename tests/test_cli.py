@@ -14,13 +14,17 @@ plain subprocesses as well.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from fedlt.config import load_config
 from fedlt.models import create_model
@@ -31,6 +35,21 @@ LISTINGS = {"help": ["--help"], "run_help": ["run", "--help"], "bench_speed_help
             "no_args_help": [], "bench_no_args_help": ["bench"],
             "table_help": ["table", "--help"], "methods": ["methods"], "datasets": ["datasets"], "models": ["models"]}
 TINY_RUN = [*SYN, "data.num_clients=10", "fl.rounds=2", "fl.local_epochs=1", "eval.every=1", "--quiet"]
+
+
+class Payload:
+    """What a hostile checkpoint.pt carries: unpickling it creates the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+#: two ways to write one: torch's zip format and a bare pickle
+MALICIOUS = {"malicious-checkpoint": torch.save,
+             "malicious-pickle": lambda obj, path: path.write_bytes(pickle.dumps(obj))}
 
 FORK_DRIVER = r"""
 import json, os, runpy, sys, traceback
@@ -139,6 +158,10 @@ def error_cases(data: Path) -> dict[str, Case]:
         "missing_config_file": Case(["run", str(data / "nope.yaml"), *SYN], str(data / "nope.yaml"), "does not exist"),
         "resume_non_run_dir": Case(["run", "--resume", str(data / "not-a-run")], str(data / "not-a-run"),
                                    "not a fedlt run directory", "pass the directory of a run", out_dir=False),
+        # a shared run directory whose checkpoint.pt would run code when unpickled (see make_data_folders)
+        **{f"resume_{kind}": Case(["run", "--resume", str(data / kind)], str(data / kind / "checkpoint.pt"),
+                                  "written by an older fedlt or not a fedlt checkpoint", "start the run again",
+                                  out_dir=False) for kind in MALICIOUS},
         "out_dir_is_a_file": Case(["run", *SYN, f"run.out_dir={data / 'a-file'}"], str(data / "a-file"),
                                   "set run.out_dir to a writable folder", out_dir=False),
         "table_non_run_dir": Case(["table", str(data / "not-a-run")], str(data / "not-a-run"), "summary.json",
@@ -179,6 +202,10 @@ def make_data_folders(data: Path) -> None:
     (data / "a-file").write_text("not a folder\n")
     (data / "cut-off-run").mkdir()
     (data / "cut-off-run" / "summary.json").write_text('{"method": "fedavg", "fin')
+    for kind, save in MALICIOUS.items():
+        (data / kind).mkdir()
+        (data / kind / "config.yaml").write_text(yaml.safe_dump(load_config(None, [*SYN, "fl.rounds=2"]).dump()))
+        save({"round": 1, "server": Payload(data / f"{kind}-ran")}, data / kind / "checkpoint.pt")
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +303,16 @@ def test_fork_driver_passes_on_tracebacks_and_exit_codes(runs) -> None:
     assert probes["crash"].stdout == "before\n"
     assert probes["crash"].stderr.startswith("Traceback") and "RuntimeError: boom" in probes["crash"].stderr
     assert probes["leave"].stderr == "bad thing\n"
+
+
+@pytest.mark.parametrize("kind", list(MALICIOUS))
+def test_resume_never_unpickles_code(runs, kind: str) -> None:
+    """The refused checkpoint's payload never ran; it is live: torch.load(weights_only=False) runs it."""
+    marker = runs["data"] / f"{kind}-ran"
+    assert not marker.exists()
+    with contextlib.suppress(RuntimeError):  # a bare pickle: torch unpickles it, then finds no magic number
+        torch.load(runs["data"] / kind / "checkpoint.pt", weights_only=False)
+    assert marker.exists()
 
 
 def test_failed_runs_leave_the_given_paths_untouched(runs) -> None:

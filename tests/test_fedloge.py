@@ -140,7 +140,7 @@ def test_resume_restores_personal_heads(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         fedlt.run(cut_cfg, quiet=True)
     monkeypatch.setattr(Simulation, "fit_round", original)
-    ckpt = torch.load(tmp_path / "b" / "cut" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "b" / "cut" / "checkpoint.pt", weights_only=True)
     assert all("personal/phi/weight" in s for s in ckpt["clients"].values()) and len(ckpt["clients"]) == 4
     resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)

@@ -25,23 +25,14 @@ def config(tmp_path, *overrides: str):
     ])
 
 
-def float64(sim):
-    """The simulation in float64, where batched and sequential arithmetic agree to ~1e-15."""
-    clients = sim.clients
-    clients.worker.double()
-    clients._worker_init = clone_state(clients.worker)
-    standardize = clients._standardizer()
-    clients._standardizer = lambda: (lambda x: standardize(x).double())
-    return sim
-
-
 @pytest.mark.parametrize("model,loss,extra", [
     ("resnet8", "ldam", ["data.augment=strong", "fl.grad_clip=0.5"]),  # BatchNorm, margins, augmentation, clipping
     ("cnn", "la", ["fl.local_epochs=2", "fl.weight_decay=0.01"]),
 ])
-def test_batched_clients_equal_sequential_training_exactly(tmp_path, model, loss, extra):
-    sim = float64(prepare(config(tmp_path, f"model.name={model}", f"loss.name={loss}", "fl.batch_size=16",
-                                 "data.image_size=8", *extra)))
+def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, model, loss, extra):
+    sim = prepare(config(tmp_path, f"model.name={model}", f"loss.name={loss}", "fl.batch_size=16", "data.image_size=8",
+                         *extra))
+    assert sim.worker.head.weight.dtype == torch.float64
     msg = Message(weights=clone_state(sim.worker))
     cids = sim.schedule[0]
     contexts = [sim._context(c, 1) for c in cids]
@@ -54,19 +45,18 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, model, loss
         loss_fn = local_loss(ctx, msg)
         expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
         assert metrics["steps"] == expected["steps"]
-        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)
+        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-10)
         for name, value in ctx.model.state_dict().items():
             assert torch.allclose(weights[name], value, rtol=0, atol=1e-10), (cid, name)
 
 
-@pytest.mark.parametrize("method,extra,atol,acc_tol", [
-    ("fedavg", ["loss.name=la"], 1e-5, 0.15),
-    ("fedprox", ["method_args.mu=0.5"], 1e-5, 0.15),
-    # float32 rounding differs between grouped and single convolutions; BatchNorm amplifies it
-    # (the float64 test above shows the arithmetic is the same)
-    ("fedavg", ["model.name=resnet8", "data.image_size=8", "loss.name=bsm"], 2e-3, 2.0),
+@pytest.mark.parametrize("method,extra", [
+    ("fedavg", ["loss.name=la"]),
+    ("fedprox", ["method_args.mu=0.5"]),
+    # BatchNorm; half the data and one evaluation: float64 convolutions are slow on CPU
+    ("fedavg", ["model.name=resnet8", "data.image_size=8", "loss.name=bsm", "data.train_fraction=0.5", "eval.every=2"]),
 ])
-def test_vectorized_run_equals_sequential_run(tmp_path, method, extra, atol, acc_tol):
+def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra):
     runs = {}
     for backend in ("sequential", "vectorized"):
         sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
@@ -80,12 +70,16 @@ def test_vectorized_run_equals_sequential_run(tmp_path, method, extra, atol, acc
         sim.server.aggregate = spy
         (tmp_path / backend).mkdir()
         result = sim.run(tmp_path / backend, quiet=True)
-        runs[backend] = (states[0], result)
-    (seq_state, seq), (vec_state, vec) = runs["sequential"], runs["vectorized"]
-    for name, value in seq_state.items():
-        assert torch.allclose(vec_state[name].double(), value.double(), atol=atol), name
-    assert vec.summary["final"]["acc"] == pytest.approx(seq.summary["final"]["acc"], abs=acc_tol)  # percent
-    assert [r["train_loss"] for r in vec.metrics] == pytest.approx([r["train_loss"] for r in seq.metrics], rel=1e-3)
+        runs[backend] = (states, result)
+    (seq_states, seq), (vec_states, vec) = runs["sequential"], runs["vectorized"]
+    assert len(seq_states) == len(vec_states) == 2
+    for seq_state, vec_state in zip(seq_states, vec_states):
+        for name, value in seq_state.items():
+            assert value.dtype in (torch.float64, torch.int64), name
+            assert torch.allclose(vec_state[name], value, rtol=0, atol=1e-10), name
+    assert [r["train_loss"] for r in vec.metrics] == pytest.approx([r["train_loss"] for r in seq.metrics], rel=1e-10)
+    # models 1e-15 apart classify alike unless a test sample's top two logits tie within ~1e-14
+    assert [r["acc"] for r in vec.metrics] == [r["acc"] for r in seq.metrics]
     assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == "vectorized"
     assert vec.summary["communication_bytes"] == seq.summary["communication_bytes"]
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from fedlt.config import load_config
+from fedlt.environment import collect, describe
 from fedlt.results import read_summary
 
 
@@ -66,7 +66,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int = 3, engines:
     lines = [
         f"Config: `{config}` {' '.join(overrides)} ({cfg.data.num_clients} clients, "
         f"{cfg.clients_per_round()} per round, {cfg.fl.rounds} rounds, method {cfg.method}); "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores.",
+        f"{describe(collect())}, {os.cpu_count()} cores.",
         "",
         "| engine | s/round (mean) | s/round (each) | uploaded MB/round | final acc | wall s (with start-up) |",
         "|---|---|---|---|---|---|",

@@ -12,7 +12,6 @@ the same data per client.
 from __future__ import annotations
 
 import copy
-import platform
 import time
 from typing import Callable
 
@@ -23,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedlt.api import prepare
 from fedlt.config import load_config
 from fedlt.engine.process_pool import cpu_cores
+from fedlt.environment import collect, describe
 
 
 def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -> float:
@@ -94,11 +94,10 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
         results.append((label, time_rounds(sim, rounds)))
     device = sim.device
     peak = matmul_peak_gflops(device)
-    threads = torch.get_num_threads()
     lines = [
         f"# fedlt bench speed: {base.method} / {base.model.name} on {base.data.dataset}",
         "",
-        f"device {device} ({platform.processor() or platform.machine()}, {threads} threads), torch {torch.__version__}; "
+        f"device {device}: {describe(collect(device))}; "
         f"{base.data.num_clients} clients, {base.clients_per_round()} per round, {base.fl.local_epochs} local epochs, "
         f"batch {base.fl.batch_size}; {rounds} timed rounds after one warm-up round.",
         f"Training cost: {flops / 1e6:.2f} MFLOP per image (forward + backward, FlopCounterMode). "
@@ -188,7 +187,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
         f"{rounds} timed round(s) after one warm-up",
         "",
-        f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}; matmul peak measured now "
+        f"device {device}: {describe(collect(device))}; matmul peak measured now "
         f"{peak:.1f} GFLOP/s (float32, 2048x2048). reference = a DataLoader over a TensorDataset and a deep copy of "
         "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / parallel / "
         f"vectorized = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here). "

@@ -1,8 +1,15 @@
-"""Resumable checkpoints: server state, per-client state and the engine's counters."""
+"""Resumable checkpoints: server state, per-client state and the engine's counters.
+
+A checkpoint holds only tensors, numbers, strings, lists and dicts, and is read with
+``torch.load(weights_only=True)``: resuming a run directory someone shared must not run code,
+which unpickling arbitrary objects would.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,11 @@ CHECKPOINT_FILE = "checkpoint.pt"
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     tmp = run_dir / (CHECKPOINT_FILE + ".tmp")
     torch.save(state, tmp)
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp)  # reads the pickle only, not the tensors
+    if unsafe:  # a method keeps another type in its state: fail at the first save, not at a resume
+        tmp.unlink()
+        raise TypeError(f"checkpoint state must be tensors, numbers, strings, lists and dicts (what "
+                        f"torch.load(weights_only=True) reads); it holds {', '.join(unsafe)}")
     os.replace(tmp, run_dir / CHECKPOINT_FILE)
 
 
@@ -24,8 +36,14 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
     if not path.is_file():
         raise FedltError(f"{run_dir} has no {CHECKPOINT_FILE}; resume a run directory that saved a checkpoint "
                          "(run.checkpoint_every > 0)")
+    refused = "written by an older fedlt or not a fedlt checkpoint; start the run again"
+    if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never unpickled
+        raise FedltError(f"{path} is not in torch's checkpoint format: {refused}")
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused an object before building it
+        raise FedltError(f"{path} holds Python objects that fedlt does not load (unpickling them could run code): "
+                         f"{refused}") from None
     except Exception as err:  # a truncated or foreign file: tell the user which one
         raise FedltError(f"{path} is not a readable fedlt checkpoint ({type(err).__name__}); "
                          "delete it and start the run again") from None
