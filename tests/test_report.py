@@ -137,7 +137,7 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
         "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 [20.00, 20.00] * | 101.00 ± 1.00 | 81.00 ± 1.00 "
         "| 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 [20.00, 20.00] * |",
     ]
-    assert "Measured on: torch 2.13.0+cpu, AVX2, 2 threads, AMD EPYC 7B13" in report.markdown.splitlines()
+    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123)" in report.markdown.splitlines()
     caption = report.markdown.split("## default")[0]
     assert "95% CI: the t-interval of the mean over seeds" in caption and "seed by seed" in caption
     assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`≈` one within" in caption
@@ -231,13 +231,13 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     assert table_lines(report.markdown)[1:] == [
         "| a | 70.00 | - | ref | 80.00 | 60.00 | 50.00 | 70.00 | ref |",
         "| b | 72.00 | - | n/a (1 seed) | 82.00 | 62.00 | 52.00 | 72.00 | n/a (1 seed) |"]  # one seed: nothing marked
-    assert "Measured on: torch 2.13.0+cpu, AVX2, 2 threads, AMD EPYC 7B13" in report.markdown
+    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123)" in report.markdown
     for name, acc, env in (("a", 70.0, ENV), ("b", 72.0, gpu), ("c", 71.0, None)):
         (tmp_path / "mixed" / name).mkdir(parents=True)
         (tmp_path / "mixed" / name / "summary.json").write_text(json.dumps(run_summary(acc, env=env)))
     mixed = write_report(tmp_path / "mixed", with_plots=False).markdown
-    assert ("> note: cells of this table were measured on 3 different environments: torch 2.13.0+cpu, AVX2, "
-            "2 threads, AMD EPYC 7B13 (1 run); torch 2.13.0+cu128, AVX512, 4 threads, NVIDIA H100 80GB HBM3 (1 run); "
+    assert ("> note: cells of this table were measured on 3 different environments: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123) (1 run); "
+            "NVIDIA H100 80GB HBM3, AMD EPYC 7B13 (AVX512), 4 threads, torch 2.13.0+cu128, fedlt 0.1.0 (abc123) (1 run); "
             "not recorded (1 run)") in mixed.splitlines()
     assert "Measured on:" not in mixed
     (tmp_path / "mixed" / "b" / "summary.json").write_text(json.dumps(run_summary(72.0, env=None)))

@@ -37,11 +37,16 @@ def collect(device: torch.device | str | None = None, backend: str | None = None
 
 
 def describe(env: dict[str, Any]) -> str:
-    """One line for a benchmark's report, e.g. ``AMD EPYC (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0``."""
-    gpu = f"{env['gpu']}, " if env["gpu"] else ""
-    commit = f" ({env['git_commit']})" if env["git_commit"] else ""
-    return (f"{gpu}{env['cpu']} ({env['cpu_capability']}), {env['threads']} threads, torch {env['torch']}, "
-            f"fedlt {env['fedlt']}{commit}")
+    """One line for a report, e.g. ``AMD EPYC (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (4c1c078)``;
+    keys an older record lacks are left out."""
+    machine = ", ".join(str(p) for p in (env.get("gpu"), env.get("cpu")) if p)
+    if env.get("cpu_capability"):
+        machine += f" ({env['cpu_capability']})"
+    threads = env.get("threads")
+    parts = [machine, f"{threads} thread{'s' * (threads != 1)}" if threads is not None else "",
+             f"torch {env['torch']}" if env.get("torch") else "",
+             f"fedlt {env['fedlt']}" + (f" ({env['git_commit']})" if env.get("git_commit") else "") if env.get("fedlt") else ""]
+    return ", ".join(p for p in parts if p)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedlt.environment import describe as describe_environment
 from fedlt.reporting.collect import Run
 
 #: the keys that make two environments different for a table (not the commit or the OS patch level)
@@ -17,13 +18,10 @@ NOT_RECORDED = "not recorded"
 
 
 def describe(env: Any) -> str:
-    """``torch 2.13.0+cpu, AVX2, 2 threads, <cpu model or GPU name>``; runs from before fedlt
-    recorded it say ``not recorded``."""
+    """The run's environment in one line; ``not recorded`` for runs from before fedlt recorded it."""
     if not isinstance(env, dict) or not any(env.get(k) is not None for k in IDENTITY):
         return NOT_RECORDED
-    parts = [f"torch {env['torch']}" if env.get("torch") else None, env.get("cpu_capability"),
-             f"{env['threads']} thread{'s' * (env['threads'] != 1)}" if env.get("threads") is not None else None, env.get("gpu") or env.get("cpu")]
-    return ", ".join(str(p) for p in parts if p)
+    return describe_environment(env)
 
 
 def environment_lines(runs: list[Run]) -> list[str]:
