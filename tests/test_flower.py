@@ -121,7 +121,7 @@ class LoopbackGrid:
     SuperLink's heartbeat gives up)."""
 
     def __init__(self, nodes: int, die_after_fits: int | None = None, leave_after_fits: int | None = None,
-                 fail_after_fits: int | None = None):
+                 fail_after_fits: int | None = None, lost_after_fits: int | None = None):
         from flwr.app import Context, RecordDict
 
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
@@ -130,6 +130,7 @@ class LoopbackGrid:
         self.dead: set[int] = set()
         self.fits, self.die_after_fits = 0, die_after_fits
         self.leave_after_fits, self.fail_after_fits = leave_after_fits, fail_after_fits
+        self.lost_after_fits = lost_after_fits  # from then on Flower answers for the last node: unavailable
         self.left: set[int] = set()
         self.batches: list[tuple[str, list[int]]] = []  # (message type, nodes) of every send
         self.timeouts: list[float] = []
@@ -155,11 +156,14 @@ class LoopbackGrid:
             self.batches.append((messages[0].metadata.message_type, [m.metadata.dst_node_id for m in messages]))
         out = []
         for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id  # as Flower's grid does when it pushes
             node = m.metadata.dst_node_id
             if node in self.dead:
                 continue
             if self.fits == self.fail_after_fits and node == max(self.contexts):
                 out.append(Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ValueError: boom"), reply_to=m))
+            elif self.lost_after_fits and self.fits >= self.lost_after_fits and node == max(self.contexts):
+                out.append(Message(error=Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"), reply_to=m))
             else:
                 out.append(handle(m, self.contexts[node]))
         return out
@@ -197,19 +201,36 @@ def test_two_supernodes_host_four_clients_with_their_state_and_match_in_process(
 
 
 def test_a_dead_supernode_is_recorded_and_the_minimum_reply_fraction_enforced(tmp_path, server_identity):
+    """A silent node is a timeout, a node Flower reports unavailable (heartbeat) is a lost node:
+    the record and the error say which; an aborted run still writes its summary."""
     from fedlt.errors import FedltError
 
     data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
     fl = {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
     res = flower_run(tiny(tmp_path, "fedavg", "drop", data=data, fl=fl), LoopbackGrid(nodes=2, die_after_fits=2))
     assert res.metrics[0]["dropped"] == []
-    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3]}]
+    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3], "cause": "timeout"}]
     assert res.summary["dropped"] == res.metrics[1]["dropped"] and res.summary["final"]["round"] == 2
     assert res.summary["final"]["server_metrics"] == {}  # dropouts are the engine's record, not a method metric
-    with pytest.raises(FedltError, match=r"round 2 \(fit\): 2 of 4 clients answered within flower.timeout_s=600, "
-                                         r"fewer than flower.min_reply_fraction=0.75 requires"):
-        flower_run(tiny(tmp_path, "fedavg", "strict", data=data, fl=fl, flower={"min_reply_fraction": 0.75}),
+    assert "status" not in res.summary
+    strict = {"min_reply_fraction": 0.75}
+    with pytest.raises(FedltError, match=r"round 2 \(fit\): 2 of 4 clients answered, fewer than flower.min_reply_"
+                                         r"fraction=0.75 requires \(clients \[1, 3\]: no reply within "
+                                         r"flower.timeout_s=600\)$"):
+        flower_run(tiny(tmp_path, "fedavg", "strict", data=data, fl=fl, flower=strict),
                    LoopbackGrid(nodes=2, die_after_fits=2))
+    with pytest.raises(FedltError, match=r"\(clients \[1, 3\]: Flower's heartbeat lost their SuperNode\)$"):
+        flower_run(tiny(tmp_path, "fedavg", "lost", data=data, fl=fl, flower=strict),
+                   LoopbackGrid(nodes=2, lost_after_fits=2))
+    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["rounds_done"] == 1 and summary["final"]["round"] == 1
+    assert summary["reason"].startswith("round 2 (fit): 2 of 4 clients answered")
+    assert summary["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3], "cause": "node lost"}]
+
+    from fedlt.reporting.collect import collect
+
+    rows = collect(tmp_path / "lost").settings[0].rows
+    assert rows[0].label == "fedavg (aborted after 1 of 2 rounds)" and not rows[0].ranked
 
 
 @pytest.mark.parametrize("fault, message", [
@@ -243,7 +264,7 @@ def test_a_deregistered_supernode_is_not_sent_to_and_a_clientapp_exception_ends_
     first_fit = [kind for kind, _ in grid.batches].index("train")
     assert 101 in grid.batches[first_fit][1]
     assert all(101 not in nodes for _, nodes in grid.batches[first_fit + 1:])
-    assert res.metrics[0]["dropped"] == [{"round": 1, "kind": "evaluate", "clients": [1, 3]}]
+    assert res.metrics[0]["dropped"] == [{"round": 1, "kind": "evaluate", "clients": [1, 3], "cause": "node lost"}]
     assert {d["kind"] for d in res.summary["dropped"]} == {"evaluate", "fit"}
     with pytest.raises(FedltError, match=r"a ClientApp failed \(fit\) on node 101: ValueError: boom"):
         flower_run(tiny(tmp_path, "fedavg", "fails", data=data, fl=fl), LoopbackGrid(nodes=2, fail_after_fits=2))
@@ -258,53 +279,196 @@ def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
         build_config({"flower": {"min_reply_fraction": 0}})
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="process bookkeeping reads /proc")
-def test_deployment_over_tls_survives_a_supernode_killed_mid_run(tmp_path):
-    """A real SuperLink and 3 SuperNodes on 127.0.0.1 with TLS run 2 rounds of FedAvg on 3 clients
-    (one per node). Round 1 equals the in-process run; SuperNode 2 is killed once round 1 is
-    written, round 2 goes on with the other two and records client 2 as dropped; afterwards no
-    process the test started is alive."""
-    import shutil
-    import threading
+def deployment_pids(workdir: Path) -> list[int]:
+    """Every live process of the deployment in ``workdir``: all inherit its FLWR_HOME."""
+    mark = f"FLWR_HOME={workdir / 'flwr-home'}".encode()
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            live = Path(env.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if live and mark in env.read_bytes().split(b"\0"):
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue
+    return pids
 
-    from fedlt.deploy import _alive, local_federation
 
-    if shutil.which("openssl") is None:
-        pytest.skip("needs openssl for the TLS certificates")
-    cfg = tiny(tmp_path, "fedavg", "deployed", data={"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5,
-                                                     "num_clients": 3},
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {seconds:g} s"
+        time.sleep(0.25)
+
+
+def deploy_config(tmp_path: Path, name: str, **flower) -> Path:
+    cfg = tiny(tmp_path, "fedavg", name, data={"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5,
+                                               "num_clients": 2},
                fl={"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
-               flower={"timeout_s": 150, "min_reply_fraction": 0.5})
-    config = tmp_path / "deployed.yaml"
-    config.write_text(json.dumps(cfg))  # JSON is YAML
-    local = fedlt.run(tiny(tmp_path, "fedavg", "local", data=cfg["data"], fl=cfg["fl"]), quiet=True)
+               flower={"min_reply_fraction": 0.5, **flower})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
 
-    started: list[int] = []
-    done: dict = {}
+
+def _pid_of(work: Path, *words: str) -> int:
+    for pid in deployment_pids(work):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if all(any(w in a for a in args) for w in words):
+            return pid
+    raise AssertionError(f"no process {words} in the deployment")
+
+
+def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superlink(tmp_path):
+    """``python -m fedlt.deploy --tls``: a real SuperLink and 2 SuperNodes on 127.0.0.1 run FedAvg
+    on 2 clients (one per node). Round 1 equals the in-process run. SuperNode 1 is stopped after
+    round 1: its superexec and ClientApp go within 15 s, round 2 goes on with the other node and
+    records client 1 as dropped because its node left (not by a timeout). After round 2
+    SuperNode 0 crashes (SIGKILL): its processes go within 15 s too. Then the SuperLink is
+    killed: the ServerApp notices by itself and writes the aborted summary
+    (rounds done, dropouts, reason), the deploy exits 1 with one line naming the cause, and no
+    process of the deployment is left within 15 s."""
+    import subprocess
+    import sys
+
+    config, work = deploy_config(tmp_path, "deployed", timeout_s=120), tmp_path / "federation"
+    cfg = json.loads(config.read_text())
+    local = fedlt.run(tiny(tmp_path, "fedavg", "local", data=cfg["data"], fl={**cfg["fl"], "rounds": 3}), quiet=True)
     metrics = tmp_path / "deployed" / "metrics.jsonl"
-    with local_federation(tmp_path / "federation", nodes=3, tls=True) as fed:
-        started += [fed.superlink.pid, *(n.pid for n in fed.nodes)]
-        runner = threading.Thread(target=lambda: done.update(result=fed.run(config, [], timeout=480)), daemon=True)
-        runner.start()
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and metrics.read_text().strip()) and runner.is_alive():
-            assert time.monotonic() < deadline, "round 1 did not finish in 300 s"
-            time.sleep(0.5)
-        fed.kill_node(2)
-        assert not _alive(started[-1])
-        runner.join(500)
-        assert not runner.is_alive()
-        assert (tmp_path / "federation" / "certs" / "server.pem").is_file()
-    assert not any(_alive(pid) for pid in started)
-    logs = done["result"].stdout + done["result"].stderr
-    summary_file = tmp_path / "deployed" / "summary.json"
-    assert summary_file.is_file(), logs[-3000:]
-    summary = json.loads(summary_file.read_text())
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2]
-    assert rows[0]["dropped"] == [] and rows[0]["acc"] == local.metrics[0]["acc"]
-    assert rows[0]["train_loss"] == local.metrics[0]["train_loss"]
-    assert rows[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [2]}]
-    assert summary["dropped"] == rows[1]["dropped"] and summary["engine"] == "flower"
-    assert summary["final"]["round"] == 2 and summary["final"]["acc"] is not None
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--tls", "--workdir", str(work),
+                             str(config), "fl.rounds=3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        wait_for(lambda: len(rows()) >= 1 or proc.poll() is not None, 240, "round 1")
+        node = _pid_of(work, "flower-supernode", "partition-id=1")
+        os.kill(node, 15)  # the SuperNode alone; its superexec and ClientApp are the deploy's to stop
+        wait_for(lambda: not [p for p in deployment_pids(work) if os.getpgid(p) == node], 15,
+                 "the dead SuperNode's processes gone")
+        wait_for(lambda: len(rows()) >= 2 or proc.poll() is not None, 120, "round 2")
+        crashed = _pid_of(work, "flower-supernode", "partition-id=0")
+        os.kill(crashed, 9)  # a crash: the SuperNode cannot stop its own superexec
+        wait_for(lambda: not [p for p in deployment_pids(work) if os.getpgid(p) == crashed], 15,
+                 "the crashed SuperNode's processes gone")
+        os.kill(_pid_of(work, "flower-superlink"), 9)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(
+        "fedlt: error: the SuperLink exited (code -9) during the run (the run was aborted after 2 round(s): "
+        "the SuperLink is gone"), err
+    wait_for(lambda: deployment_pids(work) == [], 15, "every process of the deployment gone")
+    assert (work / "certs" / "server.pem").is_file()
+    done = rows()
+    assert [r["round"] for r in done] == [1, 2]
+    assert done[0]["dropped"] == [] and done[0]["acc"] == local.metrics[0]["acc"]
+    assert done[0]["train_loss"] == local.metrics[0]["train_loss"]
+    assert done[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1], "cause": "node lost"}]
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["rounds_done"] == 2 and summary["final"]["round"] == 2
+    assert summary["reason"].startswith("the SuperLink is gone") and summary["dropped"] == done[1]["dropped"]
     assert (tmp_path / "deployed" / "partition.json").read_text() == (local.run_dir / "partition.json").read_text()
+
+
+@pytest.mark.parametrize("signum", [15, 2])
+def test_a_signalled_deploy_stops_every_process_and_says_so(tmp_path, signum):
+    """SIGTERM or SIGINT (Ctrl-C) once the SuperLink, its superexec and the SuperNodes run: one
+    error line, no traceback, exit 128+N, no process of the deployment left within 15 s."""
+    import signal
+    import subprocess
+    import sys
+
+    config, work = deploy_config(tmp_path, "signalled"), tmp_path / "federation"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--workdir", str(work), str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(lambda: (work / "supernode1.log").is_file() or proc.poll() is not None, 120, "SuperNodes started")
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines() == [f"fedlt: error: stopped by {name}; every process of the federation was stopped"]
+    wait_for(lambda: deployment_pids(work) == [], 15, "every process of the deployment gone")
+
+
+def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(tmp_path, monkeypatch):
+    import socket
+
+    from fedlt import deploy
+    from fedlt.errors import FedltError
+
+    with socket.socket() as held:
+        held.bind((deploy.HOST, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(deploy, "free_port", lambda: port)
+        with pytest.raises(FedltError, match=f"another program took 127.0.0.1:{port} before the SuperLink could "
+                                             "listen on it; run again"):
+            with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60):
+                pass
+    assert deployment_pids(tmp_path / "federation") == []
+
+def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tmp_path, server_identity, monkeypatch):
+    """``flwr run`` exits 0 when the ServerApp raises, so the ServerApp itself writes how the run
+    ended where fedlt.deploy reads it; relative paths in the run config mean the app's files."""
+    from flwr.app import Context, RecordDict
+
+    from fedlt.deploy import OUTCOME_ENV
+    from fedlt.engine.flower_app import deployed_config, main
+    from fedlt.errors import FedltError
+
+    app = tmp_path / "app"
+    (app / "configs").mkdir(parents=True)
+    cfg = tiny(tmp_path, "fedavg", "served", data={"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5,
+                                                   "num_clients": 4},
+               fl={"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05})
+    cfg["run"]["out_dir"] = "runs"
+    (app / "configs" / "mine.yaml").write_text(json.dumps(cfg))
+    monkeypatch.chdir(tmp_path)  # the SuperLink's working directory: neither config nor runs are here
+    resolved = deployed_config({"config": "configs/mine.yaml", "overrides": "fl.rounds=3"}, app)
+    assert resolved.fl.rounds == 3 and resolved.run.out_dir == str(app / "runs")
+
+    outcome = tmp_path / "outcome.json"
+    monkeypatch.setenv(OUTCOME_ENV, str(outcome))
+    context = Context(run_id=1, node_id=0, state=RecordDict(), node_config={},
+                      run_config={"config": str(app / "configs" / "mine.yaml"), "overrides": ""})
+    main(LoopbackGrid(nodes=2), context)
+    assert json.loads(outcome.read_text()) == {"status": "finished", "run_dir": str(tmp_path / "runs" / "served"),
+                                               "rounds_done": 2}
+    context.run_config["overrides"] = "run.name=broken"
+    with pytest.raises(FedltError, match="a ClientApp failed"):
+        main(LoopbackGrid(nodes=2, fail_after_fits=2), context)
+    told = json.loads(outcome.read_text())
+    assert told["status"] == "aborted" and told["rounds_done"] == 1 and not told["config_error"]
+    assert told["reason"] == "a ClientApp failed (fit) on node 101: ValueError: boom"
+    assert json.loads((tmp_path / "runs" / "broken" / "summary.json").read_text())["reason"] == told["reason"]
+
+
+def test_deploy_refuses_a_config_before_starting_anything_and_pyproject_admits_flwr(tmp_path, capsys):
+    import importlib.metadata
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    from fedlt.deploy import main
+
+    work = tmp_path / "work"
+    assert main(["--workdir", str(work), str(ROOT / "configs" / "synthetic_smoke.yaml"), "method=centralized"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedlt: error: method centralized trains on pooled data")
+    assert not work.exists()  # no process, no folder
+
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    flwr_needs = SpecifierSet(importlib.metadata.metadata("flwr")["Requires-Python"])
+    lowest = min(s.version for s in SpecifierSet(ours) if s.operator == ">=")
+    assert lowest in flwr_needs, (ours, str(flwr_needs))  # `flwr run .` installs on what pyproject promises

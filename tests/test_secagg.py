@@ -223,7 +223,7 @@ def test_flower_secure_aggregation_survives_a_supernode_dying_between_stages(tmp
     res = flower_run(cfg, LoopbackGrid(nodes=2, die_after_fits=2))
     # both secure, both in this process (the grid is a loopback): the same arithmetic, bit for bit
     assert res.metrics[0]["train_loss"] == local.metrics[0]["train_loss"]
-    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3]}]
+    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3], "cause": "timeout"}]
     assert res.summary["final"]["round"] == 2 and res.summary["secure_aggregation"]["in_clear"] == []
 
 

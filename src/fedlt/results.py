@@ -179,6 +179,16 @@ def write_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]], extra:
     return summary
 
 
+def write_aborted_summary(run_dir: Path, cfg: Config, reason: str, rounds_done: int,
+                          extra: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run that stopped early: what the evaluated rounds reached, marked
+    ``"status": "aborted"`` with the reason, so no reader takes it for a finished run."""
+    rows = read_metrics(run_dir)
+    summary = summarize(cfg, rows, {"status": "aborted", "reason": reason, "rounds_done": rounds_done, **extra})
+    write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     f, b = summary["final"], summary["best_round"]
     d = cfg.data

@@ -18,9 +18,11 @@ import json
 import math
 import os
 import shlex
+import socket
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from flwr.app import ConfigRecord, Context, Message as FlowerMessage, RecordDict
@@ -29,6 +31,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
 from fedlt.config import Config, build_config, load_config
+from fedlt.deploy import OUTCOME_ENV
 from fedlt.engine.clients import EVALUATE, ClientRuntime
 from fedlt.engine.flower_codec import (
     decode_message, decode_meta, decode_reply, drop_tree, encode_message, get_tree, has_tree, put_tree,
@@ -40,6 +43,24 @@ from fedlt.messages import Message, Reply
 HELLO = "hello"
 #: client errors that are bugs to surface, not dropouts to survive
 _RAISED = (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION)
+#: dropout causes in ``dropped`` records: Flower reported the node gone, or our own timeout expired
+NODE_LOST, TIMEOUT = "node lost", "timeout"
+
+
+def _lost_reason(error) -> str:
+    if error.code == ErrorCode.NODE_UNAVAILABLE:
+        return "Flower's heartbeat lost their SuperNode"
+    return f"Flower reported error {error.code}: {error.reason.splitlines()[0][:120]}"
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for an exception that ended a run (a FedltError's text is already that line)."""
+    if isinstance(err, FedltError):
+        return str(err)
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return "the ServerApp was stopped by a signal"
+    text = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _message_type(kind: str) -> str:
@@ -108,6 +129,8 @@ class FlowerSimulation(Simulation):
         self.grid = grid
         self._config_json = json.dumps(cfg.dump())
         self.nodes: dict[int, int] = {}  # client id -> node id
+        self.round_started = 0
+        self.aborted = False
         super().__init__(cfg, spec, data, device)
 
     def _client_runtime(self) -> None:
@@ -117,16 +140,22 @@ class FlowerSimulation(Simulation):
     def worker(self):
         raise FedltError("under engine=flower the clients' models live on the SuperNodes")
 
-    def _send(self, kind: str, targets: list[tuple[int, int, Message, int]]) -> list[FlowerMessage]:
-        """Send (node, client, message, round) tuples as one batch; the replies that arrived."""
+    def _send(self, kind: str, targets: list[tuple[int, int, Message, int]]
+              ) -> tuple[list[FlowerMessage], dict[int, str]]:
+        """Send (node, client, message, round) tuples as one batch: the replies that arrived, and
+        why Flower says the others' nodes are gone (client -> reason), told apart from silence."""
         out = [FlowerMessage(encode_message(msg, {"kind": kind, "cid": cid, "round": rnd, "config": self._config_json}),
                              dst_node_id=node, message_type=_message_type(kind))
                for node, cid, msg, rnd in targets]
         replies = list(self.grid.send_and_receive(out, timeout=self.cfg.flower.timeout_s))
+        cid_of = {m.metadata.message_id: cid for m, (_, cid, _, _) in zip(out, targets)}  # ids set when sent
+        lost: dict[int, str] = {}
         for r in replies:
             if r.has_error() and r.error.code in _RAISED:
                 raise FedltError(f"a ClientApp failed ({kind}) on node {r.metadata.src_node_id}: {r.error.reason}")
-        return [r for r in replies if not r.has_error()]
+            if r.has_error() and r.metadata.reply_to_message_id in cid_of:
+                lost[cid_of[r.metadata.reply_to_message_id]] = _lost_reason(r.error)
+        return [r for r in replies if not r.has_error()], lost
 
     def connect(self) -> None:
         """Ask every SuperNode for its partition until each partition 0..N-1 has answered, within
@@ -136,7 +165,7 @@ class FlowerSimulation(Simulation):
         while True:
             new = [n for n in self.grid.get_node_ids() if n not in found]
             if new:
-                for r in self._send(HELLO, [(n, -1, Message(), 0) for n in new]):
+                for r in self._send(HELLO, [(n, -1, Message(), 0) for n in new])[0]:
                     meta = decode_meta(r.content)
                     found[r.metadata.src_node_id] = (meta["partition_id"], meta["num_partitions"])
             parts = {n for _, n in found.values()}
@@ -161,34 +190,114 @@ class FlowerSimulation(Simulation):
             return
         alive = set(self.grid.get_node_ids())
         targets = [(self.nodes[cid], cid, msg, rnd) for cid, msg in items if self.nodes[cid] in alive]
-        got = {decode_meta(r.content)["cid"]: r for r in self._send(kind, targets)} if targets else {}
-        missing = [cid for cid, _ in items if cid not in got]
-        if missing:
-            self.dropped.append({"round": rnd, "kind": kind, "clients": missing})
+        lost = {cid: "their SuperNode left the federation" for cid, _ in items if self.nodes[cid] not in alive}
+        replies, gone = self._send(kind, targets) if targets else ([], {})
+        lost.update(gone)
+        got = {decode_meta(r.content)["cid"]: r for r in replies}
+        silent = [cid for cid, _ in items if cid not in got and cid not in lost]
+        for cause, clients in ((NODE_LOST, sorted(lost)), (TIMEOUT, silent)):
+            if clients:
+                self.dropped.append({"round": rnd, "kind": kind, "clients": clients, "cause": cause})
         need = math.ceil(self.cfg.flower.min_reply_fraction * len(items))
         if len(got) < need:
-            raise FedltError(f"round {rnd} ({kind}): {len(got)} of {len(items)} clients answered within "
-                             f"flower.timeout_s={self.cfg.flower.timeout_s:g}, fewer than flower.min_reply_fraction="
-                             f"{self.cfg.flower.min_reply_fraction:g} requires; check the SuperNodes")
+            why = [f"clients {sorted(lost)}: {lost[min(lost)]}"] if lost else []
+            if silent:
+                why.append(f"clients {silent}: no reply within flower.timeout_s={self.cfg.flower.timeout_s:g}")
+            raise FedltError(f"round {rnd} ({kind}): {len(got)} of {len(items)} clients answered, fewer than "
+                             f"flower.min_reply_fraction={self.cfg.flower.min_reply_fraction:g} requires "
+                             f"({'; '.join(why)})")
         for cid, msg in items:
             if cid in got:
                 yield cid, msg, decode_reply(got[cid].content, self.device)
 
+    def fit_round(self, rnd: int) -> dict[str, Any]:
+        self.round_started = rnd
+        return super().fit_round(rnd)
+
+    def abort(self, run_dir: Path, reason: str) -> None:
+        """Write the aborted run's summary (rounds done, dropouts, reason) once."""
+        from fedlt.results import write_aborted_summary
+
+        if not self.aborted:
+            self.aborted = True
+            write_aborted_summary(run_dir, self.cfg, reason, max(self.round_started - 1, 0),
+                                  {"engine": self.engine, "dropped": self.dropped})
+
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         if resume:
             raise ConfigError("engine=flower cannot resume (client state lives on the SuperNodes); start a new run")
-        self.connect()
-        return super().run(run_dir, quiet=quiet)
+        try:
+            self.connect()
+            return super().run(run_dir, quiet=quiet)
+        except BaseException as err:  # a signal too: the summary says how far the run got
+            self.abort(run_dir, describe_error(err))
+            raise
 
 
-def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False) -> RunResult:
-    """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual."""
+def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
+                on_start: Callable[[FlowerSimulation, Path], None] | None = None) -> RunResult:
+    """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
+    (``on_start(sim, run_dir)`` is called once both exist)."""
     from fedlt.api import setup_parts
     from fedlt.results import new_run_dir
 
     spec, data, device = setup_parts(cfg)
     sim = FlowerSimulation(cfg, spec, data, device, grid)
-    return sim.run(new_run_dir(cfg), quiet=quiet)
+    run_dir = new_run_dir(cfg)
+    if on_start:
+        on_start(sim, run_dir)
+    return sim.run(run_dir, quiet=quiet)
+
+
+def app_dir(grid: Grid) -> Path | None:
+    """Where Flower installed this run's app (FAB), or None outside a deployment."""
+    from flwr.common.config import get_project_dir
+
+    try:
+        run = grid.run
+        return get_project_dir(run.fab_id, run.fab_version, run.fab_hash)
+    except Exception:  # the simulation engine's grid has no installed FAB
+        return None
+
+
+def deployed_config(run_config: dict[str, Any], base: Path | None) -> Config:
+    """The run config's fedlt config; relative paths (``config``, ``run.out_dir``) resolve
+    against the app directory ``base``, not the SuperLink's working directory."""
+    path = str(run_config.get("config", "")) or None
+    if path and base is not None and not Path(path).is_absolute():
+        path = str(base / path)
+    overrides = shlex.split(str(run_config.get("overrides", "")))
+    cfg = load_config(path, overrides)
+    if base is not None and not Path(cfg.run.out_dir).is_absolute():
+        cfg = load_config(path, [*overrides, f"run.out_dir={base / cfg.run.out_dir}"])
+    return cfg
+
+
+def _report(**outcome: Any) -> None:
+    """Tell the deploy command how the run ended (it cannot learn it from ``flwr run``'s exit code)."""
+    from fedlt.results import write_atomic
+
+    if os.environ.get(OUTCOME_ENV):
+        write_atomic(Path(os.environ[OUTCOME_ENV]), json.dumps(outcome) + "\n")
+
+
+def _watch_superlink(address: str, on_lost: Callable[[], None], every: float = 1.0, misses: int = 3) -> None:
+    """Call ``on_lost`` once the SuperLink refuses connections ``misses`` times in a row: Flower's
+    own parent-process check misses a SuperLink that died and was not reaped."""
+    host, port = address.rsplit(":", 1)
+
+    def watch() -> None:
+        failed = 0
+        while failed < misses:
+            time.sleep(every)
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+                failed = 0
+            except OSError:
+                failed += 1
+        on_lost()
+
+    threading.Thread(target=watch, name="fedlt-superlink-watch", daemon=True).start()
 
 
 serverapp = ServerApp()
@@ -196,10 +305,34 @@ serverapp = ServerApp()
 
 @serverapp.main()
 def main(grid: Grid, context: Context) -> None:
-    """``flwr run``: the fedlt config named by the run config (``config``, ``overrides``)."""
-    rc = context.run_config
-    cfg = load_config(str(rc.get("config", "")) or None, shlex.split(str(rc.get("overrides", ""))))
-    result = run_on_grid(cfg, grid)
+    """``flwr run``: the fedlt config named by the run config (``config``, ``overrides``).
+    However it ends, the outcome goes to ``$FEDLT_OUTCOME_FILE`` when set (by fedlt.deploy)."""
+    started: dict[str, Any] = {}
+
+    def on_start(sim: FlowerSimulation, run_dir: Path) -> None:
+        started.update(sim=sim, run_dir=run_dir)
+        address = getattr(grid, "_addr", None)  # HttpGrid's SuperLink address
+
+        def lost() -> None:
+            reason = "the SuperLink is gone (it stopped answering on " + str(address) + ")"
+            sim.abort(run_dir, reason)
+            _report(status="aborted", reason=reason, run_dir=str(run_dir.resolve()),
+                    rounds_done=max(sim.round_started - 1, 0))
+            os._exit(1)
+
+        if isinstance(address, str) and ":" in address:
+            _watch_superlink(address, lost)
+
+    try:
+        cfg = deployed_config(dict(context.run_config), app_dir(grid))
+        result = run_on_grid(cfg, grid, on_start=on_start)
+    except BaseException as err:
+        sim = started.get("sim")
+        _report(status="aborted", reason=describe_error(err), config_error=isinstance(err, ConfigError),
+                run_dir=str(started["run_dir"].resolve()) if started else None,
+                rounds_done=max(sim.round_started - 1, 0) if sim else 0)
+        raise
+    _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds)
     print(f"fedlt: {result.run_dir}: final acc {result.summary['final'].get('acc')}", flush=True)
 
 

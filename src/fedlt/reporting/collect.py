@@ -114,8 +114,17 @@ def _is_upper_bound(run: Run, variant: str | None) -> bool:
     return variant == "oracle" or (variant is None and run.summary.get("method") == "centralized")
 
 
+def _aborted(run: Run) -> str:
+    """`` (aborted after N rounds)`` for a run that stopped early, else ``""``."""
+    s = run.summary
+    if s.get("status") != "aborted":
+        return ""
+    return f" (aborted after {s.get('rounds_done', '?')} of {s.get('rounds', '?')} rounds)"
+
+
 def _run_rows(label: str, run: Run) -> list[Row]:
-    rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None))]
+    label += _aborted(run)
+    rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None) and not _aborted(run))]
     for key in (run.final(None) or {}).get("variants") or {}:
         rows.append(Row(f"{label} [{key}]", key, [run], ranked=not _is_upper_bound(run, key)))
     return rows
@@ -181,6 +190,7 @@ def _collect_suite(path: Path) -> Collection:
                         if run is not None:
                             runs.append(run)
             runs.sort(key=lambda r: r.seed)
+            warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
             rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
