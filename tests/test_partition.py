@@ -380,6 +380,8 @@ def test_explicit_class_order_and_its_errors():
         build_federated_data(synthetic_data_cfg(class_order=[0, 1, 2]), 0)
     with pytest.raises(ValueError, match="must list every class once"):
         synthetic_data_cfg(class_order=[0, 0, 1])
+    with pytest.raises(ValueError, match="'random' is not a class order; use natural, shuffled or a list"):
+        synthetic_data_cfg(class_order="random")
 
 
 def test_data_seed_fixes_the_federation_while_the_run_seed_varies(tmp_path):

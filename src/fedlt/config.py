@@ -67,6 +67,13 @@ class DataConfig(_Section):
             raise ValueError(f"must be >= 1 (1 = balanced), got {v}")
         return v
 
+    @field_validator("class_order", mode="before")
+    @classmethod
+    def _order_is_a_name_or_a_list(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in ("natural", "shuffled"):
+            raise ValueError(f"'{v}' is not a class order; use natural, shuffled or a list of every class, head first")
+        return v
+
     @field_validator("class_order")
     @classmethod
     def _order_lists_classes_once(cls, v: str | list[int]) -> str | list[int]:
