@@ -243,3 +243,34 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     (tmp_path / "mixed" / "b" / "summary.json").write_text(json.dumps(run_summary(72.0, env=None)))
     (tmp_path / "mixed" / "a" / "summary.json").write_text(json.dumps(run_summary(70.0, env=None)))
     assert "Measured on: not recorded" in write_report(tmp_path / "mixed", with_plots=False).markdown.splitlines()
+
+
+def claim(row, against, **more):
+    return {"paper": "P", "claim": f"{row} vs {against}", "row": row, "against": against, **more}
+
+
+def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_than_its_interval(tmp_path):
+    claims = [claim("B", "FedAvg", paper_figure="80 vs 71.4 (Table 1)", paper_diff=8.6),  # 5, 5.5, 5.5
+              claim("FedAvg", "B"),  # the other side of the same interval
+              claim("A", "FedAvg", metric="few_acc"),  # 2, 3, 1: [-0.48, 4.48]
+              claim("A", "FedAvg", margin=5), claim("A", "FedAvg", margin=1), claim("B", "FedAvg", margin=1),
+              claim("C", "FedAvg"), claim("A", "FedAvg", paper_diff=2.5)]
+    report = write_report(fake_suite(tmp_path / "out", claims=claims), with_plots=False)
+    section = report.markdown.split("## The papers' claims, checked")[1]
+    assert table_lines(section)[1:] == [
+        "| P | B vs FedAvg | B - FedAvg, GM acc | 80 vs 71.4 (Table 1) | +5.33 [4.62, 6.05] (n=3) "
+        "| **holds**; smaller than the paper's +8.6 |",
+        "| P | FedAvg vs B | FedAvg - B, GM acc | - | -5.33 [-6.05, -4.62] (n=3) | **does not hold** |",
+        "| P | A vs FedAvg | A - FedAvg, few | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
+        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±5 | - | +2.00 [-0.48, 4.48] (n=3) | **holds** |",
+        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±1 | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
+        "| P | B vs FedAvg | B - FedAvg, GM acc, within ±1 | - | +5.33 [4.62, 6.05] (n=3) | **does not hold** |",
+        "| P | C vs FedAvg | C - FedAvg, GM acc | - | -10.00 (n=1) | **not resolved**; 1 paired seed: no interval |",
+        "| P | A vs FedAvg | A - FedAvg, GM acc | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
+    ]
+    assert "## The papers' claims" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
+
+
+def test_a_claim_naming_no_row_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"claims\[0\]\.against names 'FedAvgg', which is no row; use a method"):
+        write_report(fake_suite(tmp_path / "bad", claims=[claim("A", "FedAvgg")]), with_plots=False)

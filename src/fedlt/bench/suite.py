@@ -23,7 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -77,6 +77,19 @@ class MethodRow(_Strict):
     seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
 
 
+class ClaimRow(_Strict):
+    """A paper's claim, checked in the report as the paired difference ``row - against``."""
+
+    paper: str = Field(description="who claims it, e.g. 'CReFF (IJCAI 2022)'")
+    claim: str = Field(description="the claim in words")
+    row: str = Field(description="the row the paper says is better (or close)")
+    against: str
+    metric: Literal["acc", "many_acc", "medium_acc", "few_acc", "pm_acc"] = "acc"
+    paper_figure: str = Field("", description="the paper's own comparison: table, setting, values")
+    paper_diff: float | None = Field(None, description="the paper's row - against, in points")
+    margin: float | None = Field(None, gt=0, description="a closeness claim: |row - against| <= margin points")
+
+
 class SuiteSpec(_Strict):
     name: str
     title: str | None = None
@@ -96,6 +109,8 @@ class SuiteSpec(_Strict):
     report_messages: bool = False
     #: optional: markdown appended to the report's tables
     notes: str = ""
+    #: optional: papers' claims, each checked as a paired difference of two rows (a report section)
+    claims: list[ClaimRow] = []
 
     @field_validator("name")
     @classmethod
@@ -135,6 +150,11 @@ class SuiteSpec(_Strict):
         for label in self.unranked:
             if label not in labels:
                 raise ValueError(f"unranked names '{label}', which is no row; use a method name or variant label")
+        for i, c in enumerate(self.claims):
+            for key in ("row", "against"):
+                if getattr(c, key) not in labels:
+                    raise ValueError(f"claims[{i}].{key} names '{getattr(c, key)}', which is no row; use a method "
+                                     "name or variant label")
         if self.reference is not None and self.reference not in labels:
             raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
                              + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
+
+if TYPE_CHECKING:
+    from fedlt.reporting.claims import ClaimSpec
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
 
@@ -97,6 +100,7 @@ class Collection:
     report_messages: bool = False
     reference: str | None = None  # the suite's ``reference`` row label; None: each setting's first row
     cost: str = ""  # what the suite's own bench-log measured (wall, CPU); empty outside a suite
+    claims: list[ClaimSpec] = field(default_factory=list)  # the suite's papers' claims
 
 
 def _load_run(path: Path, seed: int | None = None) -> Run | None:
@@ -208,6 +212,9 @@ def _collect_suite(path: Path) -> Collection:
             warnings.append(f"the reference row '{spec.reference}' is not in this setting; "
                             f"differences are against its first row '{reference}'")
         settings.append(Setting(s.name, rows, warnings, reference))
+    from fedlt.reporting.claims import ClaimSpec
+
     cost = suite_cost(path / LOG_FILE)
+    claims = [ClaimSpec(**c.model_dump()) for c in spec.claims]
     return Collection(spec.title or spec.name, spec.description.strip(), settings, spec.seeds, spec.notes.strip(),
-                      spec.report_messages, spec.reference, cost.sentence() if cost else "")
+                      spec.report_messages, spec.reference, cost.sentence() if cost else "", claims)

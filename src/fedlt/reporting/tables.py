@@ -25,6 +25,7 @@ import csv
 import io
 from dataclasses import dataclass
 
+from fedlt.reporting.claims import check_claims, claims_section
 from fedlt.reporting.collect import Collection, Row, Setting
 from fedlt.reporting.environment import environment_lines
 from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
@@ -183,6 +184,9 @@ def markdown(c: Collection, tables: list[Table]) -> str:
         lines += ["", *environment_lines(t.setting.all_runs())]
         if t.setting.warnings:
             lines += ["", *(f"> note: {w}" for w in t.setting.warnings)]
+    claims = claims_section(check_claims(c), dict(COLUMNS))
+    if claims:
+        lines += ["", *claims]
     if c.report_messages:
         lines += ["", *messages_section(tables)]
     if c.notes:
