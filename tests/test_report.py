@@ -256,7 +256,7 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
               claim("A", "FedAvg", margin=5), claim("A", "FedAvg", margin=1), claim("B", "FedAvg", margin=1),
               claim("C", "FedAvg"), claim("A", "FedAvg", paper_diff=2.5)]
     report = write_report(fake_suite(tmp_path / "out", claims=claims), with_plots=False)
-    section = report.markdown.split("## The papers' claims, checked")[1]
+    section = report.markdown.split("## Claims, checked")[1]
     assert table_lines(section)[1:] == [
         "| P | B vs FedAvg | B - FedAvg, GM acc | 80 vs 71.4 (Table 1) | +5.33 [4.62, 6.05] (n=3) "
         "| **holds**; smaller than the paper's +8.6 |",
@@ -268,7 +268,7 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
         "| P | C vs FedAvg | C - FedAvg, GM acc | - | -10.00 (n=1) | **not resolved**; 1 paired seed: no interval |",
         "| P | A vs FedAvg | A - FedAvg, GM acc | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
     ]
-    assert "## The papers' claims" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
+    assert "## Claims, checked" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
 
 
 def test_a_claim_naming_no_row_is_refused_with_the_fix(tmp_path):

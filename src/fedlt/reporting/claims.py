@@ -93,7 +93,7 @@ def claims_section(checks: list[ClaimCheck], metric_names: dict[str, str]) -> li
     if not checks:
         return []
     several = len({c.setting for c in checks}) > 1
-    lines = ["## The papers' claims, checked", "",
+    lines = ["## Claims, checked", "",
              "Measured: the seed-paired difference (row - against) with its 95% interval. A claim holds when "
              "the interval lies on the claimed side of 0 (within ±margin for a closeness claim), does not hold "
              "when it lies on the other side, and is not resolved when it contains 0 (inside the noise).", "",
