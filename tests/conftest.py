@@ -77,7 +77,7 @@ def run_capturing_stats(sim, run_dir: Path):
 
 def pooled_client_features(sim, num_clients: int, rnd: int):
     """Every client's features under the final backbone, concatenated (what the sums must equal)."""
-    from fedlt.methods.calibrated import client_features
+    from fedlt.calibration.wrapper import client_features
 
     feats, labels = [], []
     for cid in range(num_clients):

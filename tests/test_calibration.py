@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import fedlt
-from fedlt.calibration.stats import class_feature_sums, class_moments
+from fedlt.calibration.math.stats import class_feature_sums, class_moments
 from conftest import pooled_client_features, run_capturing_stats
+from fedlt.calibration.wrapper import STATS_QUERY
 from fedlt.errors import ConfigError
-from fedlt.methods.calibrated import STATS_QUERY
 from fedlt.results import TIMING_KEYS
 
 ALL_POST_HOC = ["ccvr", "fedncm", "fed3r", "taunorm", "oracle"]

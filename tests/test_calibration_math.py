@@ -9,17 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlt.calibration import creff
-from fedlt.calibration.classifiers import ncm_classifier, ridge_classifier, ridge_sums, tau_normalize
-from fedlt.calibration.creff import (
+from fedlt.calibration.math import creff
+from fedlt.calibration.math.classifiers import ncm_classifier, ridge_classifier, ridge_sums, tau_normalize
+from fedlt.calibration.math.creff import (
     FederatedFeatures,
     aggregate_gradients,
     matching_loss,
     per_class_gradients,
 )
-from fedlt.calibration.retrain import linear_init, retrain_linear
-from fedlt.calibration.stats import add_sums, class_feature_sums, class_moments, merge_sums
-from fedlt.calibration.virtual import sample_class_gaussians
+from fedlt.calibration.math.retrain import linear_init, retrain_linear
+from fedlt.calibration.math.stats import add_sums, class_feature_sums, class_moments, merge_sums
+from fedlt.calibration.math.virtual import sample_class_gaussians
 
 
 @pytest.fixture(autouse=True)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fedlt
-from fedlt.engine.aggregation import weighted_average
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.messages import Reply
+from fedlt.methods.aggregation import weighted_average
 from fedlt.results import TIMING_KEYS
 
 

@@ -423,9 +423,9 @@ def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tm
     ended where fedlt.deploy reads it; relative paths in the run config mean the app's files."""
     from flwr.app import Context, RecordDict
 
-    from fedlt.deploy import OUTCOME_ENV
     from fedlt.engine.flower_app import deployed_config, main
     from fedlt.errors import FedltError
+    from fedlt.results import OUTCOME_ENV
 
     app = tmp_path / "app"
     (app / "configs").mkdir(parents=True)

@@ -11,11 +11,11 @@ import torch
 import fedlt
 from fedlt.api import prepare
 from fedlt.engine.process_pool import LOOKAHEAD, ClientPool, default_workers
-from fedlt.engine.vectorized import choose_backend
 from fedlt.errors import ConfigError, DataError
 from fedlt.messages import Message
 from fedlt.methods.fedavg import FedAvgClient
 from fedlt.results import TIMING_KEYS
+from fedlt.run_parts import choose_backend
 
 
 def config(tmp_path, *overrides: str):

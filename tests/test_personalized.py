@@ -16,7 +16,7 @@ from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.registry import METHODS
 from fedlt.models import FedModel
 from fedlt.methods.personal import PREFIX, batchnorm_keys
-from fedlt.report import comparison_table
+from fedlt.reporting.comparison import comparison_table
 
 FAST = {  # the cheapest settings of each method's knobs
     "fedrod": {}, "fedbabu": {"finetune_epochs": 1}, "fedetf": {"adapt_iterations": 1, "adapt_epochs": 1},

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from fedlt.cli import app
 from fedlt.errors import ConfigError, FedltError
-from fedlt.report import comparison_table
 from fedlt.reporting import write_report
 from fedlt.reporting.collect import Row, Run, Setting
+from fedlt.reporting.comparison import comparison_table
 from fedlt.reporting.tables import build_table
 from fedlt.results import read_summary
 

@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 import fedlt
 from conftest import pooled_client_features, run_capturing_stats
-from fedlt.abbl import adaptive_ce, adaptive_logit_offset, adaptive_supcon
-from fedlt.calibration.rff import random_fourier_features, rff_frequencies
-from fedlt.calibration.safs import (
+from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
+from fedlt.calibration.math.safs import (
     SynthesisOptions, align_mean_cov, cholesky_factor, synthesis_loss, synthesize, synthetic_counts,
 )
-from fedlt.calibration.stats import class_feature_sums, class_moments
+from fedlt.calibration.math.stats import class_feature_sums, class_moments
+from fedlt.calibration.wrapper import STATS_QUERY
 from fedlt.errors import ConfigError
-from fedlt.methods.calibrated import STATS_QUERY
+from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -142,7 +142,7 @@ def test_synthetic_counts_follow_the_size_rank():
     assert counts.tolist() == [600, 1067, 1067, 2000, 0, 1533]
     assert synthetic_counts(torch.tensor([4.0, 4.0])).tolist() == [2000, 2000]
     # default bank sizes: the paper's 2000/600 on 512-d features, scaled to the feature dim
-    from fedlt.methods.calibrators import CalibrationArgs, safs_bank_sizes
+    from fedlt.calibration.calibrators import CalibrationArgs, safs_bank_sizes
 
     assert safs_bank_sizes(CalibrationArgs(), 512) == (2000, 600)
     assert safs_bank_sizes(CalibrationArgs(), 128) == (500, 150)

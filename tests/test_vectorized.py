@@ -9,12 +9,12 @@ import torch
 
 import fedlt
 from fedlt.api import prepare
-from fedlt.batched_training import train_clients
 from fedlt.errors import ConfigError
 from fedlt.messages import Message
 from fedlt.methods.base import clone_state
 from fedlt.methods.fedavg import local_loss
-from fedlt.training import train_local
+from fedlt.training.batched import train_clients
+from fedlt.training.sequential import train_local
 
 
 def config(tmp_path, *overrides: str):

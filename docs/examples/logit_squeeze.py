@@ -9,7 +9,7 @@ from pydantic import Field
 
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, MethodSpec, Server, clone_state
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 class SqueezeArgs(MethodArgs):

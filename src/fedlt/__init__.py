@@ -1,7 +1,7 @@
 """fedlt: federated learning on long-tailed data."""
 
+from fedlt._version import __version__
 from fedlt.api import resume, run
 from fedlt.config import Config, load_config
 
-__version__ = "0.1.0"
 __all__ = ["Config", "load_config", "resume", "run", "__version__"]

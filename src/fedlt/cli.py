@@ -90,9 +90,7 @@ def methods_cmd() -> None:
 @app.command("calibrations")
 def calibrations_cmd() -> None:
     """List the classifier calibrations (calibration=NAME or a list; knobs in calibration_args.*)."""
-    from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
-
-    from fedlt.methods.calibrators import CalibrationArgs
+    from fedlt.calibration.calibrators import CALIBRATION_DESCRIPTIONS, CalibrationArgs
 
     for name, desc in CALIBRATION_DESCRIPTIONS.items():
         typer.echo(f"{name:14s} {desc}")
@@ -124,7 +122,7 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
     """Print a markdown table comparing finished runs (final round; best round labelled)."""
 
     def go() -> None:
-        from fedlt.report import comparison_table
+        from fedlt.reporting.comparison import comparison_table
         from fedlt.results import read_summary
 
         summaries = []

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Iterator
 
 from fedlt.errors import ConfigError, FedltError
+from fedlt.results import OUTCOME_ENV
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
-#: where the ServerApp writes how the run ended: ``flwr run`` exits 0 even when the ServerApp raised
-OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
 
 
 def free_port() -> int:
@@ -317,8 +316,8 @@ def _raise_stopped(signum: int, _frame) -> None:
 def check_deployable(config: str, overrides: list[str]):
     """The config as the ServerApp will build it, with every check that needs no process: a
     refused config ends the deploy command before anything starts."""
-    from fedlt.api import check_config
     from fedlt.config import load_config
+    from fedlt.run_parts import check_config
 
     cfg = load_config(config, [*overrides, "engine=flower"])
     if check_config(cfg).pooled:

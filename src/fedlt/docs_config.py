@@ -136,7 +136,7 @@ def missing_descriptions() -> list[str]:
 
 def knob_classes() -> list[tuple[str, type[BaseModel]]]:
     """(label, knob class) of every method with knobs and of the calibrations."""
-    from fedlt.methods.calibrated import CalibrationArgs
+    from fedlt.calibration.calibrators import CalibrationArgs
     from fedlt.methods.registry import METHODS
 
     seen: set[type] = set()
@@ -150,7 +150,7 @@ def knob_classes() -> list[tuple[str, type[BaseModel]]]:
 
 
 def render() -> str:
-    from fedlt.methods.calibrated import CalibrationArgs
+    from fedlt.calibration.calibrators import CalibrationArgs
     from fedlt.methods.registry import METHODS
 
     lines = [INTRO, "## Top level", "", *_table(Config, ""), ""]

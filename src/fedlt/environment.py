@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-import fedlt
+from fedlt._version import __version__
 
 
 def collect(device: torch.device | str | None = None, backend: str | None = None) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def collect(device: torch.device | str | None = None, backend: str | None = None
     ``threads`` is torch's current setting); ``backend`` is how the run trained its clients."""
     device = torch.device(device) if device is not None else None
     return {
-        "fedlt": fedlt.__version__,
+        "fedlt": __version__,
         "git_commit": git_commit(),
         "torch": torch.__version__,
         "cpu": cpu_model(),

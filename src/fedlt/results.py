@@ -29,6 +29,9 @@ TIMING_KEYS = ("time_s", "elapsed_s")
 #: every other key is a method's own diagnostic (``Server.metrics()``)
 EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
 ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", *TIMING_KEYS, *EVAL_KEYS)
+#: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
+#: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
+OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -131,8 +131,8 @@ def reference_round(sim, rnd: int) -> None:
     """One FedAvg round written the way peer frameworks write it: per sampled client a deep copy
     of the global model, a torch DataLoader over a TensorDataset of its samples and a fresh
     ``torch.optim.SGD``; then the sample-weighted average of the clients' state dicts."""
-    from fedlt.engine.aggregation import weighted_average
     from fedlt.messages import Reply
+    from fedlt.methods.aggregation import weighted_average
 
     data, fl = sim.train_data.train, sim.cfg.fl
     replies = {}

@@ -303,9 +303,9 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
 
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, and classify its folder, before anything trains."""
-    from fedlt.api import check_config
     from fedlt.config import load_config
     from fedlt.data.registry import load_dataset
+    from fedlt.run_parts import check_config
 
     datasets: dict[tuple, str] = {}  # (name, root, image size) the cells to train read -> one such cell
     for cell in cells:

@@ -1,21 +1,11 @@
-"""Classifier calibration math for federated long-tailed learning.
+"""Classifier calibration for federated long-tailed learning, in three layers:
 
-Pure tensor functions (no config, files or federation logic) used by the methods that fix a
-biased classifier after (or during) federated training:
-
-- :mod:`~fedlt.calibration.stats`: per-class feature sums that clients send and a server adds
-  up, and the class means/covariances derived from them (CCVR, FedNCM).
-- :mod:`~fedlt.calibration.classifiers`: closed-form and post-hoc heads (FedNCM, Fed3R,
-  tau-norm).
-- :mod:`~fedlt.calibration.virtual`: CCVR's virtual features sampled from per-class Gaussians.
-- :mod:`~fedlt.calibration.retrain`: SGD re-training of a linear head on (real, virtual or
-  federated) features.
-- :mod:`~fedlt.calibration.creff`: CReFF's per-class classifier gradients and the federated
-  features learned by gradient matching.
-- :mod:`~fedlt.calibration.rff`: random Fourier features of the RBF kernel from a shared seed
-  (SFD's privacy-compatible MMD).
-- :mod:`~fedlt.calibration.safs`: SFD's statistically aligned feature synthesis (MeanCov Aligner,
-  random-feature MMD and range regulariser on a per-class memory bank).
-
-Randomness always comes from an explicit ``torch.Generator``.
+- :mod:`fedlt.calibration.math`: the math, as pure tensor functions (feature statistics,
+  closed-form heads, virtual features, head re-training, CReFF's gradient matching, random
+  Fourier features, SFD's feature synthesis); it imports nothing from the two modules below nor
+  from :mod:`fedlt.methods`.
+- :mod:`fedlt.calibration.calibrators`: the server-side calibrators (what each asks the clients
+  for, how it builds a head) and their ``calibration_args`` knobs.
+- :mod:`fedlt.calibration.wrapper`: the wrapper that adds calibrators to any method
+  (``calibration=[...]``), its statistics query and the client-side feature extraction.
 """

@@ -31,7 +31,6 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
 from fedlt.config import Config, build_config, load_config
-from fedlt.deploy import OUTCOME_ENV
 from fedlt.engine.clients import EVALUATE, ClientRuntime
 from fedlt.engine.flower_codec import (
     decode_message, decode_meta, decode_reply, drop_tree, encode_message, get_tree, has_tree, put_tree,
@@ -39,6 +38,8 @@ from fedlt.engine.flower_codec import (
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError
 from fedlt.messages import Message, Reply
+from fedlt.results import OUTCOME_ENV, new_run_dir, write_aborted_summary, write_atomic
+from fedlt.run_parts import setup_parts
 
 HELLO = "hello"
 #: client errors that are bugs to surface, not dropouts to survive
@@ -73,8 +74,6 @@ _runtime: dict[str, ClientRuntime] = {}  # one per process, rebuilt when the con
 
 def _client_runtime(config_json: str) -> ClientRuntime:
     if config_json not in _runtime:
-        from fedlt.api import setup_parts
-
         _runtime.clear()
         cfg = build_config(json.loads(config_json))
         spec, data, device = setup_parts(cfg)
@@ -216,8 +215,6 @@ class FlowerSimulation(Simulation):
 
     def abort(self, run_dir: Path, reason: str) -> None:
         """Write the aborted run's summary (rounds done, dropouts, reason) once."""
-        from fedlt.results import write_aborted_summary
-
         if not self.aborted:
             self.aborted = True
             write_aborted_summary(run_dir, self.cfg, reason, max(self.round_started - 1, 0),
@@ -238,9 +235,6 @@ def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
                 on_start: Callable[[FlowerSimulation, Path], None] | None = None) -> RunResult:
     """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
     (``on_start(sim, run_dir)`` is called once both exist)."""
-    from fedlt.api import setup_parts
-    from fedlt.results import new_run_dir
-
     spec, data, device = setup_parts(cfg)
     sim = FlowerSimulation(cfg, spec, data, device, grid)
     run_dir = new_run_dir(cfg)
@@ -275,8 +269,6 @@ def deployed_config(run_config: dict[str, Any], base: Path | None) -> Config:
 
 def _report(**outcome: Any) -> None:
     """Tell the deploy command how the run ended (it cannot learn it from ``flwr run``'s exit code)."""
-    from fedlt.results import write_atomic
-
     if os.environ.get(OUTCOME_ENV):
         write_atomic(Path(os.environ[OUTCOME_ENV]), json.dumps(outcome) + "\n")
 

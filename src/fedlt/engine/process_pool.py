@@ -32,9 +32,11 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from fedlt.config import Config
+from fedlt.config import Config, build_config
+from fedlt.engine.clients import ClientRuntime
 from fedlt.errors import FedltError
 from fedlt.messages import Message, Reply
+from fedlt.run_parts import setup_parts
 from fedlt.seeding import seed_for
 
 #: one job: (client id, message, the client's ctx.state); its answer: (reply, updated state)
@@ -171,10 +173,6 @@ def _serve(conn: Connection, threads: int) -> None:
         return
     runtime, failure = None, None
     try:
-        from fedlt.api import setup_parts
-        from fedlt.config import build_config
-        from fedlt.engine.clients import ClientRuntime
-
         cfg = build_config(config)
         spec, data, device = setup_parts(cfg)
         torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
-from fedlt.engine.vectorized import choose_backend, fit_vectorized
+from fedlt.engine.vectorized import fit_vectorized
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
@@ -38,6 +38,7 @@ from fedlt.results import (
     CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition,
     write_summary,
 )
+from fedlt.run_parts import choose_backend
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
 

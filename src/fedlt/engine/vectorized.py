@@ -1,50 +1,23 @@
-"""The vectorized backend in the engine: which backend a run uses, and one round's fit with it.
+"""The vectorized backend in the engine: one round's fit with the sampled clients trained together.
 
 (``run.backend=parallel``, clients in worker processes, is :mod:`fedlt.engine.process_pool`.)
 
 ``run.backend=vectorized`` trains the round's sampled clients together
-(:func:`fedlt.batched_training.train_clients`) when the method's client declares its local step
+(:func:`fedlt.training.batched.train_clients`) when the method's client declares its local step
 as a :class:`~fedlt.methods.base.LocalObjective`; ``auto`` does so where supported and trains one
-client after another otherwise. Server hooks, messages and traffic accounting are unchanged.
+client after another otherwise (:func:`fedlt.run_parts.choose_backend` decides). Server hooks,
+messages and traffic accounting are unchanged.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from fedlt.batched_training import stack_losses, train_clients
-from fedlt.config import Config
-from fedlt.errors import ConfigError
 from fedlt.messages import Reply
-from fedlt.methods.base import Client
+from fedlt.training.batched import stack_losses, train_clients
 
 if TYPE_CHECKING:
     from fedlt.engine.simulation import Simulation
-
-
-def supports_vectorized(client_cls: type[Client]) -> bool:
-    """Whether the client class declares its own :meth:`Client.local_objective` (inheriting one is
-    not enough: a subclass may have changed ``fit``)."""
-    return "local_objective" in vars(client_cls)
-
-
-def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) -> str:
-    """``sequential``, ``parallel`` or ``vectorized`` for this run; a ConfigError for an impossible
-    request."""
-    wanted = cfg.run.backend
-    if wanted == "parallel":
-        if device.type != "cpu":
-            raise ConfigError(f"run.backend=parallel trains clients in CPU processes, but run.device is {device}; "
-                              "use run.backend=vectorized (or sequential) on a GPU, or run.device=cpu")
-        return "parallel"
-    if wanted == "sequential" or cfg.secagg.enabled or (wanted == "auto" and not supports_vectorized(client_cls)):
-        return "sequential"
-    if not supports_vectorized(client_cls):
-        raise ConfigError(f"run.backend=vectorized does not support method {cfg.method} (its local step is its own); "
-                          "use run.backend=auto or run.backend=sequential")
-    return "vectorized"
 
 
 def fit_vectorized(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Reply]:

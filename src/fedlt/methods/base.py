@@ -109,7 +109,8 @@ class LocalObjective:
     """A client's local step written as data, so the vectorized backend can train many clients in
     one batched computation: minimise ``loss(model(x), y)`` (a loss from
     :func:`fedlt.losses.make_loss`) plus FedProx's ``prox_mu / 2 * ||w - w_start||^2`` with
-    :func:`fedlt.training.train_local`'s SGD, from the message's weights, replying all weights."""
+    :func:`fedlt.training.sequential.train_local`'s SGD, from the message's weights, replying all
+    weights."""
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     prox_mu: float = 0.0
@@ -194,7 +195,7 @@ class Server:
         return Message(weights=clone_state(self.model))
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
-        from fedlt.engine.aggregation import weighted_average
+        from fedlt.methods.aggregation import weighted_average
 
         self.model.load_state_dict(weighted_average(replies), strict=False)
 

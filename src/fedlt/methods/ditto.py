@@ -17,7 +17,7 @@ from pydantic import Field
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, clone_state
 from fedlt.methods.personal import load_personal, store_personal
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 class DittoArgs(MethodArgs):

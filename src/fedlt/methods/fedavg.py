@@ -13,7 +13,7 @@ import torch
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, clone_state
-from fedlt.training import BatchLoss, train_local
+from fedlt.training.sequential import BatchLoss, train_local
 
 PRIOR_LOSSES = {"la", "bsm", "ldam"}
 

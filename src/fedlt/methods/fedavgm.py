@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedlt.engine.aggregation import weighted_average
+from fedlt.methods.aggregation import weighted_average
 from fedlt.methods.base import MethodArgs
 from fedlt.methods.fedavg import FedAvgServer
 

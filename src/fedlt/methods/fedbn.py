@@ -19,7 +19,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
 from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
 from fedlt.models import FedModel
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 class FedBNArgs(MethodArgs):

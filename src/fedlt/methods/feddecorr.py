@@ -33,7 +33,7 @@ from pydantic import Field
 from fedlt.messages import Message
 from fedlt.methods.base import ClientContext, MethodArgs
 from fedlt.methods.fedavg import FedAvgClient, local_loss
-from fedlt.training import BatchLoss
+from fedlt.training.sequential import BatchLoss
 
 STD_EPS = 1e-8
 

@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from fedlt.calibration.wrapper import client_features
 from fedlt.config import Config
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
-from fedlt.methods.calibrated import client_features
 from fedlt.methods.personal import train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 ETF_PURPOSE = 73
 

@@ -33,7 +33,7 @@ from pydantic import Field
 from fedlt.messages import Message
 from fedlt.methods.base import ClientContext, MethodArgs
 from fedlt.methods.fedavg import FedAvgClient
-from fedlt.training import BatchLoss
+from fedlt.training.sequential import BatchLoss
 
 
 class FedLCArgs(MethodArgs):

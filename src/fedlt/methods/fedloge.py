@@ -57,7 +57,7 @@ from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, Server
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 NORM_QUERY = "feature_norm"
 SSE_C_PURPOSE = 71

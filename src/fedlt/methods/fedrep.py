@@ -25,7 +25,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state
 from fedlt.methods.personal import keys_with_prefix, personal_module, store_module, train_on_features
 from fedlt.models import FedModel
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 class FedRepArgs(MethodArgs):

@@ -23,7 +23,7 @@ from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, clone_state
 from fedlt.methods.personal import personal_module, store_module
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 def zero_like_linear(like: nn.Linear) -> nn.Linear:

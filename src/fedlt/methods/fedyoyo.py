@@ -97,7 +97,7 @@ from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
-from fedlt.training import epoch_batches, train_local
+from fedlt.training.sequential import epoch_batches, train_local
 
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")

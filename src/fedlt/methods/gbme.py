@@ -93,7 +93,7 @@ from fedlt.methods.proxy_prior import (
 )
 from fedlt.models import FedModel, create_model
 from fedlt.models.multi_expert import MultiExpertModel, multi_expert_model
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 LPI_QUERY = "gbme_lpi"
 COUNTS_QUERY = "class_counts"
@@ -177,8 +177,8 @@ def fc_weights(model: FedModel) -> list[torch.nn.Parameter]:
 
 # ---- client -------------------------------------------------------------------------------
 def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Optimiser steps of one local epoch (:func:`fedlt.training.epoch_batches`: a trailing
-    batch of one sample joins the previous one)."""
+    """Optimiser steps of one local epoch (:func:`fedlt.training.sequential.epoch_batches`: a
+    trailing batch of one sample joins the previous one)."""
     steps = -(-n // batch_size)
     return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
 

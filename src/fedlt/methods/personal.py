@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fedlt.calibration.retrain import linear_init
+from fedlt.calibration.math.retrain import linear_init
+from fedlt.calibration.wrapper import client_features
 from fedlt.methods.base import ClientContext
-from fedlt.methods.calibrated import client_features
-from fedlt.training import epoch_batches
+from fedlt.training.sequential import epoch_batches
 
 PREFIX = "personal/"
 

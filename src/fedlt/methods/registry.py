@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from fedlt.calibration.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.errors import ConfigError
 from fedlt.methods.base import MethodArgs, MethodSpec, Server, parse_args
-from fedlt.methods.calibrators import CALIBRATION_DESCRIPTIONS
 from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedavgm import FedAvgMArgs, FedAvgMServer

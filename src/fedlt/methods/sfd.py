@@ -1,12 +1,13 @@
 """SFD (Zhang et al., "Synthetic Feature-based Decoupled training", KDD 2025).
 
-Learning stage: FedAvg whose clients train with ABBL (:mod:`fedlt.abbl`): A-CE on the classifier
-plus ``beta_SCL(r)`` times A-SCL on a projector's L2-normalised output, ``beta_SCL`` annealed by a
-cosine over the rounds (Eq. 28). The projector (Linear d -> d/2, BN, ReLU, Linear d/2 -> d/4; the
-paper's 512 -> 256 -> 128 on ResNet-18) lives inside the encoder module, so the model keeps its
-encoder/head split, is averaged with the rest, and never touches the features the classifier sees.
+Learning stage: FedAvg whose clients train with ABBL (:mod:`fedlt.methods.sfd_losses`): A-CE on
+the classifier plus ``beta_SCL(r)`` times A-SCL on a projector's L2-normalised output,
+``beta_SCL`` annealed by a cosine over the rounds (Eq. 28). The projector (Linear d -> d/2, BN,
+ReLU, Linear d/2 -> d/4; the paper's 512 -> 256 -> 128 on ResNet-18) lives inside the encoder
+module, so the model keeps its encoder/head split, is averaged with the rest, and never touches
+the features the classifier sees.
 
-Calibration stage: the ``safs`` calibration (:class:`fedlt.methods.calibrators.SAFS`) — one
+Calibration stage: the ``safs`` calibration (:class:`fedlt.calibration.calibrators.SAFS`) — one
 statistics query after the last round, then synthetic features and classifier fine-tuning. The
 "w/o SAFS & fine-tune" ablation is the ``uncalibrated`` variant every SFD run reports.
 
@@ -25,12 +26,12 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fedlt.abbl import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.config import Config
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state, parse_args
+from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.models import FedModel, create_model
-from fedlt.training import train_local
+from fedlt.training.sequential import train_local
 
 
 class SFDArgs(MethodArgs):

@@ -1,14 +1,14 @@
 """Local training of many clients at once: each step is one batched computation over clients.
 
-The sequential loop (:func:`fedlt.training.train_local`) trains one client after another, so a
-small model leaves the hardware idle. Here the sampled clients' parameters, BatchNorm buffers
+The sequential loop (:func:`fedlt.training.sequential.train_local`) trains one client after
+another, so a small model leaves the hardware idle. Here the sampled clients' parameters, BatchNorm buffers
 and momentum buffers are stacked along a leading client axis and every step runs
 ``torch.func.vmap`` over ``functional_call`` — the convolutions become one grouped convolution.
 
 Equal to the sequential loop (to float rounding), client by client:
 
 * the same batches: each client draws its shuffles and augmentations from its own generators,
-  in the same order as :func:`~fedlt.training.train_local`;
+  in the same order as :func:`~fedlt.training.sequential.train_local`;
 * its own number of steps: at step ``t`` only the clients that still have a ``t``-th batch take
   part, grouped by batch size (no padding, so BatchNorm's batch statistics see only real samples);
 * its own loss (prior, margins) and BatchNorm running statistics;
@@ -34,7 +34,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedlt.losses import LossFn
 from fedlt.methods.base import ClientContext, LocalObjective
 from fedlt.seeding import seed_for
-from fedlt.training import epoch_batches
+from fedlt.training.sequential import epoch_batches
 
 Stacked = dict[str, torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""Tables that compare finished runs."""
+"""``fedlt table``: one Markdown table that compares finished runs by their ``summary.json``."""
 
 from __future__ import annotations
 

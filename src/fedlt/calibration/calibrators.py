@@ -2,7 +2,7 @@
 
 Each calibrator turns what clients may share — per-class gradients (CReFF), per-class feature
 sums (CCVR, FedNCM, Fed3R), nothing (tau-norm), or real features (the non-private oracle) —
-into a classifier head. They are wired into any method by :mod:`fedlt.methods.calibrated`.
+into a classifier head. They are wired into any method by :mod:`fedlt.calibration.wrapper`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from fedlt.calibration import creff, safs
-from fedlt.calibration.classifiers import ncm_classifier, ridge_classifier, tau_normalize
-from fedlt.calibration.retrain import linear_init, retrain_linear
-from fedlt.calibration.rff import rff_frequencies
-from fedlt.calibration.stats import class_moments
-from fedlt.calibration.virtual import sample_class_gaussians
+from fedlt.calibration.math import creff, safs
+from fedlt.calibration.math.classifiers import ncm_classifier, ridge_classifier, tau_normalize
+from fedlt.calibration.math.retrain import linear_init, retrain_linear
+from fedlt.calibration.math.rff import rff_frequencies
+from fedlt.calibration.math.stats import class_moments
+from fedlt.calibration.math.virtual import sample_class_gaussians
 from fedlt.messages import Payload, Reply
 from fedlt.methods.base import MethodArgs, ServerContext
 
@@ -349,7 +349,7 @@ def safs_bank_sizes(args: CalibrationArgs, dim: int) -> tuple[int, int]:
 class SAFS(Calibrator):
     """SFD's SAFS (Zhang et al. KDD 2025, Section 4.3): synthetic features whose mean, covariance
     and mean random Fourier features match the federation's (all from client sums), then the
-    learned classifier fine-tuned on them with CE (:mod:`fedlt.calibration.safs`)."""
+    learned classifier fine-tuned on them with CE (:mod:`fedlt.calibration.math.safs`)."""
 
     name = "safs"
     needs = frozenset({"class_sums", "rff_sums"})

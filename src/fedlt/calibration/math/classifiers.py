@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedlt.calibration.stats import validate_features
+from fedlt.calibration.math.stats import validate_features
 
 
 def ncm_classifier(means: torch.Tensor, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def ncm_classifier(means: torch.Tensor, normalize: bool = True) -> tuple[torch.T
     With ``normalize`` the rows are L2-normalised so that ``features @ weight.T`` ranks classes
     by cosine similarity to their mean; the caller is then expected to L2-normalise the
     features too (both when computing the means and at inference), as FedNCM does. A class
-    with no samples has a zero mean (see :func:`~fedlt.calibration.stats.class_moments`) and
+    with no samples has a zero mean (see :func:`~fedlt.calibration.math.stats.class_moments`) and
     keeps a zero row, i.e. a constant logit of 0.
     """
     if means.dim() != 2:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from fedlt.calibration.stats import validate_features
+from fedlt.calibration.math.stats import validate_features
 
 
 def linear_init(in_features: int, out_features: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedlt.calibration.stats import validate_features
+from fedlt.calibration.math.stats import validate_features
 
 COSINE_EPS = 1e-8
 """Lower bound on each row norm in the cosine of Eq. 6.

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-from fedlt.calibration.classifiers import ridge_sums
-from fedlt.calibration.rff import random_fourier_features, rff_frequencies
-from fedlt.calibration.stats import class_feature_sums, merge_sums
+from fedlt.calibration.calibrators import CALIBRATORS, CalibrationArgs, creff_client_gradients
+from fedlt.calibration.math.classifiers import ridge_sums
+from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
+from fedlt.calibration.math.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
     Client, ClientContext, MethodSpec, Server, ServerContext, Stage, clone_state, parse_args,
 )
-from fedlt.methods.calibrators import CALIBRATORS, CalibrationArgs, creff_client_gradients
 
 STATS_QUERY = "calibration_stats"
 

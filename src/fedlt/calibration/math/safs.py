@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedlt.calibration.rff import random_fourier_features
+from fedlt.calibration.math.rff import random_fourier_features
 
 
 @dataclass
