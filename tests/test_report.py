@@ -254,8 +254,9 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
               claim("FedAvg", "B"),  # the other side of the same interval
               claim("A", "FedAvg", metric="few_acc"),  # 2, 3, 1: [-0.48, 4.48]
               claim("A", "FedAvg", margin=5), claim("A", "FedAvg", margin=1), claim("B", "FedAvg", margin=1),
-              claim("C", "FedAvg"), claim("A", "FedAvg", paper_diff=2.5)]
-    report = write_report(fake_suite(tmp_path / "out", claims=claims), with_plots=False)
+              claim("C", "FedAvg"), claim("A", "FedAvg", paper_diff=2.5), claim("D", "FedAvg")]
+    rows = {**ROWS, "D": [None, None, None]}
+    report = write_report(fake_suite(tmp_path / "out", rows, claims=claims), with_plots=False)
     section = report.markdown.split("## Claims, checked")[1]
     assert table_lines(section)[1:] == [
         "| P | B vs FedAvg | B - FedAvg, GM acc | 80 vs 71.4 (Table 1) | +5.33 [4.62, 6.05] (n=3) "
@@ -267,6 +268,7 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
         "| P | B vs FedAvg | B - FedAvg, GM acc, within ±1 | - | +5.33 [4.62, 6.05] (n=3) | **does not hold** |",
         "| P | C vs FedAvg | C - FedAvg, GM acc | - | -10.00 (n=1) | **not resolved**; 1 paired seed: no interval |",
         "| P | A vs FedAvg | A - FedAvg, GM acc | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
+        "| P | D vs FedAvg | D - FedAvg, GM acc | - | - | **not measured**; the two rows share no finished seed |",
     ]
     assert "## Claims, checked" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
 

@@ -7,6 +7,7 @@ numbers than the interval does:
 
 * a directional claim **holds** when the interval lies above 0, **does not hold** when it lies
   below 0, and is **not resolved** when it contains 0 (the difference is inside the noise);
+* a claim whose rows share no finished seed is **not measured**;
 * a closeness claim **holds** when the whole interval lies within ±margin, **does not hold** when
   it lies entirely outside, and is **not resolved** otherwise.
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from fedlt.reporting.collect import Collection, Setting
 from fedlt.reporting.stats import PairedDiff, paired_difference
 
-HOLDS, FAILS, UNRESOLVED = "holds", "does not hold", "not resolved"
+HOLDS, FAILS, UNRESOLVED, UNMEASURED = "holds", "does not hold", "not resolved", "not measured"
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,10 @@ class ClaimCheck:
 
 def verdict(spec: ClaimSpec, diff: PairedDiff | None) -> tuple[str, str]:
     """The verdict on one claim from its paired difference, and a remark on the paper's size."""
-    if diff is None or diff.ci is None:
-        n = 0 if diff is None else diff.n
-        return UNRESOLVED, f"{n} paired seed{'s' * (n != 1)}: no interval"
+    if diff is None:
+        return UNMEASURED, "the two rows share no finished seed"
+    if diff.ci is None:
+        return UNRESOLVED, f"{diff.n} paired seed{'s' * (diff.n != 1)}: no interval"
     lo, hi = diff.ci
     if spec.margin is not None:
         m = spec.margin
