@@ -345,3 +345,21 @@ def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
     log.write_text(json.dumps({**ok[0], "cpu_s": 1.0}) + "\n" + json.dumps({**ok[0], "cpu_s": 2.0}) + "\n{\"cut")
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 2.0
     assert suite_cost(tmp_path / "absent.jsonl") is None
+
+
+def test_row_option_runs_only_the_named_rows_and_a_variant_names_its_runs(tmp_path):
+    from fedlt.bench.suite import expand
+
+    suite = load_suite(write_suite(tmp_path / "s.yaml", TINY_SUITE))
+    only = expand(suite, tmp_path / "out", rows=["FedProx"])
+    assert [(c.method, c.seed) for c in only] == [("FedProx", 0), ("FedProx", 1)]
+    by_variant = expand(suite, tmp_path / "out", rows=["FedAvg"])  # read from the CCVR row's runs
+    assert {c.method for c in by_variant} == {"FedAvg + CCVR"}
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"),
+                                      "--row", "FedProx", "--row", "Nosuch", "--dry-run"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--row 'Nosuch' is no row of suite tiny; use one of: FedAvg + CCVR, FedAvg, FedProx" in lines[0]
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"),
+                                      "--row", "FedProx", "--dry-run"])
+    assert result.exit_code == 0 and "2 cells: 0 finished, 2 to run" in result.stderr

@@ -249,6 +249,8 @@ def bench_run_cmd(
     workers: int = typer.Option(1, "--workers", "-j", help="cells run in parallel processes (torch threads = cores / N each)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default runs/bench/<suite name>)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds replacing the suite's, e.g. 0,1"),
+    rows: Optional[List[str]] = typer.Option(None, "--row", help="run only this row (a method name or variant label; "
+                                                                 "repeat the option for several)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate every cell and list them; train nothing"),
     report: bool = typer.Option(True, "--report/--no-report", help="write tables and plots to OUT/report at the end"),
 ) -> None:
@@ -268,7 +270,8 @@ def bench_run_cmd(
         folder = out or Path("runs/bench") / loaded.spec.name
         _check_out(folder, folder=True)
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
-                           echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []))
+                           echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []),
+                           rows=list(rows or []) or None)
         if dry_run:
             return
         if report:

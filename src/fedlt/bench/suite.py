@@ -256,18 +256,32 @@ def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
     return out / slug(setting) / slug(method) / f"seed{seed}"
 
 
-def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[str] | None = None) -> list[Cell]:
+def select_rows(suite: Suite, labels: list[str]) -> set[str]:
+    """The method rows to run for row labels given by the user; a variant label (e.g. ``CCVR``)
+    selects the row whose runs it is read from. An unknown label is a ConfigError naming the rows."""
+    owner = {label: m.name for m in suite.spec.methods for label in [m.name, *m.variants]}
+    unknown = [label for label in labels if label not in owner]
+    if unknown:
+        raise ConfigError(f"--row '{unknown[0]}' is no row of suite {suite.spec.name}; use one of: "
+                          + ", ".join(owner))
+    return {owner[label] for label in labels}
+
+
+def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[str] | None = None,
+           rows: list[str] | None = None) -> list[Cell]:
     """All cells, settings-major then methods then seeds (the tables' order). ``extra`` overrides
-    (from the command line, e.g. ``data.root=...``) follow the method's.
+    (from the command line, e.g. ``data.root=...``) follow the method's; ``rows`` (row labels)
+    keeps only those rows' cells, so a long suite can be run in the order its comparisons need.
 
     ``{seed}`` in an override is the cell's seed, and the cell's ``seed=S`` comes first, so a row
     can train the federation of seed S with other training randomness:
     ``[data.seed={seed}, seed=100{seed}]`` (a replicate: what a paired comparison calls noise)."""
     s = suite.spec
+    chosen = select_rows(suite, rows) if rows else None
     cells = []
     for setting in s.settings:
         for m in s.methods:
-            if m.settings is not None and setting.name not in m.settings:
+            if (m.settings is not None and setting.name not in m.settings) or (chosen and m.name not in chosen):
                 continue
             for seed in seeds or s.seeds:
                 if m.seeds is not None and seed not in m.seeds:
@@ -409,14 +423,16 @@ def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
 
 
 def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
-              echo: Callable[[str], None] = print, overrides: list[str] | None = None) -> SuiteResult:
-    """Validate every cell, then run the unfinished ones (``workers`` processes in parallel)."""
+              echo: Callable[[str], None] = print, overrides: list[str] | None = None,
+              rows: list[str] | None = None) -> SuiteResult:
+    """Validate every cell, then run the unfinished ones (``workers`` processes in parallel);
+    ``rows`` limits the run to those row labels (the others' finished cells stay as they are)."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more")
     bad = [o for o in overrides or [] if "=" not in o]
     if bad:
         raise ConfigError(f"'{bad[0]}' is not key=value; after the suite give overrides like data.root=/data")
-    cells = expand(suite, out, seeds, overrides)
+    cells = expand(suite, out, seeds, overrides, rows)
     validate_cells(suite, cells)
     result = SuiteResult(out, cells, skipped=[c for c in cells if c.state == "done"])
     todo = [c for c in cells if c.state != "done"]
