@@ -4,7 +4,9 @@
 # --node-config "partition-id=I num-partitions=N" and trains only its own clients (k % N == I).
 #   scripts/flower_deploy.sh [--nodes 3] [--tls] [--workdir runs/deploy] CONFIG [key=value ...]
 # --tls makes a throw-away CA and a 127.0.0.1 certificate with openssl; without it: --insecure.
-# Logs of the SuperLink and each SuperNode go to the workdir; the run directory to run.out_dir.
+# Each SuperNode runs --isolation process beside one ClientApp process that serves all its messages
+# (python -m fedlt.engine.flower_worker). Logs of the SuperLink, each SuperNode and each ClientApp
+# process go to the workdir; the run directory to run.out_dir.
 # Exit code: 0 finished; 1 the run failed (one "fedlt: error:" line says why; an aborted run still
 # writes summary.json with "status": "aborted"); 2 config refused before anything started;
 # 130/143 stopped by SIGINT/SIGTERM. No process of the deployment outlives it.

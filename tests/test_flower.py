@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -134,16 +135,17 @@ class LoopbackGrid:
         self.left: set[int] = set()
         self.batches: list[tuple[str, list[int]]] = []  # (message type, nodes) of every send
         self.timeouts: list[float] = []
+        self.replies: dict[str, object] = {}  # message id -> its reply, until pulled
+        self.pulls = 0
 
     def get_node_ids(self):
         return [n for n in self.contexts if n not in self.left]
 
-    def send_and_receive(self, messages, *, timeout):
-        from fedlt.engine.flower_app import handle
-
-        self.timeouts.append(timeout)
+    def push_messages(self, messages):
         from flwr.app import Error, Message
         from flwr.common.constant import ErrorCode
+
+        from fedlt.engine.flower_app import handle
 
         messages = list(messages)
         if messages and messages[0].metadata.message_type == "train":
@@ -154,19 +156,28 @@ class LoopbackGrid:
                 self.left.add(max(self.contexts))
         if messages:
             self.batches.append((messages[0].metadata.message_type, [m.metadata.dst_node_id for m in messages]))
-        out = []
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id  # as Flower's grid does when it pushes
             node = m.metadata.dst_node_id
             if node in self.dead:
                 continue
             if self.fits == self.fail_after_fits and node == max(self.contexts):
-                out.append(Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ValueError: boom"), reply_to=m))
+                reply = Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ValueError: boom"), reply_to=m)
             elif self.lost_after_fits and self.fits >= self.lost_after_fits and node == max(self.contexts):
-                out.append(Message(error=Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"), reply_to=m))
+                reply = Message(error=Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"), reply_to=m)
             else:
-                out.append(handle(m, self.contexts[node]))
-        return out
+                reply = handle(m, self.contexts[node])
+            self.replies[m.metadata.message_id] = reply
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+    def send_and_receive(self, messages, *, timeout):
+        """As Flower's grids: a dead node's silence lasts ``timeout`` (here: no time at all)."""
+        self.timeouts.append(timeout)
+        return self.pull_messages(self.push_messages(messages))
 
 
 @pytest.fixture
@@ -279,6 +290,35 @@ def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
         build_config({"flower": {"min_reply_fraction": 0}})
 
 
+def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_node():
+    """Flower's deployed grid asks the SuperLink for replies every 3 s; the deployed ServerApp asks
+    every REPLY_POLL_S: replies are taken as soon as they are there, a silent node is waited for
+    until the timeout (then the others' replies are returned)."""
+    from types import SimpleNamespace
+
+    from fedlt.engine.flower_app import REPLY_POLL_S, poll_replies
+
+    class Grid:  # the replies to ``answered`` are there from the third request on
+        def __init__(self, answered):
+            self.answered, self.pulls = answered, 0
+
+        def push_messages(self, messages):
+            return ["a", "b"]
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            ready = [i for i in ids if i in self.answered] if self.pulls >= 3 else []
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in ready]
+
+    grid, started = Grid({"a", "b"}), time.monotonic()
+    assert len(poll_replies(grid, [], timeout=60)) == 2 and grid.pulls == 3
+    assert time.monotonic() - started < 2 * 3.0  # Flower's grid: two 3 s waits
+    grid, started = Grid({"a"}), time.monotonic()
+    got = poll_replies(grid, [], timeout=1.0)
+    assert [r.metadata.reply_to_message_id for r in got] == ["a"]
+    assert time.monotonic() - started >= 1.0 and grid.pulls >= 1.0 / REPLY_POLL_S / 2
+
+
 def deployment_pids(workdir: Path) -> list[int]:
     """Every live process of the deployment in ``workdir``: all inherit its FLWR_HOME."""
     mark = f"FLWR_HOME={workdir / 'flwr-home'}".encode()
@@ -310,23 +350,28 @@ def deploy_config(tmp_path: Path, name: str, **flower) -> Path:
     return path
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:  # gone meanwhile
+        return []
+
+
 def _pid_of(work: Path, *words: str) -> int:
     for pid in deployment_pids(work):
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if all(any(w in a for a in args) for w in words):
+        args = _cmdline(pid)
+        if args and all(any(w in a for a in args) for w in words):
             return pid
     raise AssertionError(f"no process {words} in the deployment")
 
 
 def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superlink(tmp_path):
     """``python -m fedlt.deploy --tls``: a real SuperLink and 2 SuperNodes on 127.0.0.1 run FedAvg
-    on 2 clients (one per node). Round 1 equals the in-process run. SuperNode 1 is stopped after
-    round 1: its superexec and ClientApp go within 15 s, round 2 goes on with the other node and
-    records client 1 as dropped because its node left (not by a timeout). After round 2
-    SuperNode 0 crashes (SIGKILL): its processes go within 15 s too. Then the SuperLink is
+    on 2 clients (one per node). Round 1 equals the in-process run, and each node's one ClientApp
+    process has served every message so far (the handshake and the fit). After round 1 SuperNode
+    1's ClientApp process crashes (SIGKILL): the SuperNode is stopped within 15 s, round 2 goes on
+    with the other node and records client 1 as dropped because its node left (not by a timeout).
+    After round 2 SuperNode 0 crashes (SIGKILL): its ClientApp process goes within 15 s too. Then the SuperLink is
     killed: the ServerApp notices by itself and writes the aborted summary
     (rounds done, dropouts, reason), the deploy exits 1 with one line naming the cause, and no
     process of the deployment is left within 15 s."""
@@ -341,20 +386,28 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
     def rows() -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
+    def served() -> list[list[tuple[str, str]]]:  # (ClientApp process, task) of each task served, per node
+        return [re.findall(r"fedlt worker (\d+): task (\d+) served", (work / f"clientapp{i}.log").read_text())
+                for i in (0, 1)]
+
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--tls", "--workdir", str(work),
                              str(config), "fl.rounds=3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
         wait_for(lambda: len(rows()) >= 1 or proc.poll() is not None, 240, "round 1")
+        wait_for(lambda: min(map(len, served())) >= 2, 15, "the handshake and round 1's fit served on each node")
+        assert [len({pid for pid, _ in tasks}) for tasks in served()] == [1, 1], served()  # by one process per node
+        workers = [int(tasks[0][0]) for tasks in served()]
+        assert not [p for p in deployment_pids(work) if "flwr-clientapp" in " ".join(_cmdline(p))]
         node = _pid_of(work, "flower-supernode", "partition-id=1")
-        os.kill(node, 15)  # the SuperNode alone; its superexec and ClientApp are the deploy's to stop
-        wait_for(lambda: not [p for p in deployment_pids(work) if os.getpgid(p) == node], 15,
-                 "the dead SuperNode's processes gone")
+        os.kill(workers[1], 9)  # the ClientApp process crashes: its SuperNode is the deploy's to stop
+        wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[1] or os.getpgid(p) == node], 15,
+                 "the SuperNode of the crashed ClientApp process gone")
         wait_for(lambda: len(rows()) >= 2 or proc.poll() is not None, 120, "round 2")
         crashed = _pid_of(work, "flower-supernode", "partition-id=0")
-        os.kill(crashed, 9)  # a crash: the SuperNode cannot stop its own superexec
-        wait_for(lambda: not [p for p in deployment_pids(work) if os.getpgid(p) == crashed], 15,
+        os.kill(crashed, 9)  # a crash: the SuperNode cannot stop anything itself
+        wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[0] or os.getpgid(p) == crashed], 15,
                  "the crashed SuperNode's processes gone")
         os.kill(_pid_of(work, "flower-superlink"), 9)
         out, err = proc.communicate(timeout=60)
@@ -442,7 +495,9 @@ def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tm
     monkeypatch.setenv(OUTCOME_ENV, str(outcome))
     context = Context(run_id=1, node_id=0, state=RecordDict(), node_config={},
                       run_config={"config": str(app / "configs" / "mine.yaml"), "overrides": ""})
-    main(LoopbackGrid(nodes=2), context)
+    grid = LoopbackGrid(nodes=2)
+    main(grid, context)
+    assert grid.timeouts == [] and grid.pulls > 0  # a deployed ServerApp polls (poll_replies)
     assert json.loads(outcome.read_text()) == {"status": "finished", "run_dir": str(tmp_path / "runs" / "served"),
                                                "rounds_done": 2}
     context.run_config["overrides"] = "run.name=broken"

@@ -3,9 +3,13 @@ or TLS (certificates made here with openssl), and ``flwr run`` of a fedlt config
 
 SuperNode ``I`` gets ``--node-config "partition-id=I num-partitions=N"`` and hosts the fedlt
 clients ``k`` with ``k % N == I``; it builds the same seeded partition from the config and trains
-only its own clients' rows, so no data moves. Every process started here runs in its own process
-group; those groups, and the sessions Flower's helpers open below them, are signalled when a node
-dies and when the federation closes, whatever happened (SIGINT and SIGTERM included).
+only its own clients' rows, so no data moves. Each SuperNode runs with ``--isolation process``
+beside one long-lived ClientApp process (:mod:`fedlt.engine.flower_worker`) that serves all its
+messages: Flower's default starts a fresh ``flwr-clientapp`` per message, whose imports cost more
+than a small round's training. A SuperNode and its ClientApp process stop together, whichever
+ends first. Every process started here runs in its own process group; those groups, and the
+sessions Flower's helpers open below them, are signalled when a node dies and when the federation
+closes, whatever happened (SIGINT and SIGTERM included).
 
 The outcome comes from the ServerApp itself (``$FEDLT_OUTCOME_FILE``), not from ``flwr run``,
 which exits 0 when the ServerApp raised: no outcome file means the run failed. Exit codes: 0
@@ -127,6 +131,8 @@ class Federation:
     env: dict[str, str]
     superlink: subprocess.Popen | None = None
     nodes: list[subprocess.Popen] = field(default_factory=list)
+    #: ``workers[i]``: the ClientApp process serving ``nodes[i]``; its group is one of the node's
+    workers: list[subprocess.Popen] = field(default_factory=list)
     ca: Path | None = None
     #: process groups of everything started here, with the sessions Flower's helpers open below
     #: them (a superexec and its ServerApp); signalled as groups, so re-parented members go too
@@ -155,8 +161,20 @@ class Federation:
             pass
 
     def kill_node(self, i: int) -> None:
-        """Kill SuperNode ``i`` and the ClientApp it may be running (its process groups)."""
+        """Kill SuperNode ``i`` and its ClientApp process (its process groups)."""
         self.stop(self.nodes[i])
+
+    def start_node(self, i: int, *args: str, startup_s: float) -> None:
+        """SuperNode ``i`` (``args``: its command, without the Runtime API's address) and the
+        ClientApp process that serves it; the latter's group joins the node's, so stopping the
+        node stops both."""
+        port = free_port()
+        node = self.start(f"supernode{i}.log", *args, "--isolation", "process", "--host", HOST, "--port", str(port))
+        worker = self.start(f"clientapp{i}.log", sys.executable, "-m", "fedlt.engine.flower_worker",
+                            "--runtime-api-address", f"{HOST}:{port}", "--startup", str(startup_s))
+        self.groups[node.pid] |= self.groups.pop(worker.pid)
+        self.nodes.append(node)
+        self.workers.append(worker)
 
     def run(self, config: Path, overrides: list[str], timeout: float) -> subprocess.CompletedProcess:
         """``flwr run`` the fedlt app with ``config`` + ``overrides`` (``--stream``) and wait, watching
@@ -171,8 +189,8 @@ class Federation:
         try:
             while flwr.poll() is None and self.superlink.poll() is None and time.monotonic() < deadline:
                 self.track()
-                for node in self.nodes:  # a dead SuperNode's superexec and ClientApp go with it
-                    if node.poll() is not None and _members(self.groups[node.pid]):
+                for node, worker in zip(self.nodes, self.workers):  # a SuperNode and its ClientApp go together
+                    if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
                         self.stop(node)
                 time.sleep(0.5)
             if self.superlink.poll() is not None:  # give the ServerApp time to write its summary
@@ -277,10 +295,9 @@ def local_federation(workdir: Path, nodes: int, tls: bool = False, startup_s: fl
                                   "--database", str(workdir / "state.db"))
         _wait_for_port(port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
         for i in range(nodes):
-            fed.nodes.append(fed.start(
-                f"supernode{i}.log", str(bin_dir / "flower-supernode"), *node_sec, "--superlink", f"{HOST}:{port}",
-                "--host", HOST, "--port", str(free_port()), "--max-wait-time", str(int(startup_s)),
-                "--node-config", f"partition-id={i} num-partitions={nodes}"))
+            fed.start_node(i, str(bin_dir / "flower-supernode"), *node_sec, "--superlink", f"{HOST}:{port}",
+                           "--max-wait-time", str(int(startup_s)),
+                           "--node-config", f"partition-id={i} num-partitions={nodes}", startup_s=startup_s)
         home = workdir / "flwr-home"
         home.mkdir(exist_ok=True)
         security = f'root-certificates = "{fed.ca}"' if tls else "insecure = true"
@@ -292,7 +309,7 @@ def local_federation(workdir: Path, nodes: int, tls: bool = False, startup_s: fl
         try:
             fed.track()
             _stop_groups(set().union(*fed.groups.values()) - {os.getpgrp()} if fed.groups else set())
-            for proc in [*fed.nodes, *([fed.superlink] if fed.superlink else [])]:
+            for proc in [*fed.nodes, *fed.workers, *([fed.superlink] if fed.superlink else [])]:
                 proc.poll()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)

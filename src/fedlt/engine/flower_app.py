@@ -2,7 +2,8 @@
 
 The server side is the in-process engine's round loop (:class:`Simulation`) with another
 transport: each phase (fit, a method's query, personalized evaluation) becomes one RecordDict
-per client, sent to the SuperNode that hosts it with ``grid.send_and_receive(..., timeout=...)``.
+per client, sent to the SuperNode that hosts it with ``grid.send_and_receive(..., timeout=...)``
+(in a deployment :func:`poll_replies`, which asks for the replies more often).
 The client side is the in-process engine's :class:`ClientRuntime`; a client's ``ctx.state`` lives
 in the SuperNode's ``context.state``. Nothing here knows any method.
 
@@ -64,6 +65,27 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+#: seconds between a deployed ServerApp's requests for replies
+REPLY_POLL_S = 0.1
+
+
+def poll_replies(grid: Grid, messages: list[FlowerMessage], timeout: float,
+                 every: float = REPLY_POLL_S) -> list[FlowerMessage]:
+    """``grid.send_and_receive(messages, timeout=timeout)`` asking for the replies every ``every``
+    seconds: Flower's deployed grid asks every 3 s (``flwr/superlink/grid/http_grid.py``), up to
+    3 s of idle waiting per phase of a round that may train for less than a second."""
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list[FlowerMessage] = []
+    while True:
+        got = list(grid.pull_messages(pending))
+        replies += got
+        pending -= {r.metadata.reply_to_message_id for r in got}
+        if not pending or time.monotonic() >= deadline:
+            return replies
+        time.sleep(every)
+
+
 def _message_type(kind: str) -> str:
     return {"fit": "train", EVALUATE: "evaluate"}.get(kind, "query")
 
@@ -122,10 +144,11 @@ class FlowerSimulation(Simulation):
     engine = "flower"
     reports_dropouts = True
 
-    def __init__(self, cfg: Config, spec, data, device: torch.device, grid: Grid):
+    def __init__(self, cfg: Config, spec, data, device: torch.device, grid: Grid, prompt: bool = False):
         if spec.pooled:
             raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
         self.grid = grid
+        self.prompt = prompt  # poll_replies instead of the grid's own send_and_receive
         self._config_json = json.dumps(cfg.dump())
         self.nodes: dict[int, int] = {}  # client id -> node id
         self.round_started = 0
@@ -146,7 +169,9 @@ class FlowerSimulation(Simulation):
         out = [FlowerMessage(encode_message(msg, {"kind": kind, "cid": cid, "round": rnd, "config": self._config_json}),
                              dst_node_id=node, message_type=_message_type(kind))
                for node, cid, msg, rnd in targets]
-        replies = list(self.grid.send_and_receive(out, timeout=self.cfg.flower.timeout_s))
+        timeout = self.cfg.flower.timeout_s
+        replies = (poll_replies(self.grid, out, timeout) if self.prompt
+                   else list(self.grid.send_and_receive(out, timeout=timeout)))
         cid_of = {m.metadata.message_id: cid for m, (_, cid, _, _) in zip(out, targets)}  # ids set when sent
         lost: dict[int, str] = {}
         for r in replies:
@@ -232,11 +257,11 @@ class FlowerSimulation(Simulation):
 
 
 def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
-                on_start: Callable[[FlowerSimulation, Path], None] | None = None) -> RunResult:
+                on_start: Callable[[FlowerSimulation, Path], None] | None = None, prompt: bool = False) -> RunResult:
     """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
-    (``on_start(sim, run_dir)`` is called once both exist)."""
+    (``on_start(sim, run_dir)`` is called once both exist; ``prompt``: see :func:`poll_replies`)."""
     spec, data, device = setup_parts(cfg)
-    sim = FlowerSimulation(cfg, spec, data, device, grid)
+    sim = FlowerSimulation(cfg, spec, data, device, grid, prompt)
     run_dir = new_run_dir(cfg)
     if on_start:
         on_start(sim, run_dir)
@@ -317,7 +342,7 @@ def main(grid: Grid, context: Context) -> None:
 
     try:
         cfg = deployed_config(dict(context.run_config), app_dir(grid))
-        result = run_on_grid(cfg, grid, on_start=on_start)
+        result = run_on_grid(cfg, grid, on_start=on_start, prompt=True)
     except BaseException as err:
         sim = started.get("sim")
         _report(status="aborted", reason=describe_error(err), config_error=isinstance(err, ConfigError),
