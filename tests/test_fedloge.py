@@ -112,7 +112,7 @@ def test_dense_etf_ablation_and_code_variant(tmp_path, monkeypatch):
                          finetune_epochs=1), quiet=True)
     geo = classifier_geometry(calls[0]["sse_c"])
     assert geo["sparsity"] == 0 and geo["angle_min"] == pytest.approx(etf_angle(10), abs=1e-3)
-    assert geo["norm_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert geo["norm_mean"] == pytest.approx(4.0, abs=1e-5)  # the default gamma on the cnn
     assert set(etf.summary["final"]["variants"]) == {"etf", "psi_raw"}
     assert etf.summary["final"]["pm_acc"] is not None
     with pytest.raises(ConfigError, match="la_fr=true"):
@@ -214,3 +214,16 @@ def test_gamma_auto_sets_the_sse_c_norm_to_the_initial_backbones_mean_feature_no
     secure.setup()
     assert secure.server.gamma == pytest.approx(expected, rel=1e-5)
     assert f"query:{NORM_QUERY}" not in secure.secure.in_clear
+
+
+@pytest.mark.parametrize("model,given,expected", [("cnn", None, 4.0), ("resnet8", None, 1.0), ("cnn", 1, 1.0),
+                                                  ("resnet8", 2.5, 2.5)])
+def test_default_gamma_is_the_backbones_and_a_given_gamma_wins(tmp_path, model, given, expected):
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+
+    args = {"classifier": "etf"} if given is None else {"classifier": "etf", "gamma": given}  # dense: norms exactly gamma
+    sim = prepare(build_config({**tiny(tmp_path, **args), "model": {"name": model}}))
+    assert sim.server.gamma == expected and sim.server.metrics()["sse_c_gamma"] == expected
+    row_norms = sim.server.model.head.fixed.weight.norm(dim=1)
+    assert torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-5)
