@@ -86,4 +86,4 @@ def pooled_client_features(sim, num_clients: int, rnd: int):
         f, y = client_features(ctx.model, ctx)
         feats.append(f)
         labels.append(y)
-    return torch.cat(feats), torch.cat(labels)
+    return torch.cat(feats).cpu(), torch.cat(labels).cpu()  # where the server keeps its merged sums

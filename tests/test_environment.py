@@ -18,7 +18,7 @@ from fedlt import environment
 
 KEYS = ["fedlt", "git_commit", "torch", "cpu", "cpu_capability", "gpu", "threads", "backend", "os", "python"]
 TINY = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=1", "fl.local_epochs=1", "fl.participation=0.5",
-        "eval.every=1", "run.threads=1"]
+        "eval.every=1", "run.threads=1", "run.device=cpu"]
 
 
 def check(env: dict, backend: str | None, threads: int) -> None:

@@ -237,7 +237,7 @@ def test_scaffold_variate_is_option_two_under_plain_sgd_and_survives_momentum(tm
     cfg = tiny(tmp_path, method="scaffold")
     cfg["fl"] = {**cfg["fl"], "momentum": 0.0, "weight_decay": 0.001}
     sim = prepare(build_config(cfg))
-    sim.server.c = 0.01 * torch.randn(sim.server.c.shape, generator=torch.Generator().manual_seed(0))
+    sim.server.c = 0.01 * torch.randn(sim.server.c.shape, generator=torch.Generator().manual_seed(0)).to(sim.device)
     msg = sim.server.fit_message(1, 0)
     start = sim._new_model()
     start.load_state_dict(msg.weights, strict=False)

@@ -23,7 +23,7 @@ def config(tmp_path, *overrides: str):
     return fedlt.load_config(None, [
         "seed=2", "data.dataset=synthetic", "data.imbalance_factor=10", "data.num_clients=6", "fl.participation=0.67",
         "fl.rounds=3", "eval.every=1", f"run.out_dir={tmp_path}", "run.threads=1", "run.checkpoint_every=0",
-        "run.workers=2", *overrides,
+        "run.workers=2", "run.device=cpu", *overrides,  # worker processes train on the CPU
     ])
 
 

@@ -121,6 +121,19 @@ def test_reference_loop_of_the_speed_bench_trains_a_fedavg_round(tmp_path):
     assert not torch.equal(sim.server_model.head.weight, before["head.weight"])
 
 
+def test_channels_last_applies_on_the_cpu_only(tmp_path):
+    """cuDNN's backward under vmap refuses channels-last tensors, so CUDA runs keep NCHW."""
+    from fedlt.engine.clients import channels_last
+
+    cfg = config(tmp_path)
+    assert cfg.run.channels_last and channels_last(cfg, torch.device("cpu"))
+    assert not channels_last(cfg, torch.device("cuda")) and not channels_last(cfg, torch.device("cuda:1"))
+    assert not channels_last(config(tmp_path, "run.channels_last=false"), torch.device("cpu"))
+    sim = prepare(config(tmp_path, "run.device=cpu"))
+    conv = next(m for m in sim.server_model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+
+
 def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
     """`fedlt bench speed` (no --backends): one row per variant, GFLOP/s = images/s x FLOPs per image;
     the compile row runs the model under torch.compile (run.compile=true)."""

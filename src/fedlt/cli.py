@@ -343,15 +343,24 @@ def data_describe_cmd(
     _guard(go)
 
 
+def _click_exceptions():
+    """The module of the usage errors typer raises: click's, or the copy of click that newer typer
+    releases vendor (installed where Flower does not pin typer), whose classes click's miss."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
 def main() -> None:
     """Usage errors (unknown option, missing argument, bad option value) are user input too: one
     line, exit code 2, like every other error; running with no arguments prints the help."""
-    import click
-
+    click = _click_exceptions()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         code = app(standalone_mode=False, prog_name="fedlt")
-    except click.exceptions.NoArgsIsHelpError as help_request:
+    except click.NoArgsIsHelpError as help_request:
         text = help_request.format_message()  # rich help was printed while the error was built
         if text:
             typer.echo(text)
@@ -360,7 +369,7 @@ def main() -> None:
         hint = f"; see `{err.ctx.command_path} --help`" if err.ctx else ""
         typer.echo(f"fedlt: error: {err.format_message().rstrip('.')}{hint}", err=True)
         code = 2
-    except click.exceptions.Abort:
+    except typer.Abort:  # click's Abort in older typer, typer's own in newer
         typer.echo("fedlt: interrupted", err=True)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)

@@ -153,7 +153,8 @@ class RunConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice; under "
                                 "run.backend=parallel: per worker, cores / run.workers)")
     compile: bool = Field(False, description="torch.compile the model")
-    channels_last: bool = Field(True, description="channels-last memory format (measured faster for convs on CPU)")
+    channels_last: bool = Field(True, description="channels-last memory format on the CPU (measured faster for convs there; "
+                                "not used on CUDA)")
     backend: Literal["auto", "sequential", "parallel", "vectorized"] = Field(
         "sequential", description="local training: sampled clients one after another; at the same time in "
         "run.workers CPU processes (parallel, any method); or all at once as one batched computation (vectorized; "
@@ -161,7 +162,7 @@ class RunConfig(_Section):
     )
     workers: int | None = Field(None, ge=1, description="run.backend=parallel: worker processes (default: one per "
                                 "CPU core, at most the clients sampled per round)")
-    deterministic: bool = Field(True, description="cuDNN deterministic mode, no cuDNN autotuning (GPU runs)")
+    deterministic: bool = Field(True, description="GPU runs: cuDNN deterministic mode without autotuning, and torch's deterministic CUDA kernels (warns where one has none)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
 
 

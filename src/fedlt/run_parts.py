@@ -10,6 +10,7 @@ data.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -132,8 +133,11 @@ def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:
     spec = check_config(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    device = resolve_device(cfg.run.device)
     if cfg.run.deterministic:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-    device = resolve_device(cfg.run.device)
+        if device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums run to run
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+            torch.use_deterministic_algorithms(True, warn_only=True)
     return spec, build_federated_data(cfg.data, cfg.seed, device), device

@@ -23,6 +23,7 @@ from fedlt.api import prepare
 from fedlt.config import load_config
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.environment import collect, describe
+from fedlt.run_parts import resolve_device
 
 
 def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -> float:
@@ -84,6 +85,8 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
         ("compile", ["run.channels_last=false", "run.compile=true"]),
     ]
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
+    if resolve_device(base.run.device).type != "cpu":  # channels-last is a CPU-only setting (engine.clients)
+        variants = [v for v in variants if v[0] != "channels_last"]
     results = []
     flops = None
     for label, extra in variants:

@@ -35,9 +35,16 @@ def new_model(cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.
         torch.manual_seed(seed_for(cfg.seed, "model"))
         model = spec.make_model(cfg, d.num_classes, d.in_channels, d.image_size)
     model = model.to(device)
-    if cfg.run.channels_last:
+    if channels_last(cfg, device):
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def channels_last(cfg: Config, device: torch.device) -> bool:
+    """``run.channels_last`` applies on the CPU, where it was measured faster. On CUDA it was not
+    (the CNN on an H100: 0.725 vs 0.695 s a round), and cuDNN's backward under ``vmap`` (the
+    vectorized backend) refuses channels-last tensors."""
+    return cfg.run.channels_last and device.type == "cpu"
 
 
 class ClientRuntime:
@@ -70,7 +77,7 @@ class ClientRuntime:
 
     def _standardizer(self):
         standardize = self.train_data.train.standardize
-        if not self.cfg.run.channels_last:
+        if not channels_last(self.cfg, self.device):
             return standardize
         return lambda x: standardize(x).contiguous(memory_format=torch.channels_last)
 
