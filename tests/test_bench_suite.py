@@ -10,6 +10,7 @@ import shutil
 import statistics
 
 import pytest
+import torch
 import yaml
 from scipy import stats
 from typer.testing import CliRunner
@@ -226,6 +227,24 @@ def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
         a = json.loads((cell.run_dir / "summary.json").read_text())["final"]
         b = json.loads((cell_dir(reference, cell.setting, cell.method, cell.seed) / "summary.json").read_text())["final"]
         assert a == b
+
+
+def test_cells_from_another_machine_type_are_refused_unless_mixed_machines(tiny_suite, tmp_path):
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    summary = next(mine.rglob("summary.json"))
+    tree = json.loads(summary.read_text())
+    assert tree["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None)  # same machine: fine
+    tree["environment"]["cpu_capability"] = "OTHER"
+    summary.write_text(json.dumps(tree))
+    with pytest.raises(ConfigError, match=r"another machine type \(cpu_capability OTHER, torch .*this machine: "
+                       r"cpu_capability .*--mixed-machines"):
+        run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None)
+    run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None, mixed_machines=True)
+    again = run_suite(load_suite(path), mine, echo=lambda line: None)  # nothing left to run: nothing is mixed
+    assert not again.ran and again.skipped
 
 
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):

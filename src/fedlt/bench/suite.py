@@ -422,11 +422,42 @@ def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
     (out / SUITE_FILE).write_text(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
 
 
+#: what decides a run's floats beyond its config: cells that differ here are not paired digit for digit
+MACHINE_KEYS = ("cpu_capability", "gpu", "torch")
+
+
+def machine(env: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {env.get(k)}" for k in MACHINE_KEYS if env.get(k) is not None)
+
+
+def check_same_machine(suite: Suite, out: Path, todo: list[Cell]) -> None:
+    """Refuse to add cells to a folder whose finished cells ran on another machine type: every row
+    is paired with the reference row by seed, and a pair across CPU capabilities or torch versions
+    differs by up to several points on the same seed."""
+    from fedlt.config import load_config
+    from fedlt.run_parts import resolve_device
+
+    if not todo:
+        return
+    here = machine(collect_environment(resolve_device(load_config(suite.base, todo[0].overrides).run.device)))
+    for cell in expand(suite, out, None):
+        try:
+            summary = json.loads((cell.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            continue
+        env = summary.get("environment") if isinstance(summary, dict) else None
+        if isinstance(env, dict) and machine(env) != here:
+            raise ConfigError(f"{out} holds finished cells measured on another machine type ({machine(env)}; this "
+                              f"machine: {here}), and rows are paired by seed across the folder; use another --out "
+                              f"for this machine type and re-run the reference row there, or pass --mixed-machines")
+
+
 def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
               echo: Callable[[str], None] = print, overrides: list[str] | None = None,
-              rows: list[str] | None = None) -> SuiteResult:
+              rows: list[str] | None = None, mixed_machines: bool = False) -> SuiteResult:
     """Validate every cell, then run the unfinished ones (``workers`` processes in parallel);
-    ``rows`` limits the run to those row labels (the others' finished cells stay as they are)."""
+    ``rows`` limits the run to those row labels (the others' finished cells stay as they are).
+    Unless ``mixed_machines``, a folder whose finished cells ran on another machine type is refused."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more")
     bad = [o for o in overrides or [] if "=" not in o]
@@ -436,6 +467,8 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     validate_cells(suite, cells)
     result = SuiteResult(out, cells, skipped=[c for c in cells if c.state == "done"])
     todo = [c for c in cells if c.state != "done"]
+    if not mixed_machines:
+        check_same_machine(suite, out, todo)
     if dry_run:
         for c in cells:
             echo(f"{c.state:7s} {c.label:60s} {c.run_dir}")
