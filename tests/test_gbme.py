@@ -124,23 +124,28 @@ def test_frozen_experts_are_unchanged_and_not_uploaded():
     assert all(p.requires_grad for p in model.parameters()) and not model._frozen  # reset for the next client
 
 
-def test_aggregation_per_entry_over_the_clients_that_trained_it(tmp_path):
+@pytest.mark.parametrize("mode", ["all", "trainers"])
+def test_expert_aggregation_all_counts_untrained_experts_as_sent_trainers_averages_over_trainers(tmp_path, mode):
     from fedlt.api import prepare
 
-    sim = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"})))
+    cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"expert_aggregation": mode})
+    sim = prepare(build_config(cfg))
     model = sim.server.model
-    before = clone_state(model)
-    shared, e0, e1 = model.shared_keys()[0], model.expert_keys(0)[0], model.expert_keys(1)[0]
-    ones = lambda k, v: torch.full_like(before[k], v)
-    replies = {
+    shared, e0, e1, e2 = model.shared_keys()[0], *(model.expert_keys(e)[0] for e in range(3))
+    for key in (shared, e0, e1, e2):  # a known broadcast value: every entry 0
+        model.state_dict()[key].zero_()
+    ones = lambda k, v: torch.full_like(model.state_dict()[k], v)
+    replies = {  # client 0 trained expert 0, client 1 experts 0 and 1; nobody expert 2
         0: Reply(weights={shared: ones(shared, 1.0), e0: ones(e0, 1.0)}, num_samples=10),
         1: Reply(weights={shared: ones(shared, 4.0), e0: ones(e0, 4.0), e1: ones(e1, 2.0)}, num_samples=30),
     }
     sim.server.aggregate(1, replies)
     now = model.state_dict()
     assert torch.allclose(now[shared], ones(shared, 3.25)) and torch.allclose(now[e0], ones(e0, 3.25))
-    assert torch.allclose(now[e1], ones(e1, 2.0))  # only client 1 trained expert 1
-    assert torch.equal(now[model.expert_keys(2)[0]], before[model.expert_keys(2)[0]])  # nobody trained expert 2
+    # expert 1: Alg. 1's FedAvg counts client 0's copy as the zeros it received (30 * 2 / 40 = 1.5);
+    # averaged over its trainers only it is client 1's 2.0
+    assert torch.allclose(now[e1], ones(e1, 1.5 if mode == "all" else 2.0))
+    assert torch.equal(now[e2], ones(e2, 0.0))  # nobody trained expert 2: unchanged either way
 
 
 def test_gpi_prior_lifts_zero_entries_to_the_floor_and_keeps_the_rest(tmp_path):

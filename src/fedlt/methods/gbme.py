@@ -7,8 +7,9 @@ of the re-balancing loss (broadcast with every model) and groups the clients by 
 similarity of their LPI to the GPI (Eq. 6). Each round, expert i is trained by alpha*R clients of
 its group and (1-alpha)*R others (:meth:`GBMEServer.select_clients`); a client trains the shared
 backbone and its selected expert(s) with the other experts frozen, on balanced softmax (or LDAM,
-LA) of the mean of the experts' logits (Eq. 7); the server averages every entry over the clients
-that trained it (the released code never aggregates; this one does).
+LA) of the mean of the experts' logits (Eq. 7) and uploads what it trained; the server averages
+the round's models with FedAvg (Alg. 1, line 15), a client's untrained experts counting as the
+weights it was sent (the released code never aggregates; this one does).
 
 Choices where the paper is silent (also in the README):
 
@@ -50,6 +51,14 @@ Choices where the paper is silent (also in the README):
   R; R = round(clients per round / M) is the budget-matched variant (an earlier reading; each
   expert then sees ~3 clients a round here and the experts' logits swing round to round, measured).
 * A frozen expert keeps its BatchNorm in eval mode, so it computes what the server sent.
+* Aggregation (``expert_aggregation``). Alg. 1 averages the selected clients' whole models by
+  n_k/n, and a client leaves its frozen experts as it received them, so an expert moves by its
+  trainers' share of the round's samples times their mean update. ``trainers`` averages each
+  expert over its own trainers only (fedlt's earlier reading): every expert then takes its
+  trainers' full step although the shared backbone under it is averaged over all the round's
+  clients, and at a constant lr the per-expert phase diverges (main job, joint warm-up 0.6:
+  75.2% at round 15, 10.3% at round 25, the experts' feature norms up 20x; ``all``: 78.1% at
+  round 25, norms steady; +65.37 [51.77, 78.96] over three seeds, docs/methods/gbme.md).
 * Expert heads are cosine heads, ``s * cos(w_c, h)`` with s = 30 (``expert_head``,
   ``cosine_scale``): the paper's code puts "normed" heads on its experts, and with plain linear
   heads the feature norm grows ~9x along the LPI epoch, late steps dominate the accumulated
@@ -64,13 +73,12 @@ Choices where the paper is silent (also in the README):
   the loss jump to 7 and 4 in round 1; W = 5 kept it below 3.2 and the CNN trained (default 5
   with cosine heads, 0 with linear ones). As the features grow the cosine head's gradient
   shrinks, so full lr is then safe.
-* ``joint_warmup``: the released code trains all experts jointly (every selected client, every
-  expert) for the first 3/5 of the rounds before the per-expert selection; the paper does not
-  mention it. On the reference protocol (cosine lr decay) ``0.6`` is 22 points above per-expert
-  selection from round 1, but under a constant lr the switch to per-expert training collapses the
-  model (the main job: 74% at round 15, 10% at round 25), so the default stays ``0`` until the
-  per-expert phase is stable at full lr (docs/results/reference.md). During it the engine's seeded
-  schedule picks the round's clients, as for FedAvg.
+* ``joint_warmup`` (default 0.6): the released code trains all experts jointly (every selected
+  client, every expert) for the first 3/5 of the rounds before the per-expert selection; the paper
+  does not mention it. It is the default because it matters: on the reference protocol it is +6.14
+  [0.49, 11.79] over per-expert selection from round 1 (``0``, the paper text's reading), 3 seeds,
+  AVX512 (docs/results/reference.md). During it the engine's seeded schedule picks the round's
+  clients, as for FedAvg.
 * ``ensemble=false`` trains the plain configured model (no experts, no grouping, the engine's
   sampling): that is FedAvg + the loss with the chosen prior — the "BSM + GPI" rows of Table 9.
 """
@@ -79,6 +87,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -127,8 +136,11 @@ class GBMEArgs(MethodArgs):
         None, ge=0, description="lr warmed up linearly over the local steps of the first W rounds (the LPI pass "
         "counts as round 1); default 5 with cosine heads (they diverge at full lr from init), 0 with linear")
     joint_warmup: float = Field(
-        0.0, ge=0, le=1, description="fraction of the rounds in which every selected client trains all experts "
+        0.6, ge=0, le=1, description="fraction of the rounds in which every selected client trains all experts "
         "before the per-expert selection (released code: 0.6; 0 = per-expert selection from round 1, the paper text)")
+    expert_aggregation: Literal["all", "trainers"] = Field(
+        "all", description="an expert's average: over every client of the round, a client that did not train "
+        "it counting the weights it received (Alg. 1, FedAvg of the clients' models); or over its trainers only")
     lpi_pass: Literal["auto", "epoch", "fixed"] = Field(
         "auto", description="LPI gradient: mean along one SGD epoch (epoch, Alg. 1/code) or per-sample at "
         "the received model (fixed); auto = epoch, fixed under DP")
@@ -426,7 +438,10 @@ class GBMEServer(Server):
         return Message(weights=clone_state(self.model), payload=payload)
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
-        super().aggregate(rnd, replies)  # per entry, over the replies that carry it: its trainers
+        if self.args.ensemble and self.args.expert_aggregation == "all":  # frozen experts count as sent
+            sent = clone_state(self.model)
+            replies = {cid: replace(r, weights={**sent, **r.weights}) for cid, r in replies.items()}
+        super().aggregate(rnd, replies)  # per entry, over the replies that carry it
         m: dict[str, float] = {"trainers": float(len(replies))}
         for e in range(self.args.num_experts if self.args.ensemble else 0):
             m[f"expert{e}_trainers"] = float(sum(e in ex for ex in self.selection.values()))
