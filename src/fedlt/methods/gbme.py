@@ -439,7 +439,7 @@ class GBMEServer(Server):
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
         if self.args.ensemble and self.args.expert_aggregation == "all":  # frozen experts count as sent
-            sent = clone_state(self.model)
+            sent = self.model.state_dict()  # read before the average is loaded: no copy needed
             replies = {cid: replace(r, weights={**sent, **r.weights}) for cid, r in replies.items()}
         super().aggregate(rnd, replies)  # per entry, over the replies that carry it
         m: dict[str, float] = {"trainers": float(len(replies))}
