@@ -56,6 +56,14 @@ class DataConfig(_Section):
     max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an "
                              "error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
+    val_per_class: int = Field(0, ge=0, description="a balanced validation set of this many images per class, "
+                               "disjoint from the training federation and the test set, evaluated beside the test set "
+                               "(val_acc): make choices on it, read the test set once; 0 = none")
+    val_from: Literal["auto", "dataset", "train", "test"] = Field(
+        "auto", description="where the validation set comes from: the dataset's own validation list (dataset; "
+        "ImageNet-LT), held out of the training source before the long-tail draw (train: every class's count shrinks "
+        "by (n_max - N) / n_max), or split off the balanced test set (test: the federation is unchanged); auto = "
+        "dataset where one exists, test for an already long-tailed source (iNaturalist), else train")
     augment: Literal["none", "weak", "strong"] = Field(
         "none", description="training augmentation on the device: weak = crop+flip+rotate, strong = + RandAugment+Cutout"
     )

@@ -18,6 +18,9 @@ from fedlt.data.dataset import ImageDataset
 from fedlt.errors import ConfigError
 
 GROUPS = ("many", "medium", "few")
+#: the accuracy figures of one model on one evaluation set; on the validation set each is prefixed ``val_``
+HEADLINE_METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "loss")
+VAL_METRICS = tuple(f"val_{k}" for k in HEADLINE_METRICS)
 
 
 @dataclass
@@ -92,6 +95,13 @@ def global_metrics(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Te
     for name, classes in groups.classes.items():
         out[f"{name}_acc"] = float(np.mean([per_class[k] for k in classes])) if classes else None
     return out
+
+
+def validation_metrics(model: torch.nn.Module, val: ImageDataset, groups: ShotGroups, batch_size: int) -> dict:
+    """``val_acc`` and the shot groups' ``val_*_acc`` of ``model`` on the validation set: what
+    choices are made on, so that the test set is read once."""
+    metrics = global_metrics(*predict(model, val, batch_size), val.labels, groups, val.num_classes)
+    return {f"val_{k}": metrics[k] for k in HEADLINE_METRICS}
 
 
 def mean_local_accuracy(correct_per_client: list[torch.Tensor]) -> float | None:

@@ -28,7 +28,9 @@ TIMING_KEYS = ("time_s", "elapsed_s")
 #: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
 #: every other key is a method's own diagnostic (``Server.metrics()``)
 EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
-ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", *TIMING_KEYS, *EVAL_KEYS)
+#: the validation set's figures (``data.val_per_class``), beside the test set's in every evaluated round
+VAL_KEYS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_loss")
+ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", *TIMING_KEYS, *EVAL_KEYS, *VAL_KEYS)
 #: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
 #: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
 OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
@@ -103,10 +105,11 @@ def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """Headline = the final round; the best round is reported separately and labelled as such."""
+    """Headline = the final round; the best round is reported separately and labelled as such,
+    chosen on validation accuracy where the run has a validation set."""
     evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
     final = evaluated[-1] if evaluated else {}
-    key = "acc" if final.get("acc") is not None else "pm_acc"
+    key = "val_acc" if final.get("val_acc") is not None else "acc" if final.get("acc") is not None else "pm_acc"
     best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
     server = {k: v for k, v in final.items() if k not in ENGINE_KEYS}
     return {
@@ -116,8 +119,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         "rounds": cfg.fl.rounds,
         # server_metrics: the method's own numbers of the final round (privacy parameters, proxy
         # diagnostics ...), so a summary alone says how the run was made
-        "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS}, "server_metrics": server},
-        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in EVAL_KEYS[:-2]}},
+        "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS},
+                  **{k: final.get(k) for k in VAL_KEYS if k in final}, "server_metrics": server},
+        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in EVAL_KEYS[:-2]},
+                       **{k: best.get(k) for k in VAL_KEYS if k in best}},
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
         } if rows else {},
@@ -195,6 +200,7 @@ def write_aborted_summary(run_dir: Path, cfg: Config, reason: str, rounds_done: 
 def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     f, b = summary["final"], summary["best_round"]
     d = cfg.data
+    has_val = f.get("val_acc") is not None
     lines = [
         f"# {cfg.method} on {d.dataset}-LT",
         "",
@@ -209,15 +215,18 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"Shot groups — {summary.get('shot_rule', '')}: "
         + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items()),
         "",
-        "| | round | GM acc | many | medium | few | PM acc |",
-        "|---|---|---|---|---|---|---|",
+        "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if has_val else ""),
         f"| final (headline) | {f['round']} | {_fmt(f['acc'])} | {_fmt(f['many_acc'])} | {_fmt(f['medium_acc'])} "
-        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |",
+        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |" + (f" {_fmt(f.get('val_acc'))} |" if has_val else ""),
         f"| best round (by {b['selected_by']}) | {b['round']} | {_fmt(b['acc'])} | {_fmt(b['many_acc'])} "
-        f"| {_fmt(b['medium_acc'])} | {_fmt(b['few_acc'])} | {_fmt(b['pm_acc'])} |",
+        f"| {_fmt(b['medium_acc'])} | {_fmt(b['few_acc'])} | {_fmt(b['pm_acc'])} |"
+        + (f" {_fmt(b.get('val_acc'))} |" if has_val else ""),
         "",
         "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
-        "drawn from the test set in each client's training proportions.",
+        "drawn from the test set in each client's training proportions."
+        + (" val: the global model on the balanced validation set (data.val_per_class), disjoint from the "
+           "training federation and the test set: make choices on it." if has_val else ""),
     ]
     if f.get("server_metrics"):
         lines += ["", "Method's own metrics (final round): "
@@ -229,9 +238,10 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         lines += [f"| {names[i]} | {counts[i]} | {a:.2f} |" for i, a in enumerate(f["per_class_acc"])]
     if f.get("variants"):
         lines += ["", "## Variants of the global model (final round)", "",
-                  "| variant | acc | many | medium | few |", "|---|---|---|---|---|"]
+                  "| variant | acc | many | medium | few |" + (" val acc |" if has_val else ""),
+                  "|---|---|---|---|---|" + ("---|" if has_val else "")]
         lines += [f"| {name} | {_fmt(v['acc'])} | {_fmt(v['many_acc'])} | {_fmt(v['medium_acc'])} | {_fmt(v['few_acc'])} |"
-                  for name, v in f["variants"].items()]
+                  + (f" {_fmt(v.get('val_acc'))} |" if has_val else "") for name, v in f["variants"].items()]
         if "oracle" in f["variants"]:
             lines += ["", "oracle: NOT PRIVATE — clients uploaded real features; a diagnostic upper bound."]
     messages = summary.get("messages") or {}
@@ -242,9 +252,10 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
             for direction, m in both.items():
                 entries = ", ".join(f"{k} {e.get('shape', e.get('value'))} ({e['bytes']})" for k, e in m["payload"].items())
                 lines.append(f"| {kind} | {direction.replace('_', ' ')} | {m['model_bytes']} | {entries or '-'} |")
-    lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |", "|---|---|---|---|"]
+    lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |" + (" val acc |" if has_val else ""),
+              "|---|---|---|---|" + ("---|" if has_val else "")]
     lines += [f"| {r['round']} | {_fmt(r.get('acc'))} | {_fmt(r.get('pm_acc'))} | {_fmt(r.get('train_loss'))} |"
-              for r in rows if "acc" in r or "pm_acc" in r]
+              + (f" {_fmt(r.get('val_acc'))} |" if has_val else "") for r in rows if "acc" in r or "pm_acc" in r]
     comm = summary["communication_bytes"]
     if comm:
         lines += ["", "Communication (MB, whole run): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in comm.items())]
@@ -259,7 +270,8 @@ def plot_curves(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("acc", "GM (balanced test)"), ("few_acc", "GM few-shot"), ("pm_acc", "PM (local tests)")):
+    for key, label in (("acc", "GM (balanced test)"), ("few_acc", "GM few-shot"), ("pm_acc", "PM (local tests)"),
+                       ("val_acc", "GM (validation)")):
         pts = [(r["round"], r[key]) for r in evaluated if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", ms=3, label=label)

@@ -76,10 +76,12 @@ class ImageDataset:
 
 @dataclass
 class DatasetPair:
-    """The train and test splits of a dataset, as a loader returns them."""
+    """The train and test splits of a dataset, as a loader returns them, and its own validation
+    split where one was asked for and the dataset has one."""
 
     train: ImageDataset
     test: ImageDataset
+    val: ImageDataset | None = None
 
     @property
     def num_classes(self) -> int:

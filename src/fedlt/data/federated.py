@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fedlt.config import DataConfig
-from fedlt.data.dataset import ImageDataset
+from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_indices, resolve_class_order
 from fedlt.data.partition import Partition, dirichlet_partition, iid_partition, pathological_partition
 from fedlt.data.registry import DATASETS, load_dataset
+from fedlt.data.validation import balanced_indices, complement, resolve_source
 from fedlt.errors import DataError
 from fedlt.seeding import numpy_rng
 
 
 @dataclass
 class FederatedData:
-    """The long-tailed training set split over clients, the balanced test set, local test sets.
+    """The long-tailed training set split over clients, the balanced test set, local test sets,
+    and the balanced validation set when one was asked for (``data.val_per_class``).
 
-    ``train`` and ``test`` are held once (on the training device); clients are index arrays.
+    ``train``, ``test`` and ``val`` are held once (on the training device); clients are index arrays.
     """
 
     train: ImageDataset
@@ -29,6 +32,9 @@ class FederatedData:
     partition: Partition
     local_test: list[np.ndarray]
     hflip: bool = True
+    val: ImageDataset | None = None
+    #: where ``val`` came from (``dataset``, ``train`` or ``test``; see :mod:`fedlt.data.validation`)
+    val_source: str | None = None
 
     @property
     def num_clients(self) -> int:
@@ -50,7 +56,7 @@ class FederatedData:
         """Every training sample in one client: the centralized oracle's view (local tests kept)."""
         merged = np.sort(np.concatenate(self.partition.client_indices))
         one = Partition([merged], self.partition.counts.sum(axis=0, keepdims=True))
-        return FederatedData(self.train, self.test, one, self.local_test, self.hflip)
+        return FederatedData(self.train, self.test, one, self.local_test, self.hflip, self.val, self.val_source)
 
     def describe(self) -> str:
         counts = self.train_counts
@@ -59,6 +65,7 @@ class FederatedData:
             f"{len(self.train)} training samples in {self.num_classes} classes "
             f"(head {counts.max()}, tail {counts.min()}), {self.num_clients} clients "
             f"of {sizes.min()}..{sizes.max()} samples; {len(self.test)} balanced test samples"
+            + (f"; {len(self.val)} balanced validation samples (from {self.val_source})" if self.val is not None else "")
         )
 
 
@@ -87,18 +94,53 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
 
 
 def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu") -> FederatedData:
-    """Load the source, subsample it long-tailed (IF), split it over clients, draw local test sets.
+    """Load the source, hold out the validation set, subsample it long-tailed (IF), split it over
+    clients, draw local test sets.
 
-    All randomness comes from the federation seed's ``data``, ``class_order`` and ``local_test``
-    streams, so every method run with the same seed sees the same federation.
+    All randomness comes from the federation seed's ``validation``, ``data``, ``class_order`` and
+    ``local_test`` streams, so every method run with the same seed sees the same federation, and
+    without ``data.val_per_class`` the federation is the one drawn before validation existed.
     """
-    pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True)
+    info = DATASETS[cfg.dataset] if cfg.dataset in DATASETS else None
+    source = None
+    if cfg.val_per_class and info is not None:
+        source = resolve_source(cfg.val_from, cfg.dataset, info.val_loader is not None, info.long_tailed)
+    pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True,
+                        with_val=source == "dataset")
     seed = federation_seed(cfg, seed)
+    source_train, test, val = pair.train, pair.test, None
+    if source is not None:
+        source_train, test, val = _hold_out_validation(cfg, source, pair, numpy_rng(seed, "validation"))
     rng = numpy_rng(seed, "data")
     order = resolve_class_order(cfg.class_order, pair.num_classes, numpy_rng(seed, "class_order"))
-    keep = longtail_indices(pair.train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
+    keep = longtail_indices(source_train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
                             num_classes=pair.num_classes, class_order=order)
-    train = pair.train.subset(torch.as_tensor(keep, dtype=torch.int64))
+    train = source_train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
-    local = local_test_indices(partition.counts, pair.test.labels.numpy(), numpy_rng(seed, "local_test"))
-    return FederatedData(train.to(device), pair.test.to(device), partition, local, DATASETS[cfg.dataset].hflip)
+    local = local_test_indices(partition.counts, test.labels.numpy(), numpy_rng(seed, "local_test"))
+    return FederatedData(train.to(device), test.to(device), partition, local, DATASETS[cfg.dataset].hflip,
+                         val.to(device) if val is not None else None, source)
+
+
+def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: np.random.Generator
+                         ) -> tuple[ImageDataset, ImageDataset, ImageDataset]:
+    """(training source, test set, validation set) with ``cfg.val_per_class`` images of every class
+    moved from ``source`` into the validation set."""
+    n, classes = cfg.val_per_class, pair.num_classes
+    if source == "dataset":
+        rows = balanced_indices(pair.val.labels.numpy(), n, classes, rng, keep_one=False,
+                                where=f"{cfg.dataset}'s validation list", fix="")
+        return pair.train, pair.test, pair.val.subset(torch.as_tensor(rows))
+    split = pair.train if source == "train" else pair.test
+    other = "test" if source == "train" else "train"
+    rows = balanced_indices(split.labels.numpy(), n, classes, rng, keep_one=True,
+                            where=f"the {source} split of {cfg.dataset}", fix=f" or data.val_from={other}")
+    rest = split.subset(torch.as_tensor(complement(len(split), rows)))
+    smallest = int(rest.class_counts().min())
+    if source == "train" and smallest < cfg.imbalance_factor:
+        raise DataError(
+            f"data.val_per_class={n} held out of {cfg.dataset}'s training source leaves {smallest} images in its "
+            f"smallest class, too few for data.imbalance_factor={cfg.imbalance_factor:g} (the tail would get none); "
+            f"use data.val_per_class <= {smallest + n - math.ceil(cfg.imbalance_factor)} or data.val_from=test")
+    held = split.subset(torch.as_tensor(rows))
+    return (rest, pair.test, held) if source == "train" else (pair.train, rest, held)

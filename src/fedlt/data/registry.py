@@ -21,6 +21,8 @@ from fedlt.data.sources.common import check_labels
 from fedlt.errors import DataError
 
 Loader = Callable[[Path | None, int], DatasetPair]
+#: ``val_loader(root, image_size, classes)``: the dataset's own validation split
+ValLoader = Callable[[Path | None, int, list[str]], ImageDataset]
 
 _REFETCH = "re-download or regenerate the dataset files"
 
@@ -38,6 +40,9 @@ class DatasetInfo:
     resizable : whether ``load_dataset``'s ``image_size`` chooses the side
     default_root : folder used when neither ``root`` nor ``$FEDLT_DATA`` is given
     hflip : whether a horizontal flip keeps the label (not for digits)
+    val_loader : the dataset's own validation split, if it has one (``data.val_from=dataset``)
+    long_tailed : the training files are long-tailed already, so a class may not spare
+        validation images (``data.val_from=auto`` then splits the test set)
     """
 
     description: str
@@ -47,6 +52,8 @@ class DatasetInfo:
     resizable: bool = False
     default_root: Path | None = None
     hflip: bool = True
+    val_loader: ValLoader | None = None
+    long_tailed: bool = False
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -85,11 +92,15 @@ DATASETS: dict[str, DatasetInfo] = {
     ),
     "imagenet_lt": DatasetInfo(
         "ImageNet-LT, 1000 classes, 3xSxS (data.image_size, default 64), 116k/50k; ImageNet images in "
-        "$FEDLT_DATA/imagenet with ImageNet_LT_{train,test}.txt there or in its parent",
+        "$FEDLT_DATA/imagenet with ImageNet_LT_{train,test}.txt (validation: ImageNet_LT_val.txt) there or in its "
+        "parent",
         lambda root, size: listfile.load_imagenet_lt(root, size),
         subfolder="imagenet",
         image_size=listfile.DEFAULT_IMAGE_SIZE,
         resizable=True,
+        val_loader=lambda root, size, classes: listfile.load_list_split(
+            listfile.IMAGENET_LT, root, listfile.IMAGENET_LT.val_list, size, classes),
+        long_tailed=True,
     ),
     "inat": DatasetInfo(
         "iNaturalist 2018, 8142 classes, 3xSxS (data.image_size, default 64), 438k/24k; images in "
@@ -98,6 +109,7 @@ DATASETS: dict[str, DatasetInfo] = {
         subfolder="inaturalist2018",
         image_size=listfile.DEFAULT_IMAGE_SIZE,
         resizable=True,
+        long_tailed=True,
     ),
     "synthetic": DatasetInfo(
         "seeded toy dataset for tests and smoke runs, 10 classes, 3xSxS (data.image_size, default 16), "
@@ -116,7 +128,8 @@ def list_datasets() -> list[tuple[str, str]]:
 
 
 def load_dataset(
-    name: str, root: str | None = None, image_size: int | None = None, *, every_class: bool = False
+    name: str, root: str | None = None, image_size: int | None = None, *, every_class: bool = False,
+    with_val: bool = False,
 ) -> DatasetPair:
     """Load dataset ``name`` as uint8 train/test tensors.
 
@@ -128,6 +141,8 @@ def load_dataset(
         may only repeat the native size
     every_class : also require a training sample of every class (``classes``, the dataset's
         class list), as training does; small test files may lack classes
+    with_val : also load the dataset's own validation split (``DatasetPair.val``); a dataset
+        without one is a DataError
 
     Raises
     ------
@@ -146,6 +161,11 @@ def load_dataset(
         _finish(name, where, split, which)
     if every_class:
         _require_every_class(name, where, pair.train)
+    if with_val:
+        if info.val_loader is None:
+            raise DataError(f"{name} has no validation list of its own; use data.val_from=train or test (or auto)")
+        pair.val = info.val_loader(folder, size, pair.train.classes)
+        _finish(name, where, pair.val, "validation")
     return pair
 
 

@@ -28,7 +28,9 @@ from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import fit_vectorized
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
-from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
+from fedlt.evaluation import (
+    HEADLINE_METRICS, ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups, validation_metrics,
+)
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
 from fedlt.methods.registry import parse_method_args
@@ -67,6 +69,8 @@ class Simulation:
         self.train_data = data.pooled() if spec.pooled else data
         self.groups: ShotGroups = shot_groups(data.train_counts, cfg.eval)
         args = parse_method_args(spec, cfg.method_args)
+        #: every knob the method ran with, defaults included: what a suite matches its cells on
+        self.resolved_method_args = args.model_dump(mode="json")
 
         self.server_model = self._new_model()
         self.clients = self._client_runtime()
@@ -216,17 +220,21 @@ class Simulation:
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:
-        test, bs = self.eval_data.test, self.cfg.eval.batch_size
+        test, val, bs = self.eval_data.test, self.eval_data.val, self.cfg.eval.batch_size
         out: dict[str, Any] = {}
         model = self.server.global_model()
         correct = None
         if model is not None:
             correct, losses = predict(model, test, bs)
             out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
+            if val is not None:
+                out.update(validation_metrics(model, val, self.groups, bs))
         variants = {}
         for name, variant in self.server.extra_models().items():
             metrics = global_metrics(*predict(variant, test, bs), test.labels, self.groups, test.num_classes)
-            variants[name] = {k: metrics[k] for k in ("acc", "many_acc", "medium_acc", "few_acc", "loss")}
+            variants[name] = {k: metrics[k] for k in HEADLINE_METRICS}
+            if val is not None:
+                variants[name].update(validation_metrics(variant, val, self.groups, bs))
         if variants:
             out["variants"] = variants
         if self.cfg.eval.personalized:
@@ -365,6 +373,7 @@ class Simulation:
             "environment": collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
+            "method_args": self.resolved_method_args,
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
             **({"secure_aggregation": self.secure.describe()} if self.secure is not None else {}),
         })

@@ -27,13 +27,15 @@ DEFAULT_IMAGE_SIZE = 64
 class ListLayout:
     """File names, normalisation statistics and download hint of one list-file dataset.
 
-    ``names`` is an optional file next to the train list with one class name per line
+    ``val_list`` is the dataset's own validation list (a balanced split of neither train nor test),
+    None where the literature uses it as the test split. ``names`` is an optional file next to the train list with one class name per line
     (line i names label i); without it classes are named by their label numbers.
     """
 
     dataset: str
     train_list: str
     test_list: str
+    val_list: str | None
     names: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
@@ -44,6 +46,7 @@ IMAGENET_LT = ListLayout(
     dataset="imagenet_lt",
     train_list="ImageNet_LT_train.txt",
     test_list="ImageNet_LT_test.txt",
+    val_list="ImageNet_LT_val.txt",
     names="ImageNet_LT_classnames.txt",
     mean=(0.485, 0.456, 0.406),
     std=(0.229, 0.224, 0.225),
@@ -56,6 +59,7 @@ INAT2018 = ListLayout(
     dataset="inat",
     train_list="iNaturalist18_train.txt",
     test_list="iNaturalist18_val.txt",
+    val_list=None,  # the official validation list is the literature's test split
     names="iNaturalist18_classnames.txt",
     mean=(0.466, 0.471, 0.380),
     std=(0.195, 0.194, 0.192),
@@ -108,13 +112,23 @@ def load_list_dataset(
     else:
         top = max(label for _, label in train_entries + test_entries)
         classes = [str(label) for label in range(top + 1)]
-    splits = []
-    for list_file, entries in ((train_file, train_entries), (test_file, test_entries)):
-        labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
-        check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {names_file.name}")
-        images = _images(layout, root, list_file, [path for path, _ in entries], image_size)
-        splits.append(ImageDataset(images, labels, list(classes), layout.mean, layout.std))
-    return DatasetPair(*splits)
+    return DatasetPair(*(_split(layout, root, list_file, entries, image_size, classes)
+                         for list_file, entries in ((train_file, train_entries), (test_file, test_entries))))
+
+
+def load_list_split(layout: ListLayout, root: Path, list_name: str, image_size: int, classes: list[str]) -> ImageDataset:
+    """One more split of a list-file dataset (its validation list), labelled like the training split."""
+    root = require_dir(layout.dataset, Path(root).expanduser(), layout.fix)
+    list_file = _find_list(layout, root, list_name)
+    return _split(layout, root, list_file, _parse(layout, list_file), image_size, classes)
+
+
+def _split(layout: ListLayout, root: Path, list_file: Path, entries: list[tuple[str, int]], image_size: int,
+           classes: list[str]) -> ImageDataset:
+    labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
+    check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {layout.names}")
+    images = _images(layout, root, list_file, [path for path, _ in entries], image_size)
+    return ImageDataset(images, labels, list(classes), layout.mean, layout.std)
 
 
 def decode_image(path: Path, image_size: int, dataset: str, fix: str) -> np.ndarray:
