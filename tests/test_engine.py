@@ -12,7 +12,7 @@ from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.messages import Reply
 from fedlt.methods.aggregation import weighted_average
-from fedlt.results import TIMING_KEYS
+from fedlt.results import TIMING_KEYS, read_metrics, read_summary
 
 
 def tiny(tmp_path, **over) -> dict:
@@ -225,4 +225,12 @@ def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
     assert "lower fl.lr (now 100000000.0) or set fl.grad_clip" in message
     assert isinstance(err.value, FedltError)  # the CLI prints it as one line, exit code 2
     kept = [d for d in tmp_path.iterdir() if d.is_dir()]  # the rounds before stay, for diagnosis
-    assert len(kept) == 1 and (kept[0] / "config.yaml").is_file() and not (kept[0] / "summary.json").exists()
+    assert len(kept) == 1 and (kept[0] / "config.yaml").is_file()
+    summary = read_summary(kept[0])  # marked diverged, with the NaN model's (chance) accuracy as its result
+    assert summary["status"] == "diverged" and summary["diverged_round"] == 1 and summary["rounds_done"] == 0
+    assert summary["reason"] == message and summary["final"]["round"] == 1
+    assert summary["final"]["acc"] == pytest.approx(10.0)  # NaN logits predict one class of 10 balanced ones
+    assert summary["environment"]["torch"] and summary["method_args"] == {}
+    rows = read_metrics(kept[0])
+    assert rows[-1]["diverged"] is True and set(rows[-1]["comm"]) == {"down_model", "down_payload", "up_model",
+                                                                       "up_payload"}

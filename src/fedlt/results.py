@@ -30,7 +30,7 @@ TIMING_KEYS = ("time_s", "elapsed_s")
 EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
 #: the validation set's figures (``data.val_per_class``), beside the test set's in every evaluated round
 VAL_KEYS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_loss")
-ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", *TIMING_KEYS, *EVAL_KEYS, *VAL_KEYS)
+ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", "diverged", *TIMING_KEYS, *EVAL_KEYS, *VAL_KEYS)
 #: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
 #: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
 OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
@@ -191,8 +191,13 @@ def write_aborted_summary(run_dir: Path, cfg: Config, reason: str, rounds_done: 
                           extra: dict[str, Any]) -> dict[str, Any]:
     """The summary of a run that stopped early: what the evaluated rounds reached, marked
     ``"status": "aborted"`` with the reason, so no reader takes it for a finished run."""
-    rows = read_metrics(run_dir)
-    summary = summarize(cfg, rows, {"status": "aborted", "reason": reason, "rounds_done": rounds_done, **extra})
+    return write_stopped_summary(run_dir, cfg, read_metrics(run_dir), "aborted", reason, rounds_done, extra)
+
+
+def write_stopped_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]], status: str, reason: str,
+                          rounds_done: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run that did not finish (``status``: aborted, diverged) and why."""
+    summary = summarize(cfg, rows, {"status": status, "reason": reason, "rounds_done": rounds_done, **extra})
     write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 

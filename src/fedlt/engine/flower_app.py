@@ -37,7 +37,7 @@ from fedlt.engine.flower_codec import (
     decode_message, decode_meta, decode_reply, drop_tree, encode_message, get_tree, has_tree, put_tree,
 )
 from fedlt.engine.simulation import RunResult, Simulation
-from fedlt.errors import ConfigError, FedltError
+from fedlt.errors import ConfigError, FedltError, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import OUTCOME_ENV, new_run_dir, write_aborted_summary, write_atomic
 from fedlt.run_parts import setup_parts
@@ -251,6 +251,8 @@ class FlowerSimulation(Simulation):
         try:
             self.connect()
             return super().run(run_dir, quiet=quiet)
+        except TrainingDiverged:  # its summary is written, marked diverged
+            raise
         except BaseException as err:  # a signal too: the summary says how far the run got
             self.abort(run_dir, describe_error(err))
             raise

@@ -38,7 +38,7 @@ from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
     CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition,
-    write_summary,
+    write_stopped_summary, write_summary,
 )
 from fedlt.run_parts import choose_backend
 from fedlt.tracking import Tracker
@@ -328,7 +328,14 @@ class Simulation:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
                 row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
-                self._check_finite(row)
+                try:
+                    self._check_finite(row)
+                except TrainingDiverged as err:
+                    seconds = time.perf_counter() - t0
+                    row["comm"] = {k: pending["comm"][k] + self._traffic[k] for k in TRAFFIC_KINDS}
+                    row["time_s"] = round(pending["time_s"] + seconds, 4)
+                    self._write_diverged(run_dir, rows, row, str(err), elapsed + seconds)
+                    raise
                 last = rnd == cfg.fl.rounds
                 if last:
                     self._run_queries("final", rnd, self.all_clients)
@@ -361,7 +368,27 @@ class Simulation:
             tracker.close()
             self.close()
         self._save_artifacts(run_dir)
-        summary = write_summary(run_dir, cfg, rows, {
+        summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
+        return RunResult(run_dir, summary, rows)
+
+    def _write_diverged(self, run_dir: Path, rows: list[dict[str, Any]], row: dict[str, Any], reason: str,
+                        elapsed: float) -> None:
+        """A diverged run's summary: the NaN model evaluated as it is (chance accuracy: what the
+        method delivered), ``"status": "diverged"`` with the round, so a report shows the cell as
+        diverged instead of dropping it or reading an earlier round's accuracy as its result."""
+        try:
+            row.update(self.evaluate(row["round"]))
+        except Exception:  # noqa: BLE001 - a method's own evaluation of a NaN model may fail; the status says why
+            pass
+        row["diverged"] = True
+        rows.append(row)
+        append_metrics(run_dir, row)
+        write_stopped_summary(run_dir, self.cfg, rows, "diverged", reason, row["round"] - 1,
+                              {"diverged_round": row["round"], **self._summary_extra(elapsed)})
+
+    def _summary_extra(self, elapsed: float) -> dict[str, Any]:
+        """What a summary says beyond the metrics: the data, shot groups, machine, messages, knobs."""
+        return {
             "elapsed_s": round(elapsed, 2),
             "data": self.eval_data.describe(),
             "shot_rule": self.groups.rule,
@@ -376,5 +403,4 @@ class Simulation:
             "method_args": self.resolved_method_args,
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
             **({"secure_aggregation": self.secure.describe()} if self.secure is not None else {}),
-        })
-        return RunResult(run_dir, summary, rows)
+        }
