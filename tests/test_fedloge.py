@@ -227,3 +227,45 @@ def test_default_gamma_is_the_backbones_and_a_given_gamma_wins(tmp_path, model, 
     assert sim.server.gamma == expected and sim.server.metrics()["sse_c_gamma"] == expected
     row_norms = sim.server.model.head.fixed.weight.norm(dim=1)
     assert torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-5)
+
+
+def one_client_fit(reading: str, epochs: int, lr: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """psi and phi_k after ``epochs`` local steps on one sample: features h = (2, 0), label 0,
+    both heads start at all-ones (equal logits), the SSE-C is zero (no gradient to the backbone)."""
+    from fedlt.messages import Message
+    from fedlt.methods.base import ClientContext, ClientData, TrainSettings, clone_state
+    from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeHead
+    from fedlt.models import FedModel
+
+    model = FedModel(torch.nn.Flatten(), 2, 2, FedLoGeHead(2, 2))
+    with torch.no_grad():
+        model.head.aux.weight.fill_(1.0)
+    data = ClientData(torch.tensor([[[[255, 0]]]], dtype=torch.uint8), torch.tensor([0]), torch.tensor([0]), 2,
+                      lambda x: 2 * x)
+    ctx = ClientContext(0, 1, model, data, {"personal/phi/weight": torch.ones(2, 2)},
+                        TrainSettings(epochs, 1, lr, 0.9, 5e-4, None), torch.device("cpu"), 0)
+    reply = FedLoGeClient(FedLoGeArgs(head_optimizer=reading)).fit(ctx, Message(weights=clone_state(model)))
+    return reply.weights["head.aux.weight"], ctx.state["personal/phi/weight"]
+
+
+@pytest.mark.parametrize("reading,one_step,two_steps", [
+    # run: lr 0.05, momentum 0.9, weight decay 5e-4 (as before the knob). Step 1: gradient
+    # (p - e_0) h^T = [[-1, 0], [1, 0]] at p = (0.5, 0.5); w -= 0.05 * (g + 5e-4 * 1).
+    # Step 2: logits differ by 2 * (1.049975 - 0.949975) = 0.2, g_00 = 2 * (sigmoid(0.2) - 1)
+    # = -0.900332; buffer = 0.9 * buffer_1 + g + 5e-4 * w.
+    ("run", [[1.049975, 0.999975], [0.949975, 0.999975]], [[1.139943, 0.999928], [0.859912, 0.999928]]),
+    # released: lr 0.03, momentum 0.5, no weight decay: w -= 0.03 * g; step 2 at a logit gap of
+    # 0.12, buffer = 0.5 * buffer_1 + g; columns without gradient never move.
+    ("released", [[1.03, 1.0], [0.97, 1.0]], [[1.073202, 1.0], [0.926798, 1.0]]),
+])
+def test_head_optimizer_steps_psi_and_phi_by_the_hand_computed_sgd_update(reading, one_step, two_steps):
+    for epochs, expected in ((1, one_step), (2, two_steps)):
+        for head in one_client_fit(reading, epochs):
+            assert torch.allclose(head, torch.tensor(expected), atol=1e-6, rtol=0), (reading, epochs, head)
+
+
+def test_released_head_optimizer_ignores_the_runs_learning_rate_and_schedule(tmp_path):
+    for head, other in zip(one_client_fit("released", 2), one_client_fit("released", 2, lr=0.0123)):
+        assert torch.equal(head, other)
+    with pytest.raises(ConfigError, match="head_optimizer"):
+        fedlt.run(tiny(tmp_path, "bad", head_optimizer="adam"), quiet=True)

@@ -170,3 +170,17 @@ def test_fedbabu_never_changes_the_head(tmp_path):
     up = res.summary["messages"]["fit"]["from_client"]
     assert up["model_entries"] == len(sim.server.model.encoder.state_dict())
     assert json.loads((res.run_dir / "summary.json").read_text())["final"]["pm_acc"] is not None
+
+
+def test_a_calibrated_personalized_method_is_evaluated_on_its_personal_models(tmp_path):
+    """Tau-normalisation rescales the global head only: FedRoD's personal models, and so PM, stay
+    those of the uncalibrated run while the global model changes."""
+    from fedlt.calibration.wrapper import with_calibration
+
+    assert with_calibration(METHODS["fedrod"], ["taunorm"]).client.personalized is True
+    assert with_calibration(METHODS["fedavg"], ["taunorm"]).client.personalized is False
+    plain = fedlt.run(tiny(tmp_path, "fedrod", "plain", rounds=3), quiet=True)
+    calibrated = fedlt.run(tiny(tmp_path, "fedrod", "taunorm", rounds=3, calibration=["taunorm"]), quiet=True)
+    assert calibrated.summary["final"]["pm_acc"] == plain.summary["final"]["pm_acc"]
+    assert calibrated.summary["final"]["loss"] != plain.summary["final"]["loss"]  # the global head did change
+    assert calibrated.summary["final"]["variants"]["uncalibrated"]["loss"] == plain.summary["final"]["loss"]

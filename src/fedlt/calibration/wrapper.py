@@ -189,7 +189,6 @@ class CalibratedClient(Client):
     def __init__(self, args):
         self.inner = self.inner_cls(args)
         super().__init__(args)
-        self.personalized = self.inner.personalized
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         extra = {}
@@ -257,7 +256,9 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
         raise ConfigError(f"calibration lists a name twice ({', '.join(names)}); give each once")
     server = type(f"Calibrated{spec.server.__name__}", (CalibratedServer,), {"inner_cls": spec.server,
                                                                                 "names": tuple(names)})
-    client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,), {"inner_cls": spec.client})
+    # the engine reads ``personalized`` from the class: it must declare what the wrapped client does
+    client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,),
+                  {"inner_cls": spec.client, "personalized": spec.client.personalized})
     return MethodSpec(
         name=spec.name, description=spec.description, server=server, client=client, args=spec.args,
         pooled=spec.pooled, make_model=spec.make_model, uses_loss_config=spec.uses_loss_config,

@@ -20,10 +20,14 @@ Choices where the paper is silent (also in docs/methods/fedloge.md):
   carry the class prior that they are meant to replace. ``head_bias=true`` gives them one (the
   released code's ``nn.Linear``); the global model then drops psi's bias, personal models keep
   phi_k's.
-- ``psi`` and ``phi_k`` step with ``fl.lr`` like the backbone (Algorithm 1 has one eta);
-  ``head_lr_scale`` changes that, for diagnosis: through a fixed head of norm ``gamma`` the
-  backbone can raise its logits only by growing its features, and the curvature psi sees grows
-  with the square of their norm.
+- ``psi`` and ``phi_k`` step with the run's SGD like the backbone (Algorithm 1 has one eta):
+  ``fl.lr`` on its schedule, ``fl.momentum``, ``fl.weight_decay``. ``head_optimizer=released``
+  steps them as the released code does: lr 0.03 at every round (the code has no schedule, so
+  this one ignores ``fl.lr_schedule``), momentum 0.5, no weight decay; the backbone keeps the
+  run's. Through a fixed head of norm ``gamma`` the backbone can raise its logits only by growing
+  its features, and the curvature psi sees grows with the square of their norm, so the heads'
+  step decides whether psi and phi_k stay stable; it never reaches the backbone (they learn on
+  detached features). ``head_lr_scale`` multiplies either reading's lr (for diagnosis).
 - ``phi_k`` starts, at the client's first participation, from its own ``nn.Linear``-style random
   initialisation (Algorithm 1 initialises every ``phi_k`` separately from ``w``), seeded per client.
   A client that never trained has no ``phi_k``; its personalized model is the global one.
@@ -57,7 +61,9 @@ from torch import nn
 
 from fedlt.config import Config
 from fedlt.messages import Message, Query, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state, parse_args
+from fedlt.methods.base import (
+    Client, ClientContext, MethodArgs, Server, ServerContext, TrainSettings, clone_state, parse_args,
+)
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
@@ -69,6 +75,8 @@ PHI_INIT_PURPOSE = 72
 MASKED_LOGIT = -1e9
 #: SSE-C norm when ``gamma`` is not given, by model (others: 1.0, the paper's for its ResNets)
 DEFAULT_GAMMA = {"cnn": 4.0}
+#: the released code's SGD for every parameter (``--lr``, ``--momentum``; constant, no weight decay)
+RELEASED_HEAD_SGD = {"lr": 0.03, "momentum": 0.5, "weight_decay": 0.0}
 
 
 class FedLoGeArgs(MethodArgs):
@@ -87,8 +95,11 @@ class FedLoGeArgs(MethodArgs):
         "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
     head_bias: bool = Field(False, description="psi and phi_k are linear layers with a bias (the released code); "
                                                "the GM drops psi's bias, PM keeps phi_k's")
-    head_lr_scale: float = Field(1.0, gt=0, description="learning rate of psi and phi_k relative to fl.lr (Algorithm 1: "
-                                                        "one step size for all, 1.0)")
+    head_optimizer: Literal["run", "released"] = Field(
+        "run", description="SGD of psi and phi_k: run = fl.lr on fl.lr_schedule, fl.momentum, fl.weight_decay (as the "
+        "backbone); released = the released code's lr 0.03 at every round (no schedule), momentum 0.5, no weight decay")
+    head_lr_scale: float = Field(1.0, gt=0, description="factor on the learning rate of psi and phi_k under "
+                                                        "head_optimizer (1.0: Algorithm 1's one step size)")
     finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
                                                       "(Appendix A.5), on the client's features, at evaluation")
 
@@ -116,6 +127,13 @@ class FedLoGeHead(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.fixed(features)
+
+
+def head_sgd(args: FedLoGeArgs, train: TrainSettings) -> dict[str, float]:
+    """SGD settings of psi and phi_k this round, as a parameter group's overrides of the run's."""
+    if args.head_optimizer == "released":
+        return {**RELEASED_HEAD_SGD, "lr": RELEASED_HEAD_SGD["lr"] * args.head_lr_scale}
+    return {"lr": train.lr * args.head_lr_scale}
 
 
 def fedloge_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:
@@ -257,7 +275,7 @@ class FedLoGeClient(Client):
         model.load_state_dict(msg.weights, strict=False)
         head = model.head
         phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
-        heads = {"params": [*head.aux.parameters(), *phi.parameters()], "lr": ctx.train.lr * self.args.head_lr_scale}
+        heads = {"params": [*head.aux.parameters(), *phi.parameters()], **head_sgd(self.args, ctx.train)}
         params = [{"params": list(model.encoder.parameters())}, heads]
 
         def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
