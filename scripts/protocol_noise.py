@@ -6,8 +6,9 @@ Per setting (a candidate protocol) of FedAvg:
 - the last 5 evaluated rounds of each seed: their range (max - min) and how far the final round
   sits from their mean;
 - the "FedAvg replicate" row (same federation, other training randomness): the paired difference
-  FedAvg - replicate is pure noise; its std gives the smallest paired difference the protocol
-  resolves at n seeds, t(0.975, n-1) * sd / sqrt(n);
+  FedAvg - replicate is pure training noise; its std gives the replicate floor at n seeds,
+  t(0.975, n-1) * sd / sqrt(n): the 95% half-width of a paired difference between two methods that
+  differed only by training noise (two different methods add their own, and reach wider intervals);
 - a twice-as-long run of the same seeds (if given): the paired difference long - short.
 
 Usage: .venv/bin/python scripts/protocol_noise.py runs/bench/protocol [runs/bench/protocol-long]
@@ -44,7 +45,7 @@ def last_rounds(row: Row) -> tuple[float, float]:
     return (float(np.mean(ranges)), float(np.mean(offsets))) if ranges else (float("nan"), float("nan"))
 
 
-def resolvable(sd: float, n: int) -> float:
+def floor(sd: float, n: int) -> float:
     """Half-width of the 95% CI of a mean paired difference over n seeds whose std is sd."""
     return float(st.t.ppf(0.975, n - 1) * sd / np.sqrt(n))
 
@@ -64,7 +65,7 @@ def main(folders: list[str]) -> None:
         r, e = head.split("x")
         rounds_epochs[name] = (int(r), int(e), name[len(head):])
     print("| protocol | seeds | FedAvg acc: mean ± std [95% CI] | few-shot: mean ± std | last-5 range | "
-          "final vs last-5 mean | replicate: sd of paired diff (pairs) | resolvable at 3 / 5 seeds | "
+          "final vs last-5 mean | replicate: sd of paired diff (pairs) | replicate floor: 95% half-width at 3 / 5 seeds | "
           "2x as long: paired diff [95% CI] |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, setting in settings.items():
@@ -82,7 +83,7 @@ def main(folders: list[str]) -> None:
             d = paired_difference(acc, by_seed(replicate))
             if d is not None and d.std is not None:
                 rep_text = f"{d.std:.2f} ({d.n})"
-                res_text = f"{resolvable(d.std, 3):.2f} / {resolvable(d.std, 5):.2f}"
+                res_text = f"{floor(d.std, 3):.2f} / {floor(d.std, 5):.2f}"
         long_text = "-"
         r, e, rest = rounds_epochs[name]
         for other, (r2, e2, rest2) in rounds_epochs.items():

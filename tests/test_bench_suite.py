@@ -104,7 +104,8 @@ def test_table_means_stds_differences_and_marks_match_the_cells(tiny_suite):
                 text = body[label[name]][header.index(delta)]
                 if d is not None:
                     mean, (lo, hi) = d
-                    assert text == f"{mean:+.2f} [{lo:.2f}, {hi:.2f}] {'*' if lo > 0 or hi < 0 else '≈'}", (m, name)
+                    assert text == (f"{mean:+.2f} ±{(hi - lo) / 2:.2f} [{lo:.2f}, {hi:.2f}] "
+                                    f"{'*' if lo > 0 or hi < 0 else 'n.r.'}"), (m, name)
                 else:
                     assert text in ("ref", "-"), (m, name, text)
 
@@ -245,6 +246,59 @@ def test_cells_from_another_machine_type_are_refused_unless_mixed_machines(tiny_
     run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None, mixed_machines=True)
     again = run_suite(load_suite(path), mine, echo=lambda line: None)  # nothing left to run: nothing is mixed
     assert not again.ran and again.skipped
+
+
+def test_a_row_whose_cells_ran_other_code_takes_no_new_cells_unless_mixed_code(tiny_suite, tmp_path):
+    """A row's seeds are one method: a new seed is refused where the row's finished cells ran another
+    source hash, or a ``+dirty`` commit without one (unknown code), with one line naming the row, the
+    versions and the fix; other rows still take cells, and ``--mixed-code`` adds them anyway."""
+    from fedlt.environment import source_hash
+
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    setting = "IF=10, alpha=0.5"
+    assert json.loads((cell_dir(mine, setting, "FedProx", 0) / "summary.json").read_text())["environment"][
+        "source_hash"] == source_hash()
+    run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None)  # same code: fine
+    summary = cell_dir(mine, setting, "FedProx", 1) / "summary.json"
+    tree = json.loads(summary.read_text())
+    for env, shown in (({**tree["environment"], "source_hash": "0123456789abcdef"}, "0123456789abcdef"),
+                       ({**tree["environment"], "source_hash": None, "git_commit": "abc1234+dirty"}, "abc1234+dirty")):
+        summary.write_text(json.dumps({**tree, "environment": env}))
+        with pytest.raises(ConfigError, match=re.escape(
+                f"row 'FedProx' ({setting}) in {mine} holds finished cells of other or unidentifiable code "
+                f"({source_hash()}: seed 0; {shown}: seed 1; this process: {source_hash()}), and a row's seeds are "
+                "one method; re-run the row at one commit into a fresh --out (or delete its cells there), or pass "
+                "--mixed-code")):
+            run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True, echo=lambda line: None)
+    cli = CliRunner().invoke(app, ["bench", str(path), "--out", str(mine), "--seeds", "0,1,5", "--dry-run"])
+    assert cli.exit_code == 2 and len(cli.stderr.strip().splitlines()) == 1 and "--mixed-code" in cli.stderr
+    assert "FedProx" not in {c.method for c in run_suite(load_suite(path), mine, seeds=[0, 1, 5], dry_run=True,
+                                                          rows=["FedAvg + CCVR"], echo=lambda line: None).cells}
+    dry = CliRunner().invoke(app, ["bench", str(path), "--out", str(mine), "--seeds", "0,1,5", "--dry-run",
+                                   "--mixed-code"])
+    assert dry.exit_code == 0 and "6 cells: 4 finished, 2 to run" in dry.stderr
+
+
+def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_suite, tmp_path):
+    """The summary's resolved ``method_args`` (defaults included) must match what the config resolves to
+    now: a changed default is a different run although the config file is the same. A summary from
+    before fedlt recorded them is matched on the config alone."""
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    summary = cell_dir(mine, "IF=10, alpha=0.5", "FedProx", 0) / "summary.json"
+    tree = json.loads(summary.read_text())
+    assert tree["method_args"] == {"mu": 0.01}  # fedprox's default, not given by the suite
+    summary.write_text(json.dumps({**tree, "method_args": {"mu": 0.5}}))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"cell 'IF=10, alpha=0.5 / FedProx / seed 0': {summary.parent} holds a run of another config "
+            "(method_args.mu: 0.5 -> 0.01); delete that folder or pass --out to a fresh one")):
+        run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    summary.write_text(json.dumps({k: v for k, v in tree.items() if k != "method_args"}))
+    cells = run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells
+    assert {c.state for c in cells} == {"done"}
 
 
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):

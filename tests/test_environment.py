@@ -1,7 +1,9 @@
-"""Where a number was measured: every summary.json and bench-log record carries the environment."""
+"""Where a number was measured: every summary.json and bench-log record carries the environment, and
+the code that ran it (git commit and a hash of the package's source files)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import re
@@ -16,7 +18,7 @@ import fedlt
 from conftest import write_suite
 from fedlt import environment
 
-KEYS = ["fedlt", "git_commit", "torch", "cpu", "cpu_capability", "gpu", "threads", "backend", "os", "python"]
+KEYS = ["fedlt", "git_commit", "source_hash", "torch", "cpu", "cpu_capability", "gpu", "threads", "backend", "os", "python"]
 TINY = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=1", "fl.local_epochs=1", "fl.participation=0.5",
         "eval.every=1", "run.threads=1", "run.device=cpu"]
 
@@ -29,6 +31,7 @@ def check(env: dict, backend: str | None, threads: int) -> None:
     assert env["python"] == platform.python_version() and env["os"] == platform.platform()
     assert isinstance(env["cpu"], str) and env["cpu"]
     assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", env["git_commit"])
+    assert env["source_hash"] == environment.source_hash() and re.fullmatch(r"[0-9a-f]{16}", env["source_hash"])
 
 
 def test_a_run_summary_records_its_environment(tmp_path):
@@ -80,3 +83,46 @@ def test_bench_reports_describe_the_machine_in_one_line():
 @pytest.mark.parametrize("device", ["cpu", None])
 def test_collect_on_the_cpu(device):
     check(environment.collect(device, "parallel"), backend="parallel", threads=torch.get_num_threads())
+
+
+def test_source_hash_names_the_package_files_and_changes_with_any_of_them(tmp_path):
+    """An installed copy (no git) hashes like the checkout; editing, adding or renaming a source file or a
+    bundled suite changes the hash, and files that are not source (caches, notes) do not."""
+    package = Path(environment.__file__).resolve().parent
+    copy = tmp_path / "site-packages" / "fedlt"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    installed = environment.hash_sources(copy)
+    assert installed == environment.hash_sources(package)
+    (copy / "__pycache__").mkdir(exist_ok=True)
+    (copy / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    (copy / "NOTES.txt").write_text("not source")
+    assert environment.hash_sources(copy) == installed
+    seen = {installed}
+    for change in ("edit", "suite", "add", "rename"):
+        if change == "edit":
+            (copy / "errors.py").write_text((copy / "errors.py").read_text() + "\n")
+        elif change == "suite":
+            (copy / "bench" / "suites" / "demo.yaml").write_text("name: demo\n")
+        elif change == "add":
+            (copy / "extra.py").write_text("")
+        else:
+            (copy / "extra.py").rename(copy / "extra2.py")
+        seen.add(environment.hash_sources(copy))
+        assert len(seen) == {"edit": 2, "suite": 3, "add": 4, "rename": 5}[change], change
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "a.py").write_bytes(b"x = 1\n")
+    # by hand: sha256 of "a.py", NUL, the size 6, NUL and the bytes
+    assert environment.hash_sources(tiny) == hashlib.sha256(b"a.py\x006\x00x = 1\n").hexdigest()[:16]
+
+
+def test_same_code_needs_equal_source_hashes_or_one_clean_commit():
+    same, hashed = environment.same_code, {"source_hash": "0123456789abcdef", "git_commit": "abc1234"}
+    assert same(hashed, {"source_hash": "0123456789abcdef", "git_commit": "def5678+dirty"})
+    assert not same(hashed, {"source_hash": "fedcba9876543210", "git_commit": "abc1234"})
+    assert same(hashed, {"git_commit": "abc1234"}) and same({"git_commit": "abc1234"}, hashed)  # a run before hashing
+    assert not same({"git_commit": "abc1234+dirty"}, {"git_commit": "abc1234+dirty"})  # uncommitted: unknown code
+    assert not same({}, {}) and not same({"git_commit": None}, hashed)
+    assert environment.code_version(hashed) == "0123456789abcdef"
+    assert environment.code_version({"source_hash": None, "git_commit": "abc1234+dirty"}) == "abc1234+dirty"
+    assert environment.code_version({}) is None

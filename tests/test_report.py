@@ -128,25 +128,32 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
         "| method | GM acc | 95% CI | Δ GM vs FedAvg | many | medium | few | PM acc | Δ PM vs FedAvg |",
         "| FedAvg | 71.00 ± 1.00 | [68.52, 73.48] | ref | 81.00 ± 1.00 | 61.00 ± 1.00 | 51.00 ± 1.00 "
         "| 72.00 ± 2.00 | ref |",
-        "| A | 73.00 ± 1.00 | [70.52, 75.48] | +2.00 [-0.48, 4.48] ≈ | 83.00 ± 1.00 | 63.00 ± 1.00 "
-        "| 53.00 ± 1.00 | 74.00 ± 1.73 | +2.00 [-0.48, 4.48] ≈ |",
+        # A - FedAvg: 2, 3, 1: sd 1, half-width t(0.975, 2) / sqrt(3) = 2.48
+        "| A | 73.00 ± 1.00 | [70.52, 75.48] | +2.00 ±2.48 [-0.48, 4.48] n.r. | 83.00 ± 1.00 | 63.00 ± 1.00 "
+        "| 53.00 ± 1.00 | 74.00 ± 1.73 | +2.00 ±2.48 [-0.48, 4.48] n.r. |",
         # best: B - A is resolved; A is not underlined: A - FedAvg is not. Oracle † would be on top if it counted
-        "| B | **76.33 ± 1.26** | [73.21, 79.46] | +5.33 [4.62, 6.05] * | **86.33 ± 1.26** | **66.33 ± 1.26** "
-        "| **56.33 ± 1.26** | **77.33 ± 2.25** | +5.33 [4.62, 6.05] * |",
+        "| B | **76.33 ± 1.26** | [73.21, 79.46] | +5.33 ±0.72 [4.62, 6.05] * | **86.33 ± 1.26** | **66.33 ± 1.26** "
+        "| **56.33 ± 1.26** | **77.33 ± 2.25** | +5.33 ±0.72 [4.62, 6.05] * |",
         "| C (1/3 seeds) | 60.00 | - | n/a (1 seed) | 70.00 | 50.00 | 40.00 | 60.00 | n/a (1 seed) |",
-        "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 [20.00, 20.00] * | 101.00 ± 1.00 | 81.00 ± 1.00 "
-        "| 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 [20.00, 20.00] * |",
+        "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 ±0.00 [20.00, 20.00] * | 101.00 ± 1.00 | 81.00 ± 1.00 "
+        "| 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 ±0.00 [20.00, 20.00] * |",
     ]
-    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123)" in report.markdown.splitlines()
+    lines = report.markdown.splitlines()
+    # the narrowest interval that measures noise: B's (Oracle's zero-variance one does not count)
+    assert "Smallest 95% half-width of a paired difference achieved: Δ GM ±0.72 (B, 3 seeds); Δ PM ±0.72 (B, 3 seeds)" in lines
+    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0" in lines
+    assert "Code: abc123 (13 runs)" in lines
     caption = report.markdown.split("## default")[0]
     assert "95% CI: the t-interval of the mean over seeds" in caption and "seed by seed" in caption
-    assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`≈` one within" in caption
+    assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`n.r.` one not resolved" in caption
+    assert "≈" not in report.markdown and "level" not in report.markdown and "within the noise" not in report.markdown
     assert "best is **bold** only if its lead over the second is resolved" in caption
     tex = (report.out / "tables.tex").read_text()
     assert "Method & GM & $\\Delta$GM & Many & Med. & Few & PM \\\\" in tex
-    assert ("B & \\textbf{76.33 $\\pm$ 1.26} & +5.33 [4.62, 6.05] * & \\textbf{86.33 $\\pm$ 1.26} & "
+    assert ("B & \\textbf{76.33 $\\pm$ 1.26} & +5.33 $\\pm$0.72 [4.62, 6.05] * & \\textbf{86.33 $\\pm$ 1.26} & "
             "\\textbf{66.33 $\\pm$ 1.26} & \\textbf{56.33 $\\pm$ 1.26} & \\textbf{77.33 $\\pm$ 2.25} \\\\") in tex
-    assert "A & 73.00 $\\pm$ 1.00 & +2.00 [-0.48, 4.48] $\\approx$ & 83.00" in tex
+    assert "A & 73.00 $\\pm$ 1.00 & +2.00 $\\pm$2.48 [-0.48, 4.48] n.r. & 83.00" in tex
+    assert "Smallest 95\\% half-width of a paired difference achieved: $\\Delta$ GM $\\pm$0.72 (B, 3 seeds)" in tex
     assert "FedAvg & 71.00 $\\pm$ 1.00 & ref &" in tex
     assert "$\\Delta$GM: GM minus FedAvg's, paired by seed" in tex and "\\begin{tabular}{lcccccc}" in tex
 
@@ -157,14 +164,15 @@ def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
     report = write_report(fake_suite(tmp_path / "out"), with_plots=False)
     rows = {r["row"]: r for r in csv.DictReader((report.out / "tables.csv").open())}
     header = next(csv.reader((report.out / "tables.csv").open()))
-    assert header[:15] == ["setting", "row", "variant", "ranked", "reference", "seeds", "acc_mean", "acc_std",
-                           "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p",
-                           "acc_resolved"]
-    assert header[15:19] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 6 + 5 * 12
+    assert header[:17] == ["setting", "row", "variant", "ranked", "reference", "seeds", "code", "acc_mean", "acc_std",
+                           "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi",
+                           "acc_diff_p", "acc_resolved"]
+    assert header[17:21] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 7 + 5 * 13
     a = rows["A"]
-    assert [a[k] for k in ("reference", "seeds", "acc_mean", "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff",
-                           "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p", "acc_resolved")] == \
-        ["FedAvg", "3", "73.0000", "1.0000", "70.5159", "75.4841", "2.0000", "-0.4841", "4.4841", "0.07418", "0"]
+    assert [a[k] for k in ("reference", "seeds", "code", "acc_mean", "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff",
+                           "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p", "acc_resolved")] == \
+        ["FedAvg", "3", "abc123", "73.0000", "1.0000", "70.5159", "75.4841", "2.0000", "2.4841", "-0.4841", "4.4841",
+         "0.07418", "0"]
     assert [a[f"pm_acc_seed{s}"] for s in range(3)] == ["72.0000", "75.0000", "75.0000"]
     assert rows["B"]["acc_resolved"] == "1" and rows["B"]["acc_diff_p"] == "0.0009751"
     assert rows["Oracle"]["acc_diff_p"] == "0" and rows["Oracle"]["ranked"] == "0"  # zero-variance difference
@@ -213,7 +221,7 @@ def test_reference_key_names_the_row_differences_are_taken_against(tmp_path):
     s1, s2 = report.markdown.split("## s1")[1].split("## s2")
     assert table_lines(s2)[0].endswith("| Δ GM vs B | many | medium | few | PM acc | Δ PM vs B |")
     lines = {line.split(" | ")[0][2:]: line.split(" | ")[3] for line in table_lines(s2)[1:]}
-    assert lines == {"FedAvg": "-5.33 [-6.05, -4.62] *", "A": "-3.33 [-5.92, -0.75] *", "B": "ref"}
+    assert lines == {"FedAvg": "-5.33 ±0.72 [-6.05, -4.62] *", "A": "-3.33 ±2.59 [-5.92, -0.75] *", "B": "ref"}
     # B is not in s1: that table says so and takes its first row
     assert "Δ GM vs FedAvg" in table_lines(s1)[0]
     assert ("> note: the reference row 'B' is not in this setting; differences are against its first row 'FedAvg'"
@@ -231,13 +239,13 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     assert table_lines(report.markdown)[1:] == [
         "| a | 70.00 | - | ref | 80.00 | 60.00 | 50.00 | 70.00 | ref |",
         "| b | 72.00 | - | n/a (1 seed) | 82.00 | 62.00 | 52.00 | 72.00 | n/a (1 seed) |"]  # one seed: nothing marked
-    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123)" in report.markdown
+    assert "Measured on: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0" in report.markdown
     for name, acc, env in (("a", 70.0, ENV), ("b", 72.0, gpu), ("c", 71.0, None)):
         (tmp_path / "mixed" / name).mkdir(parents=True)
         (tmp_path / "mixed" / name / "summary.json").write_text(json.dumps(run_summary(acc, env=env)))
     mixed = write_report(tmp_path / "mixed", with_plots=False).markdown
-    assert ("> note: cells of this table were measured on 3 different environments: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (abc123) (1 run); "
-            "NVIDIA H100 80GB HBM3, AMD EPYC 7B13 (AVX512), 4 threads, torch 2.13.0+cu128, fedlt 0.1.0 (abc123) (1 run); "
+    assert ("> note: cells of this table were measured on 3 different environments: AMD EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu, fedlt 0.1.0 (1 run); "
+            "NVIDIA H100 80GB HBM3, AMD EPYC 7B13 (AVX512), 4 threads, torch 2.13.0+cu128, fedlt 0.1.0 (1 run); "
             "not recorded (1 run)") in mixed.splitlines()
     assert "Measured on:" not in mixed
     (tmp_path / "mixed" / "b" / "summary.json").write_text(json.dumps(run_summary(72.0, env=None)))
@@ -245,31 +253,66 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     assert "Measured on: not recorded" in write_report(tmp_path / "mixed", with_plots=False).markdown.splitlines()
 
 
+def test_each_table_names_the_code_behind_it_and_marks_a_row_of_mixed_code(tmp_path):
+    from fedlt.bench.suite import cell_dir
+
+    out = fake_suite(tmp_path / "out")
+    for method, seed, env in (("A", 0, {**ENV, "source_hash": "0123456789abcdef"}),
+                              ("A", 1, {**ENV, "source_hash": "0123456789abcdef"}),
+                              ("A", 2, {**ENV, "source_hash": "0123456789abcdef"}),
+                              ("B", 2, {**ENV, "git_commit": "def456+dirty"}), ("C", 0, None)):
+        path = cell_dir(out, "default", method, seed) / "summary.json"
+        path.write_text(json.dumps(run_summary(json.loads(path.read_text())["final"]["acc"], seed, env)))
+    report = write_report(out, with_plots=False)
+    lines = report.markdown.splitlines()
+    assert "Code: abc123 (8 runs), 0123456789abcdef (3 runs), def456+dirty (1 run), not recorded (1 run)" in lines
+    assert [line.split(" | ")[0] for line in table_lines(report.markdown)[1:]] == \
+        ["| FedAvg", "| A", "| B ‡", "| C (1/3 seeds)", "| Oracle †"]  # C's one run is one version
+    assert "> ‡ B: its seeds ran different code: abc123 (seeds 0, 1); def456+dirty (seed 2)" in lines
+    import csv
+
+    assert {r["row"]: r["code"] for r in csv.DictReader((report.out / "tables.csv").open())} == \
+        {"FedAvg": "abc123", "A": "0123456789abcdef", "B": "abc123 def456+dirty", "C": "not recorded",
+         "Oracle": "abc123"}
+    tex = (report.out / "tables.tex").read_text()
+    assert "\nB $^\\ddagger$ & " in tex and "$^\\ddagger$ seeds run on different code" in tex
+
+
 def claim(row, against, **more):
     return {"paper": "P", "claim": f"{row} vs {against}", "row": row, "against": against, **more}
 
 
 def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_than_its_interval(tmp_path):
-    claims = [claim("B", "FedAvg", paper_figure="80 vs 71.4 (Table 1)", paper_diff=8.6),  # 5, 5.5, 5.5
-              claim("FedAvg", "B"),  # the other side of the same interval
+    claims = [claim("B", "FedAvg", paper_figure="80 vs 71.4 (Table 1)", paper_diff=8.6, seeds=3),  # 5, 5.5, 5.5
+              claim("FedAvg", "B", seeds=5),  # the other side of the same interval, stated for 5 seeds
               claim("A", "FedAvg", metric="few_acc"),  # 2, 3, 1: [-0.48, 4.48]
               claim("A", "FedAvg", margin=5), claim("A", "FedAvg", margin=1), claim("B", "FedAvg", margin=1),
-              claim("C", "FedAvg"), claim("A", "FedAvg", paper_diff=2.5), claim("D", "FedAvg")]
-    rows = {**ROWS, "D": [None, None, None]}
+              claim("C", "FedAvg"), claim("E", "FedAvg"), claim("D", "FedAvg")]
+    rows = {**ROWS, "D": [None, None, None], "E": [72.0, 74.0, 73.7]}  # E - FedAvg: 2, 3, 1.7
     report = write_report(fake_suite(tmp_path / "out", rows, claims=claims), with_plots=False)
     section = report.markdown.split("## Claims, checked")[1]
+    # the family: the 4 directional claims with a p-value, p = 0.000975 (twice), 0.0296 (E), 0.0742 (A, few).
+    # Holm: E is 3rd smallest, 2 x 0.0296 = 0.059 -> not resolved; BH: 4/3 x 0.0296 = 0.039 -> holds
     assert table_lines(section)[1:] == [
-        "| P | B vs FedAvg | B - FedAvg, GM acc | 80 vs 71.4 (Table 1) | +5.33 [4.62, 6.05] (n=3) "
-        "| **holds**; smaller than the paper's +8.6 |",
-        "| P | FedAvg vs B | FedAvg - B, GM acc | - | -5.33 [-6.05, -4.62] (n=3) | **does not hold** |",
-        "| P | A vs FedAvg | A - FedAvg, few | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
-        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±5 | - | +2.00 [-0.48, 4.48] (n=3) | **holds** |",
-        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±1 | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
-        "| P | B vs FedAvg | B - FedAvg, GM acc, within ±1 | - | +5.33 [4.62, 6.05] (n=3) | **does not hold** |",
-        "| P | C vs FedAvg | C - FedAvg, GM acc | - | -10.00 (n=1) | **not resolved**; 1 paired seed: no interval |",
-        "| P | A vs FedAvg | A - FedAvg, GM acc | - | +2.00 [-0.48, 4.48] (n=3) | **not resolved** |",
-        "| P | D vs FedAvg | D - FedAvg, GM acc | - | - | **not measured**; the two rows share no finished seed |",
+        "| P | B vs FedAvg | B - FedAvg, GM acc | 80 vs 71.4 (Table 1) | +5.33 ±0.72 [4.62, 6.05] | <0.001 "
+        "| 3 = planned | **holds**; smaller than the paper's +8.6 | holds | holds |",
+        "| P | FedAvg vs B | FedAvg - B, GM acc | - | -5.33 ±0.72 [-6.05, -4.62] | <0.001 | 3 ≠ 5 planned "
+        "| **does not hold** | does not hold | does not hold |",
+        "| P | A vs FedAvg | A - FedAvg, few | - | +2.00 ±2.48 [-0.48, 4.48] | 0.0742 | 3 | **not resolved** "
+        "| not resolved | not resolved |",
+        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±5 | - | +2.00 ±2.48 [-0.48, 4.48] | 0.0742 | 3 | **holds** | - | - |",
+        "| P | A vs FedAvg | A - FedAvg, GM acc, within ±1 | - | +2.00 ±2.48 [-0.48, 4.48] | 0.0742 | 3 "
+        "| **not resolved** | - | - |",
+        "| P | B vs FedAvg | B - FedAvg, GM acc, within ±1 | - | +5.33 ±0.72 [4.62, 6.05] | <0.001 | 3 "
+        "| **does not hold** | - | - |",
+        "| P | C vs FedAvg | C - FedAvg, GM acc | - | -10.00 | - | 1 | **not resolved**; 1 paired seed: no interval "
+        "| not resolved | not resolved |",
+        "| P | E vs FedAvg | E - FedAvg, GM acc | - | +2.23 ±1.69 [0.54, 3.92] | 0.0296 | 3 | **holds** "
+        "| not resolved | holds |",
+        "| P | D vs FedAvg | D - FedAvg, GM acc | - | - | - | 0 | **not measured**; the two rows share no finished seed "
+        "| not measured | not measured |",
     ]
+    assert "the p-values of all 4 directional claims measured here are adjusted together" in section
     assert "## Claims, checked" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
 
 

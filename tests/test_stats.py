@@ -1,5 +1,6 @@
 """Statistics over seeds against scipy and a hand computation: one row's mean, std and 95%
-t-interval, and the paired difference of two rows keyed by seed."""
+t-interval, the paired difference of two rows keyed by seed and its half-width, and the adjusted
+p-values of a family of tests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 from scipy import stats
 
-from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
+from fedlt.reporting.stats import PairedDiff, SeedStats, benjamini_hochberg, holm, paired_difference, summarize
 
 T_975_2 = 4.302652729749462  # t_{0.975} with 2 degrees of freedom (tables: 4.303)
 
@@ -34,6 +35,7 @@ def test_paired_difference_by_hand():
     assert d.n == 3 and d.mean == 2.0 and d.std == 1.0
     assert d.ci == pytest.approx((2 - T_975_2 / math.sqrt(3), 2 + T_975_2 / math.sqrt(3)))
     assert d.ci == pytest.approx((-0.4841, 4.4841), abs=1e-4) and not d.resolved
+    assert d.half_width == pytest.approx(T_975_2 / math.sqrt(3)) and d.half_width == pytest.approx(2.4841, abs=1e-4)
 
 
 def test_paired_difference_matches_scipy_ttest_rel():
@@ -59,6 +61,7 @@ def test_only_shared_seeds_are_paired():
 
 def test_fewer_than_two_pairs_give_no_interval_and_nothing_resolved():
     assert paired_difference({0: 80.0, 1: 81.0}, {1: 70.0, 2: 71.0}) == PairedDiff(1, 11.0, None, None, None, False)
+    assert paired_difference({0: 80.0, 1: 81.0}, {1: 70.0, 2: 71.0}).half_width is None
     assert paired_difference({0: 80.0}, {1: 70.0}) is None
     assert paired_difference({}, {0: 70.0}) is None
 
@@ -70,3 +73,13 @@ def test_zero_variance_differences_are_a_point_resolved_iff_non_zero():
     same = paired_difference({0: 72.0, 1: 74.0}, {0: 72.0, 1: 74.0})
     assert same == PairedDiff(2, 0.0, 0.0, (0.0, 0.0), 1.0, False)
     assert math.isnan(stats.ttest_rel([72.0, 74.0], [72.0, 74.0]).pvalue)  # why it is handled explicitly
+
+
+def test_holm_and_benjamini_hochberg_by_hand():
+    p = [0.01, 0.04, 0.03, 0.005]
+    # Holm, sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04 -> made monotone 0.06
+    assert holm(p) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # BH, the same sorted p times 4/1, 4/2, 4/3, 4/4: 0.02, 0.02, 0.04, 0.04, each the minimum of those after it
+    assert benjamini_hochberg(p) == pytest.approx([0.02, 0.04, 0.04, 0.02])
+    assert holm([0.3, 0.6]) == pytest.approx([0.6, 0.6]) and holm([0.7, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert holm([]) == [] and benjamini_hochberg([]) == []

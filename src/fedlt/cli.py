@@ -255,6 +255,8 @@ def bench_run_cmd(
     report: bool = typer.Option(True, "--report/--no-report", help="write tables and plots to OUT/report at the end"),
     mixed_machines: bool = typer.Option(False, "--mixed-machines", help="add cells to a folder whose finished cells "
                                         "ran on another machine type (CPU capability, GPU, torch version)"),
+    mixed_code: bool = typer.Option(False, "--mixed-code", help="add cells to a row whose finished cells ran other "
+                                    "fedlt code (another source hash or commit, or uncommitted changes)"),
 ) -> None:
     """Run a suite: each (setting, method, seed) cell is a run directory; finished cells are skipped, failed ones are listed in OUT/failed.json while the others go on (exit code 1)."""
 
@@ -273,7 +275,8 @@ def bench_run_cmd(
         _check_out(folder, folder=True)
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
                            echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []),
-                           rows=list(rows or []) or None, mixed_machines=mixed_machines)
+                           rows=list(rows or []) or None, mixed_machines=mixed_machines,
+                           mixed_code=mixed_code)
         if dry_run:
             return
         if report:

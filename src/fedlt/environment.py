@@ -2,12 +2,15 @@
 
 Floats depend on them: the same seed gives identical metrics only with the same fedlt, torch
 version, CPU capability and thread count (README, "Reproducibility"), so every summary.json and
-bench-log record carries :func:`collect`'s dict under ``environment``.
+bench-log record carries :func:`collect`'s dict under ``environment``. The code is named twice: the
+git commit of a source checkout, and a hash of the package's source files, which also names an
+installed wheel (no git) and tells two different uncommitted states apart.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import subprocess
 from pathlib import Path
@@ -25,6 +28,7 @@ def collect(device: torch.device | str | None = None, backend: str | None = None
     return {
         "fedlt": __version__,
         "git_commit": git_commit(),
+        "source_hash": source_hash(),
         "torch": torch.__version__,
         "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -81,3 +85,37 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if dirty else "")
+
+
+@functools.cache
+def source_hash() -> str:
+    """:func:`hash_sources` of the imported fedlt package, once per process (its modules are loaded)."""
+    return hash_sources(Path(__file__).resolve().parent)
+
+
+def hash_sources(package: Path) -> str:
+    """First 16 hex digits of the SHA-256 over every ``*.py`` and ``*.yaml`` (the bundled suites) under
+    ``package``, in sorted relative-path order, each as its relative path, its size and its bytes: two
+    trees hash alike only if they hold the same files with the same contents."""
+    digest = hashlib.sha256()
+    files = (p for pattern in ("*.py", "*.yaml") for p in package.rglob(pattern))
+    for name, path in sorted((p.relative_to(package).as_posix(), p) for p in files):
+        data = path.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def code_version(env: dict[str, Any]) -> str | None:
+    """The code behind a record, as reports name it: its source hash, else (a record from before fedlt
+    hashed its sources) its git commit; None when neither was recorded."""
+    return env.get("source_hash") or env.get("git_commit")
+
+
+def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records provably ran the same fedlt source: equal source hashes where both have one,
+    else the same clean commit. A ``+dirty`` commit without a hash is unknown code, the same as nothing."""
+    if a.get("source_hash") and b.get("source_hash"):
+        return a["source_hash"] == b["source_hash"]
+    commit = a.get("git_commit")
+    return bool(commit) and not commit.endswith("+dirty") and commit == b.get("git_commit")

@@ -4,9 +4,11 @@ A suite file (format in docs/benchmarks.md, built-in ones in ``bench/suites/``) 
 groups) and methods (table rows). Cell ``(setting, method, seed)`` runs ``fedlt run`` with the
 overrides of the suite, the setting, the method, then ``seed=S`` and its run directory
 ``OUT/<setting-slug>/<method-slug>/seed<S>``. Because the cell's place is fixed, the suite is
-resumable: a finished cell (a readable ``summary.json`` and the same config) is skipped, an interrupted one
-continues from its checkpoint, and a folder holding a *different* config is an error, never
-silently mixed into a table. Every cell's config is validated before the first cell trains.
+resumable: a finished cell (a readable ``summary.json``, the same config and the same resolved method
+arguments) is skipped, an interrupted one continues from its checkpoint, and a folder holding a
+*different* config is an error, never silently mixed into a table. A row whose finished cells ran
+other code, or a folder measured on another machine type, takes no new cells either. Every cell's
+config is validated before the first cell trains.
 A failing cell is logged to ``OUT/failed.json`` and the others go on.
 """
 
@@ -18,6 +20,7 @@ import re
 import shutil
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fedlt.environment import code_version, same_code
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -88,6 +92,8 @@ class ClaimRow(_Strict):
     paper_figure: str = Field("", description="the paper's own comparison: table, setting, values")
     paper_diff: float | None = Field(None, description="the paper's row - against, in points")
     margin: float | None = Field(None, gt=0, description="a closeness claim: |row - against| <= margin points")
+    seeds: int | None = Field(None, ge=2, description="the paired seeds the claim is to be judged on, stated "
+                              "before it is measured; the report marks a claim measured on another count")
 
 
 class SuiteSpec(_Strict):
@@ -315,6 +321,17 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
     return None
 
 
+def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
+    """The first knob whose value a finished run used (``summary["method_args"]``, defaults included)
+    differs from what ``cfg`` resolves to now, as ``method_args.key: a -> b``: a changed default
+    changes the run although the config file does not."""
+    from fedlt.methods.registry import get_method, parse_method_args
+
+    resolved = parse_method_args(get_method(cfg.method), cfg.method_args).model_dump(mode="json")
+    return config_difference({f"method_args.{k}": v for k, v in saved.items()},
+                             {f"method_args.{k}": v for k, v in resolved.items()})
+
+
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, and classify its folder, before anything trains."""
     from fedlt.config import load_config
@@ -340,7 +357,8 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
 
 
 def validate_cell_folder(cell: Cell, cfg: Config) -> None:
-    """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error."""
+    """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error (a
+    run of another config, or of other resolved method arguments where its summary records them)."""
     from fedlt.engine.checkpoint import CHECKPOINT_FILE
     from fedlt.results import CONFIG_FILE, SUMMARY_FILE, read_summary
 
@@ -352,14 +370,16 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         cell.state = "new"
         return
     diff = config_difference(yaml.safe_load(saved_path.read_text()) or {}, cfg.dump())
+    try:
+        summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
+    except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
+        summary = None
+    if diff is None and summary and isinstance(summary.get("method_args"), dict):
+        diff = method_args_difference(summary["method_args"], cfg)
     if diff is not None:
         raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
                           "delete that folder or pass --out to a fresh one")
-    try:
-        finished = (cell.run_dir / SUMMARY_FILE).is_file() and bool(read_summary(cell.run_dir))
-    except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
-        finished = False
-    if finished:
+    if summary:
         cell.state = "done"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
         cell.state = "resume"
@@ -430,6 +450,19 @@ def machine(env: dict[str, Any]) -> str:
     return ", ".join(f"{k} {env.get(k)}" for k in MACHINE_KEYS if env.get(k) is not None)
 
 
+def finished_environments(suite: Suite, out: Path) -> Iterator[tuple[Cell, dict[str, Any]]]:
+    """Every finished cell of the folder (all settings, rows and seeds of the suite: a readable summary)
+    with the ``environment`` its summary records (``{}`` where none is)."""
+    from fedlt.results import read_summary
+
+    for cell in expand(suite, out, None):
+        try:
+            env = read_summary(cell.run_dir).get("environment")
+        except FedltError:  # none, or cut off: unfinished
+            continue
+        yield cell, env if isinstance(env, dict) else {}
+
+
 def check_same_machine(suite: Suite, out: Path, todo: list[Cell]) -> None:
     """Refuse to add cells to a folder whose finished cells ran on another machine type: every row
     is paired with the reference row by seed, and a pair across CPU capabilities or torch versions
@@ -440,24 +473,45 @@ def check_same_machine(suite: Suite, out: Path, todo: list[Cell]) -> None:
     if not todo:
         return
     here = machine(collect_environment(resolve_device(load_config(suite.base, todo[0].overrides).run.device)))
-    for cell in expand(suite, out, None):
-        try:
-            summary = json.loads((cell.run_dir / "summary.json").read_text())
-        except (OSError, ValueError):
-            continue
-        env = summary.get("environment") if isinstance(summary, dict) else None
-        if isinstance(env, dict) and machine(env) != here:
+    for _, env in finished_environments(suite, out):
+        if env and machine(env) != here:
             raise ConfigError(f"{out} holds finished cells measured on another machine type ({machine(env)}; this "
                               f"machine: {here}), and rows are paired by seed across the folder; use another --out "
                               f"for this machine type and re-run the reference row there, or pass --mixed-machines")
 
 
+def check_same_code(suite: Suite, out: Path, todo: list[Cell]) -> None:
+    """Refuse to add cells to a row whose finished cells ran other fedlt source than this process, or
+    than each other (:func:`fedlt.environment.same_code`): a row's seeds are averaged and paired as one
+    method, and a code change between seeds makes them two."""
+    rows = {(c.setting, c.method) for c in todo}
+    finished: dict[tuple[str, str], list[tuple[Cell, dict[str, Any]]]] = {}
+    for cell, env in finished_environments(suite, out):
+        if (cell.setting, cell.method) in rows:
+            finished.setdefault((cell.setting, cell.method), []).append((cell, env))
+    if not finished:
+        return
+    here = collect_environment()
+    for (setting, method), cells in finished.items():
+        envs = [here, *(env for _, env in cells)]
+        if all(same_code(a, b) for i, a in enumerate(envs) for b in envs[i + 1:]):
+            continue
+        seeds: dict[str, list[int]] = {}
+        for cell, env in cells:
+            seeds.setdefault(code_version(env) or "not recorded", []).append(cell.seed)
+        ran = "; ".join(f"{version}: seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}" for version, s in seeds.items())
+        raise ConfigError(f"row '{method}' ({setting}) in {out} holds finished cells of other or unidentifiable code "
+                          f"({ran}; this process: {code_version(here)}), and a row's seeds are one method; re-run the "
+                          "row at one commit into a fresh --out (or delete its cells there), or pass --mixed-code")
+
+
 def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
               echo: Callable[[str], None] = print, overrides: list[str] | None = None,
-              rows: list[str] | None = None, mixed_machines: bool = False) -> SuiteResult:
+              rows: list[str] | None = None, mixed_machines: bool = False, mixed_code: bool = False) -> SuiteResult:
     """Validate every cell, then run the unfinished ones (``workers`` processes in parallel);
     ``rows`` limits the run to those row labels (the others' finished cells stay as they are).
-    Unless ``mixed_machines``, a folder whose finished cells ran on another machine type is refused."""
+    Unless ``mixed_machines``, a folder whose finished cells ran on another machine type is refused;
+    unless ``mixed_code``, a row whose finished cells ran other code than this process."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more")
     bad = [o for o in overrides or [] if "=" not in o]
@@ -469,6 +523,8 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     todo = [c for c in cells if c.state != "done"]
     if not mixed_machines:
         check_same_machine(suite, out, todo)
+    if not mixed_code:
+        check_same_code(suite, out, todo)
     if dry_run:
         for c in cells:
             echo(f"{c.state:7s} {c.label:60s} {c.run_dir}")

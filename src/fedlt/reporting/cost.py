@@ -30,10 +30,10 @@ def _minutes(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min {sec} s"
 
 
-def suite_cost(log: Path) -> SuiteCost | None:
-    """The cost of the cells that finished, or None without a log (or without a finished cell)."""
+def finished_records(log: Path) -> list[dict]:
+    """The last ``ok`` record of each cell (by run folder, else cell label); empty without a log."""
     if not log.is_file():
-        return None
+        return []
     last: dict[str, dict] = {}
     for line in log.read_text().splitlines():
         try:
@@ -42,10 +42,24 @@ def suite_cost(log: Path) -> SuiteCost | None:
             continue
         if isinstance(record, dict) and record.get("status") == "ok" and "time" in record:
             last[record.get("run_dir") or record.get("cell")] = record
-    if not last:
+    return list(last.values())
+
+
+def suite_cost(log: Path) -> SuiteCost | None:
+    """The cost of the cells that finished, or None without a log (or without a finished cell)."""
+    records = finished_records(log)
+    if not records:
         return None
-    ends = [datetime.fromisoformat(r["time"]) for r in last.values()]
-    starts = [end - timedelta(seconds=float(r.get("wall_s", 0))) for end, r in zip(ends, last.values())]
-    return SuiteCost(len(last), sum(float(r.get("cpu_s", 0)) for r in last.values()),
-                     sum(float(r.get("wall_s", 0)) for r in last.values()),
-                     (max(ends) - min(starts)).total_seconds())
+    ends = [datetime.fromisoformat(r["time"]) for r in records]
+    starts = [end - timedelta(seconds=float(r.get("wall_s", 0))) for end, r in zip(ends, records)]
+    return SuiteCost(len(records), sum(float(r.get("cpu_s", 0)) for r in records),
+                     sum(float(r.get("wall_s", 0)) for r in records), (max(ends) - min(starts)).total_seconds())
+
+
+def cpu_seconds_by_row(log: Path) -> dict[str, list[float]]:
+    """CPU seconds of each finished cell, per row: the middle part of its label ``setting / row / seed S``."""
+    rows: dict[str, list[float]] = {}
+    for r in finished_records(log):
+        row = str(r.get("cell", "")).rsplit(" / ", 1)[0].partition(" / ")[2]
+        rows.setdefault(row, []).append(float(r.get("cpu_s", 0)))
+    return rows

@@ -18,10 +18,11 @@ NOT_RECORDED = "not recorded"
 
 
 def describe(env: Any) -> str:
-    """The run's environment in one line; ``not recorded`` for runs from before fedlt recorded it."""
+    """The run's machine and software in one line, without its commit; ``not recorded`` for runs from
+    before fedlt recorded it."""
     if not isinstance(env, dict) or not any(env.get(k) is not None for k in IDENTITY):
         return NOT_RECORDED
-    return describe_environment(env)
+    return describe_environment({**env, "git_commit": None})  # the table's code line names every version
 
 
 def environment_lines(runs: list[Run]) -> list[str]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-LEVEL = 0.95
+ALPHA = 0.05  # a difference is resolved when its (adjusted) p-value is below this
+LEVEL = 1 - ALPHA
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class PairedDiff:
     ci: tuple[float, float] | None  # 95% t-interval of the mean difference; None for fewer than 2 pairs
     p: float | None  # two-sided paired t-test; None for fewer than 2 pairs
     resolved: bool  # the interval excludes 0 (equivalently p < 0.05)
+
+    @property
+    def half_width(self) -> float | None:
+        """Half the 95% interval: the smallest difference these pairs could have resolved."""
+        return None if self.ci is None else (self.ci[1] - self.ci[0]) / 2
 
 
 def _interval(mean: float, std: float, n: int) -> tuple[float, float]:
@@ -72,3 +78,19 @@ def paired_difference(row: dict[int, float], ref: dict[int, float]) -> PairedDif
     lo, hi = _interval(mean, std, n)
     p = float(stats.ttest_rel([row[s] for s in seeds], [ref[s] for s in seeds]).pvalue)
     return PairedDiff(n, mean, std, (lo, hi), p, lo > 0 or hi < 0)
+
+
+def holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, which control the chance of any false verdict in the family:
+    the k-th smallest p times (m - k + 1), never below the adjusted p before it, at most 1."""
+    adjusted, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(sorted(range(len(p)), key=lambda i: p[i])):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def benjamini_hochberg(p: list[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values, which control the expected share of false verdicts among
+    the resolved ones (scipy's ``false_discovery_control``)."""
+    return [float(x) for x in stats.false_discovery_control(p, method="bh")] if p else []

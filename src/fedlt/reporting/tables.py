@@ -3,8 +3,12 @@ GM accuracy overall / many / medium / few and PM accuracy when the runs report i
 
 Cells are mean ± sample std (n - 1) over seeds. The headline GM accuracy also gets its 95%
 t-interval, and GM and PM accuracy their paired difference Δ to the setting's reference row,
-taken seed by seed (:mod:`fedlt.reporting.stats`): ``*`` when its 95% interval excludes 0
-(resolved), ``≈`` when it does not (within the noise of the reference).
+taken seed by seed (:mod:`fedlt.reporting.stats`), with the half-width of its 95% interval and the
+interval, e.g. ``+6.89 ±6.65 [0.23, 13.54] *``: ``*`` when the interval excludes 0 (resolved),
+``n.r.`` when it does not (not resolved: the seeds cannot tell the sign, which is no evidence that
+the rows are equal). Under each table, the smallest half-width its paired differences achieved
+(what this table can resolve, not a noise floor measured elsewhere), the machine and the code the
+runs ran (:mod:`fedlt.reporting.provenance`; a row whose seeds ran different code is marked ‡).
 
 Bold and underline claim an order, so they are given only where the seeds resolve it. Per
 column, the ranked rows are sorted by mean; the top one is best only if its paired lead over the
@@ -13,10 +17,11 @@ resolved too; and a row whose difference to the reference is not resolved is nev
 reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
-The CSV has one line per (setting, row) and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi,
-m_diff, m_diff_ci_lo, m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row,
-empty on that row), then one column ``m_seed<S>`` per seed found in any table, empty where the
-row lacks that seed: rectangular, and every number in it can be recomputed from those columns.
+The CSV has one line per (setting, row) with the code versions its runs ran (``code``, space-separated)
+and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi, m_diff, m_diff_half, m_diff_ci_lo,
+m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row, empty on that row), then
+one column ``m_seed<S>`` per seed found in any table, empty where the row lacks that seed:
+rectangular, and every number in it can be recomputed from those columns.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from dataclasses import dataclass
 from fedlt.reporting.claims import check_claims, claims_section
 from fedlt.reporting.collect import Collection, Row, Setting
 from fedlt.reporting.environment import environment_lines
+from fedlt.reporting.provenance import MIXED_MARK, by_version, code_lines, mixed
 from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
 
 COLUMNS = (("acc", "GM acc"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"), ("pm_acc", "PM acc"))
 LATEX_HEADERS = {"acc": "GM", "many_acc": "Many", "medium_acc": "Med.", "few_acc": "Few", "pm_acc": "PM"}
 DELTA_HEADERS = {"acc": "Δ GM", "pm_acc": "Δ PM"}  # the columns whose difference to the reference is shown
 UNRANKED_MARK = "†"
+UNRESOLVED_MARK = "n.r."
 
 
 @dataclass
@@ -97,8 +104,9 @@ def _interval(s: SeedStats | None) -> str:
     return "-" if s is None or s.ci is None else f"[{s.ci[0]:.2f}, {s.ci[1]:.2f}]"
 
 
-def _delta(t: Table, i: int, metric: str, unresolved: str = "≈") -> str:
-    """``+1.23 [-0.50, 2.96] ≈``: mean paired difference to the reference, its 95% interval, marker."""
+def _delta(t: Table, i: int, metric: str, pm: str = "±") -> str:
+    """``+1.23 ±1.73 [-0.50, 2.96] n.r.``: mean paired difference to the reference, the half-width of
+    its 95% interval, the interval, marker."""
     if i == t.reference:
         return "ref"
     if t.cells[i][metric] is None:
@@ -107,11 +115,32 @@ def _delta(t: Table, i: int, metric: str, unresolved: str = "≈") -> str:
     if d is None or d.ci is None:
         k = d.n if d is not None else 0
         return f"n/a ({k} seed{'s' * (k != 1)})"
-    return f"{d.mean:+.2f} [{d.ci[0]:.2f}, {d.ci[1]:.2f}] {'*' if d.resolved else unresolved}"
+    return (f"{d.mean:+.2f} {pm}{d.half_width:.2f} [{d.ci[0]:.2f}, {d.ci[1]:.2f}] "
+            f"{'*' if d.resolved else UNRESOLVED_MARK}")
+
+
+def _narrowest(t: Table, metric: str) -> tuple[PairedDiff, Row] | None:
+    """The paired difference to the reference with the smallest 95% half-width in one column, and its
+    row; a difference of zero variance (two rows that train alike) says nothing of the noise, so it
+    does not count."""
+    found = [(d, row) for d, row in zip((x[metric] for x in t.diffs), t.rows) if d is not None and d.std]
+    return min(found, key=lambda f: f[0].half_width, default=None)
+
+
+def resolution_text(t: Table) -> str:
+    """What the table resolved, as achieved: ``Smallest 95% half-width of a paired difference achieved:
+    Δ GM ±1.39 (Fed3R, 5 seeds); Δ PM ...``, one entry per Δ column; "" without an interval."""
+    parts = []
+    for metric, _ in t.columns:
+        found = _narrowest(t, metric) if metric in DELTA_HEADERS else None
+        if found is not None:
+            d, row = found
+            parts.append(f"{DELTA_HEADERS[metric]} ±{d.half_width:.2f} ({row.label}, {d.n} seeds)")
+    return f"Smallest 95% half-width of a paired difference achieved: {'; '.join(parts)}" if parts else ""
 
 
 def _label(row: Row) -> str:
-    label = row.label + (f" {UNRANKED_MARK}" if not row.ranked else "")
+    label = row.label + (f" {UNRANKED_MARK}" if not row.ranked else "") + (f" {MIXED_MARK}" if mixed(row) else "")
     if row.expected and len(row.runs) < row.expected:
         label += f" ({len(row.runs)}/{row.expected} seeds)"
     return label
@@ -129,12 +158,16 @@ def _caption_text(c: Collection) -> str:
             f"client's training proportions) where reported; {spread}. Δ: the row minus the reference row named "
             "in the column header (the suite's `reference`, else the first row), seed by seed (the same seed gives "
             "the same partition and the same sampled clients), averaged over the seeds both have, with the 95% "
-            "t-interval of those paired differences; `*` marks a resolved difference (the interval excludes 0: paired t-test p < 0.05), `≈` one within "
-            "the noise of the reference (the interval holds 0), `n/a (k seeds)` fewer than 2 shared seeds. "
+            "t-interval of those paired differences, written as ±its half-width and as the interval; `*` marks a "
+            "resolved difference (the interval excludes 0: paired t-test p < 0.05), `n.r.` one not resolved (the "
+            "interval holds 0: the seeds cannot tell the sign, which does not make the rows equal), `n/a (k seeds)` "
+            "fewer than 2 shared seeds. Under each table: the smallest half-width its paired differences achieved, "
+            "where its runs were measured, and the code they ran. "
             "Per column the best is **bold** only if its lead over the second is resolved, and the second "
             "<u>underlined</u> only if its lead over the third is resolved too; a row whose difference to the "
-            f"reference is within the noise is never marked. Rows marked {UNRANKED_MARK} are upper bounds "
-            "(centralized training, heads re-trained on real features: not private) and are not ranked.")
+            f"reference is not resolved is never marked. Rows marked {UNRANKED_MARK} are upper bounds "
+            "(centralized training, heads re-trained on real features: not private) and are not ranked; rows "
+            f"marked {MIXED_MARK} ran different code on different seeds.")
 
 
 def _setting_facts(setting: Setting) -> str:
@@ -181,7 +214,9 @@ def markdown(c: Collection, tables: list[Table]) -> str:
                     mark = t.marks.get((i, metric))
                     cells.append(f"**{text}**" if mark == "best" else f"<u>{text}</u>" if mark == "second" else text)
             lines.append(f"| {_label(row).replace('|', '/')} | " + " | ".join(cells) + " |")
-        lines += ["", *environment_lines(t.setting.all_runs())]
+        resolution, code = resolution_text(t), code_lines(t.setting.all_runs(), t.rows)
+        lines += [*(["", resolution] if resolution else []), "", *environment_lines(t.setting.all_runs()),
+                  *(["", *code] if code else [])]
         if t.setting.warnings:
             lines += ["", *(f"> note: {w}" for w in t.setting.warnings)]
     claims = claims_section(check_claims(c), dict(COLUMNS))
@@ -216,8 +251,8 @@ def csv_text(tables: list[Table]) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     metrics = [m for m, _ in COLUMNS]
     seeds = sorted({run.seed for t in tables for row in t.rows for run in row.runs})
-    fields = ("mean", "std", "ci_lo", "ci_hi", "diff", "diff_ci_lo", "diff_ci_hi", "diff_p", "resolved")
-    writer.writerow(["setting", "row", "variant", "ranked", "reference", "seeds",
+    fields = ("mean", "std", "ci_lo", "ci_hi", "diff", "diff_half", "diff_ci_lo", "diff_ci_hi", "diff_p", "resolved")
+    writer.writerow(["setting", "row", "variant", "ranked", "reference", "seeds", "code",
                      *(f"{m}_{k}" for m in metrics for k in (*fields, *(f"seed{s}" for s in seeds)))])
     for t in tables:
         for i, row in enumerate(t.rows):
@@ -227,11 +262,11 @@ def csv_text(tables: list[Table]) -> str:
                 ci = s.ci if s is not None and s.ci is not None else (None, None)
                 d_ci = d.ci if d is not None and d.ci is not None else (None, None)
                 values += [_f(s.mean if s else None), _f(s.std if s else None), _f(ci[0]), _f(ci[1]),
-                           _f(d.mean if d else None), _f(d_ci[0]), _f(d_ci[1]),
+                           _f(d.mean if d else None), _f(d.half_width if d else None), _f(d_ci[0]), _f(d_ci[1]),
                            "" if d is None or d.p is None else f"{d.p:.4g}", "" if d is None else int(d.resolved),
                            *(_f(per_seed.get(seed)) for seed in seeds)]
             writer.writerow([t.setting.name, row.label, row.variant or "", int(row.ranked),
-                             t.rows[t.reference].label, len(row.runs), *values])
+                             t.rows[t.reference].label, len(row.runs), " ".join(by_version(row.runs)), *values])
     return buf.getvalue()
 
 
@@ -240,7 +275,8 @@ def _f(x: float | None) -> str:
 
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "†": r"$^\dagger$"}
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "†": r"$^\dagger$",
+                  "‡": r"$^\ddagger$", "Δ": r"$\Delta$", "±": r"$\pm$"}
 
 
 def latex_escape(text: str) -> str:
@@ -253,14 +289,19 @@ def latex(c: Collection, tables: list[Table]) -> str:
              "only where a paired difference over seeds resolves the order (see tables.md)"]
     for t in tables:
         ref = latex_escape(t.rows[t.reference].label) if t.rows else ""
+        resolution = latex_escape(resolution_text(t))
         lines += ["", r"\begin{table}[t]", r"\centering",
                   f"\\caption{{{latex_escape(c.title)}: {latex_escape(t.setting.name)}. Final-round accuracy (\\%), "
                   + (f"mean $\\pm$ std over {len(c.seeds)} seeds" if len(c.seeds) > 1 else "one seed")
                   + f". $\\Delta$GM: GM minus {ref}'s, paired by seed (same partition, same sampled clients), "
-                  "with its 95\\% t-interval; * the interval excludes 0, $\\approx$ within the noise of the reference. "
-                  "Best in bold only if its lead over the second is resolved, second underlined only if its lead "
-                  "over the third is too; rows within the noise of the reference are never marked"
-                  + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "") + ".}",
+                  "$\\pm$ the half-width of its 95\\% t-interval, and the interval; * the interval excludes 0, "
+                  "n.r.\\ not resolved (the interval holds 0). "
+                  + (resolution + ". " if resolution else "")
+                  + "Best in bold only if its lead over the second is resolved, second underlined only if its lead "
+                  "over the third is too; rows whose difference to the reference is not resolved are never marked"
+                  + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "")
+                  + ("; $^\\ddagger$ seeds run on different code (tables.md names them)" if any(mixed(r) for r in t.rows)
+                     else "") + ".}",
                   r"\begin{tabular}{l" + "c" * (len(t.columns) + 1) + "}", r"\toprule",
                   "Method & " + " & ".join(LATEX_HEADERS[m] + (r" & $\Delta$GM" if m == "acc" else "")
                                            for m, _ in t.columns) + r" \\", r"\midrule"]
@@ -272,7 +313,7 @@ def latex(c: Collection, tables: list[Table]) -> str:
                 cells.append(f"\\textbf{{{text}}}" if mark == "best" else f"\\underline{{{text}}}" if mark == "second"
                              else text)
                 if metric == "acc":
-                    cells.append(_delta(t, i, metric, unresolved=r"$\approx$"))
+                    cells.append(_delta(t, i, metric, pm=r"$\pm$"))
             lines.append(latex_escape(_label(row)) + " & " + " & ".join(cells) + r" \\")
         lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(lines) + "\n"
