@@ -167,7 +167,7 @@ def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
     assert header[:17] == ["setting", "row", "variant", "ranked", "reference", "seeds", "code", "acc_mean", "acc_std",
                            "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi",
                            "acc_diff_p", "acc_resolved"]
-    assert header[17:21] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 7 + 5 * 13
+    assert header[17:21] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 7 + 6 * 13  # 6 metrics, val_acc included
     a = rows["A"]
     assert [a[k] for k in ("reference", "seeds", "code", "acc_mean", "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff",
                            "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p", "acc_resolved")] == \

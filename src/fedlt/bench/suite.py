@@ -32,6 +32,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedlt.environment import code_version, same_code
+from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -79,6 +80,16 @@ class MethodRow(_Strict):
     variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
     settings: list[str] | None = Field(None, description="run this row only in these settings")
     seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="config key -> candidate values: every "
+                                       "combination runs, the report selects one on validation data (bench/selection)")
+
+    @field_validator("grid")
+    @classmethod
+    def _grid(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in v.items():
+            if not values:
+                raise ValueError(f"grid key '{key}' has no values; list at least one, e.g. {key}: [1, 4]")
+        return v
 
 
 class ClaimRow(_Strict):
@@ -117,6 +128,10 @@ class SuiteSpec(_Strict):
     notes: str = ""
     #: optional: papers' claims, each checked as a paired difference of two rows (a report section)
     claims: list[ClaimRow] = []
+    #: what a grid row's candidates are selected on (the final round's validation metric), and
+    #: whether one choice holds across all settings (default) or each setting chooses its own
+    select_on: Literal[SELECT_METRICS] = "val_acc"  # type: ignore[valid-type]
+    select_per_setting: bool = False
 
     @field_validator("name")
     @classmethod
@@ -138,7 +153,9 @@ class SuiteSpec(_Strict):
         _unique("settings", [slug(n) for n in names], names)
         if not self.methods:
             raise ValueError("methods is empty; list at least one row, e.g. - {name: FedAvg, overrides: [method=fedavg]}")
-        _unique("methods", [slug(m.name) for m in self.methods], [m.name for m in self.methods])
+        folders = [label for m in self.methods
+                   for label in [m.name, *(candidate_label(m.name, d) for d, _ in candidates(m.grid) if m.grid)]]
+        _unique("methods", [slug(f) for f in folders], folders)
         labels = set()
         for i, m in enumerate(self.methods):
             for s in m.settings or []:
@@ -252,6 +269,10 @@ class Cell:
     run_dir: Path
     state: str = "new"  # new | done | resume
     threads: int | None = None  # run.threads the cell's own config sets
+    row: str = ""  # the suite row it belongs to: ``method``, or the grid row ``method`` is a candidate of
+
+    def __post_init__(self) -> None:
+        self.row = self.row or self.method
 
     @property
     def label(self) -> str:
@@ -289,14 +310,16 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
         for m in s.methods:
             if (m.settings is not None and setting.name not in m.settings) or (chosen and m.name not in chosen):
                 continue
-            for seed in seeds or s.seeds:
-                if m.seeds is not None and seed not in m.seeds:
-                    continue
-                run_dir = cell_dir(out, setting.name, m.name, seed)
-                given = [*s.overrides, *setting.overrides, *m.overrides, *(extra or [])]
-                overrides = [f"seed={seed}", *(o.replace("{seed}", str(seed)) for o in given),
-                             f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
-                cells.append(Cell(setting.name, m.name, seed, overrides, run_dir))
+            choices = [(candidate_label(m.name, d), o) for d, o in candidates(m.grid)] if m.grid else [(m.name, [])]
+            for label, chosen_overrides in choices:
+                for seed in seeds or s.seeds:
+                    if m.seeds is not None and seed not in m.seeds:
+                        continue
+                    run_dir = cell_dir(out, setting.name, label, seed)
+                    given = [*s.overrides, *setting.overrides, *m.overrides, *chosen_overrides, *(extra or [])]
+                    overrides = [f"seed={seed}", *(o.replace("{seed}", str(seed)) for o in given),
+                                 f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
+                    cells.append(Cell(setting.name, label, seed, overrides, run_dir, row=m.name))
     return cells
 
 
@@ -335,23 +358,36 @@ def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, and classify its folder, before anything trains."""
     from fedlt.config import load_config
+    from fedlt.data.federated import build_federated_data
     from fedlt.data.registry import load_dataset
     from fedlt.run_parts import check_config
 
     datasets: dict[tuple, str] = {}  # (name, root, image size) the cells to train read -> one such cell
+    splits: dict[str, tuple[Config, str]] = {}  # data settings with a validation split -> one such cell
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
             check_config(cfg)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
+        if cell.row != cell.method and cfg.data.val_per_class == 0:
+            raise ConfigError(f"suite {suite.spec.name}, row '{cell.row}': its grid is selected on "
+                              f"{suite.spec.select_on}, but its cells have no validation set; add "
+                              "data.val_per_class=N (e.g. 500) to the suite's overrides")
         cell.threads = cfg.run.threads
         validate_cell_folder(cell, cfg)
         if cell.state != "done":
             datasets.setdefault((cfg.data.dataset, cfg.data.root, cfg.data.image_size), cell.label)
+            if cfg.data.val_per_class:  # whether the source can supply it depends on the data settings only
+                splits.setdefault(json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True), (cfg, cell.label))
     for (name, root, size), label in datasets.items():  # missing or corrupt files: before any cell trains
         try:
             load_dataset(name, root, size, every_class=True)  # as training loads it
+        except FedltError as err:
+            raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
+    for cfg, label in splits.values():  # an impossible validation split, before any cell trains
+        try:
+            build_federated_data(cfg.data, cfg.seed)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
 

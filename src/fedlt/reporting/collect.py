@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from fedlt.bench.selection import Selection, candidate_label, candidates, select
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
 
 if TYPE_CHECKING:
+    from fedlt.bench.suite import MethodRow, SuiteSpec
     from fedlt.reporting.claims import ClaimSpec
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
@@ -101,6 +103,7 @@ class Collection:
     reference: str | None = None  # the suite's ``reference`` row label; None: each setting's first row
     cost: str = ""  # what the suite's own bench-log measured (wall, CPU); empty outside a suite
     claims: list[ClaimSpec] = field(default_factory=list)  # the suite's papers' claims
+    selections: list[Selection] = field(default_factory=list)  # what each grid row chose on validation data
 
 
 def _load_run(path: Path, seed: int | None = None) -> Run | None:
@@ -179,21 +182,20 @@ def _collect_suite(path: Path) -> Collection:
 
     tree = yaml.safe_load((path / "suite.yaml").read_text())
     spec = parse_suite(tree, str(path / "suite.yaml"))
+    selections = {m.name: _select(path, spec, m) for m in spec.methods if m.grid}
     settings = []
     for s in spec.settings:
         rows, warnings = [], []
         for m in spec.methods:
             if m.settings is not None and s.name not in m.settings:
                 continue
-            method_dir = cell_dir(path, s.name, m.name, 0).parent
-            runs = []
-            if method_dir.is_dir():
-                for seed_dir in sorted(method_dir.glob("seed*")):
-                    if seed_dir.name[4:].isdigit():
-                        run = _load_run(seed_dir, int(seed_dir.name[4:]))
-                        if run is not None:
-                            runs.append(run)
-            runs.sort(key=lambda r: r.seed)
+            folder = m.name
+            if m.grid:
+                chosen = selections[m.name].chosen.get(s.name)
+                if chosen is None:
+                    warnings.append(f"row '{m.name}': no candidate of its grid has finished cells here")
+                folder = candidate_label(m.name, chosen) if chosen else folder
+            runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
@@ -217,4 +219,31 @@ def _collect_suite(path: Path) -> Collection:
     cost = suite_cost(path / LOG_FILE)
     claims = [ClaimSpec(**c.model_dump()) for c in spec.claims]
     return Collection(spec.title or spec.name, spec.description.strip(), settings, spec.seeds, spec.notes.strip(),
-                      spec.report_messages, spec.reference, cost.sentence() if cost else "", claims)
+                      spec.report_messages, spec.reference, cost.sentence() if cost else "", claims,
+                      list(selections.values()))
+
+
+def _seed_runs(method_dir: Path) -> list[Run]:
+    """The finished runs in ``method_dir/seed<S>``, by seed."""
+    runs = []
+    if method_dir.is_dir():
+        for seed_dir in sorted(method_dir.glob("seed*")):
+            if seed_dir.name[4:].isdigit():
+                run = _load_run(seed_dir, int(seed_dir.name[4:]))
+                if run is not None:
+                    runs.append(run)
+    return sorted(runs, key=lambda r: r.seed)
+
+
+def _select(path: Path, spec: SuiteSpec, row: MethodRow) -> Selection:
+    """Which candidate of ``row``'s grid the suite's validation metric selects (bench/selection)."""
+    from fedlt.bench.suite import cell_dir
+
+    settings = [s.name for s in spec.settings if row.settings is None or s.name in row.settings]
+    scores = {}
+    for description, _ in candidates(row.grid):
+        label = candidate_label(row.name, description)
+        scores[description] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in
+                                   _seed_runs(cell_dir(path, s, label, 0).parent)
+                                   if r.final(None).get(spec.select_on) is not None} for s in settings}
+    return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting)

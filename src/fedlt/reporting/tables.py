@@ -34,10 +34,15 @@ from fedlt.reporting.claims import check_claims, claims_section
 from fedlt.reporting.collect import Collection, Row, Setting
 from fedlt.reporting.environment import environment_lines
 from fedlt.reporting.provenance import MIXED_MARK, by_version, code_lines, mixed
+from fedlt.reporting.selection import selection_section
 from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
 
-COLUMNS = (("acc", "GM acc"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"), ("pm_acc", "PM acc"))
-LATEX_HEADERS = {"acc": "GM", "many_acc": "Many", "medium_acc": "Med.", "few_acc": "Few", "pm_acc": "PM"}
+COLUMNS = (("acc", "GM acc"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"), ("pm_acc", "PM acc"),
+           ("val_acc", "val acc"))
+LATEX_HEADERS = {"acc": "GM", "many_acc": "Many", "medium_acc": "Med.", "few_acc": "Few", "pm_acc": "PM",
+                 "val_acc": "Val"}
+#: columns shown only where some row has them (personalized models, a validation set)
+OPTIONAL_COLUMNS = ("pm_acc", "val_acc")
 DELTA_HEADERS = {"acc": "Δ GM", "pm_acc": "Δ PM"}  # the columns whose difference to the reference is shown
 UNRANKED_MARK = "†"
 UNRESOLVED_MARK = "n.r."
@@ -64,7 +69,7 @@ def build_table(setting: Setting) -> Table:
     ref = setting.reference_index()
     diffs = [{m: None if i == ref else paired_difference(v[m], values[ref][m]) for m in metrics}
              for i, v in enumerate(values)]
-    columns = [(m, h) for m, h in COLUMNS if m != "pm_acc" or any(c["pm_acc"] for c in cells)]
+    columns = [(m, h) for m, h in COLUMNS if m not in OPTIONAL_COLUMNS or any(c[m] for c in cells)]
     marks: dict[tuple[int, str], str] = {}
     for metric, _ in columns:
         marks.update(_marks(setting.rows, metric, values, cells, diffs, ref))
@@ -219,6 +224,9 @@ def markdown(c: Collection, tables: list[Table]) -> str:
                   *(["", *code] if code else [])]
         if t.setting.warnings:
             lines += ["", *(f"> note: {w}" for w in t.setting.warnings)]
+    selections = selection_section(c.selections)
+    if selections:
+        lines += ["", *selections]
     claims = claims_section(check_claims(c), dict(COLUMNS))
     if claims:
         lines += ["", *claims]

@@ -1,0 +1,111 @@
+"""Choices made on validation data: a row's grid of candidates and the one a suite selects."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedlt.bench.selection import candidate_label, candidates, override_text, select
+from fedlt.config import load_config
+
+
+def test_candidates_are_the_grid_product_in_order_and_parse_back():
+    got = candidates({"method_args.gamma": [1, "auto"], "fl.lr": [0.01, 0.05], "method_args.x": [None]})
+    assert [d for d, _ in got] == [
+        "method_args.gamma=1, fl.lr=0.01, method_args.x=null", "method_args.gamma=1, fl.lr=0.05, method_args.x=null",
+        "method_args.gamma=auto, fl.lr=0.01, method_args.x=null", "method_args.gamma=auto, fl.lr=0.05, method_args.x=null",
+    ]
+    cfg = load_config(None, got[1][1])
+    assert cfg.method_args == {"gamma": 1, "x": None} and cfg.fl.lr == 0.05
+    assert override_text("data.class_order", [2, 0, 1]) == "data.class_order=[2, 0, 1]"
+    assert load_config(None, [override_text("data.class_order", [2, 0, 1])]).data.class_order == [2, 0, 1]
+    assert candidate_label("FedLoGe", "method_args.gamma=4") == "FedLoGe [method_args.gamma=4]"
+
+
+SCORES = {  # candidate -> setting -> seed -> val_acc
+    "a": {"s1": {0: 80.0, 1: 82.0}, "s2": {0: 50.0, 1: 52.0}},  # means 81, 51 -> overall 66
+    "b": {"s1": {0: 70.0, 1: 72.0}, "s2": {0: 70.0, 1: 70.0}},  # means 71, 70 -> overall 70.5
+    "c": {"s1": {0: 84.0, 1: 84.0}, "s2": {0: 40.0}},           # means 84, 40 -> overall 62, s2 incomplete
+}
+
+
+def test_one_choice_across_settings_maximises_the_mean_of_setting_means():
+    chosen = select("R", "val_acc", SCORES, ["s1", "s2"], [0, 1], per_setting=False)
+    assert chosen.chosen == {"s1": "b", "s2": "b"}
+    assert chosen.overall("a", ["s1", "s2"]) == pytest.approx(66.0)
+    assert chosen.mean("c", "s2") == pytest.approx(40.0)
+    assert not chosen.complete  # c lacks seed 1 in s2
+
+
+def test_per_setting_choices_and_ties_go_to_the_earlier_candidate():
+    chosen = select("R", "val_acc", SCORES, ["s1", "s2"], [0], per_setting=True)
+    assert chosen.chosen == {"s1": "c", "s2": "b"} and chosen.complete
+    tie = {"x": {"s": {0: 1.0}}, "y": {"s": {0: 1.0}}}
+    assert select("R", "val_acc", tie, ["s"], [0], per_setting=False).chosen == {"s": "x"}
+
+
+def test_no_scores_chooses_nothing():
+    assert select("R", "val_acc", {"x": {}}, ["s"], [0], per_setting=False).chosen == {}
+
+
+GRID_SUITE = {
+    "name": "grid",
+    "overrides": ["data.dataset=synthetic", "data.num_clients=4", "data.imbalance_factor=10", "fl.rounds=2",
+                  "fl.local_epochs=1", "fl.participation=0.5", "eval.every=2", "run.threads=1",
+                  "data.val_per_class=10"],
+    "seeds": [0, 1],
+    "settings": [{"name": "a", "overrides": ["data.alpha=0.5"]}, {"name": "b", "overrides": ["data.alpha=5"]}],
+    "methods": [
+        {"name": "FedAvg", "overrides": ["method=fedavg"]},
+        {"name": "FedProx", "overrides": ["method=fedprox"], "grid": {"fl.lr": [0.001, 0.05]}},
+    ],
+}
+
+
+def test_a_grid_row_runs_every_candidate_and_reports_the_one_validation_selects(tmp_path):
+    import json
+
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.reporting import write_report
+
+    out = tmp_path / "out"
+    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", GRID_SUITE)), out, echo=lambda line: None)
+    assert not result.failed and len(result.ran) == 2 * 2 * (1 + 2)  # settings x seeds x (reference + candidates)
+    val = {}
+    for lr in ("0.001", "0.05"):
+        folder = "fedprox-fl-lr-" + lr.replace(".", "-")
+        assert (out / "a" / folder / "seed1" / "summary.json").is_file()
+        val[lr] = [json.loads((out / s / folder / f"seed{seed}" / "summary.json").read_text())["final"]["val_acc"]
+                   for s in ("a", "b") for seed in (0, 1)]
+    chosen = max(val, key=lambda lr: (sum(val[lr]), lr == "0.001"))  # mean of setting means = mean of all four here
+    text = write_report(out, with_plots=False).markdown
+    assert "## Choices made on validation data" in text and f"**`fl.lr={chosen}`**" not in text
+    assert f"| `fl.lr={chosen}` |" in text and text.count("**") >= 2
+    prox = json.loads((out / "a" / ("fedprox-fl-lr-" + chosen.replace(".", "-")) / "seed0" / "summary.json")
+                      .read_text())["final"]["acc"]
+    assert f"| FedProx | {prox:.2f} ± " in text  # the table's row is the selected candidate's test accuracy
+    assert "val acc" in text
+
+
+def test_a_grid_row_without_a_validation_set_is_refused_before_anything_runs(tmp_path):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.errors import ConfigError
+
+    tree = {**GRID_SUITE, "overrides": [o for o in GRID_SUITE["overrides"] if not o.startswith("data.val")]}
+    with pytest.raises(ConfigError, match=r"row 'FedProx': its grid is selected on val_acc, but its cells have no "
+                                          r"validation set; add data.val_per_class=N"):
+        run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), tmp_path / "out", echo=lambda line: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_impossible_validation_split_in_a_suite_is_refused_before_anything_runs(tmp_path):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.errors import ConfigError
+
+    tree = {**GRID_SUITE, "overrides": [*GRID_SUITE["overrides"], "data.val_per_class=100", "data.val_from=test"]}
+    with pytest.raises(ConfigError, match=r"cell 'a / FedAvg / seed 0': data.val_per_class=100: class 0 has only 100 "
+                                          r"images in the test split of synthetic"):
+        run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), tmp_path / "out", echo=lambda line: None)
+    assert not (tmp_path / "out").exists()
