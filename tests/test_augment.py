@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -13,17 +14,20 @@ from fedlt.data.augment import (
     ALL_OPS,
     AUGMENTATIONS,
     GEOMETRIC_OPS,
+    INTERPOLATIONS,
     OP_NAMES,
     SIGNED_OPS,
     apply_op,
     auto_augment,
     cutout,
     get_augmentation,
+    grid_mode,
     op_parameter,
     rand_augment,
     random_crop,
     random_flip,
     random_rotation,
+    rotate,
     strong_view,
     weak_view,
 )
@@ -360,8 +364,8 @@ def test_op_parameters_at_randaugment_magnitude_9_and_30() -> None:
 
 def _record_rotations(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     angles: list[float] = []
-    real = augment._rotate
-    monkeypatch.setattr(augment, "_rotate", lambda x, deg: angles.extend(deg.tolist()) or real(x, deg))
+    real = augment.rotate
+    monkeypatch.setattr(augment, "rotate", lambda x, deg, interp: angles.extend(deg.tolist()) or real(x, deg, interp))
     return angles
 
 
@@ -419,7 +423,7 @@ def test_strong_view_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     """autoaugment runs the CIFAR-10 policy and no RandAugment; randaugment the reverse."""
     calls: list[str] = []
     real_auto, real_rand = augment.auto_augment, augment.rand_augment
-    monkeypatch.setattr(augment, "auto_augment", lambda x, g: calls.append("auto") or real_auto(x, g))
+    monkeypatch.setattr(augment, "auto_augment", lambda x, g, **kw: calls.append("auto") or real_auto(x, g, **kw))
     monkeypatch.setattr(augment, "rand_augment", lambda x, g, **kw: calls.append(f"rand{kw['magnitude']}") or real_rand(x, g, **kw))
     x = batch((4, 3, 32, 32))
     strong_view(x, gen(), policy="autoaugment", magnitude=20)
@@ -436,3 +440,142 @@ def test_uint8_in_uint8_out(name: str, shape: tuple[int, ...]) -> None:
     assert out.dtype == torch.uint8 and out.shape == images.shape
     expected = (FUNCTIONS[name](images.float() / 255, gen(1)) * 255).round().to(torch.uint8)
     assert torch.equal(out, expected)
+
+
+# ---- interpolation of the geometric ops ---------------------------------------------------------
+def _dot(row: int, col: int) -> Tensor:
+    """A 5x5 image, 0 everywhere but one pixel at 1."""
+    x = torch.zeros(1, 1, 5, 5)
+    x[0, 0, row, col] = 1.0
+    return x
+
+
+def _cubic(t: float, a: float = -0.75) -> float:
+    """The cubic-convolution weight of a tap at distance ``|t| <= 1`` (torch's bicubic, a = -0.75)."""
+    t = abs(t)
+    return (a + 2) * t**3 - (a + 3) * t**2 + 1
+
+
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear", "bicubic", "released"])
+def test_rotation_by_90_degrees_moves_a_pixel_exactly(interpolation: str) -> None:
+    """Every sample lands on a pixel centre: (row 1, col 3) turns counter-clockwise to (1, 1)."""
+    out = rotate(_dot(1, 3), torch.tensor([90.0]), interpolation)
+    torch.testing.assert_close(out, _dot(1, 1), atol=1e-6, rtol=0)
+
+
+def test_rotation_by_45_degrees_by_hand() -> None:
+    """The pixel one right of the centre turns to (0.71, -0.71) px from the centre. Output pixel
+    (row 1, col 3) samples the input at (1.41, 0) px, (1, 2) and (2, 3) at (0.71, -+0.71) px."""
+    x, angle = _dot(2, 3), torch.tensor([45.0])
+    assert torch.equal(rotate(x, angle, "nearest"), _dot(1, 3))  # moved, still one pixel at 1
+    r = math.sqrt(0.5)
+    bilinear = (2 - math.sqrt(2)) * _dot(1, 3) + (r * (1 - r)) * (_dot(1, 2) + _dot(2, 3))
+    torch.testing.assert_close(rotate(x, angle, "bilinear"), bilinear, atol=1e-6, rtol=0)  # spread: peak 0.59
+    bicubic = rotate(x, angle, "bicubic")
+    assert bicubic[0, 0, 1, 3].item() == pytest.approx(_cubic(math.sqrt(2) - 1), abs=1e-5)  # 0.70
+    assert bicubic[0, 0, 1, 2].item() == pytest.approx(_cubic(1 - r) * _cubic(r), abs=1e-5)  # 0.27
+    assert bicubic.min() == 0.0  # negative lobes clamped
+
+
+def test_grid_modes_of_each_interpolation() -> None:
+    assert INTERPOLATIONS == ("bilinear", "nearest", "bicubic", "released")
+    released = {op: grid_mode("released", op) for op in GEOMETRIC_OPS}
+    assert released == {"rotate": "nearest", "translate_x": "nearest", "translate_y": "nearest",
+                        "shear_x": "bicubic", "shear_y": "bicubic"}
+    assert {grid_mode(mode, op) for mode in ("bilinear", "nearest", "bicubic") for op in GEOMETRIC_OPS} == {
+        "bilinear", "nearest", "bicubic"}
+    assert all(grid_mode(mode, "shear_y") == mode for mode in ("bilinear", "nearest", "bicubic"))
+    x = batch((2, 1, 8, 8))
+    for call in (lambda: rotate(x, torch.zeros(2), "area"), lambda: weak_view(x, gen(), interpolation="linear"),
+                 lambda: apply_op(x, "invert", 0.0, gen(), "area"), lambda: strong_view(x, gen(), interpolation="area"),
+                 lambda: auto_augment(x, gen(), interpolation="area")):
+        with pytest.raises(ValueError, match="unknown interpolation '(area|linear)'; use one of bilinear"):
+            call()
+
+
+def test_released_shear_is_bicubic_and_translate_nearest() -> None:
+    x = batch((16, 1, 28, 28))
+    for op, mode in (("shear_x", "bicubic"), ("shear_y", "bicubic"), ("translate_x", "nearest"), ("rotate", "nearest")):
+        released = apply_op(x, op, 0.7, gen(4), "released")
+        assert torch.equal(released, apply_op(x, op, 0.7, gen(4), mode)), op
+        assert not torch.equal(released, apply_op(x, op, 0.7, gen(4), "bilinear")), op
+
+
+def _laplacian(x: Tensor) -> float:
+    """Mean |4-neighbour Laplacian| over the interior pixels: how sharp the images are."""
+    lap = (4 * x[..., 1:-1, 1:-1] - x[..., :-2, 1:-1] - x[..., 2:, 1:-1] - x[..., 1:-1, :-2] - x[..., 1:-1, 2:])
+    return lap.abs().mean().item()
+
+
+def test_nearest_weak_view_keeps_binary_images_binary_and_sharp() -> None:
+    """Nearest (and the released code's views) copy pixels, bilinear blends them: on 0/1 images
+    the weak view then has grey values and a Laplacian well below the original's."""
+    x = (batch((64, 1, 28, 28), seed=9) > 0.5).float()
+    sharp = weak_view(x, gen(2), flip=False, interpolation="released")
+    assert ((sharp == 0) | (sharp == 1)).all()
+    assert torch.equal(sharp, weak_view(x, gen(2), flip=False, interpolation="nearest"))
+    blurred = weak_view(x, gen(2), flip=False)
+    assert ((blurred > 0.05) & (blurred < 0.95)).float().mean() > 0.2
+    assert _laplacian(blurred) < 0.8 * _laplacian(x) < _laplacian(sharp)
+
+
+def test_strong_view_passes_its_interpolation_to_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    real = augment.apply_op
+    monkeypatch.setattr(augment, "apply_op", lambda x, name, s, g, interp: seen.append(interp) or real(x, name, s, g, interp))
+    strong_view(batch((32, 1, 28, 28)), gen(), policy="autoaugment", interpolation="released")
+    strong_view(batch((32, 1, 28, 28)), gen(), policy="randaugment", interpolation="nearest")
+    assert set(seen) == {"released", "nearest"} and seen[0] == "released" and seen[-1] == "nearest"
+
+
+# ---- data.hflip --------------------------------------------------------------------------------
+def _left_bright(n: int) -> Tensor:
+    """uint8 images, white on the left half and black on the right: a flip swaps the halves."""
+    images = torch.zeros(n, 1, 28, 28, dtype=torch.uint8)
+    images[..., :14] = 255
+    return images
+
+
+@pytest.mark.parametrize("setting, registry, expected", [
+    ("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)])
+def test_data_hflip_overrides_the_dataset_setting(monkeypatch: pytest.MonkeyPatch, setting, registry, expected) -> None:
+    from dataclasses import replace
+
+    from fedlt.config import load_config
+    from fedlt.data.federated import build_federated_data
+    from fedlt.data.registry import DATASETS
+
+    monkeypatch.setitem(DATASETS, "synthetic", replace(DATASETS["synthetic"], hflip=registry))
+    override = {"auto": "auto", True: "true", False: "false"}[setting]
+    cfg = load_config(None, ["data.dataset=synthetic", "data.num_clients=4", f"data.hflip={override}"])
+    assert cfg.data.hflip == setting
+    assert build_federated_data(cfg.data, seed=0).hflip is expected
+
+
+def test_data_hflip_false_never_flips_a_training_image() -> None:
+    """Through a client of a federation built with data.hflip=false, the weak view never mirrors:
+    the left half stays brighter in every image; with true about half are mirrored."""
+    from fedlt.config import load_config
+    from fedlt.data.federated import build_federated_data
+    from fedlt.methods.base import ClientData
+
+    mirrored = {}
+    for flips in ("false", "true"):
+        cfg = load_config(None, ["data.dataset=synthetic", "data.num_clients=4", f"data.hflip={flips}"])
+        federation = build_federated_data(cfg.data, seed=0)
+        data = ClientData(_left_bright(400), torch.zeros(400, dtype=torch.long), torch.arange(400), 10,
+                          standardize=lambda x: x, augment=weak_view, hflip=federation.hflip)
+        x, _ = data.batch(torch.arange(400), gen(6))
+        left, right = x[..., :14].mean(dim=(1, 2, 3)), x[..., 14:].mean(dim=(1, 2, 3))
+        mirrored[flips] = (right > left).float().mean().item()
+    assert mirrored["false"] == 0.0
+    assert mirrored["true"] == pytest.approx(0.5, abs=0.1)
+
+
+def test_data_hflip_rejects_other_values() -> None:
+    from fedlt.config import build_config
+
+    for bad in ("maybe", 1, None):
+        with pytest.raises(ConfigError) as info:
+            build_config({"data": {"hflip": bad}})
+        assert str(info.value) == f"invalid config value data.hflip: {bad!r} is not a flip setting; use auto, true or false"

@@ -21,6 +21,7 @@ from fedlt.methods.fedyoyo import (
     remixed_prior,
 )
 from fedlt.models import create_model
+from fedlt.models.base import FedModel
 
 C = 4
 
@@ -117,6 +118,21 @@ def test_asd_value_against_kl_div():
     # asd_average=correct: the mean over the two teaching samples
     got_correct = asd_loss(ASD_TEACHER, ASD_STUDENT, ASD_TARGETS, ASD_PI.log(), 1.5, average="correct").item()
     assert got_correct == pytest.approx((kl[0] + kl[1]).item() / 2, rel=1e-5)
+
+
+def test_asd_averages_by_hand_on_three_samples():
+    """Two classes, uniform prior, T = 1. Teachers [ln 3, 0] give p = (3/4, 1/4); students [0, 0]
+    give q = (1/2, 1/2), so KL = 3/4 ln(3/2) + 1/4 ln(1/2) = 0.130812. Teacher 2 is [0, ln 3] with
+    label 1 and the same KL; teacher 3 is wrong (predicts 0, label 1) and does not teach."""
+    ln3 = math.log(3.0)
+    teacher = torch.tensor([[ln3, 0.0], [0.0, ln3], [ln3, 0.0]])
+    student = torch.zeros(3, 2)
+    targets = torch.tensor([0, 1, 1])
+    kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert kl == pytest.approx(0.130812, abs=1e-6)
+    log_pi = torch.log(torch.tensor([0.5, 0.5]))
+    assert asd_loss(teacher, student, targets, log_pi, 1.0, average="batch").item() == pytest.approx(2 * kl / 3, rel=1e-6)
+    assert asd_loss(teacher, student, targets, log_pi, 1.0, average="correct").item() == pytest.approx(kl, rel=1e-6)
 
 
 def test_asd_average_correct_divides_by_the_teaching_samples_only():
@@ -246,12 +262,13 @@ def test_asd_weight_warms_up_linearly():
 
 
 # ---- client -----------------------------------------------------------------------------------
-def _client_ctx(state: dict, rnd: int = 1, cid: int = 3) -> ClientContext:
+def _client_ctx(state: dict, rnd: int = 1, cid: int = 3, model: torch.nn.Module | None = None) -> ClientContext:
     g = gen(7)
     images = torch.randint(0, 256, (40, 1, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.tensor([0] * 20 + [1] * 12 + [2] * 8)
     data = ClientData(images, labels, torch.arange(40), C, standardize=lambda x: (x - 0.5) / 0.5, hflip=False)
-    return ClientContext(cid=cid, round=rnd, model=create_model("cnn", C, in_channels=1), data=data, state=state,
+    model = model if model is not None else create_model("cnn", C, in_channels=1)
+    return ClientContext(cid=cid, round=rnd, model=model, data=data, state=state,
                          train=TrainSettings(1, 10, 0.05, 0.9, 0.0, None), device=torch.device("cpu"), seed=0)
 
 
@@ -283,16 +300,34 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
     assert len(calls) == 2 and torch.equal(calls[1][1], prior)
 
 
-def test_client_strong_view_uses_the_configured_policy_magnitude_and_cutout(monkeypatch):
+def test_client_views_use_the_configured_policy_magnitude_cutout_and_interpolation(monkeypatch):
     seen = []
     monkeypatch.setattr(fedyoyo, "strong_view", lambda x, g, flip, **kw: seen.append(kw) or x)
-    client = FedYoYoClient(FedYoYoArgs(strong_policy="randaugment", strong_magnitude=5, cutout=0.25))
+    monkeypatch.setattr(fedyoyo, "weak_view", lambda x, g, flip, **kw: seen.append(kw) or x)
+    client = FedYoYoClient(FedYoYoArgs(strong_policy="randaugment", strong_magnitude=5, cutout=0.25,
+                                       view_interpolation="released"))
     x = torch.rand(2, 1, 28, 28)
-    assert client.view("weak") is fedyoyo.weak_view
     assert torch.equal(client.view("strong")(x, gen(), False), x)
-    FedYoYoClient(FedYoYoArgs()).view("strong")(x, gen(), False)
-    assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25},
-                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5}]
+    assert torch.equal(client.view("weak")(x, gen(), False), x)
+    default = FedYoYoClient(FedYoYoArgs())
+    default.view("strong")(x, gen(), False)
+    default.view("weak")(x, gen(), False)
+    assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25, "interpolation": "released"},
+                    {"interpolation": "released"},
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear"},
+                    {"interpolation": "bilinear"}]
+
+
+def test_default_views_are_the_bilinear_ones():
+    """The default client's views are exactly the augment module's defaults."""
+    from fedlt.data.augment import strong_view, weak_view
+
+    x = torch.rand(8, 1, 28, 28, generator=gen(2))
+    client = FedYoYoClient(FedYoYoArgs())
+    assert torch.equal(client.view("weak")(x, gen(1), True), weak_view(x, gen(1), True))
+    assert torch.equal(client.view("strong")(x, gen(1), True), strong_view(x, gen(1), True, policy="autoaugment"))
+    nearest = FedYoYoClient(FedYoYoArgs(view_interpolation="nearest")).view("weak")(x, gen(1), True)
+    assert not torch.equal(nearest, weak_view(x, gen(1), True))
 
 
 def test_client_views_are_seeded_per_round_and_client(monkeypatch):
@@ -371,6 +406,48 @@ def test_clean_eval_prior_comes_from_the_received_model_in_eval_mode_on_clean_im
     assert torch.equal(torch.cat([lab for _, lab in estimates[0]]), y[match])
     # this estimate is uploaded and already this round's pi_k
     assert torch.equal(reply.payload["prior"], real_estimate(estimates[0], C)) and torch.equal(fused[0], reply.payload["prior"])
+
+
+def _batchnorm_model() -> FedModel:
+    """Features = BatchNorm of a linear map, with running statistics (mean 3, variance 1/4) far from
+    any batch's: eval mode gives (z - 3) / 0.5, train mode z standardised per batch."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(8)
+    bn.running_mean.fill_(3.0)
+    bn.running_var.fill_(0.25)
+    return FedModel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 8), bn), 8, C)
+
+
+@pytest.mark.parametrize("features", ["train", "clean_eval"])
+def test_prior_features_choose_the_forward_pass(monkeypatch, features):
+    """clean_eval estimates from the received model's eval-mode (running-statistics) features of the
+    clean images; train from the training forward passes (batch statistics) of the teacher view."""
+    estimates: list = []
+    real_estimate = fedyoyo.estimate_prior
+    monkeypatch.setattr(fedyoyo, "estimate_prior", lambda b, c: estimates.append(b) or real_estimate(b, c))
+    ctx = _client_ctx({}, model=_batchnorm_model())
+    received = clone_state(ctx.model)
+    client = FedYoYoClient(FedYoYoArgs(prior_features=features))
+    reply = client.fit(ctx, Message(weights=received, payload={"asd_weight": 4.0, "global_prior": torch.full((C,), 0.25)}))
+    assert len(estimates) == 1
+    got = torch.cat([f for f, _ in estimates[0]])
+
+    model = _batchnorm_model()
+    model.load_state_dict(received)
+    model.eval()
+    with torch.no_grad():
+        x, _ = ctx.data.batch(torch.arange(40))
+        z = model.encoder[1](model.encoder[0](x))
+        clean = model.forward_features(x)
+    torch.testing.assert_close(clean, (z - 3.0) / math.sqrt(0.25 + 1e-5))  # eval mode: the running statistics
+    if features == "clean_eval":
+        match = torch.cdist(got, clean).argmin(dim=1)
+        torch.testing.assert_close(got, clean[match], atol=1e-5, rtol=1e-5)
+        assert got.mean().item() == pytest.approx(clean.mean().item(), abs=1e-5) and got.mean().item() < -3.0
+    else:  # per-batch standardised: near zero mean, nowhere near the eval-mode features
+        assert abs(got.mean().item()) < 0.5
+        assert torch.cdist(got, clean).min().item() > 1.0
+    assert torch.equal(reply.payload["prior"], real_estimate(estimates[0], C))
 
 
 def test_client_without_dla_neither_estimates_nor_uploads():

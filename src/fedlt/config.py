@@ -67,6 +67,9 @@ class DataConfig(_Section):
     augment: Literal["none", "weak", "strong"] = Field(
         "none", description="training augmentation on the device: weak = crop+flip+rotate, strong = + RandAugment+Cutout"
     )
+    hflip: Literal["auto"] | bool = Field(
+        "auto", description="random horizontal flips in training augmentations and methods' views: auto = per dataset "
+        "(off for digits), true, or false for data whose objects face one way (Fashion-MNIST's footwear)")
 
     @field_validator("imbalance_factor")
     @classmethod
@@ -88,6 +91,17 @@ class DataConfig(_Section):
         if isinstance(v, list) and (len(set(v)) != len(v) or min(v, default=0) < 0):
             raise ValueError(f"{v} must list every class once (non-negative class indices, head first)")
         return v
+
+    @field_validator("hflip", mode="before")
+    @classmethod
+    def _hflip_is_auto_or_a_bool(cls, v: Any) -> Any:
+        if v != "auto" and not isinstance(v, bool):
+            raise ValueError(f"{v!r} is not a flip setting; use auto, true or false")
+        return v
+
+    def flips(self, dataset_flips: bool) -> bool:
+        """Whether training flips images: ``hflip``, or the dataset's own setting under ``auto``."""
+        return dataset_flips if self.hflip == "auto" else self.hflip
 
     @field_validator("alpha")
     @classmethod

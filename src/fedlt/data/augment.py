@@ -12,7 +12,8 @@ not touched. The views and the two policies also take uint8 batches and return u
 
 The two views follow FedYoYo: a weak view (crop, flip, small rotation) and a strong view
 (crop, flip, RandAugment or AutoAugment's CIFAR-10 policy, Cutout). Op ranges follow
-torchvision's RandAugment/AutoAugment (:func:`op_parameter`).
+torchvision's RandAugment/AutoAugment (:func:`op_parameter`); how the geometric ops resample
+is chosen by name (:data:`INTERPOLATIONS`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ _FULL_RANGE = {
 SIGNED_OPS = frozenset(_FULL_RANGE)
 """Ops whose parameter each image negates with probability 1/2."""
 
+INTERPOLATIONS = ("bilinear", "nearest", "bicubic", "released")
+"""How rotations, shears and translations resample: one ``grid_sample`` mode for every op, or
+``released`` as FedYoYo's released code (torchvision's ``RandomRotation`` and PIL's rotate and
+translate default to nearest; its AutoAugment shears with PIL's bicubic). Bilinear smooths every
+warped image, nearest keeps edges sharp. torch's bicubic is the cubic convolution with
+``a = -0.75`` (PIL's uses ``-0.5``)."""
+
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's "L" conversion
 
 
@@ -86,26 +94,43 @@ def _signs(n: int, x: Tensor, generator: torch.Generator) -> Tensor:
     return (2 * bits - 1).to(x.dtype)
 
 
-def _affine(x: Tensor, theta: Tensor) -> Tensor:
+def _check_interpolation(interpolation: str) -> None:
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"unknown interpolation {interpolation!r}; use one of {', '.join(INTERPOLATIONS)}")
+
+
+def grid_mode(interpolation: str, op: str) -> str:
+    """The ``grid_sample`` mode of geometric ``op`` (an entry of :data:`GEOMETRIC_OPS`) under
+    ``interpolation`` (one of :data:`INTERPOLATIONS`)."""
+    _check_interpolation(interpolation)
+    if interpolation != "released":
+        return interpolation
+    return "bicubic" if op.startswith("shear") else "nearest"
+
+
+def _affine(x: Tensor, theta: Tensor, mode: str) -> Tensor:
     """Warp each image by its own ``(2, 3)`` output-to-input map in normalised coordinates.
 
-    Bilinear sampling with zero padding; ``align_corners=False`` makes the identity map
-    sample pixel centres exactly, so a zero transform returns the input unchanged.
+    ``grid_sample`` with ``mode`` and zero padding; ``align_corners=False`` makes the identity
+    map sample pixel centres exactly, so a zero transform returns the input unchanged.
     """
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return F.grid_sample(x, grid, mode=mode, padding_mode="zeros", align_corners=False)
 
 
-def _rotate(x: Tensor, degrees: Tensor) -> Tensor:
-    """Rotate each image about its centre by its own angle (degrees)."""
-    rad = degrees * (math.pi / 180.0)
+def rotate(x: Tensor, degrees: Tensor, interpolation: str = "bilinear") -> Tensor:
+    """Rotate each image about its centre by its own angle (degrees, counter-clockwise as
+    displayed), resampled by ``interpolation`` (:func:`grid_mode`), zero fill."""
+    _check_batch(x)
+    mode = grid_mode(interpolation, "rotate")
+    rad = degrees.to(x.dtype) * (math.pi / 180.0)
     cos, sin = torch.cos(rad), torch.sin(rad)
     zero = torch.zeros_like(rad)
     theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
-    return _affine(x, theta)
+    return _affine(x, theta, mode).clamp(0.0, 1.0)
 
 
-def _shear_translate(x: Tensor, shear: Tensor, shift: Tensor, axis: int) -> Tensor:
+def _shear_translate(x: Tensor, shear: Tensor, shift: Tensor, axis: int, mode: str) -> Tensor:
     """Shear (factor) and translate (fraction of the size) each image along one axis.
 
     ``axis`` 0 acts on x (columns), 1 on y (rows). A shift of ``f`` moves content by
@@ -115,7 +140,7 @@ def _shear_translate(x: Tensor, shear: Tensor, shift: Tensor, axis: int) -> Tens
     theta = torch.eye(2, 3, dtype=x.dtype, device=x.device).repeat(n, 1, 1)
     theta[:, axis, 1 - axis] = shear
     theta[:, axis, 2] = -2.0 * shift
-    return _affine(x, theta)
+    return _affine(x, theta, mode)
 
 
 def _grayscale(x: Tensor) -> Tensor:
@@ -198,16 +223,20 @@ def op_parameter(name: str, strength: float) -> float:
     return _FULL_RANGE.get(name, 0.0) * strength
 
 
-def apply_op(x: Tensor, name: str, strength: float, generator: torch.Generator) -> Tensor:
+def apply_op(
+    x: Tensor, name: str, strength: float, generator: torch.Generator, interpolation: str = "bilinear"
+) -> Tensor:
     """Apply one op at ``strength`` (0..1 of its range, :func:`op_parameter`) to every image.
 
     Signed ops (:data:`SIGNED_OPS`) draw a sign per image. Solarize inverts pixels at or above
     the threshold; color is the identity on one-channel images; rotations and shears act about
-    the centre and geometric ops fill uncovered pixels with 0.
+    the centre, geometric ops resample by ``interpolation`` (:func:`grid_mode`) and fill
+    uncovered pixels with 0.
     """
     _check_batch(x)
     if not 0.0 <= strength <= 1.0:
         raise ValueError(f"strength must be in [0, 1], got {strength}")
+    _check_interpolation(interpolation)
     value = op_parameter(name, strength)
     if name in SIGNED_OPS:
         value = value * _signs(x.shape[0], x, generator)
@@ -236,14 +265,15 @@ def apply_op(x: Tensor, name: str, strength: float, generator: torch.Generator) 
             degenerate = _sharpness_degenerate(x)
         out = _blend(degenerate, x, 1.0 + value)
     elif name == "rotate":
-        out = _rotate(x, value)
+        out = rotate(x, value, interpolation)
     else:
         zero = torch.zeros_like(value)
         axis = 0 if name.endswith("_x") else 1
+        mode = grid_mode(interpolation, name)
         if name.startswith("shear"):
-            out = _shear_translate(x, value, zero, axis)
+            out = _shear_translate(x, value, zero, axis, mode)
         else:
-            out = _shear_translate(x, zero, value, axis)
+            out = _shear_translate(x, zero, value, axis, mode)
     return out.clamp(0.0, 1.0)
 
 
@@ -286,14 +316,14 @@ def random_flip(x: Tensor, generator: torch.Generator, p: float = 0.5) -> Tensor
     return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x).clamp(0.0, 1.0)
 
 
-def random_rotation(x: Tensor, degrees: float, generator: torch.Generator) -> Tensor:
-    """Rotate each image by an angle uniform in ``[-degrees, degrees]``.
-
-    Bilinear interpolation, zero fill outside the source image.
-    """
+def random_rotation(
+    x: Tensor, degrees: float, generator: torch.Generator, interpolation: str = "bilinear"
+) -> Tensor:
+    """Rotate each image by an angle uniform in ``[-degrees, degrees]``, resampled by
+    ``interpolation`` (:func:`grid_mode`), zero fill outside the source image."""
     _check_batch(x)
     angles = _uniform(x.shape[0], -degrees, degrees, x, generator)
-    return _rotate(x, angles).clamp(0.0, 1.0)
+    return rotate(x, angles, interpolation)
 
 
 def cutout(x: Tensor, size: int, generator: torch.Generator) -> Tensor:
@@ -322,6 +352,7 @@ def rand_augment(
     num_ops: int = 2,
     magnitude: float = 9,
     ops: Sequence[str] = OP_NAMES,
+    interpolation: str = "bilinear",
 ) -> Tensor:
     """RandAugment (Cubuk et al., 2020): ``num_ops`` ops per image, each drawn uniformly.
 
@@ -336,6 +367,7 @@ def rand_augment(
         raise ValueError(f"ops must be a non-empty subset of {', '.join(ALL_OPS)}; got {ops}")
     if not 0.0 <= magnitude <= RANDAUGMENT_BINS:
         raise ValueError(f"magnitude must be in [0, {RANDAUGMENT_BINS}], got {magnitude}")
+    _check_interpolation(interpolation)
     strength = magnitude / RANDAUGMENT_BINS
     out = x.clone()
     for _ in range(num_ops):
@@ -343,16 +375,19 @@ def rand_augment(
         for k, name in enumerate(ops):
             idx = (choice == k).nonzero().squeeze(1)
             if idx.numel() and name != "identity":
-                out[idx] = apply_op(out[idx], name, strength, generator)
+                out[idx] = apply_op(out[idx], name, strength, generator, interpolation)
     return out.clamp(0.0, 1.0)
 
 
 @_accepts_uint8
-def auto_augment(x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR10_POLICY) -> Tensor:
+def auto_augment(
+    x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR10_POLICY, interpolation: str = "bilinear"
+) -> Tensor:
     """AutoAugment (Cubuk et al., 2019): each image draws one sub-policy uniformly, and each of
     its two ``(op, probability, bin)`` steps fires with its probability at ``bin / 9`` of the
     op's range (:mod:`fedlt.data.autoaugment`; default: the CIFAR-10 policy)."""
     _check_batch(x)
+    _check_interpolation(interpolation)
     n = x.shape[0]
     out = x.clone()
     choice = torch.randint(0, len(policy), (n,), generator=generator, device=x.device)
@@ -363,7 +398,7 @@ def auto_augment(x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR
             idx = ((choice == k) & (fire < probability)).nonzero().squeeze(1)
             if idx.numel() and name != "identity":
                 strength = 0.0 if level is None else level / (AUTOAUGMENT_LEVELS - 1)
-                out[idx] = apply_op(out[idx], name, strength, generator)
+                out[idx] = apply_op(out[idx], name, strength, generator, interpolation)
     return out.clamp(0.0, 1.0)
 
 
@@ -371,7 +406,9 @@ STRONG_POLICIES = ("autoaugment", "randaugment")
 
 
 def _crop_padding(x: Tensor) -> int:
-    """Crop padding for a view: 4 for 32px images, 3 for 28px, never below 2."""
+    """Crop padding for a view: an eighth of the side, rounded down, at least 2 px. The CIFAR
+    convention (4 px on 32 px, the released FedYoYo code on all its 32 px datasets) scaled to
+    other sizes: 3 px on 28 px, 2 px on 16 px, 8 px on 64 px."""
     return max(2, x.shape[-1] // 8)
 
 
@@ -381,15 +418,16 @@ def no_augmentation(x: Tensor, generator: torch.Generator, flip: bool = True) ->
 
 
 @_accepts_uint8
-def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
-    """FedYoYo's weak view: random crop, horizontal flip (if ``flip``), rotation up to 15 deg.
+def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True, interpolation: str = "bilinear") -> Tensor:
+    """FedYoYo's weak view: random crop, horizontal flip (if ``flip``), rotation up to 15 deg
+    resampled by ``interpolation`` (:data:`INTERPOLATIONS`).
 
     Pass ``flip=False`` for data where mirroring changes the meaning (e.g. digits).
     """
     out = random_crop(x, _crop_padding(x), generator)
     if flip:
         out = random_flip(out, generator)
-    return random_rotation(out, 15.0, generator)
+    return random_rotation(out, 15.0, generator, interpolation)
 
 
 @_accepts_uint8
@@ -400,23 +438,26 @@ def strong_view(
     policy: str = "randaugment",
     magnitude: float = 9,
     cutout_frac: float = 0.5,
+    interpolation: str = "bilinear",
 ) -> Tensor:
     """FedYoYo's strong view: crop, flip (if ``flip``), a policy, Cutout.
 
     ``policy`` is ``randaugment`` (2 ops at ``magnitude`` of 30; 0: none) or ``autoaugment``
-    (the CIFAR-10 policy; ``magnitude`` unused). The cutout square's side is
-    ``round(cutout_frac * H)``: 16px on 32px images at the default 0.5, as in FedYoYo and
-    AutoAugment's CIFAR pipeline; 0 turns Cutout off.
+    (the CIFAR-10 policy; ``magnitude`` unused); its geometric ops resample by ``interpolation``
+    (:data:`INTERPOLATIONS`). The cutout square's side is ``round(cutout_frac * H)``: 16px on
+    32px images at the default 0.5, as in FedYoYo and AutoAugment's CIFAR pipeline; 0 turns
+    Cutout off.
     """
     if policy not in STRONG_POLICIES:
         raise ValueError(f"unknown strong policy {policy!r}; use one of {', '.join(STRONG_POLICIES)}")
+    _check_interpolation(interpolation)
     out = random_crop(x, _crop_padding(x), generator)
     if flip:
         out = random_flip(out, generator)
     if policy == "autoaugment":
-        out = auto_augment(out, generator)
+        out = auto_augment(out, generator, interpolation=interpolation)
     elif magnitude > 0:
-        out = rand_augment(out, generator, num_ops=2, magnitude=magnitude)
+        out = rand_augment(out, generator, num_ops=2, magnitude=magnitude, interpolation=interpolation)
     return cutout(out, round(cutout_frac * x.shape[-1]), generator)
 
 

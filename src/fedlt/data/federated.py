@@ -118,7 +118,7 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     train = source_train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, test.labels.numpy(), numpy_rng(seed, "local_test"))
-    return FederatedData(train.to(device), test.to(device), partition, local, DATASETS[cfg.dataset].hflip,
+    return FederatedData(train.to(device), test.to(device), partition, local, cfg.flips(DATASETS[cfg.dataset].hflip),
                          val.to(device) if val is not None else None, source)
 
 

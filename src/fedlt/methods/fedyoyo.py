@@ -3,7 +3,8 @@ adjustment (DLA), aggregated with FedAvg.
 
 Every local batch is seen twice, as a weak view (crop, flip, rotation) and a strong view (crop,
 flip, AutoAugment's CIFAR-10 policy as the paper's reference [4] and the released code, or
-RandAugment; then Cutout); both go through the model in one forward pass. The local loss is
+RandAugment; then Cutout); both go through the model in one forward pass. Crops pad an eighth
+of the image side (4 px on 32 px, as released); flips follow ``data.hflip``. The local loss is
 (Eq. 9)
 
     L = L_DLA + lambda_r * L_ASD.
@@ -42,6 +43,10 @@ Options where the released code (which produced the paper's numbers) departs fro
   estimate is then also this round's ``pi_k``).
 - ``asd_average``: ``batch`` (default, Eq. 1's ``1 / n_k``) or ``correct`` (the released code:
   the mean over the teaching samples).
+- ``view_interpolation``: how both views' rotations, shears and translations resample.
+  ``bilinear`` (default) blurs every training image; ``released`` is the code's (torchvision's
+  ``RandomRotation`` and PIL's rotate and translate: nearest; its AutoAugment shear: bicubic);
+  ``nearest`` (torchvision's default for every op) and ``bicubic`` apply one mode to all.
 
 Choices where the paper is silent:
 
@@ -117,6 +122,10 @@ class FedYoYoArgs(MethodArgs):
         9.0, ge=0, le=30, description="RandAugment magnitude M of 30 bins (strong_policy=randaugment); 0: none"
     )
     cutout: float = Field(0.5, ge=0, le=1, description="Cutout square side as a fraction of the image side; 0: off")
+    view_interpolation: Literal["bilinear", "nearest", "bicubic", "released"] = Field(
+        "bilinear", description="resampling of both views' rotations, shears and translations: one mode for all, or "
+        "released = nearest, bicubic shears (the released code's torchvision/PIL defaults)"
+    )
     teacher_filter: Literal["adjusted", "raw"] = Field(
         "adjusted", description="a teacher is correct by the argmax of the adjusted softmax, or of the raw logits"
     )
@@ -341,11 +350,13 @@ class FedYoYoClient(FedAvgClient):
         return lambda t: fixed
 
     def view(self, name: str):
-        """The weak view, or the strong view with the configured policy, magnitude and Cutout."""
-        if name == "weak":
-            return weak_view
+        """The weak view, or the strong view with the configured policy, magnitude and Cutout; both
+        resample by ``view_interpolation``."""
         a = self.args
-        return partial(strong_view, policy=a.strong_policy, magnitude=a.strong_magnitude, cutout_frac=a.cutout)
+        if name == "weak":
+            return partial(weak_view, interpolation=a.view_interpolation)
+        return partial(strong_view, policy=a.strong_policy, magnitude=a.strong_magnitude, cutout_frac=a.cutout,
+                       interpolation=a.view_interpolation)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         a = self.args
