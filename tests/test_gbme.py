@@ -267,7 +267,7 @@ def test_fedavgm_with_zero_momentum_is_fedavg(tmp_path):
     assert momentum[1]["loss"] != pytest.approx(fedavg[1]["loss"], rel=1e-5)
 
 
-# ---- values of the proxy and the options of issue 23 ----------------------------------------
+# ---- values of the proxy, cosine heads and the lr warm-up --------------------------------------
 def hand_model(head: torch.nn.Module):
     """A multi-expert model whose features are its 2-d input, so the FC gradient is hand-computable."""
     from torch import nn
@@ -382,3 +382,233 @@ def test_gpi_diagnostics_values():
     d = gpi_diagnostics(counts * 3, counts)
     assert d[DIAG_TV_KEY] == pytest.approx(0.0) and d[DIAG_TAIL_KEY] == pytest.approx(1.0)
     assert d[DIAG_KEY] == pytest.approx(1.0)
+
+
+def test_receive_hands_other_queries_on_and_stops(tmp_path):
+    """A query GBME does not ask goes up the class hierarchy, and GBME leaves it there: a server
+    composed of GBME and a method that asks its own query receives that query intact."""
+    from fedlt.api import prepare
+    from fedlt.messages import Query
+    from fedlt.methods.base import Server
+    from fedlt.methods.gbme import GBMEServer
+
+    class Tally(Server):
+        def receive(self, query, replies):
+            if query.name != "tally":
+                return super().receive(query, replies)
+            self.tally = sum(int(r.payload["count"]) for r in replies.values())
+
+    class Composed(GBMEServer, Tally):
+        pass
+
+    ctx = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server.ctx
+    server = Composed(ctx)
+    server.receive(Query("tally", {}), {0: Reply(payload={"count": 3}, num_samples=10),
+                                        1: Reply(payload={"count": 4}, num_samples=20)})
+    assert server.tally == 7
+    assert server.lpis is None and server.client_counts is None and server.num_samples == {}
+    with pytest.raises(NotImplementedError, match="unknown"):  # nobody asked it: the base class says so
+        server.receive(Query("unknown", {}), {})
+
+
+# ---- the released code's readings: per-expert loss, LPI steps, count estimate ----------------
+def two_expert_model():
+    """2 experts x 3 classes on 3-d inputs: a shared linear layer (identity), identity expert blocks
+    and bias-free linear heads W_0 = I, W_1 = 2 I, so expert e's logits are (e + 1) x."""
+    from torch import nn
+    from fedlt.models.multi_expert import MultiExpertEncoder, MultiExpertHead, MultiExpertModel
+
+    shared = nn.Linear(3, 3, bias=False)
+    heads = [nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)]
+    with torch.no_grad():
+        shared.weight.copy_(torch.eye(3))
+        heads[0].weight.copy_(torch.eye(3))
+        heads[1].weight.copy_(2 * torch.eye(3))
+    return MultiExpertModel(MultiExpertEncoder(shared, [nn.Identity(), nn.Identity()]), MultiExpertHead(heads, 3), 3)
+
+
+def test_per_expert_loss_hand_values_and_its_gradient_reaches_only_the_trained_expert():
+    from fedlt.losses import make_loss
+    from fedlt.methods.gbme import per_expert_loss
+
+    model = two_expert_model()
+    x, y = torch.tensor([[1.0, 0.0, -1.0]]), torch.tensor([0])
+    bsm = make_loss("bsm", prior=torch.tensor([3.0, 2.0, 1.0]))  # prior (1/2, 1/3, 1/6)
+    e = math.e
+    # BSM(v, 0) = -v_0 - log pi_0 + log sum_c pi_c exp(v_c), v = (k, 0, -k): -k + log((3 e^k + 2 + e^-k) / 3)
+    first, second = -1 + math.log((3 * e + 2 + 1 / e) / 3), -2 + math.log((3 * e ** 2 + 2 + e ** -2) / 3)
+    mean = -1.5 + math.log((3 * e ** 1.5 + 2 + e ** -1.5) / 3)  # Eq. 7: the mean logits (1.5, 0, -1.5)
+    assert bsm(model(x), y).item() == pytest.approx(mean, rel=1e-6)
+    assert per_expert_loss(model, bsm, [0, 1], False)(x, y).item() == pytest.approx(first + second, rel=1e-6)
+    assert per_expert_loss(model, bsm, [1], False)(x, y).item() == pytest.approx(second, rel=1e-6)
+    trained = per_expert_loss(model, bsm, [1], True)(x, y)  # per-expert phase: x M = 2
+    assert trained.item() == pytest.approx(2 * second, rel=1e-6)
+    trained.backward()
+    shared, head0, head1 = model.encoder.shared.weight, *(h.weight for h in model.head.heads)
+    assert head0.grad is None  # expert 0 is not in the graph: nothing reaches it or, through it, the backbone
+    # dL/dW_1 = M (q - e_y) h^T, q = softmax(v_1 + log pi); dL/dW_shared = W_1^T M (q - e_y) x^T
+    q = torch.softmax(torch.tensor([2.0, 0.0, -2.0]) + torch.log(torch.tensor([3.0, 2.0, 1.0]) / 6), 0)
+    delta = 2 * (q - torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(head1.grad, torch.outer(delta, x[0]), atol=1e-6)
+    assert torch.allclose(shared.grad, torch.outer(2 * delta, x[0]), atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    bsm(model(x), y).backward()  # Eq. 7: both heads and the backbone through both, each expert's logits / M
+    q7 = torch.softmax(torch.tensor([1.5, 0.0, -1.5]) + torch.log(torch.tensor([3.0, 2.0, 1.0]) / 6), 0)
+    assert torch.allclose(head1.grad, torch.outer((q7 - torch.tensor([1.0, 0.0, 0.0])) / 2, x[0]), atol=1e-6)
+    assert head0.grad is not None and float(head0.grad.abs().sum()) > 0.1
+    # the model's own experts' logits are the ones its mean is made of
+    logits = model.expert_logits(x, [0, 1])
+    assert torch.allclose(torch.stack(logits).mean(0), model(x)) and torch.allclose(logits[1], 2 * x)
+
+
+def test_per_expert_loss_phase_flag_is_sent_only_with_that_loss(tmp_path):
+    from fedlt.api import prepare
+    from fedlt.methods.gbme import PHASE_KEY
+
+    def server(**args):
+        cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"joint_warmup": 0.5, **args})
+        cfg["fl"] = {**cfg["fl"], "rounds": 4}
+        s = prepare(build_config(cfg)).server
+        s.groups, s.gpi = [[0, 1], [2, 3], [4, 5]], torch.ones(10, dtype=torch.float64)
+        return s
+
+    default, released = server(), server(expert_loss="per_expert")
+    for s in (default, released):
+        s.select_clients(2, [1, 4, 5])  # joint round
+    assert PHASE_KEY not in default.fit_message(2, 1).payload and released.fit_message(2, 1).payload[PHASE_KEY] is False
+    cid = released.select_clients(3, [1, 4, 5])[0]  # per-expert round
+    assert released.fit_message(3, cid).payload[PHASE_KEY] is True
+
+
+def test_per_expert_training_scales_the_trained_experts_loss_by_m():
+    """A client's per-expert fit is the fit of M x (the loss on its expert's logits): the same
+    weights as training on that loss by hand, frozen experts unchanged."""
+    from fedlt.losses import make_loss
+    from fedlt.methods.gbme import PHASE_KEY
+    from fedlt.training.sequential import train_local
+
+    torch.manual_seed(0)
+    model = multi_expert_model("cnn", 10, 3, num_experts=3, width=0.25)
+    sent = clone_state(model)
+    prior = torch.tensor([5.0, 4, 3, 3, 2, 2, 1, 1, 1, 1])
+    ctx = client_ctx(model, counts=[12, 8, 4, 0, 0, 0, 0, 0, 0, 0])
+    ctx.loss_config = fedlt.load_config(None, ["loss.name=bsm"]).loss
+    msg = Message(weights=sent, payload={"experts": torch.tensor([1]), "prior": prior, PHASE_KEY: True})
+    reply = GBMEClient(GBMEArgs(expert_loss="per_expert", warmup_rounds=0)).fit(ctx, msg)
+    model.load_state_dict(sent)
+    model.set_trainable_experts([1])
+    bsm = make_loss("bsm", prior=prior)
+    train_local(client_ctx(model, counts=[12, 8, 4, 0, 0, 0, 0, 0, 0, 0]),
+                lambda x, y: 3 * bsm(model.expert_logits(x, [1])[0], y),
+                params=[p for p in model.parameters() if p.requires_grad])
+    by_hand = model.state_dict()
+    assert all(torch.allclose(reply.weights[k], by_hand[k], atol=1e-6) for k in reply.weights)
+    moved = [k for k in model.shared_keys() if not torch.equal(reply.weights[k], sent[k])]
+    assert moved and all(torch.equal(by_hand[k], sent[k]) for k in model.expert_keys(0) + model.expert_keys(2))
+
+
+def test_lpi_steps_caps_the_epoch_pass_at_its_first_steps():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from fedlt.methods.gbme import fc_weights, steps_per_epoch
+    from fedlt.training.sequential import epoch_batches
+
+    torch.manual_seed(0)
+    model = multi_expert_model("cnn", 10, 3, num_experts=2, width=0.25)
+    sent = clone_state(model)
+
+    def lpi(**args):
+        steps = []
+        handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+        try:
+            out = GBMEClient(GBMEArgs(num_experts=2, **args)).lpi(client_ctx(model), Message(weights=sent))
+        finally:
+            handle.remove()
+        return out, len(steps)
+
+    whole, whole_steps = lpi()
+    assert whole_steps == steps_per_epoch(sum(COUNTS), 16) == 20
+    two, two_steps = lpi(lpi_steps=2)
+    assert two_steps == 2 and not torch.allclose(two, whole, atol=1e-3)
+    capped, capped_steps = lpi(lpi_steps=50)  # a cap beyond the epoch: the whole epoch, bit for bit
+    assert capped_steps == 20 and torch.equal(capped, whole)
+    # one step: minus the row sums of the FC gradient of the epoch's first batch at the received model
+    one, _ = lpi(lpi_steps=1)
+    ctx = client_ctx(model)
+    model.load_state_dict(sent)
+    rows = next(epoch_batches(len(ctx.data), 16, ctx.generator()))
+    x, y = ctx.data.batch(rows, ctx.generator(purpose=1))
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected = -torch.cat([w.grad for w in fc_weights(model)], dim=1).sum(1)
+    assert torch.allclose(one, expected, atol=1e-6)
+
+
+def test_released_count_estimate_hand_values():
+    from fedlt.methods.proxy_prior import count_proxy, estimated_counts
+
+    a, b = torch.tensor([3.0, 1.0, -2.0, 0.0, -1.0]), torch.tensor([-1.0, 2.0, 1.0, 4.0, -3.0])
+    # a, n=50: entries <= 0 -> 1e-5, shares (3, 1, 1e-5, 1e-5, 1e-5) / 4.00003 -> 37.4997, 12.4999, ~0
+    assert estimated_counts(a, 50).tolist() == [37.0, 12.0, 0.0, 0.0, 0.0]
+    # b, n=21: (1e-5, 2, 1, 4, 1e-5) / 7.00002 -> 0, 5.99998, 2.99999, 11.99997, 0
+    assert estimated_counts(b, 21).tolist() == [0.0, 6.0, 3.0, 12.0, 0.0]
+    assert estimated_counts(torch.tensor([3.0, 5.0]), 4).tolist() == [2.0, 2.0]  # 1.5, 2.5: half to even, as numpy
+    # summed (37, 18, 3, 12, 0), each class raised to 5
+    assert count_proxy({0: a, 7: b}, {0: 50, 7: 21}).tolist() == [37.0, 18.0, 5.0, 12.0, 5.0]
+
+
+def test_released_counts_become_the_gpi_the_prior_and_the_grouping_reference(tmp_path):
+    from fedlt.api import prepare
+    from fedlt.messages import Query
+
+    cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"gpi_counts": "released"})
+    server = prepare(build_config(cfg)).server
+    a, b = torch.tensor([3.0, 1.0, -2.0, 0.0, -1.0]), torch.tensor([-1.0, 2.0, 1.0, 4.0, -3.0])
+    server.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
+                                          7: Reply(payload={"lpi": b}, num_samples=21)})
+    assert server.gpi.tolist() == [37.0, 18.0, 5.0, 12.0, 5.0]
+    assert torch.equal(server.gpi_prior(), server.gpi)  # no zero left for gpi_floor
+    proxy = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server
+    proxy.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
+                                         7: Reply(payload={"lpi": b}, num_samples=21)})
+    w, v = 50 / 71, 21 / 71  # Eq. 5, the default: positive entries weighted by n_k / n
+    assert torch.allclose(proxy.gpi, torch.tensor([3 * w, w + 2 * v, v, 4 * v, 0.0], dtype=torch.float64))
+
+
+def test_released_options_end_to_end_with_the_gpi_distance(tmp_path):
+    res = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                         method_args={"expert_loss": "per_expert", "lpi_steps": 2, "gpi_counts": "released",
+                                      "diagnose_gpi": True, "joint_warmup": 0.5}), quiet=True)
+    server = res.summary["final"]["server_metrics"]
+    assert all(math.isfinite(m["loss"]) for m in res.metrics)
+    assert 0 < server["diag_nonprivate_gpi_tv"] < 1 and -1 <= server[DIAG_KEY] <= 1
+    assert 0 < server["diag_nonprivate_gpi_prior_max_log_ratio"] < 20
+
+
+def test_prior_log_error_is_the_largest_logit_bias_of_the_prior_the_loss_reads():
+    from fedlt.methods.gbme import prior_log_error
+
+    counts = torch.tensor([4.0, 2.0, 1.0, 1.0, 0.0])  # true prior (.5, .25, .125, .125); class 4 absent
+    # q = (.5, .25, .21875, .03125, 0): class 3 at a quarter of its share, log 4; the absent class is not scored
+    assert prior_log_error(torch.tensor([4.0, 2.0, 1.75, 0.25, 0.0]), counts) == pytest.approx(math.log(4), rel=1e-6)
+    assert prior_log_error(counts * 7, counts) == pytest.approx(0.0, abs=1e-6)
+    # a zero entry is read as the loss reads it, at the 1e-8 floor: log(0.125 / 1e-8)
+    assert prior_log_error(torch.tensor([4.0, 2.0, 2.0, 0.0, 0.0]), counts) == pytest.approx(
+        math.log(0.125 / 1e-8), rel=1e-6)
+
+
+def test_option_config_errors():
+    with pytest.raises(ConfigError, match="lpi_steps"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
+                       method_args={"lpi_steps": 2, "lpi_pass": "fixed"}), quiet=True)
+    with pytest.raises(ConfigError, match="lpi_steps"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
+                       method_args={"lpi_steps": 2, "dp_epsilon": 5}), quiet=True)
+    with pytest.raises(ConfigError, match="ensemble=true"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
+                       method_args={"expert_loss": "per_expert", "ensemble": False}), quiet=True)
+    with pytest.raises(ConfigError, match="lpi_steps"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, method_args={"lpi_steps": 0}), quiet=True)
+    with pytest.raises(ConfigError, match="gpi_counts"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, method_args={"gpi_counts": "x"}),
+                  quiet=True)

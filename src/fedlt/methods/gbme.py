@@ -7,16 +7,20 @@ of the re-balancing loss (broadcast with every model) and groups the clients by 
 similarity of their LPI to the GPI (Eq. 6). Each round, expert i is trained by alpha*R clients of
 its group and (1-alpha)*R others (:meth:`GBMEServer.select_clients`); a client trains the shared
 backbone and its selected expert(s) with the other experts frozen, on balanced softmax (or LDAM,
-LA) of the mean of the experts' logits (Eq. 7) and uploads what it trained; the server averages
-the round's models with FedAvg (Alg. 1, line 15), a client's untrained experts counting as the
-weights it was sent (the released code never aggregates; this one does).
+LA) of the mean of the experts' logits (Eq. 7; ``expert_loss=per_expert``: the released code's
+sum of the loss on each trained expert's own logits) and uploads what it trained; the server
+averages the round's models with FedAvg (Alg. 1, line 15), a client's untrained experts counting
+as the weights it was sent.
 
 Choices where the paper is silent (also in the README):
 
 * The LPI pass (``lpi_pass``). GBME (``auto`` -> ``epoch``) follows Algorithm 1 and the released
   code: one local epoch of CE from the received model under the configured optimiser, the FC
   gradient being the mean of its per-step gradients (the code's weight change of that epoch,
-  without the learning rate and momentum). ``fixed`` is Definition 1 read at a single point: the
+  without the learning rate and momentum). ``lpi_steps`` stops that epoch after its first k
+  steps: in the paper's settings the epoch is ~2 steps (CIFAR-100-LT: ~108 samples a client,
+  batch 64), the gradient at the initial model, where the reference protocol's is ~23.
+  ``fixed`` is Definition 1 read at a single point: the
   per-sample gradients at the received model summed over one pass (eval mode, no augmentation).
   They differ in shape: at the received model the LPI is about n_ik - (what the model predicts
   for i), so classes below 1/C of every client get 0 in Eq. 5 and the GPI is much sharper than
@@ -42,7 +46,12 @@ Choices where the paper is silent (also in the README):
   0 means log 0: the loss's 1e-8 floor then shifts that class's logit by ~18 and the model
   predicts it everywhere. ``gpi_floor`` (default 1) gives such a class the smallest positive
   GPI value instead; ``gpi_floor=0`` keeps Eq. 5 as is. The GPI itself (grouping, diagnostics)
-  is Eq. 5 unchanged.
+  is not floored. ``gpi_counts=released`` replaces Eq. 5 by the released code's estimate
+  (:func:`fedlt.methods.proxy_prior.count_proxy`): every class at least 5 counts, so the floor
+  has nothing to lift; the grouping stays Eq. 6 against that GPI.
+* ``expert_loss=per_expert`` is the released code's loss: the loss on each trained expert's own
+  logits, summed; in the per-expert phase (after ``joint_warmup``) times M, the code's factor for
+  its one trained expert, which a client drawn for several experts applies to each of them.
 * Selection size. Algorithm 1 trains D^1..D^R in a round, Sec. 4.1 selects 20 clients a round,
   and Sec. 3.3 draws alpha*R + (1-alpha)*R clients *per expert*: R is the round's client count
   and every expert gets R trainers (the released code does the same). A client drawn for several
@@ -78,7 +87,9 @@ Choices where the paper is silent (also in the README):
   does not mention it. It is the default because it matters: on the reference protocol it is +6.14
   [0.49, 11.79] over per-expert selection from round 1 (``0``, the paper text's reading), 3 seeds,
   AVX512 (docs/results/reference.md). During it the engine's seeded schedule picks the round's
-  clients, as for FedAvg.
+  clients, as for FedAvg, and the round is averaged; the released code's joint rounds average
+  nothing (its global model is still the initial one when they end), so this repairs their intent.
+  Its per-expert rounds do aggregate, expert by expert (docs/methods/gbme.md).
 * ``ensemble=false`` trains the plain configured model (no experts, no grouping, the engine's
   sampling): that is FedAvg + the loss with the chosen prior — the "BSM + GPI" rows of Table 9.
 """
@@ -96,11 +107,11 @@ from pydantic import Field, model_validator
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedlt.errors import ConfigError
-from fedlt.losses import make_loss
+from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, Stage, clone_state
 from fedlt.methods.proxy_prior import (
-    cosine_scores, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
+    cosine_scores, count_proxy, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
     select_for_experts,
 )
 from fedlt.models import FedModel, create_model
@@ -109,10 +120,12 @@ from fedlt.training.sequential import train_local
 
 LPI_QUERY = "gbme_lpi"
 COUNTS_QUERY = "class_counts"
+PHASE_KEY = "per_expert_phase"
 GBME_LOSSES = ("bsm", "la", "ldam")
 DIAG_KEY = "diag_nonprivate_gpi_pearson"
 DIAG_TV_KEY = "diag_nonprivate_gpi_tv"
 DIAG_TAIL_KEY = "diag_nonprivate_gpi_tail_ratio"
+DIAG_LOG_KEY = "diag_nonprivate_gpi_prior_max_log_ratio"
 
 
 class GBMEArgs(MethodArgs):
@@ -141,9 +154,20 @@ class GBMEArgs(MethodArgs):
     expert_aggregation: Literal["all", "trainers"] = Field(
         "all", description="an expert's average: over every client of the round, a client that did not train "
         "it counting the weights it received (Alg. 1, FedAvg of the clients' models); or over its trainers only")
+    expert_loss: Literal["mean_logits", "per_expert"] = Field(
+        "mean_logits", description="the loss (bsm, la, ldam) on the mean of the experts' logits (mean_logits, "
+        "Eq. 7); or per_expert (released code): its sum over the client's trained experts, each on its own "
+        "logits, times M in the per-expert phase (frozen experts then pass no gradient to the backbone)")
     lpi_pass: Literal["auto", "epoch", "fixed"] = Field(
         "auto", description="LPI gradient: mean along one SGD epoch (epoch, Alg. 1/code) or per-sample at "
         "the received model (fixed); auto = epoch, fixed under DP")
+    lpi_steps: int | None = Field(
+        None, ge=1, description="the epoch pass stops after this many SGD steps (the paper's settings give ~2, "
+        "the gradient at the initial model); default = the whole local epoch")
+    gpi_counts: Literal["proxy", "released"] = Field(
+        "proxy", description="the GPI: Eq. 5 on the LPIs (proxy); or the released code's count estimate "
+        "(released): each LPI as counts (entries <= 0 -> 1e-5, normalised, x n_k, rounded), summed, each "
+        "class at least 5")
     gpi_floor: float = Field(
         1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
@@ -151,13 +175,19 @@ class GBMEArgs(MethodArgs):
     dp_delta: float = Field(0.03, gt=0, lt=1, description="GBME-p: failure probability delta (paper: 0.03)")
     dp_clip: float = Field(1.0, gt=0, description="GBME-p: per-sample L2 clip of the FC gradient = sensitivity Delta")
     diagnose_gpi: bool = Field(False, description="report the GPI against the true global prior (Pearson, TV "
-                               "distance, tail ratio); NON-PRIVATE diagnostic (uploads label histograms)")
+                               "distance, tail ratio, largest log-prior error of the GPI prior); NON-PRIVATE "
+                               "diagnostic (uploads label histograms)")
 
     @model_validator(mode="after")
-    def _dp_needs_fixed_pass(self) -> "GBMEArgs":
+    def _consistent(self) -> "GBMEArgs":
         if self.dp_epsilon is not None and self.lpi_pass == "epoch":
             raise ValueError("GBME-p bounds the sensitivity only for the per-sample pass; use lpi_pass=fixed "
                              "(or auto) with dp_epsilon")
+        if self.lpi_steps is not None and self.pass_kind() == "fixed":
+            raise ValueError("lpi_steps caps the epoch pass, not the per-sample one (lpi_pass=fixed, or auto "
+                             "under dp_epsilon); drop lpi_steps")
+        if self.expert_loss == "per_expert" and not self.ensemble:
+            raise ValueError("expert_loss=per_expert needs the experts; drop it or set ensemble=true")
         return self
 
     def pass_kind(self) -> str:
@@ -221,19 +251,43 @@ def lr_warmup(rnd: int, steps: int, rounds: float) -> Iterator[None]:
         handle.remove()
 
 
-def epoch_fc_gradient(ctx: ClientContext, warmup: float = 0.0) -> torch.Tensor:
-    """One local epoch of CE on ``ctx.model`` (warmed up as round 1); the mean over its steps of
-    the FC-weight gradient."""
+class _StepsDone(Exception):
+    """Raised by the batch loss of :func:`first_steps` once its steps are taken."""
+
+
+def first_steps(ctx: ClientContext, batch_loss, limit: int | None) -> int:
+    """:func:`train_local` for one epoch, stopped after ``limit`` SGD steps (None: the whole
+    epoch); returns the steps taken. Stopping the shared loop, rather than running a copy of it,
+    keeps a capped pass exactly the first steps of the whole one."""
+    taken = 0
+
+    def counted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal taken
+        if taken == limit:
+            raise _StepsDone
+        taken += 1
+        return batch_loss(x, y)
+
+    try:
+        train_local(ctx, counted, epochs=1)
+    except _StepsDone:
+        pass
+    return taken
+
+
+def epoch_fc_gradient(ctx: ClientContext, warmup: float = 0.0, max_steps: int | None = None) -> torch.Tensor:
+    """One local epoch of CE on ``ctx.model`` (warmed up as round 1), or its first ``max_steps``
+    steps; the mean over those steps of the FC-weight gradient."""
     weights = fc_weights(ctx.model)
     sums = [torch.zeros_like(w) for w in weights]
     handles = [w.register_hook(lambda g, acc=acc: acc.add_(g.detach())) for w, acc in zip(weights, sums)]
     try:
         with lr_warmup(1, steps_per_epoch(len(ctx.data), ctx.train.batch_size), warmup):
-            metrics = train_local(ctx, lambda x, y: F.cross_entropy(ctx.model(x), y), epochs=1)
+            steps = first_steps(ctx, lambda x, y: F.cross_entropy(ctx.model(x), y), max_steps)
     finally:
         for h in handles:
             h.remove()
-    return torch.cat(sums, dim=1) / max(metrics["steps"], 1.0)
+    return torch.cat(sums, dim=1) / max(steps, 1)
 
 
 def per_sample_fc_gradients(model: FedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -283,6 +337,19 @@ def prior_loss(ctx: ClientContext, prior: torch.Tensor):
                      ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale)
 
 
+def per_expert_loss(model: MultiExpertModel, loss, experts: list[int], per_expert_phase: bool):
+    """The released code's loss: ``loss`` on each trained expert's own logits, summed, times M in
+    the per-expert phase. Only the trained experts are in the graph, so a frozen expert sends no
+    gradient into the shared backbone; against Eq. 7 (the mean of M experts' logits) a trained
+    expert's logits get about M^2 times the gradient in that phase."""
+    scale = model.num_experts if per_expert_phase else 1
+
+    def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return scale * torch.stack([loss(v, y) for v in model.expert_logits(x, experts)]).sum()
+
+    return batch_loss
+
+
 class GBMEClient(Client):
     args: GBMEArgs
 
@@ -298,7 +365,7 @@ class GBMEClient(Client):
         ctx.model.load_state_dict(msg.weights, strict=False)
         a = self.args
         if a.pass_kind() == "epoch":
-            grad = epoch_fc_gradient(ctx, a.warmup())
+            grad = epoch_fc_gradient(ctx, a.warmup(), a.lpi_steps)
         else:
             private = a.dp_epsilon is not None
             sigma = gaussian_sigma(a.dp_epsilon, a.dp_delta, a.dp_clip) if private else 0.0
@@ -314,11 +381,15 @@ class GBMEClient(Client):
         multi = isinstance(model, MultiExpertModel)
         if multi:
             model.set_trainable_experts([int(e) for e in experts])
+        if self.args.expert_loss == "per_expert":
+            batch_loss = per_expert_loss(model, loss, [int(e) for e in experts], bool(msg.payload[PHASE_KEY]))
+        else:
+            batch_loss = lambda x, y: loss(model(x), y)
         try:
             params = [p for p in model.parameters() if p.requires_grad]
             steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
             with lr_warmup(ctx.round, steps, self.args.warmup()):
-                metrics = train_local(ctx, lambda x, y: loss(model(x), y), params=params)
+                metrics = train_local(ctx, batch_loss, params=params)
         finally:
             if multi:
                 model.set_trainable_experts(None)
@@ -338,6 +409,16 @@ def gpi_diagnostics(gpi: torch.Tensor, counts: torch.Tensor) -> dict[str, float]
     tail = torch.argsort(counts, stable=True)[: len(counts) // 2]
     return {DIAG_KEY: pearson(gpi, counts), DIAG_TV_KEY: 0.5 * float((q - p).abs().sum()),
             DIAG_TAIL_KEY: float(q[tail].sum() / p[tail].sum().clamp_min(1e-12))}
+
+
+def prior_log_error(prior: torch.Tensor, counts: torch.Tensor) -> float:
+    """max over the classes present of |log q_c - log p_c|, q the prior as the loss reads it
+    (normalised, floored: :func:`fedlt.losses.log_prior`), p the true one. A logit-adjusted loss
+    trained with q leaves class c's logits biased by log p_c - log q_c, so this is the largest
+    such bias; a class at 1/20 of its share moves by 3 nats while the TV distance barely sees it."""
+    present = counts > 0
+    truth = torch.log(counts.double()[present] / counts.double().sum())
+    return float((log_prior(prior).double()[present] - truth).abs().max())
 
 
 # ---- server -------------------------------------------------------------------------------
@@ -362,6 +443,7 @@ class GBMEServer(Server):
         self.gpi: torch.Tensor | None = None
         self.groups: list[list[int]] | None = None
         self.selection: dict[int, list[int]] = {}
+        self.joint = True
         self._round_metrics: dict[str, float] = {}
 
     # -- setup ---------------------------------------------------------------------------
@@ -381,14 +463,15 @@ class GBMEServer(Server):
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
         key = {COUNTS_QUERY: "class_counts", LPI_QUERY: "lpi"}.get(query.name)
         if key is None:
-            super().receive(query, replies)
+            return super().receive(query, replies)
         values = {cid: r.payload[key].double() for cid, r in replies.items()}
         self.num_samples.update({cid: r.num_samples for cid, r in replies.items()})
         if query.name == COUNTS_QUERY:
             self.client_counts = values
         else:
             self.lpis = values
-            self.gpi = global_proxy(values, self.num_samples)
+            estimate = global_proxy if self.args.gpi_counts == "proxy" else count_proxy
+            self.gpi = estimate(values, self.num_samples)
 
     def _group(self, clients: list[int]) -> list[list[int]]:
         a = self.args
@@ -420,7 +503,8 @@ class GBMEServer(Server):
         if not self.args.ensemble:
             self.selection = {}
             return scheduled
-        if rnd <= self.args.joint_warmup * self.ctx.config.fl.rounds:  # every expert, the engine's clients
+        self.joint = rnd <= self.args.joint_warmup * self.ctx.config.fl.rounds
+        if self.joint:  # every expert, the engine's clients
             self.selection = {cid: list(range(self.args.num_experts)) for cid in scheduled}
             return scheduled
         self.selection = select_for_experts(self.groups, self.args.alpha, self.per_expert(),
@@ -435,6 +519,8 @@ class GBMEServer(Server):
             payload["prior"] = self.global_counts().float()
         if self.args.ensemble:
             payload["experts"] = torch.tensor(self.selection[cid], dtype=torch.int64)
+        if self.args.expert_loss == "per_expert":
+            payload[PHASE_KEY] = not self.joint
         return Message(weights=clone_state(self.model), payload=payload)
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
@@ -458,6 +544,7 @@ class GBMEServer(Server):
             })
         if a.diagnose_gpi and self.gpi is not None:
             out.update(gpi_diagnostics(self.gpi, self.global_counts()))
+            out[DIAG_LOG_KEY] = prior_log_error(self.gpi_prior(), self.global_counts())
         return out
 
     def state_dict(self):

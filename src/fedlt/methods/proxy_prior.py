@@ -4,6 +4,8 @@
   A head made of several FC layers (GBME's experts) is one matrix here: the experts' weight
   matrices side by side, so j runs over every expert's inputs.
 * GPI (Definition 2, Eq. 5): ``Pi_i = sum_k n_k/n * 1(Omega_i^k > 0) * Omega_i^k``.
+* The released code's GPI instead: each LPI read as estimated class counts (entries <= 0 set to
+  1e-5, normalised, times n_k, rounded), summed over the clients, each class at least 5.
 * Grouping (Eq. 6): clients ranked by ``cos(Omega^k, Pi)``, the ranking cut into M groups.
 * Selection (Sec. 3.3, Fig. 2(b)): expert i is trained by ``round(alpha*R)`` clients drawn from
   its group and ``R - round(alpha*R)`` drawn from the clients outside it.
@@ -36,6 +38,24 @@ def global_proxy(lpis: dict[int, torch.Tensor], num_samples: dict[int, int]) -> 
         omega = lpis[k].double()
         total += (num_samples[k] / n) * omega * (omega > 0)
     return total
+
+
+def estimated_counts(lpi: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """The released code's reading of one LPI as class counts: entries <= 0 become 1e-5, so a
+    class the client seems to lack counts as (nearly) absent; the vector is normalised, scaled to
+    the client's n_k and rounded (half to even, as numpy)."""
+    omega = lpi.double()
+    share = torch.where(omega > 0, omega, torch.full_like(omega, 1e-5))
+    return torch.round(share / share.sum() * num_samples)
+
+
+def count_proxy(lpis: dict[int, torch.Tensor], num_samples: dict[int, int], floor: float = 5.0) -> torch.Tensor:
+    """The released code's GPI: the clients' :func:`estimated_counts` summed, each class raised to
+    at least ``floor`` (5) so that no class gets a zero prior."""
+    if not lpis:
+        raise ValueError("no client uploaded an LPI: the global proxy is undefined")
+    total = sum(estimated_counts(lpis[k], num_samples[k]) for k in sorted(lpis))
+    return total.clamp_min(floor)
 
 
 def cosine_scores(vectors: dict[int, torch.Tensor], reference: torch.Tensor) -> dict[int, float]:

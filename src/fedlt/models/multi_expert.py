@@ -4,6 +4,7 @@ The output is the mean of the experts' logits (GBME Eq. 7). It is a :class:`FedM
 engine, evaluation and the calibrations treat it like any model: ``encoder`` is the shared
 backbone plus every expert's blocks and returns the experts' features side by side
 (``M * expert_dim``); ``head`` splits them back and averages the experts' logits.
+``expert_logits`` gives chosen experts' own logits, for a loss on each expert (the released code's).
 
 Split per base model (``state_dict`` keys ``encoder.shared.*``, ``encoder.experts.<i>.*``,
 ``head.heads.<i>.*``):
@@ -106,6 +107,12 @@ class MultiExpertModel(FedModel):
         return [f"encoder.experts.{index}.{k}" for k in self.encoder.experts[index].state_dict()] + [
             f"head.heads.{index}.{k}" for k in self.head.heads[index].state_dict()
         ]
+
+    def expert_logits(self, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        """Each of ``experts``' own logits on images ``x`` (the shared backbone, then its blocks and
+        head); the other experts are not run, so they add nothing to the graph of a loss on these."""
+        z = self.encoder.shared(x)
+        return [self.head.heads[e](self.encoder.experts[e](z)) for e in experts]
 
     def shared_keys(self) -> list[str]:
         return [f"encoder.shared.{k}" for k in self.encoder.shared.state_dict()]
