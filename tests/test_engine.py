@@ -234,3 +234,26 @@ def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
     rows = read_metrics(kept[0])
     assert rows[-1]["diverged"] is True and set(rows[-1]["comm"]) == {"down_model", "down_payload", "up_model",
                                                                        "up_payload"}
+
+
+@pytest.mark.parametrize(("method", "state"), [("fedavg", "global_counts"), ("fedloge", "gamma")])
+def test_a_server_hands_queries_it_did_not_ask_up_and_stops(tmp_path, method, state):
+    """In a server composed with another method's, a query the method did not ask reaches the other
+    class, and the method's own handling of its query does not run on it."""
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.messages import Query
+    from fedlt.methods.base import Server
+
+    class Tally(Server):
+        def receive(self, query, replies):
+            if query.name != "tally":
+                return super().receive(query, replies)
+            self.tally = sum(int(r.payload["count"]) for r in replies.values())
+
+    sim = prepare(build_config(tiny(tmp_path, method=method)))
+    composed = type("Composed", (type(sim.server), Tally), {})(sim.server.ctx)
+    before = getattr(composed, state, None)
+    composed.receive(Query("tally", {}), {0: Reply(payload={"count": 3}, num_samples=10),
+                                          1: Reply(payload={"count": 4}, num_samples=20)})
+    assert composed.tally == 7 and getattr(composed, state, None) == before

@@ -38,7 +38,7 @@ class FedAvgServer(Server):
 
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
         if query.name != "class_counts":
-            super().receive(query, replies)
+            return super().receive(query, replies)
         self.global_counts = sum(r.payload["class_counts"] for r in replies.values())
 
     def fit_message(self, rnd: int, cid: int) -> Message:

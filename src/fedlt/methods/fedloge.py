@@ -204,7 +204,7 @@ class FedLoGeServer(Server):
 
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
         if query.name != NORM_QUERY:
-            super().receive(query, replies)
+            return super().receive(query, replies)
         total = sum(r.num_samples for r in replies.values())
         if total <= 0:
             raise RuntimeError("gamma=auto: no client holds data to measure the feature norm on")
