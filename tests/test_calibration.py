@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -86,6 +88,32 @@ def test_calibration_composes_with_other_local_objectives(tmp_path):
     assert final["variants"].keys() == {"uncalibrated", "taunorm"}
     assert res.summary["calibration"] == ["fed3r", "taunorm"]
     assert final["acc"] != final["variants"]["uncalibrated"]["acc"]
+
+
+def test_calibrated_gbme_trains_the_experts_it_selects(tmp_path):
+    """The wrapper keeps GBME's own client selection, and the calibrations act on the ensemble's
+    combined head (one linear head over the experts' features side by side)."""
+    gbme = dict(method="gbme", loss={"name": "bsm"}, fl={**tiny(tmp_path)["fl"], "rounds": 2},
+                method_args={"joint_warmup": 0.0, "expert_head": "linear"})
+    plain = fedlt.run(tiny(tmp_path / "plain", calibration_args={}, **gbme), quiet=True)
+    res = fedlt.run(tiny(tmp_path / "cal", calibration=["ccvr", "taunorm"], **gbme), quiet=True)
+    trained = [{k: v for k, v in m.items() if k.endswith("trainers")} for m in plain.metrics]
+    assert trained[0] and trained == [{k: v for k, v in m.items() if k.endswith("trainers")} for m in res.metrics]
+    final = res.summary["final"]
+    assert final["variants"]["uncalibrated"]["acc"] == plain.summary["final"]["acc"]
+    assert final["variants"].keys() == {"uncalibrated", "taunorm"}
+    assert math.isfinite(final["acc"]) and math.isfinite(final["variants"]["taunorm"]["acc"])
+
+
+def test_taunorm_on_fedloge_rescales_psi(tmp_path):
+    """tau-norm acts on FedLoGe's learned head psi: at tau = 1 it is GA-FR, the global model itself."""
+    cfg = tiny(tmp_path, method="fedloge", calibration=["taunorm"], method_args={"sse_steps": 10},
+               calibration_args={"taunorm_tau": 1.0})
+    final = fedlt.run(cfg, quiet=True).summary["final"]
+    assert final["acc"] == final["variants"]["uncalibrated"]["acc"]
+    cfg["calibration_args"] = {"taunorm_tau": 0.0}  # psi as trained: the psi_raw variant
+    final = fedlt.run(cfg, quiet=True).summary["final"]
+    assert final["acc"] == final["variants"]["psi_raw"]["acc"]
 
 
 def test_calibration_errors_are_config_errors(tmp_path):

@@ -149,6 +149,38 @@ def knob_classes() -> list[tuple[str, type[BaseModel]]]:
     return out
 
 
+def compatibility_matrix() -> list[str]:
+    """Method x calibration and method x loss, each cell from the components' declarations
+    (:func:`fedlt.run_parts.calibration_refusal`, :func:`fedlt.run_parts.loss_refusal`) at the
+    methods' default knobs: what ``check_config`` accepts (runs) or refuses, with its reason."""
+    from fedlt.calibration.calibrators import CALIBRATORS
+    from fedlt.losses import LOSSES
+    from fedlt.methods.registry import METHODS, parse_method_args
+    from fedlt.run_parts import calibration_refusal, loss_refusal
+
+    def cell(refusal: str | None) -> str:
+        return "runs" if refusal is None else "refused: " + _cell(refusal.split(": ", 1)[1].split("; ")[0])
+
+    lines = ["## Compatibility", "",
+             "Which `calibration=NAME` and `loss.name=NAME` each `method=NAME` takes, from what every method "
+             "declares about its model's head and losses and every calibration about the head it works on "
+             "(at the methods' default `method_args`). A refused pair fails before any data are read, with one "
+             "line that says what would work. See [Calibration](calibration.md) and each method's page for "
+             "the reasons.", "",
+             "### Method x calibration", "", "| method | " + " | ".join(CALIBRATORS) + " |",
+             "|---|" + "---|" * len(CALIBRATORS)]
+    for spec in METHODS.values():
+        args = parse_method_args(spec, {})
+        lines.append(f"| `{spec.name}` | " + " | ".join(cell(calibration_refusal(spec, args, name))
+                                                      for name in CALIBRATORS) + " |")
+    lines += ["", "### Method x loss", "", "| method | " + " | ".join(LOSSES) + " |", "|---|" + "---|" * len(LOSSES)]
+    for spec in METHODS.values():
+        own = "" if spec.uses_loss_config else " (its own objective)"
+        lines.append(f"| `{spec.name}` | " + " | ".join(cell(loss_refusal(spec, loss)) + (own if loss == "ce" else "")
+                                                      for loss in LOSSES) + " |")
+    return [*lines, ""]
+
+
 def render() -> str:
     from fedlt.calibration.calibrators import CalibrationArgs
     from fedlt.methods.registry import METHODS
@@ -175,6 +207,7 @@ def render() -> str:
               "Knobs of the classifier calibrations (`calibration=NAME`, and the methods that apply one: "
               "`creff`, `ccvr`, `fedncm`, `fed3r`, `taunorm`, `safs`, `sfd`); see [Calibration](calibration.md).",
               "", *_table(CalibrationArgs, "calibration_args."), ""]
+    lines += compatibility_matrix()
     return "\n".join(lines)
 
 

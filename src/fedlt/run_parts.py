@@ -14,12 +14,13 @@ import os
 
 import torch
 
+from fedlt.calibration.calibrators import CALIBRATORS
 from fedlt.config import Config
 from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
-from fedlt.methods.base import Client, MethodSpec
+from fedlt.methods.base import Client, MethodArgs, MethodSpec
 from fedlt.methods.registry import get_method, parse_method_args
 from fedlt.models.registry import MODELS
 from fedlt.tracking import check_tracking
@@ -60,11 +61,35 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
     return "vectorized"
 
 
-def _check_loss(cfg: Config, uses_loss: bool) -> None:
+def loss_refusal(spec: MethodSpec, loss: str) -> str | None:
+    """Why method ``spec`` cannot train with ``loss`` (one of LOSSES), from its declarations; None
+    when it can."""
+    if not spec.uses_loss_config and loss != "ce":
+        return f"method {spec.name} + loss {loss}: {spec.name} fixes its own training objective; remove loss.name={loss}"
+    if spec.losses is not None and loss not in spec.losses:
+        return (f"method {spec.name} + loss {loss}: {spec.name} trains only with {', '.join(spec.losses)} "
+                f"({spec.losses_why}); use loss.name=<one of {', '.join(spec.losses)}>")
+    return None
+
+
+def calibration_refusal(spec: MethodSpec, args: MethodArgs, name: str) -> str | None:
+    """Why calibration ``name`` has no meaning on method ``spec`` with knobs ``args``, from the
+    method's declared head and the calibration's declared needs; None when it has one."""
+    head = spec.head(args)
+    why = CALIBRATORS[name].refusal(spec.name, head)
+    if why is None:
+        return None
+    working = [n for n, c in CALIBRATORS.items() if c.refusal(spec.name, head) is None]
+    fix = f"use calibration=<one of {', '.join(working)}>" + (f" or {head.fix}" if head.fix else "")
+    return f"method {spec.name} + calibration {name} has no meaning: {why}; {fix}"
+
+
+def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if cfg.loss.name not in LOSSES:
         raise ConfigError(f"unknown loss '{cfg.loss.name}'; use loss.name=<one of {', '.join(LOSSES)}>")
-    if not uses_loss and cfg.loss.name != "ce":
-        raise ConfigError(f"method {cfg.method} fixes its own training objective; remove loss.name={cfg.loss.name}")
+    refusal = loss_refusal(spec, cfg.loss.name)
+    if refusal:
+        raise ConfigError(refusal)
     c = cfg.loss
     try:  # surface bad loss arguments now, not inside the first client's training
         make_loss(c.name, prior=torch.full((2,), 0.5), class_counts=torch.ones(2), tau=c.tau, focal_gamma=c.focal_gamma,
@@ -74,8 +99,8 @@ def _check_loss(cfg: Config, uses_loss: bool) -> None:
 
 
 def check_config(cfg: Config) -> MethodSpec:
-    """Every check that needs no data: method and its knobs, calibrations, loss, model and dataset
-    names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
+    """Every check that needs no data: method and its knobs, calibrations, loss, each pair of them,
+    model and dataset names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
     spec = get_method(cfg.method)
     calibration = [*spec.calibration, *(n for n in cfg.calibration if n not in spec.calibration)]
     if calibration:
@@ -85,8 +110,12 @@ def check_config(cfg: Config) -> MethodSpec:
         parse_calibration_args(cfg.calibration_args)
     elif cfg.calibration_args:
         raise ConfigError("calibration_args given but no calibration; add e.g. calibration=ccvr or drop them")
-    _check_loss(cfg, spec.uses_loss_config)
-    parse_method_args(spec, cfg.method_args)
+    _check_loss(cfg, spec)
+    method_args = parse_method_args(spec, cfg.method_args)
+    for name in calibration:
+        refusal = calibration_refusal(spec, method_args, name)
+        if refusal:
+            raise ConfigError(refusal)
     if cfg.model.name not in MODELS:
         raise ConfigError(f"unknown model '{cfg.model.name}'; use model.name=<one of {', '.join(MODELS)}>")
     if cfg.data.dataset not in DATASETS:
@@ -111,8 +140,6 @@ def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
         raise ConfigError(f"secagg.enabled: method {cfg.method}'s server reads each client's fit reply, so it cannot "
                           "be aggregated securely; use a method whose server averages or sums the replies (fedavg, "
                           "sfd, ccvr, fedloge, fedrod, ...: see docs/secure-aggregation.md) or set secagg.enabled=false")
-    from fedlt.calibration.calibrators import CALIBRATORS
-
     raw = [name for name in spec.calibration if not CALIBRATORS[name].private]
     if raw:
         raise ConfigError(f"secagg.enabled: calibration {raw[0]} uploads real features, which secure aggregation "

@@ -22,7 +22,7 @@ from fedlt.calibration.math.rff import rff_frequencies
 from fedlt.calibration.math.stats import class_moments
 from fedlt.calibration.math.virtual import sample_class_gaussians
 from fedlt.messages import Payload, Reply
-from fedlt.methods.base import MethodArgs, ServerContext
+from fedlt.methods.base import MethodArgs, ModelHead, ServerContext
 
 #: statistics a calibrator can ask every client for after training
 STAT_KINDS = ("class_sums", "normalized_sums", "ridge_sums", "features", "rff_sums")
@@ -104,6 +104,22 @@ class Calibrator:
     needs: ClassVar[frozenset[str]] = frozenset()
     #: whether :meth:`on_fit_replies` reads each client's reply (then fit cannot be aggregated securely)
     reads_fit_replies: ClassVar[bool] = False
+    #: the head it works on: ``new``, a linear head it builds over the backbone's feature (from the
+    #: statistics in ``needs`` or the fit replies; re-training starts from the model's learned
+    #: linear head where there is one); ``learned_linear``, the model's learned linear head itself
+    acts_on: ClassVar[Literal["new", "learned_linear"]] = "new"
+    #: whether it works on an ensemble's combined head: averaging linear experts' logits is one
+    #: linear map over their features side by side, so a head over that feature replaces them all
+    ensembles: ClassVar[bool] = True
+
+    @classmethod
+    def refusal(cls, method: str, head: ModelHead) -> str | None:
+        """Why this calibration has no meaning on ``method``'s declared head; None when it has one."""
+        if cls.acts_on == "learned_linear" and head.linear is None:
+            return f"{cls.name} works on the model's learned linear head, and {method}'s model has {head.what}"
+        if head.experts > 1 and not cls.ensembles:
+            return f"{cls.name} works on a single head, and {method}'s model has {head.what}"
+        return None
 
     def __init__(self, args: CalibrationArgs, ctx: ServerContext):
         self.args, self.ctx = args, ctx
@@ -132,8 +148,9 @@ class Calibrator:
         """Diagnostics for the round's metrics line."""
         return {}
 
-    def finish(self, stats: dict[str, Any], model) -> None:
-        """Post-training step from the merged client statistics."""
+    def finish(self, stats: dict[str, Any], head: nn.Linear | None) -> None:
+        """Post-training step from the merged client statistics; ``head`` is the model's learned
+        linear head (:attr:`ModelHead.linear`), None when it has none."""
 
     def artifacts(self) -> dict[str, torch.Tensor]:
         """Tensors for the report (e.g. synthetic features); none by default."""
@@ -150,6 +167,15 @@ class Calibrator:
 
     def _build_empty_head(self) -> nn.Module:
         return nn.Linear(self.ctx.model.feature_dim, self.num_classes).to(self.ctx.device)
+
+    def _retrain_from(self, head: nn.Linear | None, feats, labels, generator) -> nn.Linear:
+        """A linear head re-trained on (features, labels), from the learned ``head`` (fresh without one)."""
+        a, device = self.args, self.ctx.device
+        init = weight_and_bias(head) if head is not None else None
+        weight, bias = retrain_linear(feats.to(device).float(), labels.to(device), self.num_classes, init=init,
+                                      steps=a.retrain_steps, lr=a.retrain_lr, batch_size=a.retrain_batch_size,
+                                      generator=generator)
+        return linear_head(weight, bias)
 
 
 class CReFF(Calibrator):
@@ -248,13 +274,13 @@ class CCVR(Calibrator):
     #: the virtual features and labels the head was re-trained on (for the report's projection)
     _virtual: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def finish(self, stats, model) -> None:
+    def finish(self, stats, head) -> None:
         mean, cov, count = class_moments(stats["class_sums"])
         present = count > 0
         n = torch.where(present, torch.full_like(count, self.args.ccvr_virtual_per_class), torch.zeros_like(count))
         feats, labels = sample_class_gaussians(mean, cov, n.long(), self.ctx.generator(0, purpose=41))
         self._virtual = (feats, labels)
-        self._head = _retrain_from(model, feats, labels, self.args, self.ctx.generator(0, purpose=42))
+        self._head = self._retrain_from(head, feats, labels, self.ctx.generator(0, purpose=42))
 
     def artifacts(self):
         if self._virtual is None:  # before finish(), or resumed after it
@@ -262,15 +288,10 @@ class CCVR(Calibrator):
         return {"synthetic_features": self._virtual[0], "synthetic_labels": self._virtual[1]}
 
 
-def _retrain_from(model, feats, labels, args: CalibrationArgs, generator) -> nn.Linear:
-    """Re-train the model's linear head on (features, labels), starting from the learned head."""
-    head = model.head
-    init = (head.weight.detach(), head.bias.detach()) if isinstance(head, nn.Linear) and head.bias is not None else None
-    device = next(model.parameters()).device
-    weight, bias = retrain_linear(feats.to(device).float(), labels.to(device), model.num_classes, init=init,
-                                  steps=args.retrain_steps, lr=args.retrain_lr, batch_size=args.retrain_batch_size,
-                                  generator=generator)
-    return linear_head(weight, bias)
+def weight_and_bias(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear head's detached weight and bias (zeros for a head without one)."""
+    bias = head.bias if head.bias is not None else torch.zeros(head.out_features, device=head.weight.device)
+    return head.weight.detach(), bias.detach()
 
 
 class FedNCM(Calibrator):
@@ -279,7 +300,7 @@ class FedNCM(Calibrator):
     name = "fedncm"
     needs = frozenset({"normalized_sums"})
 
-    def finish(self, stats, model) -> None:
+    def finish(self, stats, head) -> None:
         sums = stats["normalized_sums"]
         means = sums["sum"] / sums["count"].clamp(min=1).unsqueeze(1)
         weight, bias = ncm_classifier(means.float(), normalize=True)
@@ -295,7 +316,7 @@ class Fed3R(Calibrator):
     name = "fed3r"
     needs = frozenset({"ridge_sums"})
 
-    def finish(self, stats, model) -> None:
+    def finish(self, stats, head) -> None:
         sums = stats["ridge_sums"]
         weight, bias = ridge_classifier(sums["gram"], sums["cross"], lam=self.args.fed3r_lambda)
         self._head = linear_head(weight.to(self.ctx.device), bias.to(self.ctx.device))
@@ -306,13 +327,10 @@ class TauNorm(Calibrator):
     needs nothing from clients."""
 
     name = "taunorm"
+    acts_on = "learned_linear"
 
-    def finish(self, stats, model) -> None:
-        head = model.head
-        if not isinstance(head, nn.Linear):
-            raise RuntimeError("tau-norm needs a linear classifier head")
-        bias = head.bias.detach() if head.bias is not None else torch.zeros(head.out_features, device=head.weight.device)
-        self._head = linear_head(*tau_normalize(head.weight.detach(), bias, tau=self.args.taunorm_tau))
+    def finish(self, stats, head) -> None:
+        self._head = linear_head(*tau_normalize(*weight_and_bias(head), tau=self.args.taunorm_tau))
 
 
 class RealFeatureOracle(Calibrator):
@@ -323,7 +341,7 @@ class RealFeatureOracle(Calibrator):
     private = False
     needs = frozenset({"features"})
 
-    def finish(self, stats, model) -> None:
+    def finish(self, stats, head) -> None:
         feats, labels = stats["features"]
         generator = self.ctx.generator(0, purpose=51)
         keep = torch.cat([  # class-balanced: oracle_per_class of every class, with replacement
@@ -331,7 +349,7 @@ class RealFeatureOracle(Calibrator):
                 .to(idx.device)]
             for idx in (torch.nonzero(labels == c).flatten() for c in labels.unique())
         ])
-        self._head = _retrain_from(model, feats[keep], labels[keep], self.args, generator)
+        self._head = self._retrain_from(head, feats[keep], labels[keep], generator)
 
 
 def safs_bank_sizes(args: CalibrationArgs, dim: int) -> tuple[int, int]:
@@ -363,7 +381,7 @@ class SAFS(Calibrator):
     def stats_payload(self) -> Payload:
         return {"rff_seed": self.rff_seed, "rff_dim": self.args.safs_rff_dim, "rff_gamma": self.args.safs_rbf_gamma}
 
-    def finish(self, stats, model) -> None:
+    def finish(self, stats, head) -> None:
         start = time.perf_counter()
         a, device = self.args, self.ctx.device
         mean, cov, count = class_moments(stats["class_sums"])
@@ -377,12 +395,7 @@ class SAFS(Calibrator):
         feats, labels, losses = safs.synthesize(mean.to(device), cov.to(device), rff_mean.to(device), frequencies,
                                                 per_class, self.ctx.generator(0, purpose=72), options)
         synthesized = time.perf_counter()
-        head = model.head
-        if isinstance(head, nn.Linear):  # fine-tune the learned classifier (a fresh one for other heads)
-            bias = head.bias if head.bias is not None else torch.zeros(head.out_features, device=head.weight.device)
-            init = (head.weight.detach(), bias.detach())
-        else:
-            init = None
+        init = weight_and_bias(head) if head is not None else None  # fine-tune the learned classifier, if any
         steps = a.safs_finetune_epochs * math.ceil(labels.numel() / a.safs_finetune_batch_size)
         weight, bias = retrain_linear(feats, labels, self.num_classes, init=init, steps=steps, lr=a.safs_finetune_lr,
                                       batch_size=a.safs_finetune_batch_size, momentum=0.9,

@@ -10,7 +10,8 @@ run compares them on the same backbone.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +22,7 @@ from fedlt.calibration.math.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    Client, ClientContext, MethodSpec, Server, ServerContext, Stage, clone_state, parse_args,
+    Client, ClientContext, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state, parse_args,
 )
 
 STATS_QUERY = "calibration_stats"
@@ -48,6 +49,8 @@ class CalibratedServer(Server):
 
     inner_cls: type[Server]
     names: tuple[str, ...]
+    #: the inner method's declaration of its head (:attr:`MethodSpec.head`)
+    head_of: Callable[[MethodArgs], ModelHead]
 
     @classmethod
     def secure_phases(cls, config):
@@ -69,11 +72,15 @@ class CalibratedServer(Server):
         cal_args = parse_calibration_args(ctx.config.calibration_args)
         self.calibrators = [CALIBRATORS[n](cal_args, ctx) for n in self.names]
         self.needs = sorted(set().union(*(c.needs for c in self.calibrators)))
+        self.model_head = self.head_of(ctx.args)
         self._stats_done = False
         self._stats: dict[str, Any] = {}
         self._eval_models: dict[str, Any] = {}
 
     # -- messages ---------------------------------------------------------------------------
+    def select_clients(self, rnd, scheduled):
+        return self.inner.select_clients(rnd, scheduled)
+
     def fit_message(self, rnd, cid):
         msg = self.inner.fit_message(rnd, cid)
         if msg is not None:
@@ -113,8 +120,10 @@ class CalibratedServer(Server):
 
     def finish(self):
         self.inner.finish()
+        read = self.model_head.linear
+        learned = read(self._backbone()) if read is not None else None
         for cal in self.calibrators:
-            cal.finish(self._stats, self._backbone())
+            cal.finish(self._stats, learned)
         self._stats = {}
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -254,14 +263,10 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
                           f"{', '.join(CALIBRATORS)}>")
     if len(set(names)) != len(names):
         raise ConfigError(f"calibration lists a name twice ({', '.join(names)}); give each once")
-    server = type(f"Calibrated{spec.server.__name__}", (CalibratedServer,), {"inner_cls": spec.server,
-                                                                                "names": tuple(names)})
+    server = type(f"Calibrated{spec.server.__name__}", (CalibratedServer,),
+                  {"inner_cls": spec.server, "names": tuple(names), "head_of": staticmethod(spec.head)})
     # the engine reads ``personalized`` from the class: it must declare what the wrapped client does
     client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,),
                   {"inner_cls": spec.client, "personalized": spec.client.personalized})
-    return MethodSpec(
-        name=spec.name, description=spec.description, server=server, client=client, args=spec.args,
-        pooled=spec.pooled, make_model=spec.make_model, uses_loss_config=spec.uses_loss_config,
-        calibration=tuple(names),
-    )
+    return dataclasses.replace(spec, server=server, client=client, calibration=tuple(names))
 

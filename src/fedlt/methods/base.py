@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Literal
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
 
 from fedlt.config import Config
 from fedlt.errors import ConfigError
@@ -263,6 +264,26 @@ class Client:
         ctx.model.load_state_dict(msg.weights, strict=False)
 
 
+@dataclass(frozen=True)
+class ModelHead:
+    """What a method's trained global model offers a calibration as its classifier, declared by
+    the method so that a calibration that has no meaning on it is refused before training."""
+
+    #: the head in a few words, for refusals and the docs ("a fixed simplex-ETF head")
+    what: str
+    #: reads the model's learned linear head over its feature (bias may be None); None when it has
+    #: none (a fixed, cosine or never-trained head): tau-norm then has nothing to rescale
+    linear: Callable[[FedModel], nn.Linear] | None = None
+    #: heads whose logits the model averages; the feature is then theirs side by side
+    experts: int = 1
+    #: the method's knob that gives it a learned linear head, if one does ("method_args.expert_head=linear")
+    fix: str = ""
+
+
+#: a plain model's head: the learned ``nn.Linear`` over the backbone's feature
+LINEAR_HEAD = ModelHead("a learned linear head", linear=lambda model: model.head)
+
+
 @dataclass
 class MethodSpec:
     """A registered method: its parts, its knobs and a one-line description."""
@@ -282,5 +303,11 @@ class MethodSpec:
     )
     #: uses ``loss.*`` from the config (False: the method fixes its own objective)
     uses_loss_config: bool = True
+    #: the configurable losses it trains with (None: every one of :data:`fedlt.losses.LOSSES`)
+    losses: tuple[str, ...] | None = None
+    #: why only those, for the refusal of another loss
+    losses_why: str = ""
+    #: what its global model offers a calibration, from its parsed ``method_args``
+    head: Callable[[MethodArgs], ModelHead] = lambda args: LINEAR_HEAD
     #: classifier calibrations the method always applies (CReFF is FedAvg + its calibration)
     calibration: tuple[str, ...] = ()

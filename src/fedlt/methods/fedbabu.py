@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, clone_state
+from fedlt.methods.base import Client, ClientContext, MethodArgs, ModelHead, clone_state
 from fedlt.methods.personal import keys_with_prefix
 from fedlt.training.sequential import train_local
+
+
+#: the random head's norms were never trained, so they carry no class prior to re-balance
+FEDBABU_HEAD = ModelHead("a frozen random head (never trained)")
 
 
 class FedBABUArgs(MethodArgs):

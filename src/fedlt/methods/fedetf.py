@@ -24,7 +24,7 @@ from fedlt.calibration.wrapper import client_features
 from fedlt.config import Config
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.base import Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, clone_state
 from fedlt.methods.personal import train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
@@ -53,6 +53,10 @@ class ETFHead(nn.Module):
     def forward(self, features: torch.Tensor, etf: torch.Tensor | None = None) -> torch.Tensor:
         z = F.normalize(self.projection(features), dim=1)
         return self.temperature * z @ (self.etf if etf is None else etf).T
+
+
+#: the ETF's class vectors are fixed at unit norm, never learned: nothing for tau-norm to rescale
+FEDETF_HEAD = ModelHead("a fixed simplex-ETF head (its class vectors are not learned)")
 
 
 def fedetf_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> FedModel:

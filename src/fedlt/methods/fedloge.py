@@ -62,7 +62,7 @@ from torch import nn
 from fedlt.config import Config
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    Client, ClientContext, MethodArgs, Server, ServerContext, TrainSettings, clone_state, parse_args,
+    Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, clone_state, parse_args,
 )
 from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
 from fedlt.models import FedModel, create_model
@@ -127,6 +127,11 @@ class FedLoGeHead(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.fixed(features)
+
+
+#: a calibration acts on the learned global head psi (the SSE-C beside it is fixed): tau-norm of
+#: psi with tau = 1 is GA-FR (Eq. 6), re-training calibrations start from psi
+FEDLOGE_HEAD = ModelHead("a fixed SSE-C and the learned global head psi", linear=lambda model: model.head.aux)
 
 
 def head_sgd(args: FedLoGeArgs, train: TrainSettings) -> dict[str, float]:

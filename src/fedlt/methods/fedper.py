@@ -12,10 +12,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, Server, clone_state
+from fedlt.methods.base import Client, ClientContext, ModelHead, Server, clone_state
 from fedlt.methods.personal import keys_with_prefix, personal_module, store_module
 from fedlt.models import FedModel
 from fedlt.training.sequential import train_local
+
+
+#: the server's head is the initial one: the trained heads stay with the clients
+FEDPER_HEAD = ModelHead("personal heads only (the server's head is never trained)")
 
 
 class FedPerServer(Server):

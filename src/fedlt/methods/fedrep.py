@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state
+from fedlt.methods.base import LINEAR_HEAD, Client, ClientContext, MethodArgs, ModelHead, Server, clone_state
 from fedlt.methods.personal import keys_with_prefix, personal_module, store_module, train_on_features
 from fedlt.models import FedModel
 from fedlt.training.sequential import train_local
@@ -32,6 +32,14 @@ class FedRepArgs(MethodArgs):
     head_epochs: int = Field(10, ge=0, description="epochs fitting the personal head with the body frozen (paper 10)")
     global_head: bool = Field(True, description="upload heads so the server averages them into a global model "
                                                 "(GM); false: heads never leave the clients and there is no GM")
+
+
+def fedrep_head(args: FedRepArgs) -> ModelHead:
+    """The average of the clients' heads, or, when heads stay local, the never-trained initial head."""
+    if args.global_head:
+        return LINEAR_HEAD
+    return ModelHead("personal heads only (global_head=false: the server's head is never trained)",
+                     fix="method_args.global_head=true")
 
 
 class FedRepServer(Server):

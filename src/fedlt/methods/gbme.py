@@ -104,12 +104,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedlt.errors import ConfigError
 from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, Stage, clone_state
+from fedlt.methods.base import (
+    LINEAR_HEAD, Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, Stage, clone_state,
+)
 from fedlt.methods.proxy_prior import (
     cosine_scores, count_proxy, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
     select_for_experts,
@@ -213,6 +216,28 @@ def make_gbme_model(cfg, num_classes: int, in_channels: int, image_size: int) ->
         return create_model(cfg.model.name, num_classes, in_channels=in_channels, image_size=image_size)
     return multi_expert_model(cfg.model.name, num_classes, in_channels, args.num_experts, args.expert_width,
                               args.cosine_scale, args.expert_head)
+
+
+def gbme_head(args: GBMEArgs) -> ModelHead:
+    """What a calibration finds: the ensemble's combined head (the mean of the experts' logits),
+    linear when the experts' heads are; the plain model's head without the ensemble."""
+    if not args.ensemble:
+        return LINEAR_HEAD
+    if args.expert_head == "cosine":
+        return ModelHead(f"{args.num_experts} cosine expert heads (unit-norm class vectors, nothing learned in "
+                         "their norms)", experts=args.num_experts, fix="method_args.expert_head=linear")
+    return ModelHead(f"{args.num_experts} linear expert heads", linear=combined_linear, experts=args.num_experts)
+
+
+@torch.no_grad()
+def combined_linear(model: MultiExpertModel) -> nn.Linear:
+    """Linear experts as the one linear head they compute: the mean of their logits is
+    ``[W_1 .. W_M] / M`` over their features side by side, plus the mean of their biases."""
+    heads = list(model.head.heads)
+    head = nn.Linear(model.feature_dim, model.num_classes).to(heads[0].weight.device)
+    head.weight.copy_(torch.cat([h.weight for h in heads], dim=1) / len(heads))
+    head.bias.copy_(torch.stack([h.bias for h in heads]).mean(0))
+    return head
 
 
 def fc_weights(model: FedModel) -> list[torch.nn.Parameter]:
@@ -428,9 +453,6 @@ class GBMEServer(Server):
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
         a, cfg = self.args, ctx.config
-        if cfg.loss.name not in GBME_LOSSES:
-            raise ConfigError(f"method gbme trains with a prior-based loss; use loss.name=<one of "
-                              f"{', '.join(GBME_LOSSES)}> (got {cfg.loss.name})")
         if cfg.loss.prior != "local":
             raise ConfigError("method gbme takes its prior from method_args.prior (gpi, local, global); "
                               "remove loss.prior")

@@ -8,18 +8,18 @@ from fedlt.methods.base import MethodArgs, MethodSpec, Server, parse_args
 from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedavgm import FedAvgMArgs, FedAvgMServer
-from fedlt.methods.fedbabu import FedBABUArgs, FedBABUClient
+from fedlt.methods.fedbabu import FEDBABU_HEAD, FedBABUArgs, FedBABUClient
 from fedlt.methods.fedbn import FedBNArgs, FedBNClient, FedBNServer
 from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
-from fedlt.methods.fedetf import FedETFArgs, FedETFClient, FedETFServer, fedetf_model
+from fedlt.methods.fedetf import FEDETF_HEAD, FedETFArgs, FedETFClient, FedETFServer, fedetf_model
 from fedlt.methods.fedlc import FedLCArgs, FedLCClient
-from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeClient, FedLoGeServer, fedloge_model
-from fedlt.methods.fedper import FedPerClient, FedPerServer
+from fedlt.methods.fedloge import FEDLOGE_HEAD, FedLoGeArgs, FedLoGeClient, FedLoGeServer, fedloge_model
+from fedlt.methods.fedper import FEDPER_HEAD, FedPerClient, FedPerServer
 from fedlt.methods.fedprox import FedProxArgs, FedProxClient
-from fedlt.methods.fedrep import FedRepArgs, FedRepClient, FedRepServer
+from fedlt.methods.fedrep import FedRepArgs, FedRepClient, FedRepServer, fedrep_head
 from fedlt.methods.fedrod import FedRoDClient
 from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
-from fedlt.methods.gbme import GBMEArgs, GBMEClient, GBMEServer, make_gbme_model
+from fedlt.methods.gbme import GBME_LOSSES, GBMEArgs, GBMEClient, GBMEServer, gbme_head, make_gbme_model
 from fedlt.methods.scaffold import ScaffoldClient, ScaffoldServer
 from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
 
@@ -34,25 +34,27 @@ METHODS: dict[str, MethodSpec] = {
                    FedAvgServer, FedAvgClient, pooled=True),
         MethodSpec("fedloge", "FedLoGe: backbone through a frozen sparse ETF (SSE-C), global head with GA-FR, "
                    "personal heads with LA-FR", FedLoGeServer, FedLoGeClient, FedLoGeArgs,
-                   make_model=fedloge_model, uses_loss_config=False),
+                   make_model=fedloge_model, uses_loss_config=False, head=lambda args: FEDLOGE_HEAD),
         MethodSpec("fedrod", "FedRoD: generic head with balanced softmax + personal head on its logits",
                    Server, FedRoDClient, uses_loss_config=False),
         MethodSpec("fedbabu", "FedBABU: body trained under a frozen random head; personalized by fine-tuning "
-                   "(method_args.finetune_epochs)", Server, FedBABUClient, FedBABUArgs, uses_loss_config=False),
+                   "(method_args.finetune_epochs)", Server, FedBABUClient, FedBABUArgs, uses_loss_config=False,
+                   head=lambda args: FEDBABU_HEAD),
         MethodSpec("fedetf", "FedETF: projection + fixed simplex-ETF classifier with learnable temperature, "
                    "balanced softmax; local ETF/projection adaptation", FedETFServer, FedETFClient, FedETFArgs,
-                   make_model=fedetf_model, uses_loss_config=False),
+                   make_model=fedetf_model, uses_loss_config=False, head=lambda args: FEDETF_HEAD),
         MethodSpec("fedrep", "FedRep: shared body, personal heads fitted first each round (method_args.head_epochs)",
-                   FedRepServer, FedRepClient, FedRepArgs, uses_loss_config=False),
+                   FedRepServer, FedRepClient, FedRepArgs, uses_loss_config=False, head=fedrep_head),
         MethodSpec("fedper", "FedPer: shared body, personal heads; no global model",
-                   FedPerServer, FedPerClient, uses_loss_config=False),
+                   FedPerServer, FedPerClient, uses_loss_config=False, head=lambda args: FEDPER_HEAD),
         MethodSpec("ditto", "Ditto: FedAvg + personal models pulled towards it (method_args.mu)",
                    Server, DittoClient, DittoArgs, uses_loss_config=False),
         MethodSpec("fedbn", "FedBN: FedAvg with BatchNorm kept local (method_args.global_bn)",
                    FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False),
         MethodSpec("gbme", "GBME: gradient-proxy (GPI) prior + multi-expert ensemble; GBME-p with "
                    "method_args.dp_epsilon (loss.name: bsm, la, ldam)",
-                   GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model),
+                   GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model, losses=GBME_LOSSES,
+                   losses_why="the losses that take its GPI as the class prior", head=gbme_head),
         MethodSpec("scaffold", "SCAFFOLD: local steps corrected by client/server control variates",
                    ScaffoldServer, ScaffoldClient),
         MethodSpec("fedavgm", "FedAvgM: FedAvg + server momentum (method_args.beta, default 0.9)",
