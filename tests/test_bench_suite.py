@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,6 +418,9 @@ def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
     log = tmp_path / "log.jsonl"  # a retried cell counts once (its last ok record); a torn line is skipped
     log.write_text(json.dumps({**ok[0], "cpu_s": 1.0}) + "\n" + json.dumps({**ok[0], "cpu_s": 2.0}) + "\n{\"cut")
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 2.0
+    moved = {**ok[0], "cpu_s": 3.0, "run_dir": str(Path("/elsewhere") / Path(ok[0]["run_dir"]).relative_to(out))}
+    log.write_text(json.dumps(ok[0]) + "\n" + json.dumps(moved) + "\n")  # the same cell, its folder named otherwise
+    assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 3.0
     assert suite_cost(tmp_path / "absent.jsonl") is None
 
 

@@ -31,7 +31,9 @@ def _minutes(seconds: float) -> str:
 
 
 def finished_records(log: Path) -> list[dict]:
-    """The last ``ok`` record of each cell (by run folder, else cell label); empty without a log."""
+    """The last ``ok`` record of each cell (by its place in the suite: setting/row/seed folders, so
+    a folder named absolutely in one run and relatively in another is one cell; else by cell
+    label); empty without a log."""
     if not log.is_file():
         return []
     last: dict[str, dict] = {}
@@ -41,7 +43,8 @@ def finished_records(log: Path) -> list[dict]:
         except json.JSONDecodeError:  # a line cut by a killed run
             continue
         if isinstance(record, dict) and record.get("status") == "ok" and "time" in record:
-            last[record.get("run_dir") or record.get("cell")] = record
+            where = record.get("run_dir")
+            last["/".join(Path(where).parts[-3:]) if where else record.get("cell")] = record
     return list(last.values())
 
 
