@@ -10,7 +10,7 @@ import yaml
 from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.errors import ConfigError
 
-TOP_LEVEL_KEYS = ["seed", "engine", "method", "method_args", "calibration", "calibration_args", "data", "model", "fl", "loss", "eval", "run", "flower", "secagg"]
+TOP_LEVEL_KEYS = ["seed", "engine", "method", "method_args", "calibration", "calibration_args", "data", "model", "fl", "loss", "eval", "run", "flower", "secagg", "privacy"]
 
 
 def config_error(path: str | Path | None = None, overrides: list[str] | None = None) -> str:

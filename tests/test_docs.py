@@ -75,3 +75,32 @@ def test_readme_is_short_and_its_links_resolve():
     for doc in (readme, (ROOT / "CONTRIBUTING.md").read_text()):
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc):
             assert target.startswith("http") or (ROOT / target).exists(), target
+
+
+#: abbreviations of general computing, which the glossary does not define
+COMMON_ABBREVIATIONS = {"AES-256", "AI", "API", "CA", "CI", "CLI", "CONTRIBUTING", "CPU", "CSV", "CTR", "CUDA", "DNS",
+                        "EC", "ECDH", "ETA", "GPU", "H100", "HKDF", "II", "IP", "JSON", "NIST", "NOT", "PIL", "PORT",
+                        "PRIVATE", "README", "RNG", "SHA-256", "SIGINT", "SIGTERM", "TOML", "YAML"}
+
+
+def test_the_glossary_defines_every_abbreviation_of_the_readme_and_the_docs():
+    """An all-caps word in the prose of the README or a docs page (not in code) is a glossary
+    headword, each part of a hyphenated one too (MNIST-LT: MNIST, LT), or common computing."""
+    import re
+
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    heads = {part.strip() for m in re.finditer(r"\*\*(.+?)\*\*", glossary) for part in re.split(r"[,/]", m.group(1))}
+    known = heads | COMMON_ABBREVIATIONS
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md"))]
+    missing = {}
+    for page in pages:
+        prose = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+        for word in re.findall(r"\b[A-Z][A-Z0-9]+(?:-[A-Za-z0-9]+)?\b", prose):
+            parts = [word] if word in known else [p for p in word.split("-") if p.isupper() and len(p) > 1]
+            if not all(p in known for p in parts):
+                missing.setdefault(word, page.name)
+    assert not missing, f"define these in docs/glossary.md (word: first page): {missing}"
+    assert "[glossary](docs/glossary.md)" in (ROOT / "README.md").read_text()
+    entries = [m.group(1) for m in re.finditer(r"^\*\*(.+?)\*\*", glossary, flags=re.M)]
+    key = [re.sub(r"[^a-z0-9]", "", e.lower()) for e in entries]
+    assert key == sorted(key), "glossary entries in alphabetical order"

@@ -78,22 +78,50 @@ def run_cmd(
     _guard(go)
 
 
+@app.command("deploy")
+def deploy_cmd(
+    args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...], e.g. configs/synthetic_smoke.yaml fl.rounds=2"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="SuperNodes to start, each serving partition I of N "
+                                        "(default 3; with --node-data: one per site folder)"),
+    node_data: Optional[Path] = typer.Option(None, "--node-data", metavar="DIR", help="one SuperNode per subfolder "
+                                             "of DIR, each training on its own folder (flower.node_data=true)"),
+    server_test: Optional[Path] = typer.Option(None, "--server-test", metavar="DIR", help="with --node-data: the "
+                                               "server's test set, an image-folder tree (eval.test_data)"),
+    tls: bool = typer.Option(False, "--tls", help="TLS with a throw-away CA made by openssl (default: --insecure)"),
+    auth: bool = typer.Option(False, "--auth", help="with --tls: SuperNode authentication, each SuperNode with its "
+                              "own key pair registered with the SuperLink"),
+    workdir: Path = typer.Option(Path("runs/deploy"), "--workdir", help="logs, certificates, keys, Flower state"),
+    timeout: float = typer.Option(3600, "--timeout", help="seconds before the run is abandoned"),
+) -> None:
+    """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
+    from fedlt.deploy import deploy
+
+    raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
+                            server_test=server_test, workdir=workdir, timeout=timeout))
+
+
 @app.command("methods")
 def methods_cmd() -> None:
-    """List the methods, one line each."""
+    """List the methods, one line each (a plug-in's names its package)."""
     from fedlt.methods.registry import list_methods
 
-    for name, desc in list_methods():
-        typer.echo(f"{name:14s} {desc}")
+    def go() -> None:  # guarded: a broken plug-in is one line, exit 2
+        for name, desc in list_methods():
+            typer.echo(f"{name:14s} {desc}")
+
+    _guard(go)
 
 
 @app.command("calibrations")
 def calibrations_cmd() -> None:
     """List the classifier calibrations (calibration=NAME or a list; knobs in calibration_args.*)."""
-    from fedlt.calibration.calibrators import CALIBRATION_DESCRIPTIONS, CalibrationArgs
+    from fedlt.calibration.calibrators import CalibrationArgs, list_calibrations
 
-    for name, desc in CALIBRATION_DESCRIPTIONS.items():
-        typer.echo(f"{name:14s} {desc}")
+    def go() -> None:  # guarded: a broken plug-in is one line, exit 2
+        for name, desc in list_calibrations():
+            typer.echo(f"{name:14s} {desc}")
+
+    _guard(go)
     typer.echo("\nknobs (calibration_args.NAME=VALUE):")
     for key, field in CalibrationArgs.model_fields.items():
         typer.echo(f"  {key:26s} {field.default!s:8s} {field.description}")
@@ -215,12 +243,15 @@ def bench_speed_cmd(
 @bench_app.command("engines")
 def bench_engines_cmd(
     args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...] for the measured config"),
-    nodes: int = typer.Option(3, help="SuperNodes of the loopback deployment"),
-    engines: str = typer.Option("inprocess,flower,deployment", help="comma-separated engines to measure"),
+    nodes: Optional[int] = typer.Option(None, help="SuperNodes of the loopback deployment (default 3); node-data "
+                                        "and plain-flower start one per client"),
+    engines: str = typer.Option("inprocess,flower,deployment", help="comma-separated engines to measure, of "
+                                "inprocess, flower, deployment, node-data, plain-flower"),
     secagg: bool = typer.Option(False, "--secagg", help="run each engine again with secagg.enabled=true"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
 ) -> None:
-    """Seconds per round of one config in-process, on Flower's simulation engine and on a loopback deployment."""
+    """Seconds per round of one config in-process, on Flower's simulation engine, on loopback deployments and
+    against a plain-Flower FedAvg app on the same exported nodes."""
     args = list(args)
 
     def go() -> None:
@@ -229,7 +260,8 @@ def bench_engines_cmd(
 
         if "=" in args[0]:
             raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
-        _check_at_least_one(nodes, "--nodes", "SuperNodes")
+        if nodes is not None:
+            _check_at_least_one(nodes, "--nodes", "SuperNodes")
         _check_out(out, folder=False)
         chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
         unknown = [e for e in chosen if e not in ENGINES]
@@ -344,6 +376,35 @@ def data_describe_cmd(
         typer.echo(text)
         for f in files:
             typer.echo(f"wrote {f}", err=True)
+
+    _guard(go)
+
+
+@data_app.command("export")
+def data_export_cmd(
+    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]: the federation, as `fedlt run` "
+                                               "takes it"),
+    out: Path = typer.Option(..., "--out", help="new or empty folder: nodes/<client>/{train,test}/<class>/*.png, "
+                             "server/{test,val}/<class>/*.png, federation.yaml"),
+) -> None:
+    """Write the seeded federation as one image folder per node, the server's test (and validation) set and the federation.yaml to deploy with (flower.node_data), as a run would draw it."""
+    args = list(args or [])
+
+    def go() -> None:
+        from fedlt.config import load_config
+        from fedlt.data.export import check_export_folder, export_federation
+
+        _check_out(out, folder=True)
+        check_export_folder(out)
+        config = args.pop(0) if args and "=" not in args[0] else None
+        cfg = load_config(config, args)
+        try:
+            folder = export_federation(cfg, out, progress=lambda line: typer.echo(line, err=True))
+        except KeyboardInterrupt:
+            typer.echo(f"fedlt: interrupted; nothing was written to {out}", err=True)
+            raise typer.Exit(130) from None
+        typer.echo(f"wrote {folder} ({cfg.data.num_clients} nodes); deploy it with: fedlt deploy --node-data "
+                   f"{folder / 'nodes'} --server-test {folder / 'server' / 'test'} {folder / 'federation.yaml'}")
 
     _guard(go)
 

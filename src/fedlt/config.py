@@ -70,6 +70,9 @@ class DataConfig(_Section):
     hflip: Literal["auto"] | bool = Field(
         "auto", description="random horizontal flips in training augmentations and methods' views: auto = per dataset "
         "(off for digits), true, or false for data whose objects face one way (Fashion-MNIST's footwear)")
+    classes: list[str] | None = Field(
+        None, description="class names in label order; a node's image folders map to labels through them "
+        "(default: the dataset's own names)")
 
     @field_validator("imbalance_factor")
     @classmethod
@@ -163,6 +166,12 @@ class EvalConfig(_Section):
     few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
     batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory only; results do not change)")
+    test_data: str | None = Field(
+        None, description="flower.node_data: the server's balanced test set, an image-folder tree (test/<class>/...); "
+        "without it the nodes evaluate on their own test splits (federated evaluation)")
+    val_data: str | None = Field(
+        None, description="flower.node_data: the server's balanced validation set, an image-folder tree "
+        "(val/<class>/...; fedlt data export writes one with data.val_per_class)")
 
 
 class RunConfig(_Section):
@@ -197,6 +206,18 @@ class FlowerConfig(_Section):
     )
     connect_timeout_s: float = Field(120.0, gt=0, description="longest wait for every partition's SuperNode to connect")
     cpus_per_client: float = Field(1.0, gt=0, description="simulation: CPU cores Ray reserves per running ClientApp")
+    node_data: bool = Field(
+        False, description="a real federation: each SuperNode is one client and trains on its own folder "
+        "(--node-config \"data=PATH name=SITE\"); the server reads no training data")
+    min_nodes: int = Field(2, ge=1, description="flower.node_data: SuperNodes to wait for (up to connect_timeout_s) "
+                           "before the first round; the clients are the nodes found, ordered by name")
+
+
+class PrivacyConfig(_Section):
+    """What a real federation (``flower.node_data``) lets leave a node."""
+
+    allow_leaks: bool = Field(False, description="allow options that send a node's label histogram or real features "
+                              "in the clear under flower.node_data (refused otherwise)")
 
 
 class SecAggConfig(_Section):
@@ -248,6 +269,7 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     flower: FlowerConfig = FlowerConfig()
     secagg: SecAggConfig = SecAggConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @model_validator(mode="after")
     def _clients_vs_participation(self) -> "Config":

@@ -1,21 +1,30 @@
 """A real Flower deployment on this machine: one SuperLink and N SuperNodes on 127.0.0.1, plain
 or TLS (certificates made here with openssl), and ``flwr run`` of a fedlt config over them.
 
-SuperNode ``I`` gets ``--node-config "partition-id=I num-partitions=N"`` and hosts the fedlt
-clients ``k`` with ``k % N == I``; it builds the same seeded partition from the config and trains
-only its own clients' rows, so no data moves. Each SuperNode runs with ``--isolation process``
-beside one long-lived ClientApp process (:mod:`fedlt.engine.flower_worker`) that serves all its
-messages: Flower's default starts a fresh ``flwr-clientapp`` per message, whose imports cost more
-than a small round's training. A SuperNode and its ClientApp process stop together, whichever
-ends first. Every process started here runs in its own process group; those groups, and the
-sessions Flower's helpers open below them, are signalled when a node dies and when the federation
-closes, whatever happened (SIGINT and SIGTERM included).
+By default SuperNode ``I`` gets ``--node-config "partition-id=I num-partitions=N"`` and hosts the
+fedlt clients ``k`` with ``k % N == I``; it builds the same seeded partition from the config and
+trains only its own clients' rows, so no data moves. With ``--node-data DIR`` each subfolder of
+DIR is one site: its SuperNode gets ``--node-config 'data="DIR/SITE" name="SITE"'`` and the run
+``flower.node_data=true flower.min_nodes=<sites>``, so each node trains on its own folder (the
+rehearsal of a federation whose sites hold their own data). ``--auth`` (with ``--tls``) turns on
+Flower's SuperNode authentication: every SuperNode gets its own ECDSA key pair, whose public half
+is registered with ``flwr supernode register`` before the node starts; the SuperLink admits no
+other node.
+
+Each SuperNode runs with ``--isolation process`` beside one long-lived ClientApp process
+(:mod:`fedlt.engine.flower_worker`) that serves all its messages: Flower's default starts a fresh
+``flwr-clientapp`` per message, whose imports cost more than a small round's training. A
+SuperNode and its ClientApp process stop together, whichever ends first. Every process started
+here runs in its own process group; those groups, and the sessions Flower's helpers open below
+them, are signalled when a node dies and when the federation closes, whatever happened (SIGINT and
+SIGTERM included).
 
 The outcome comes from the ServerApp itself (``$FEDLT_OUTCOME_FILE``), not from ``flwr run``,
 which exits 0 when the ServerApp raised: no outcome file means the run failed. Exit codes: 0
-finished, 1 failed (one ``fedlt: error:`` line naming the cause), 2 refused config, 128+N signal N.
+finished, 1 failed (one ``fedlt: error:`` line naming the cause), 2 refused input, 128+N signal N.
 
-``python -m fedlt.deploy --nodes 3 [--tls] CONFIG [key=value ...]`` (or scripts/flower_deploy.sh).
+``fedlt deploy [--nodes 3 | --node-data DIR] [--tls [--auth]] CONFIG [key=value ...]``, also
+``python -m fedlt.deploy`` and scripts/flower_deploy.sh; both share :func:`deploy`.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from fedlt.errors import ConfigError, FedltError
+from fedlt.errors import ConfigError, DataError, FedltError
 from fedlt.results import OUTCOME_ENV
 
 HOST = "127.0.0.1"
@@ -121,9 +130,84 @@ def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+@dataclass(frozen=True)
+class Site:
+    """One SuperNode to start: ``name`` (its registration name) and its ``--node-config``."""
+
+    name: str
+    node_config: str
+
+
+def partition_sites(nodes: int) -> list[Site]:
+    """SuperNode ``I`` serves partition ``I`` of the config's own seeded partition."""
+    return [Site(f"partition-{i}", f"partition-id={i} num-partitions={nodes}") for i in range(nodes)]
+
+
+def _toml_string(value: str, what: str) -> str:
+    """``value`` as a double-quoted TOML string, the form Flower's ``--node-config`` parser reads
+    (an unquoted path is not valid TOML); its regex cannot take a double quote inside one."""
+    if '"' in value or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"{what} {value!r} has a double quote or a control character, which Flower's "
+                          "--node-config cannot carry; rename it")
+    return '"' + value.replace("\\", "\\\\") + '"'
+
+
+def node_data_sites(folder: Path) -> list[Site]:
+    """One site per subfolder of ``folder`` (sorted by name; hidden folders skipped), each SuperNode
+    told its folder's absolute path and its name: the node side loads ``data`` by itself."""
+    if not folder.is_dir():
+        raise ConfigError(f"--node-data {folder} is not a folder; give a folder with one subfolder per site")
+    subfolders = sorted((p for p in folder.resolve().iterdir() if p.is_dir() and not p.name.startswith(".")),
+                        key=lambda p: p.name)
+    if not subfolders:
+        raise ConfigError(f"--node-data {folder} has no subfolders; put each site's data in a folder of its own "
+                          f"({folder}/SITE/...)")
+    return [Site(p.name, f"data={_toml_string(str(p), '--node-data folder')} "
+                         f"name={_toml_string(p.name, '--node-data site name')}") for p in subfolders]
+
+
+def make_node_key(path: Path) -> Path:
+    """An ECDSA P-384 key pair in OpenSSH format, what ``ssh-keygen -t ecdsa -b 384 -N "" -f PATH``
+    writes (Flower 1.41 takes any NIST curve, in OpenSSH form): the private key at ``path`` (mode
+    600), the public key, returned, at ``PATH.pub``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+        out.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                    serialization.NoEncryption()))
+    public = path.with_name(path.name + ".pub")
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH) + b"\n")
+    return public
+
+
+def superlink_args(port: int, database: Path, certs: tuple[Path, Path, Path] | None, auth: bool) -> list[str]:
+    """``flower-superlink``'s flags (after the program): ``certs`` = (CA, certificate, key) or
+    ``--insecure``; ``auth`` admits only SuperNodes whose public key was registered beforehand."""
+    if certs is None:
+        security = ["--insecure"]
+    else:
+        ca, cert, key = certs
+        security = ["--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    return [*security, *(["--enable-supernode-auth"] if auth else []), "--host", HOST, "--port", str(port),
+            "--disable-runtime-dependency-installation", "--database", str(database)]
+
+
+def supernode_args(site: Site, superlink: str, ca: Path | None, key: Path | None, startup_s: float) -> list[str]:
+    """``flower-supernode``'s flags (after the program, before ``--isolation``/``--host``/``--port``):
+    trust ``ca`` (or ``--insecure``), sign with the private ``key`` when given, and the site's node config."""
+    return [*(["--root-certificates", str(ca)] if ca is not None else ["--insecure"]), "--superlink", superlink,
+            "--max-wait-time", str(int(startup_s)),
+            *(["--auth-supernode-private-key", str(key)] if key is not None else []), "--node-config", site.node_config]
+
+
 @dataclass
 class Federation:
-    """A running SuperLink and SuperNodes (``nodes[i]`` serves partition i)."""
+    """A running SuperLink and SuperNodes (``nodes[i]`` serves site i: partition i, or folder i)."""
 
     workdir: Path
     port: int
@@ -134,6 +218,8 @@ class Federation:
     #: ``workers[i]``: the ClientApp process serving ``nodes[i]``; its group is one of the node's
     workers: list[subprocess.Popen] = field(default_factory=list)
     ca: Path | None = None
+    #: ``node_ids[i]``: the id Flower gave SuperNode ``i`` at registration (``--auth`` only)
+    node_ids: list[int] = field(default_factory=list)
     #: process groups of everything started here, with the sessions Flower's helpers open below
     #: them (a superexec and its ServerApp); signalled as groups, so re-parented members go too
     groups: dict[int, set[int]] = field(default_factory=dict)
@@ -163,6 +249,38 @@ class Federation:
     def kill_node(self, i: int) -> None:
         """Kill SuperNode ``i`` and its ClientApp process (its process groups)."""
         self.stop(self.nodes[i])
+
+    def flwr(self, calls: dict[str, list[str]], timeout: float = 60) -> dict[str, str]:
+        """Run ``flwr`` CLI commands (log name -> arguments) against this federation, all at once, and
+        return each one's output; the first that fails or hangs raises a FedltError with its last line."""
+        program = str(Path(sys.executable).with_name("flwr"))
+        procs = {log: self.start(log, program, *args) for log, args in calls.items()}
+        deadline, texts = time.monotonic() + timeout, {}
+        for log, proc in procs.items():
+            what = f"`flwr {' '.join(calls[log][:2])}`"
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self.stop(proc)
+                raise FedltError(f"{what} did not answer within {timeout:g} s; see {self.workdir / log}") from None
+            texts[log] = (self.workdir / log).read_text(errors="replace")
+            if proc.returncode != 0:
+                last = next((line.strip() for line in reversed(texts[log].splitlines()) if line.strip()), "no output")
+                raise FedltError(f"{what} failed (exit code {proc.returncode}): {last}; see {self.workdir / log}")
+        return texts
+
+    def register(self, keys: list[tuple[Path, str]]) -> list[int]:
+        """Register each SuperNode's (public key, name) with the SuperLink over the Control API, as an
+        operator does with ``flwr supernode register KEY.pub CONNECTION``; return their node ids."""
+        calls = {f"register{i}.log": ["supernode", "register", str(key), "deploy", "--name", name, "--format", "json"]
+                 for i, (key, name) in enumerate(keys)}
+        ids = []
+        for log, text in self.flwr(calls).items():
+            try:
+                ids.append(int(json.loads(text[text.index("{"):text.rindex("}") + 1])["node-id"]))
+            except (ValueError, KeyError, TypeError):
+                raise FedltError(f"`flwr supernode register` gave no node id; see {self.workdir / log}") from None
+        return ids
 
     def start_node(self, i: int, *args: str, startup_s: float) -> None:
         """SuperNode ``i`` (``args``: its command, without the Runtime API's address) and the
@@ -272,8 +390,14 @@ def _stop_groups(groups: set[int]) -> None:
 
 
 @contextmanager
-def local_federation(workdir: Path, nodes: int, tls: bool = False, startup_s: float = 60) -> Iterator[Federation]:
-    """Start a SuperLink and ``nodes`` SuperNodes on 127.0.0.1; stop them all on exit."""
+def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False, startup_s: float = 60, *,
+                     sites: list[Site] | None = None, auth: bool = False) -> Iterator[Federation]:
+    """Start a SuperLink and one SuperNode per site (``sites``, or ``nodes`` partitions) on
+    127.0.0.1; stop them all on exit. ``auth`` (TLS only, as Flower requires) starts the SuperLink
+    with ``--enable-supernode-auth`` and registers a fresh key pair per SuperNode before it starts."""
+    sites = sites if sites is not None else partition_sites(nodes if nodes is not None else 3)
+    if auth and not tls:
+        raise ConfigError(AUTH_NEEDS_TLS)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -284,25 +408,24 @@ def local_federation(workdir: Path, nodes: int, tls: bool = False, startup_s: fl
     fed = Federation(workdir, port, tls, env)
     bin_dir = Path(sys.executable).parent
     try:
+        certs = None
         if tls:
-            fed.ca, cert, key = make_certificates(workdir / "certs")
-            link_sec = ["--ssl-ca-certfile", str(fed.ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
-            node_sec = ["--root-certificates", str(fed.ca)]
-        else:
-            link_sec, node_sec = ["--insecure"], ["--insecure"]
-        fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"), *link_sec, "--host", HOST,
-                                  "--port", str(port), "--disable-runtime-dependency-installation",
-                                  "--database", str(workdir / "state.db"))
+            certs = make_certificates(workdir / "certs")
+            fed.ca = certs[0]
+        fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"),
+                                  *superlink_args(port, workdir / "state.db", certs, auth))
         _wait_for_port(port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
-        for i in range(nodes):
-            fed.start_node(i, str(bin_dir / "flower-supernode"), *node_sec, "--superlink", f"{HOST}:{port}",
-                           "--max-wait-time", str(int(startup_s)),
-                           "--node-config", f"partition-id={i} num-partitions={nodes}", startup_s=startup_s)
         home = workdir / "flwr-home"
         home.mkdir(exist_ok=True)
         security = f'root-certificates = "{fed.ca}"' if tls else "insecure = true"
-        (home / "config.toml").write_text(
+        (home / "config.toml").write_text(  # the `flwr` CLI's connection, for registration and `flwr run`
             f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "{HOST}:{port}"\n{security}\n')
+        keys = [workdir / "keys" / f"supernode{i}" if auth else None for i in range(len(sites))]
+        if auth:  # every key is registered before any SuperNode starts, or the SuperLink turns it away
+            fed.node_ids = fed.register([(make_node_key(key), site.name) for key, site in zip(keys, sites)])
+        for i, (site, key) in enumerate(zip(sites, keys)):
+            fed.start_node(i, str(bin_dir / "flower-supernode"),
+                           *supernode_args(site, f"{HOST}:{port}", fed.ca, key, startup_s), startup_s=startup_s)
         yield fed
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # a second Ctrl-C must not cut the cleanup short
@@ -313,6 +436,10 @@ def local_federation(workdir: Path, nodes: int, tls: bool = False, startup_s: fl
                 proc.poll()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+AUTH_NEEDS_TLS = ("--auth needs --tls: Flower 1.41's SuperLink refuses --enable-supernode-auth without TLS "
+                  "certificates; add --tls")
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -343,27 +470,87 @@ def check_deployable(config: str, overrides: list[str]):
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedlt.deploy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="fedlt config YAML")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    parser.add_argument("--nodes", type=int, default=3, help="SuperNodes (partitions) to start")
-    parser.add_argument("--tls", action="store_true", help="TLS with certificates made by openssl (default: --insecure)")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/deploy"), help="logs, certificates, Flower state")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the run is abandoned")
-    a = parser.parse_args(argv)
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, _raise_stopped)
+def check_site_folders(cfg, folders: list[Path], server_test: Path | None) -> None:
+    """Read every site's folder (and the server's test set) as its SuperNode will: a malformed
+    folder is one DataError line naming the file, before any process starts."""
+    from fedlt.data.declaration import declared_dataset
+    from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
+
+    declared = declared_dataset(cfg.data)
+    for folder in folders:
+        load_node_data(folder, declared)
+    if server_test is not None:
+        load_image_folder(server_test.resolve().parent, server_test.resolve().name, declared)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a deploy will start and run, settled (or refused) before any process starts."""
+
+    config: Path
+    #: the run's overrides, the deploy's own last
+    overrides: list[str]
+    sites: list[Site]
+    tls: bool
+    auth: bool
+
+
+def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False,
+                    auth: bool = False, node_data: Path | None = None, server_test: Path | None = None) -> Plan:
+    """Check the options and the config and decide the SuperNodes and the run's overrides; bad input
+    raises a ConfigError naming the fix, with nothing started and no folder made."""
+    if "=" in config and not Path(config).is_file():
+        raise ConfigError(f"the deploy command needs a config file first, not {config!r}; "
+                          "e.g. configs/synthetic_smoke.yaml fl.rounds=2")
+    if auth and not tls:
+        raise ConfigError(AUTH_NEEDS_TLS)
+    if nodes is not None and nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: use 1 or more SuperNodes")
+    extra = []
+    if node_data is not None:
+        sites = node_data_sites(node_data)
+        if nodes is not None and nodes != len(sites):
+            raise ConfigError(f"--nodes {nodes} conflicts with --node-data {node_data}, which has {len(sites)} site "
+                              "folder(s), one SuperNode each; drop --nodes")
+        extra = ["flower.node_data=true", f"flower.min_nodes={len(sites)}"]
+    else:
+        sites = partition_sites(nodes if nodes is not None else 3)
+    if server_test is not None:
+        if node_data is None:
+            raise ConfigError("--server-test is the server's test set of a federation whose sites hold their data; "
+                              "add --node-data DIR")
+        if not server_test.is_dir():
+            raise ConfigError(f"--server-test {server_test} is not a folder; give the server's test set "
+                              "(an image-folder tree, one subfolder per class)")
+        extra.append(f"eval.test_data={server_test.resolve()}")
+    given = [*overrides, *extra]
+    cfg = check_deployable(config, given)
+    if node_data is None and cfg.flower.node_data:
+        raise ConfigError("flower.node_data=true needs SuperNodes that hold their data; "
+                          "use --node-data DIR (one subfolder per site) instead of the override")
+    if node_data is not None:
+        check_site_folders(cfg, [node_data / site.name for site in sites], server_test)
+    out_dir = Path(cfg.run.out_dir).resolve()  # the ServerApp runs elsewhere
+    return Plan(Path(config), [*given, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
+
+
+def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False, auth: bool = False,
+           node_data: Path | None = None, server_test: Path | None = None, workdir: Path = Path("runs/deploy"),
+           timeout: float = 3600) -> int:
+    """The deploy command behind both ``fedlt deploy`` and ``python -m fedlt.deploy``, so they
+    cannot drift: returns the exit code, prints errors as one ``fedlt: error:`` line, never a
+    traceback, and leaves no process of the federation running (SIGINT/SIGTERM included)."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS}
     try:
-        if a.nodes < 1:
-            raise ConfigError("--nodes must be at least 1")
-        out_dir = Path(check_deployable(a.config, a.overrides).run.out_dir)
-        overrides = [*a.overrides, "engine=flower", f"run.out_dir={out_dir.resolve()}"]  # the ServerApp runs elsewhere
-        with local_federation(a.workdir.resolve(), a.nodes, a.tls) as fed:
-            done = fed.run(Path(a.config), overrides, a.timeout)
+        if not timeout > 0:
+            raise ConfigError(f"--timeout {timeout:g}: give the seconds the run may take, more than 0")
+        plan = plan_deployment(config, overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
+                               server_test=server_test)
+        with local_federation(workdir.resolve(), tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
+            done = fed.run(plan.config, plan.overrides, timeout)
         print(done.stdout[-4000:])
         return 0
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:  # bad input, found before anything started
         print(f"fedlt: error: {err}", file=sys.stderr)
         return 2
     except FedltError as err:
@@ -372,6 +559,36 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as stop:
         print(f"fedlt: error: stopped by {stop}; every process of the federation was stopped", file=sys.stderr)
         return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A usage error is one line and exit code 2, like every other refusal."""
+        print(f"fedlt: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m fedlt.deploy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="fedlt config YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--nodes", type=int, default=None, help="SuperNodes (partitions) to start (default 3)")
+    parser.add_argument("--node-data", type=Path, default=None, metavar="DIR",
+                        help="one SuperNode per subfolder of DIR, each training on its own folder")
+    parser.add_argument("--server-test", type=Path, default=None, metavar="DIR",
+                        help="with --node-data: the server's test set (eval.test_data)")
+    parser.add_argument("--tls", action="store_true", help="TLS with certificates made by openssl (default: --insecure)")
+    parser.add_argument("--auth", action="store_true",
+                        help="with --tls: SuperNode authentication, one registered key pair per SuperNode")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/deploy"),
+                        help="logs, certificates, keys, Flower state")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the run is abandoned")
+    a = parser.parse_args(argv)
+    return deploy(a.config, a.overrides, nodes=a.nodes, tls=a.tls, auth=a.auth, node_data=a.node_data,
+                  server_test=a.server_test, workdir=a.workdir, timeout=a.timeout)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def knob_classes() -> list[tuple[str, type[BaseModel]]]:
 
 
 def compatibility_matrix() -> list[str]:
-    """Method x calibration and method x loss, each cell from the components' declarations
+    """Method x calibration, method x loss and model x dataset, each cell from the components' declarations
     (:func:`fedlt.run_parts.calibration_refusal`, :func:`fedlt.run_parts.loss_refusal`) at the
     methods' default knobs: what ``check_config`` accepts (runs) or refuses, with its reason."""
     from fedlt.calibration.calibrators import CALIBRATORS
@@ -178,7 +178,32 @@ def compatibility_matrix() -> list[str]:
         own = "" if spec.uses_loss_config else " (its own objective)"
         lines.append(f"| `{spec.name}` | " + " | ".join(cell(loss_refusal(spec, loss)) + (own if loss == "ce" else "")
                                                       for loss in LOSSES) + " |")
-    return [*lines, ""]
+    return [*lines, "", *model_dataset_matrix(), ""]
+
+
+def model_dataset_matrix() -> list[str]:
+    """Model x dataset from each model's declared input (:class:`fedlt.models.registry.ModelInput`)
+    and each dataset's registry entry: at the dataset's own image size, and the smallest
+    ``data.image_size`` where the dataset is resized."""
+    from fedlt.data.registry import DATASETS
+    from fedlt.models.registry import MODELS, input_refusal, model_input
+
+    def cell(model: str, dataset: str) -> str:
+        info, smallest = DATASETS[dataset], model_input(model).min_image_size
+        refusal = input_refusal(model, dataset, info, smallest if info.resizable else None)
+        if refusal is not None:
+            return "refused: " + _cell(refusal.split(": ", 1)[1].split("; ")[0])
+        return f"runs (data.image_size >= {smallest})" if info.resizable else "runs"
+
+    lines = ["### Model x dataset", "",
+             "Which `model.name` takes which `data.dataset`'s images, from what every model declares (the channel "
+             "counts and smallest image side it works on) and every dataset's registry entry (channels, image side), "
+             "so a pair is refused before any data are read. Datasets marked with a `data.image_size` bound are "
+             "resized; a smaller size is refused for that model.", "",
+             "| model | " + " | ".join(DATASETS) + " |", "|---|" + "---|" * len(DATASETS)]
+    for model in MODELS:
+        lines.append(f"| `{model}` | " + " | ".join(cell(model, dataset) for dataset in DATASETS) + " |")
+    return lines
 
 
 def render() -> str:

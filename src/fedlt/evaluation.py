@@ -97,6 +97,34 @@ def global_metrics(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Te
     return out
 
 
+def per_class_counts(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Tensor, num_classes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(correct, samples, loss sum) per class, float64: what a node reports of one model on its own
+    test split, so that sums over nodes give the federation's figures."""
+    hits = torch.bincount(labels, weights=correct.double(), minlength=num_classes)
+    totals = torch.bincount(labels, minlength=num_classes).double()
+    loss = torch.bincount(labels, weights=losses.double(), minlength=num_classes)
+    return hits, totals, loss
+
+
+def count_metrics(hits: torch.Tensor, totals: torch.Tensor, loss: torch.Tensor, groups: ShotGroups) -> dict:
+    """:func:`global_metrics` from per-class sums (federated evaluation). ``acc`` is the mean of the
+    per-class accuracies over the classes that have test samples: on a balanced test set it is the
+    same figure as the plain accuracy, on the nodes' own (unbalanced) test splits it weighs every
+    class equally as a balanced test set would."""
+    present = totals > 0
+    per_class = (100 * hits / totals.clamp(min=1)).cpu().tolist()
+    out = {
+        "acc": float(np.mean([a for a, p in zip(per_class, present.tolist()) if p])) if present.any() else None,
+        "loss": (loss.sum() / totals.sum()).item() if present.any() else None,
+        "per_class_acc": [round(a, 4) for a in per_class],
+    }
+    for name, classes in groups.classes.items():
+        seen = [per_class[k] for k in classes if present[k]]
+        out[f"{name}_acc"] = float(np.mean(seen)) if seen else None
+    return out
+
+
 def validation_metrics(model: torch.nn.Module, val: ImageDataset, groups: ShotGroups, batch_size: int) -> dict:
     """``val_acc`` and the shot groups' ``val_*_acc`` of ``model`` on the validation set: what
     choices are made on, so that the test set is read once."""

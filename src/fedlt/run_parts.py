@@ -22,7 +22,7 @@ from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
 from fedlt.methods.base import Client, MethodArgs, MethodSpec
 from fedlt.methods.registry import get_method, parse_method_args
-from fedlt.models.registry import MODELS
+from fedlt.models.registry import MODELS, check_model_input
 from fedlt.tracking import check_tracking
 
 
@@ -120,13 +120,35 @@ def check_config(cfg: Config) -> MethodSpec:
         raise ConfigError(f"unknown model '{cfg.model.name}'; use model.name=<one of {', '.join(MODELS)}>")
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
+    check_model_input(cfg.model.name, cfg.data, DATASETS[cfg.data.dataset])
     check_tracking(cfg)
     if cfg.engine == "flower" and cfg.run.backend in ("vectorized", "parallel"):
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
     _check_secagg(cfg, spec)
+    _check_node_data(cfg, spec, method_args)
     return spec
+
+
+def _check_node_data(cfg: Config, spec: MethodSpec, method_args: MethodArgs) -> None:
+    """``flower.node_data``: what a federation whose server holds no data can run, and what would
+    show the server a node's label histogram or features in the clear."""
+    if not cfg.flower.node_data:
+        return
+    if cfg.engine != "flower":
+        raise ConfigError("flower.node_data=true is a real federation of SuperNodes; run it with engine=flower "
+                          "(fedlt deploy --node-data DIR), or set flower.node_data=false")
+    if spec.pooled:
+        raise ConfigError(f"method {cfg.method} trains on pooled data, which a real federation does not have; "
+                          "use a federated method")
+    if cfg.data.val_per_class:
+        raise ConfigError("data.val_per_class draws a validation set from the dataset, which the server of a real "
+                          "federation does not hold; set data.val_per_class=0")
+    leaks = spec.server.clear_uploads(cfg, method_args)
+    if leaks and not cfg.privacy.allow_leaks:
+        raise ConfigError(f"flower.node_data: {leaks[0]} shows the server a node's label histogram or features in "
+                          "the clear; drop it, or set privacy.allow_leaks=true to accept that")
 
 
 def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
@@ -157,6 +179,12 @@ def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
 def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:
     """The checked method, the federation's data and the device, with torch's settings applied:
     what both the server and (under Flower) every SuperNode build from the same config."""
+    spec, device = setup_runtime(cfg)
+    return spec, build_federated_data(cfg.data, cfg.seed, device), device
+
+
+def setup_runtime(cfg: Config) -> tuple[MethodSpec, torch.device]:
+    """The checked method and the device, with torch's settings applied (no data read)."""
     spec = check_config(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -167,4 +195,4 @@ def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:
         if device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums run to run
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
             torch.use_deterministic_algorithms(True, warn_only=True)
-    return spec, build_federated_data(cfg.data, cfg.seed, device), device
+    return spec, device

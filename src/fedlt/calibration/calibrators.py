@@ -23,6 +23,7 @@ from fedlt.calibration.math.stats import class_moments
 from fedlt.calibration.math.virtual import sample_class_gaussians
 from fedlt.messages import Payload, Reply
 from fedlt.methods.base import MethodArgs, ModelHead, ServerContext
+from fedlt.plugins import PluginRegistry
 
 #: statistics a calibrator can ask every client for after training
 STAT_KINDS = ("class_sums", "normalized_sums", "ridge_sums", "features", "rff_sums")
@@ -408,9 +409,21 @@ class SAFS(Calibrator):
                      "safs_loss": sum(losses.values()) / len(losses) if losses else float("nan")}
 
 
-CALIBRATORS: dict[str, type[Calibrator]] = {
+def calibrator_from_plugin(name: str, loaded: object) -> type[Calibrator]:
+    """What a ``fedlt.calibrations`` entry point loads: a Calibrator subclass of the same name."""
+    if not (isinstance(loaded, type) and issubclass(loaded, Calibrator)):
+        what = f"the class {loaded.__name__}" if isinstance(loaded, type) else f"an object of type {type(loaded).__name__}"
+        raise TypeError(f"loads {what}, not a subclass of fedlt.calibration.calibrators.Calibrator; "
+                        "point the entry point at the calibration's class")
+    if getattr(loaded, "name", None) != name:
+        raise ValueError(f"loads {loaded.__name__}, whose name is {getattr(loaded, 'name', None)!r}; set "
+                         f"{loaded.__name__}.name = '{name}' or name the entry point after it")
+    return loaded
+
+
+CALIBRATORS: PluginRegistry[type[Calibrator]] = PluginRegistry("fedlt.calibrations", "calibration", {
     c.name: c for c in (CReFF, CCVR, FedNCM, Fed3R, TauNorm, RealFeatureOracle, SAFS)
-}
+}, calibrator_from_plugin)
 CALIBRATION_DESCRIPTIONS = {
     "creff": "CReFF: federated features matched to real-feature gradients, classifier re-trained every round",
     "ccvr": "CCVR: classifier re-trained on virtual features from per-class Gaussians (after training)",
@@ -420,3 +433,14 @@ CALIBRATION_DESCRIPTIONS = {
     "oracle": "NOT PRIVATE diagnostic: head re-trained on a class-balanced sample of real features",
     "safs": "SFD's SAFS: head fine-tuned on synthetic features aligned to mean, covariance and random-feature MMD",
 }
+
+
+def list_calibrations() -> list[tuple[str, str]]:
+    """(name, description) of every calibration; one without a description here (a plug-in) gives
+    its docstring's first line, and a plug-in names its distribution."""
+    out = []
+    for name, cal in CALIBRATORS.items():
+        desc = CALIBRATION_DESCRIPTIONS.get(name) or (cal.__doc__ or cal.__name__).strip().splitlines()[0]
+        origin = CALIBRATORS.origin(name)
+        out.append((name, desc + (f" [plug-in: {origin}]" if origin else "")))
+    return out

@@ -66,6 +66,18 @@ class CalibratedServer(Server):
             phases[f"query:{STATS_QUERY}"] = "sum"
         return phases
 
+    @classmethod
+    def clear_uploads(cls, config, args):
+        """The inner method's, plus calibrations that upload real features (the oracle) or per-class
+        replies that name the classes a client holds (CReFF's gradients)."""
+        out = list(cls.inner_cls.clear_uploads(config, args))
+        for cal in (CALIBRATORS[n] for n in cls.names):
+            if not cal.private:
+                out.append(f"calibration={cal.name} (uploads real features)")
+            elif cal.reads_fit_replies:
+                out.append(f"calibration={cal.name} (each client's per-class replies name the classes it holds)")
+        return out
+
     def __init__(self, ctx: ServerContext):
         self.inner = self.inner_cls(ctx)
         super().__init__(ctx)

@@ -43,6 +43,7 @@ class DatasetInfo:
     val_loader : the dataset's own validation split, if it has one (``data.val_from=dataset``)
     long_tailed : the training files are long-tailed already, so a class may not spare
         validation images (``data.val_from=auto`` then splits the test set)
+    channels : channels of every image, known without reading them (model x dataset checks)
     """
 
     description: str
@@ -54,6 +55,7 @@ class DatasetInfo:
     hflip: bool = True
     val_loader: ValLoader | None = None
     long_tailed: bool = False
+    channels: int = 3
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -64,6 +66,7 @@ DATASETS: dict[str, DatasetInfo] = {
         subfolder="fashion-mnist",
         default_root=idx.DEFAULT_ROOT,
         image_size=28,
+        channels=1,
     ),
     "cifar10": DatasetInfo(
         "CIFAR-10, 10 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-10-batches-py",
@@ -150,10 +153,8 @@ def load_dataset(
         unknown name, no or unusable folder, missing or corrupt files, bad labels, an empty
         split, a class without training samples (``every_class``)
     """
-    info = DATASETS.get(name)
-    if info is None:
-        raise DataError(f"unknown dataset '{name}'; set data.dataset to one of: {', '.join(DATASETS)}")
-    size = _image_size(name, info, image_size)
+    info = dataset_info(name)
+    size = resolve_image_size(name, image_size)
     folder = _resolve_root(name, info, root)
     pair = info.loader(folder, size)
     where = folder if folder is not None else name
@@ -169,7 +170,17 @@ def load_dataset(
     return pair
 
 
-def _image_size(name: str, info: DatasetInfo, requested: int | None) -> int:
+def dataset_info(name: str) -> DatasetInfo:
+    """The registry entry of dataset ``name``; an unknown name is a DataError listing the known ones."""
+    info = DATASETS.get(name)
+    if info is None:
+        raise DataError(f"unknown dataset '{name}'; set data.dataset to one of: {', '.join(DATASETS)}")
+    return info
+
+
+def resolve_image_size(name: str, requested: int | None) -> int:
+    """The image side dataset ``name`` loads at for ``data.image_size`` = ``requested`` (None: its own)."""
+    info = dataset_info(name)
     if requested is None or requested == info.image_size:
         return info.image_size
     if not info.resizable:

@@ -16,7 +16,8 @@ from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
 from fedlt.engine import secure_aggregation as secagg
-from fedlt.evaluation import predict
+from fedlt.engine.portable_model import decode_model
+from fedlt.evaluation import per_class_counts, predict
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
@@ -26,6 +27,11 @@ from fedlt.seeding import seed_for
 #: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return
 #: which local test samples it classifies correctly (``payload["correct"]``)
 EVALUATE = "evaluate"
+#: a real federation's engine kinds (``flower.node_data``), answered from the node's own data and
+#: only summed by the server: ``counts``, the client's training samples per class; ``evaluate_counts``,
+#: per-class correct / samples / loss sums of each model sent (``payload["models"]``) on the
+#: client's own test split, with its accuracy under the first model as ``pm_sum`` / ``pm_n``
+COUNTS, EVALUATE_COUNTS = "counts", "evaluate_counts"
 
 
 def new_model(cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.device) -> FedModel:
@@ -102,7 +108,27 @@ class ClientRuntime:
             return self.client.query(kind.removeprefix("query:"), ctx, msg)
         if kind == EVALUATE:
             self.client.personalize(ctx, msg)
-            test = self.eval_data.test
-            idx = torch.as_tensor(self.eval_data.local_test[cid], dtype=torch.int64, device=test.labels.device)
-            return Reply(payload={"correct": predict(self.worker, test, self.cfg.eval.batch_size, indices=idx)[0]})
+            return Reply(payload={"correct": predict(self.worker, self.eval_data.test, self.cfg.eval.batch_size,
+                                                     indices=self._local_test(cid))[0]})
+        if kind == COUNTS:
+            return Reply(payload={"counts": ctx.data.class_counts().double()})
+        if kind == EVALUATE_COUNTS:
+            return self._evaluate_counts(cid, msg)
         raise ValueError(f"unknown exchange kind '{kind}'")
+
+    def _local_test(self, cid: int) -> torch.Tensor:
+        test = self.eval_data.test
+        return torch.as_tensor(self.eval_data.local_test[cid], dtype=torch.int64, device=test.labels.device)
+
+    def _evaluate_counts(self, cid: int, msg: Message) -> Reply:
+        """Federated evaluation: every model of the message on this client's test split, as sums."""
+        test, idx = self.eval_data.test, self._local_test(cid)
+        payload: dict[str, Any] = {}
+        for i, (name, data) in enumerate(msg.payload["models"].items()):
+            correct, losses = predict(decode_model(data, self.worker), test, self.cfg.eval.batch_size, indices=idx)
+            hits, totals, loss = per_class_counts(correct, losses, test.labels[idx], test.num_classes)
+            payload.update({f"hits/{name}": hits, f"loss/{name}": loss, "totals": totals})
+            if i == 0:
+                payload.update(pm_sum=100 * correct.double().mean().item() if correct.numel() else 0.0,
+                               pm_n=int(correct.numel() > 0))
+        return Reply(payload=payload)

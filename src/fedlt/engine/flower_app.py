@@ -10,7 +10,9 @@ in the SuperNode's ``context.state``. Nothing here knows any method.
 Client ids map to SuperNodes by ``partition-id`` (from ``--node-config``, set by the simulation
 engine too): client ``k`` lives on the node with ``partition-id == k % num-partitions``, so N
 SuperNodes can host K >= N clients. Every node builds the same seeded partition from the
-config it is sent and trains only its own clients' rows: no data moves.
+config it is sent and trains only its own clients' rows: no data moves. A SuperNode started with
+``--node-config "data=PATH name=SITE"`` is instead one client of a real federation that holds only
+its own folder (``flower.node_data``, :mod:`fedlt.engine.flower_nodes`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import OUTCOME_ENV, new_run_dir, write_aborted_summary, write_atomic
-from fedlt.run_parts import setup_parts
+from fedlt.run_parts import setup_parts, setup_runtime
 
 HELLO = "hello"
 #: client errors that are bugs to surface, not dropouts to survive
@@ -120,13 +122,23 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     """Answer one fedlt exchange for the client named in the message, with its state from
     ``context.state`` (stored back afterwards, or dropped when empty)."""
     meta = decode_meta(message.content)
-    runtime = _client_runtime(meta["config"])
-    pid, parts = _partition(context)
-    if meta["kind"] == HELLO:
-        return FlowerMessage(encode_message(Reply(), {"partition_id": pid, "num_partitions": parts}), reply_to=message)
+    from fedlt.engine.flower_nodes import hello_reply, node_config, node_runtime  # a module that imports this one
+
+    own = node_config(dict(context.node_config))
+    if own is not None:  # a SuperNode of a real federation: one client, its own data
+        runtime = node_runtime(meta["config"], own[0])
+        if meta["kind"] == HELLO:
+            return FlowerMessage(encode_message(Reply(), hello_reply(own[1])), reply_to=message)
+    else:
+        runtime = _client_runtime(meta["config"])
+        pid, parts = _partition(context)
+        if meta["kind"] == HELLO:
+            return FlowerMessage(encode_message(Reply(), {"partition_id": pid, "num_partitions": parts}),
+                                 reply_to=message)
+        if meta["cid"] % parts != pid:
+            raise FedltError(f"client {meta['cid']} was sent to the node of partition {pid}, but lives on partition "
+                             f"{meta['cid'] % parts}")
     cid = meta["cid"]
-    if cid % parts != pid:
-        raise FedltError(f"client {cid} was sent to the node of partition {pid}, but lives on partition {cid % parts}")
     prefix = f"client{cid}."
     state = get_tree(context.state, prefix, runtime.device) if has_tree(context.state, prefix) else {}
     reply = runtime.handle(meta["kind"], cid, meta["round"], decode_message(message.content, runtime.device), state)
@@ -262,9 +274,15 @@ def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
                 on_start: Callable[[FlowerSimulation, Path], None] | None = None, prompt: bool = False) -> RunResult:
     """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
     (``on_start(sim, run_dir)`` is called once both exist; ``prompt``: see :func:`poll_replies`)."""
-    spec, data, device = setup_parts(cfg)
-    sim = FlowerSimulation(cfg, spec, data, device, grid, prompt)
-    run_dir = new_run_dir(cfg)
+    if cfg.flower.node_data:
+        from fedlt.engine.flower_nodes import NodeDataSimulation  # a module that imports this one
+
+        spec, device = setup_runtime(cfg)
+        sim: FlowerSimulation = NodeDataSimulation(cfg, spec, device, grid, prompt)
+    else:
+        spec, data, device = setup_parts(cfg)
+        sim = FlowerSimulation(cfg, spec, data, device, grid, prompt)
+    run_dir = new_run_dir(sim.cfg)
     if on_start:
         on_start(sim, run_dir)
     return sim.run(run_dir, quiet=quiet)
@@ -360,6 +378,9 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     SuperNode per client."""
     from flwr.simulation import run_simulation
 
+    if cfg.flower.node_data:
+        raise ConfigError("flower.node_data=true runs on SuperNodes that each hold their own data, not in Flower's "
+                          "simulation; deploy it with fedlt deploy --node-data DIR")
     result: dict[str, RunResult] = {}
     app = ServerApp()
 

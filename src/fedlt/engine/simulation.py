@@ -21,7 +21,7 @@ import torch
 from fedlt.config import Config
 from fedlt.data.federated import FederatedData, federation_seed
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from fedlt.engine.clients import EVALUATE, ClientRuntime, new_model
+from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
@@ -170,7 +170,7 @@ class Simulation:
         replies = {}
         for cid, msg, reply in self._deliver(kind, rnd, messages):
             replies[cid] = reply
-            if kind != EVALUATE:
+            if kind not in (EVALUATE, EVALUATE_COUNTS):
                 self._account(kind, msg, reply)
         return replies
 
@@ -220,6 +220,14 @@ class Simulation:
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:
+        out, correct = self._server_metrics()
+        if self.cfg.eval.personalized:
+            out["pm_acc"] = self._personalized_accuracy(rnd, correct)
+        return out
+
+    def _server_metrics(self) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The global model and its variants on the balanced test (and validation) set; with the
+        global model's per-sample correctness, which local test sets index into."""
         test, val, bs = self.eval_data.test, self.eval_data.val, self.cfg.eval.batch_size
         out: dict[str, Any] = {}
         model = self.server.global_model()
@@ -237,26 +245,33 @@ class Simulation:
                 variants[name].update(validation_metrics(variant, val, self.groups, bs))
         if variants:
             out["variants"] = variants
-        if self.cfg.eval.personalized:
-            if self._local_test is None:  # once per run, not per evaluation: K can be large
-                self._local_test = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device)
-                                    for ix in self.eval_data.local_test]
-            local = self._local_test
-            if self.spec.client.personalized:
-                messages = ((cid, self.server.eval_message(cid)) for cid in range(len(local)))
-                per_client = [r.payload["correct"].to(test.labels.device)
-                              for r in self._exchange(EVALUATE, rnd, messages).values()]
-            elif correct is not None:
-                per_client = [correct[idx] for idx in local]
-            else:
-                per_client = []
-            out["pm_acc"] = mean_local_accuracy(per_client)
-        return out
+        return out, correct
+
+    def _personalized_accuracy(self, rnd: int, correct: torch.Tensor | None) -> float | None:
+        """Mean accuracy over clients on their local test sets: of each client's personalized
+        model (asked of the clients), else of the global model (``correct``)."""
+        test = self.eval_data.test
+        if self.spec.client.personalized:
+            messages = ((cid, self.server.eval_message(cid)) for cid in self.all_clients)
+            per_client = [r.payload["correct"].to(test.labels.device)
+                          for r in self._exchange(EVALUATE, rnd, messages).values()]
+            return mean_local_accuracy(per_client)
+        if correct is None:
+            return None
+        if self._local_test is None:  # once per run, not per evaluation: K can be large
+            self._local_test = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device)
+                                for ix in self.eval_data.local_test]
+        return mean_local_accuracy([correct[idx] for idx in self._local_test])
 
     # ---- the run ------------------------------------------------------------------------
     def setup(self) -> None:
         """The setup stage: queries the method runs once before the first round."""
         self._run_queries("setup", 0, self.all_clients)
+
+    def _write_partition(self, run_dir: Path) -> None:
+        """``partition.json``: which client holds how many samples of each class."""
+        write_partition(run_dir, partition_record(self.cfg, self.eval_data.partition.counts,
+                                                  self.eval_data.train.classes))
 
     def _save_artifacts(self, run_dir: Path) -> None:
         """Save the method's named tensors (``Server.artifacts``) once, after training. Beside
@@ -266,7 +281,7 @@ class Simulation:
         if not tensors:
             return
         model = self.server.global_model()
-        if model is not None and any(k.endswith("synthetic_features") for k in tensors):
+        if model is not None and len(self.eval_data.test) and any(k.endswith("synthetic_features") for k in tensors):
             test = self.eval_data.test
             labels = test.labels.cpu()
             rows = torch.cat([(labels == c).nonzero().flatten()[:100] for c in range(test.num_classes)])
@@ -320,7 +335,7 @@ class Simulation:
             rewrite_metrics(run_dir, rows)
         else:
             rows = []
-            write_partition(run_dir, partition_record(cfg, self.eval_data.partition.counts, self.eval_data.train.classes))
+            self._write_partition(run_dir)
             self.setup()
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         tracker = Tracker(cfg, run_dir)

@@ -177,6 +177,13 @@ class Server:
         individual replies must not declare them."""
         return {"fit": "weighted_mean"} if cls.aggregate is Server.aggregate else {}
 
+    @classmethod
+    def clear_uploads(cls, config: Config, args: "MethodArgs") -> list[str]:
+        """The options of this run whose uploads show the server a client's label histogram or real
+        features in the clear (beyond what the method must send): a real federation
+        (``flower.node_data``) refuses them unless ``privacy.allow_leaks``. Default: none."""
+        return []
+
     def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
         """The next extra round-trip at ``stage``, or None when the stage has nothing (more) to ask."""
         return None

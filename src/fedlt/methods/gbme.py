@@ -450,6 +450,14 @@ def prior_log_error(prior: torch.Tensor, counts: torch.Tensor) -> float:
 class GBMEServer(Server):
     args: GBMEArgs
 
+    @classmethod
+    def clear_uploads(cls, config, args):
+        """Every reading that queries each client's label counts (the GPI exists to avoid them)."""
+        named = {"method_args.prior=global": args.prior == "global",
+                 "method_args.grouping=label": args.ensemble and args.grouping == "label",
+                 "method_args.diagnose_gpi=true": args.diagnose_gpi}
+        return [option for option, used in named.items() if used]
+
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
         a, cfg = self.args, ctx.config

@@ -1,4 +1,5 @@
-"""Every method fedlt knows, by name."""
+"""Every method fedlt knows, by name: the built-ins below and the ``fedlt.methods`` entry points
+of installed packages (:mod:`fedlt.plugins`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,31 @@ from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
 from fedlt.methods.gbme import GBME_LOSSES, GBMEArgs, GBMEClient, GBMEServer, gbme_head, make_gbme_model
 from fedlt.methods.scaffold import ScaffoldClient, ScaffoldServer
 from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
+from fedlt.plugins import PluginRegistry
 
-METHODS: dict[str, MethodSpec] = {
+
+def method_from_plugin(name: str, loaded: object) -> MethodSpec:
+    """What a ``fedlt.methods`` entry point loads: a MethodSpec, or a callable returning one."""
+    if isinstance(loaded, MethodSpec):
+        spec = loaded
+    elif callable(loaded):
+        try:
+            spec = loaded()
+        except Exception as err:
+            reason = (str(err).strip().splitlines() or [""])[0]
+            raise ValueError(f"raised {type(err).__name__} when called ({reason}); make it return a MethodSpec "
+                             "without arguments, or point the entry point at the MethodSpec itself") from None
+    else:
+        raise TypeError(f"loads an object of type {type(loaded).__name__}, not a MethodSpec or a callable returning one; "
+                        "point the entry point at the method's MethodSpec")
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"returned an object of type {type(spec).__name__}, not a MethodSpec; make it return the method's MethodSpec")
+    if spec.name != name:
+        raise ValueError(f"loads the method named '{spec.name}'; name the entry point '{spec.name}'")
+    return spec
+
+
+METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", {
     spec.name: spec
     for spec in [
         MethodSpec("fedavg", "FedAvg with the configured local loss (loss.name: ce, la, bsm, focal, ldam)",
@@ -71,7 +95,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
                    FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False),
     ]
-}
+}, method_from_plugin)
 
 
 def get_method(name: str) -> MethodSpec:
@@ -86,4 +110,6 @@ def parse_method_args(spec: MethodSpec, raw: dict) -> MethodArgs:
 
 
 def list_methods() -> list[tuple[str, str]]:
-    return [(spec.name, spec.description) for spec in METHODS.values()]
+    """(name, description) of every method; a plug-in's description names its distribution."""
+    return [(name, spec.description + (f" [plug-in: {origin}]" if (origin := METHODS.origin(name)) else ""))
+            for name, spec in METHODS.items()]

@@ -1,11 +1,23 @@
-"""Model names a config may use, and the one place that builds a model from a name."""
+"""Model names a config may use, the images each model takes, and the one place that builds a
+model from a name.
+
+Every entry declares its input (:class:`ModelInput`), so ``check_config`` can refuse a model x
+dataset pair from the registries alone, before any data are read. A model registered from
+outside the package declares its own::
+
+    MODELS["mine"] = ModelEntry(builder, "my network, 512-d feature", ModelInput(min_image_size=32, channels=(3,)))
+
+(a plain ``(builder, description)`` pair gets :data:`DEFAULT_INPUT`).
+"""
 
 from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Protocol
 
+from fedlt.config import DataConfig
 from fedlt.errors import ConfigError
 from fedlt.models.base import FedModel
 from fedlt.models.cnn import cnn
@@ -13,23 +25,120 @@ from fedlt.models.resnet import resnet8, resnet18, resnet32, resnet34, resnet50
 
 ModelBuilder = Callable[..., FedModel]
 
+#: fedlt's floor for an image side: the smallest its models are trained on in its tests
 MIN_IMAGE_SIZE = 8
 
-MODELS: OrderedDict[str, tuple[ModelBuilder, str]] = OrderedDict(
+
+@dataclass(frozen=True)
+class ModelInput:
+    """The images a model takes.
+
+    Attributes
+    ----------
+    min_image_size : smallest image side it trains and evaluates on with any batch, one sample
+        included (a client may hold a single image)
+    channels : the channel counts it accepts; None: any (its first layer is built for the data's)
+    why : what sets ``min_image_size``, for the refusal
+    """
+
+    min_image_size: int = MIN_IMAGE_SIZE
+    channels: tuple[int, ...] | None = None
+    why: str = ""
+
+    def refusal(self, channels: int, image_size: int) -> str | None:
+        """What these images lack for the model, or None when it takes them."""
+        if self.channels is not None and channels not in self.channels:
+            return f"takes {' or '.join(map(str, self.channels))}-channel images only"
+        if image_size < self.min_image_size:
+            why = f" ({self.why})" if self.why else ""
+            return f"needs images of at least {self.min_image_size}x{self.min_image_size}{why}"
+        return None
+
+
+#: what a model registered without a declaration is assumed to take
+DEFAULT_INPUT = ModelInput(why="fedlt's smallest image side")
+
+
+class ModelEntry(NamedTuple):
+    """A registered model: how to build it, one line for ``fedlt models``, what images it takes."""
+
+    builder: ModelBuilder
+    description: str
+    input: ModelInput = DEFAULT_INPUT
+
+
+# Measured by training each model on 1..69 px inputs, 1 and 3 channels, batches of one and two
+# samples: the CNN's two 2x2 max-pools need 4 px; BatchNorm cannot train a one-sample batch on a
+# 1x1 map, which a ResNet's last stage reaches below 5 px (three stages) or 9 px (four stages;
+# ResNet-50's ImageNet stem from 64 px quarters the side first, and still leaves 2x2). The
+# three-stage networks and the CNN run below fedlt's floor of 8 px but are declared at it.
+_FOUR_STAGES = ModelInput(9, why="four stride-2 stages leave a 1x1 map, on which BatchNorm cannot train "
+                                 "a client's single image")
+
+MODELS: OrderedDict[str, ModelEntry] = OrderedDict(
     [
-        ("cnn", (cnn, "small CNN, 2 conv + FC, 128-d feature (~150k params, CPU default)")),
-        ("resnet8", (resnet8, "ResNet-8 of CReFF/FedYoYo, 256-d feature (~1.2M params)")),
-        ("resnet18", (resnet18, "CIFAR-style ResNet-18, 512-d feature (~11.2M params)")),
-        ("resnet32", (resnet32, "LDAM-style ResNet-32, 64-d feature (~0.47M params)")),
-        ("resnet34", (resnet34, "CIFAR-style ResNet-34, 512-d feature (~21.3M params)")),
-        ("resnet50", (resnet50, "bottleneck ResNet-50, 2048-d feature (~23.5M params)")),
+        ("cnn", ModelEntry(cnn, "small CNN, 2 conv + FC, 128-d feature (~150k params, CPU default)")),
+        ("resnet8", ModelEntry(resnet8, "ResNet-8 of CReFF/FedYoYo, 256-d feature (~1.2M params)")),
+        ("resnet18", ModelEntry(resnet18, "CIFAR-style ResNet-18, 512-d feature (~11.2M params)", _FOUR_STAGES)),
+        ("resnet32", ModelEntry(resnet32, "LDAM-style ResNet-32, 64-d feature (~0.47M params)")),
+        ("resnet34", ModelEntry(resnet34, "CIFAR-style ResNet-34, 512-d feature (~21.3M params)", _FOUR_STAGES)),
+        ("resnet50", ModelEntry(resnet50, "bottleneck ResNet-50, 2048-d feature (~23.5M params)", _FOUR_STAGES)),
     ]
 )
 
 
 def list_models() -> list[tuple[str, str]]:
-    """``(name, description)`` pairs in registry order, for ``fedlt list`` style output."""
-    return [(name, description) for name, (_, description) in MODELS.items()]
+    """``(name, description)`` pairs in registry order, for ``fedlt models``."""
+    return [(name, entry[1]) for name, entry in MODELS.items()]
+
+
+def model_input(name: str) -> ModelInput:
+    """The declared input of registered model ``name`` (:data:`DEFAULT_INPUT` for a plain pair)."""
+    entry = MODELS[name]
+    return entry[2] if len(entry) > 2 else DEFAULT_INPUT
+
+
+class ImageSource(Protocol):
+    """What a dataset's registry entry says about its images (``fedlt.data.registry.DatasetInfo``)."""
+
+    channels: int
+    image_size: int
+    resizable: bool
+
+
+def dataset_images(info: ImageSource, requested: int | None) -> tuple[int, int]:
+    """``(channels, side)`` of a dataset's images at ``data.image_size`` = ``requested``: the
+    request where the dataset is resized, else its own side (its loader refuses another)."""
+    return info.channels, (requested if info.resizable and requested is not None else info.image_size)
+
+
+def input_refusal(model: str, dataset: str, info: ImageSource, requested: int | None = None) -> str | None:
+    """Why ``model`` cannot take ``dataset``'s images (registry entry ``info``, ``data.image_size`` =
+    ``requested``), with what would work; None when it can. Reads no data. A size the dataset
+    does not come in is refused here too, as its loader would refuse it only once it reads."""
+    channels, side = dataset_images(info, requested)
+    if requested is not None and requested != side:
+        return (f"{dataset}: images are {side}x{side} and are not resized, but data.image_size={requested}; "
+                f"drop data.image_size or set it to {side}")
+    declared = model_input(model)
+    why = declared.refusal(channels, side)
+    if why is None:
+        return None
+    fixes = []
+    if info.resizable and (declared.channels is None or channels in declared.channels):
+        fixes.append(f"data.image_size>={declared.min_image_size}")
+    working = [name for name in MODELS if model_input(name).refusal(channels, side) is None]
+    if working:
+        fixes.append(f"model.name=<one of {', '.join(working)}>")
+    fix = " or ".join(fixes) if fixes else "choose a model and dataset whose images match"
+    return f"model {model} + dataset {dataset} ({channels}x{side}x{side} images): {model} {why}; use {fix}"
+
+
+def check_model_input(model: str, data: DataConfig, info: ImageSource) -> None:
+    """A one-line ConfigError when ``model`` cannot take the images of ``data.dataset`` (entry ``info``)."""
+    refusal = input_refusal(model, data.dataset, info, data.image_size)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def create_model(
@@ -43,11 +152,14 @@ def create_model(
         raise ConfigError(f"num_classes must be >= 1, got {num_classes}: check the dataset's classes")
     if in_channels < 1:
         raise ConfigError(f"in_channels must be >= 1, got {in_channels}: check the dataset's images")
-    if image_size < MIN_IMAGE_SIZE:
-        raise ConfigError(
-            f"image_size must be >= {MIN_IMAGE_SIZE}, got {image_size}: resize the images to at least "
-            f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}"
-        )
+    declared = model_input(name)
+    if declared.channels is not None and in_channels not in declared.channels:
+        raise ConfigError(f"model {name!r} {declared.refusal(in_channels, image_size)}, got {in_channels}: "
+                          "use a model that takes the dataset's images")
+    if image_size < declared.min_image_size:
+        size = declared.min_image_size
+        raise ConfigError(f"image_size must be >= {size} for model {name!r}, got {image_size}: resize the images to "
+                          f"at least {size}x{size} or use a model that takes smaller ones")
     builder = MODELS[name][0]
     options = set(inspect.signature(builder).parameters) - {"num_classes", "in_channels", "image_size"}
     unknown = sorted(set(kwargs) - options)

@@ -5,8 +5,9 @@
 * ``resnet32``: the 16/32/64-channel network of LDAM and most long-tail papers, 64-d feature.
 * ``resnet50``: bottleneck network, 2048-d feature; ImageNet stem for images of 64 px or more.
 
-Every encoder ends in adaptive average pooling, so any image size >= 8 and 1 or 3 input
-channels work. Downsampling shortcuts are 1x1 conv + BN. Builders all take ``image_size``
+Every encoder ends in adaptive average pooling and its stem is built for the data's channels, so
+any channel count and image size work down to what the registry declares: 8 px, 9 px for the
+four-stage networks (a 1x1 last map cannot train a one-sample batch's BatchNorm). Downsampling shortcuts are 1x1 conv + BN. Builders all take ``image_size``
 so the registry can call them alike; only ``resnet50`` uses it.
 """
 

@@ -32,6 +32,9 @@ class _Layout:
     names_key: bytes
     labels_key: bytes
     num_classes: int
+    #: the published class names in label order (what the meta file lists): a federation's
+    #: declaration without the files (:mod:`fedlt.data.declaration`)
+    classes: tuple[str, ...]
     archive: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
@@ -46,6 +49,7 @@ CIFAR10 = _Layout(
     names_key=b"label_names",
     labels_key=b"labels",
     num_classes=10,
+    classes=("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
     archive="cifar-10-python.tar.gz",
     mean=(0.4914, 0.4822, 0.4465),
     std=(0.2470, 0.2435, 0.2616),
@@ -59,6 +63,18 @@ CIFAR100 = _Layout(
     names_key=b"fine_label_names",
     labels_key=b"fine_labels",
     num_classes=100,
+    classes=(
+        "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy",
+        "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock",
+        "cloud", "cockroach", "couch", "crab", "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish",
+        "forest", "fox", "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion",
+        "lizard", "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange",
+        "orchid", "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy", "porcupine",
+        "possum", "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk",
+        "skyscraper", "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank",
+        "telephone", "television", "tiger", "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale",
+        "willow_tree", "wolf", "woman", "worm",
+    ),
     archive="cifar-100-python.tar.gz",
     mean=(0.5071, 0.4865, 0.4409),
     std=(0.2673, 0.2564, 0.2762),

@@ -13,10 +13,13 @@ import numpy as np
 import torch
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.sources.cifar import CIFAR10
 from fedlt.data.sources.common import decode_all, read_rgb, require_dir, to_chw
 from fedlt.errors import DataError
 
 DATASET = "cinic10"
+#: CIFAR-10's classes, whose names (already sorted) are CINIC's class folders
+CLASSES = list(CIFAR10.classes)
 MEAN = (0.4789, 0.4723, 0.4305)
 STD = (0.2421, 0.2383, 0.2587)
 _SIDE = 32

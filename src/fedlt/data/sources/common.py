@@ -17,6 +17,8 @@ from fedlt.errors import DataError
 
 # Below this many items a thread pool costs more than it saves.
 _PARALLEL_MIN = 256
+#: what PIL raises for a broken image file, depending on the format and where it breaks
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, Image.DecompressionBombError)
 
 
 def require_dir(dataset: str, path: Path, fix: str) -> Path:
@@ -53,8 +55,7 @@ def read_rgb(dataset: str, path: Path, fix: str, min_side: int | None = None) ->
             return image.convert("RGB")
     except FileNotFoundError as exc:
         raise DataError(f"{dataset}: image {path} does not exist; {fix}") from exc
-    # PIL reports broken files with any of these, depending on the format and where it breaks.
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, Image.DecompressionBombError) as exc:
+    except DECODE_ERRORS as exc:
         raise DataError(f"{dataset}: cannot decode image {path} ({type(exc).__name__}: {exc}); {fix}") from exc
 
 

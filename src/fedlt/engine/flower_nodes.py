@@ -1,0 +1,226 @@
+"""A real federation on Flower (``flower.node_data``): each SuperNode is one client with its own
+data folder (``--node-config "data=PATH name=SITE"``) and the server reads no training data.
+
+The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (client ``k`` is the
+k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
+``counts`` exchange (a secure phase under ``secagg.enabled``), and evaluates the global model on
+its own test set (``eval.test_data``) or, without one, on the nodes' test splits: each node
+replies per-class sums for every evaluated model (``evaluate_counts``, also summed). Everything
+else, the round loop, the client runtime and the messages, is the Flower engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedlt.config import Config, build_config
+from fedlt.data.dataset import ImageDataset
+from fedlt.data.declaration import declared_dataset
+from fedlt.data.registry import DATASETS
+from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
+from fedlt.engine.clients import COUNTS, EVALUATE_COUNTS, ClientRuntime
+from fedlt.engine.flower_app import HELLO, FlowerSimulation
+from fedlt.engine.flower_codec import decode_meta
+from fedlt.engine.node_federation import node_federation, server_federation
+from fedlt.engine.portable_model import encode_model
+from fedlt.errors import ConfigError, FedltError
+from fedlt.evaluation import HEADLINE_METRICS, count_metrics, shot_groups, validation_metrics
+from fedlt.messages import Message, Reply
+from fedlt.run_parts import setup_runtime
+
+GLOBAL = "global"
+
+
+def log(line: str) -> None:
+    """A line for the ServerApp's log (Flower streams its output to ``flwr run --stream``)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def node_config(context_node_config: dict[str, Any]) -> tuple[Path, str] | None:
+    """(folder, name) of a SuperNode that holds its own data, None for a partition node."""
+    if "data" not in context_node_config:
+        return None
+    folder = Path(str(context_node_config["data"])).expanduser()
+    return folder, str(context_node_config.get("name") or folder.name)
+
+
+def declared_shape(cfg: Config) -> ImageDataset:
+    """An empty dataset of the declared image shape, classes and standardisation."""
+    d = declared_dataset(cfg.data)
+    images = torch.zeros((0, d.channels, d.image_size, d.image_size), dtype=torch.uint8)
+    return ImageDataset(images, torch.zeros(0, dtype=torch.int64), list(d.classes), d.mean, d.std)
+
+
+def server_set(cfg: Config, path: str | None, device: torch.device) -> ImageDataset | None:
+    """The server's own balanced test or validation set: an image-folder split at ``path``."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    return load_image_folder(folder.parent, folder.name, declared_dataset(cfg.data)).to(device)
+
+
+# ---- node side ------------------------------------------------------------------------------
+_node_runtime: dict[tuple[str, Path], ClientRuntime] = {}
+
+
+def node_runtime(config_json: str, folder: Path) -> ClientRuntime:
+    """The client runtime of a node that holds ``folder``, for the run's config (rebuilt when it changes)."""
+    key = (config_json, folder)
+    if key not in _node_runtime:
+        _node_runtime.clear()
+        cfg = build_config(json.loads(config_json))
+        if not cfg.flower.node_data:
+            raise FedltError(f"this SuperNode holds its own data ({folder}), but the run's config has "
+                             "flower.node_data=false; deploy with fedlt deploy --node-data, or start the SuperNode "
+                             'with --node-config "partition-id=I num-partitions=N"')
+        spec, device = setup_runtime(cfg)
+        node = load_node_data(folder, declared_dataset(cfg.data))
+        if node.test is None and (cfg.eval.personalized or not cfg.eval.test_data):
+            raise FedltError(f"{folder} has no test/ folder, which the run evaluates on (personalized accuracy, or "
+                             "federated evaluation without eval.test_data); add test/<class>/... or set "
+                             "eval.personalized=false and eval.test_data=PATH")
+        flips = cfg.data.flips(DATASETS[cfg.data.dataset].hflip if cfg.data.dataset in DATASETS else True)
+        data = node_federation(node.train.to(device), node.test.to(device) if node.test is not None else None, flips)
+        _node_runtime[key] = ClientRuntime(cfg, spec, data, device)
+    return _node_runtime[key]
+
+
+def hello_reply(name: str) -> dict[str, Any]:
+    return {"name": name, "node_data": True}
+
+
+# ---- server side ----------------------------------------------------------------------------
+class NodeDataSimulation(FlowerSimulation):
+    """The Flower engine's round loop over SuperNodes that each hold one client's data."""
+
+    def __init__(self, cfg: Config, spec, device: torch.device, grid, prompt: bool = False):
+        self.grid, self.prompt, self.cfg = grid, prompt, cfg
+        self._config_json = json.dumps(cfg.dump())
+        found = self._wait_for_nodes()
+        names = sorted(found, key=found.get)
+        cfg = build_config({**cfg.dump(), "data": {**cfg.dump()["data"], "num_clients": len(names)}})
+        test, val = (server_set(cfg, path, device) for path in (cfg.eval.test_data, cfg.eval.val_data))
+        data = server_federation(declared_shape(cfg).to(device), len(names), test, val)
+        super().__init__(cfg, spec, data, device, grid, prompt)
+        self.nodes = dict(enumerate(names))
+        self._told_late: set[int] = set()
+        #: client id -> its node's name (the node's ``name`` node config)
+        self.client_names = [found[n] for n in names]
+        if self.secure is not None:
+            self.secure.phases.update({COUNTS: "sum", EVALUATE_COUNTS: "sum"})
+
+    def _wait_for_nodes(self) -> dict[int, str]:
+        """Node id -> name of the SuperNodes that answered, once ``flower.min_nodes`` have, within
+        ``flower.connect_timeout_s``; a node with a name already taken is left out, with a log line."""
+        fl = self.cfg.flower
+        deadline = time.monotonic() + fl.connect_timeout_s
+        found: dict[int, str] = {}
+        asked: set[int] = set()
+        while True:
+            new = [n for n in self.grid.get_node_ids() if n not in asked]
+            asked.update(new)
+            if new:
+                for r in self._send(HELLO, [(n, -1, Message(), 0) for n in new])[0]:
+                    meta = decode_meta(r.content)
+                    node = r.metadata.src_node_id
+                    if not meta.get("node_data"):
+                        raise FedltError(f"SuperNode {node} was started with partition-id/num-partitions, but this run "
+                                         'has flower.node_data=true; start every SuperNode with --node-config '
+                                         '"data=PATH name=SITE"')
+                    if meta["name"] in found.values():
+                        log(f"fedlt: a second SuperNode named {meta['name']!r} (node {node}) is refused; give each "
+                            "node its own name")
+                        continue
+                    found[node] = meta["name"]
+            if len(found) >= fl.min_nodes:
+                return found
+            if time.monotonic() > deadline:
+                have = ", ".join(sorted(found.values())) or "none"
+                raise FedltError(f"{len(found)} of flower.min_nodes={fl.min_nodes} SuperNodes connected within "
+                                 f"flower.connect_timeout_s={fl.connect_timeout_s:g} (connected: {have}); start the "
+                                 "missing ones or lower flower.min_nodes")
+            time.sleep(0.5)
+
+    def connect(self) -> None:
+        """Done when the run was built: the clients are the nodes that answered then."""
+
+    def _deliver(self, kind, rnd, messages):
+        late = set(self.grid.get_node_ids()) - set(self.nodes.values()) - self._told_late
+        for node in sorted(late):
+            log(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in this run")
+        self._told_late |= late
+        yield from super()._deliver(kind, rnd, messages)
+
+    def setup(self) -> None:
+        """The federation's class counts (summed over the nodes), then the method's setup stage."""
+        total = _summed(self._exchange(COUNTS, 0, [(cid, Message()) for cid in self.all_clients]).values(), "counts")
+        self.eval_data.counts = np.rint(total.cpu().numpy()).astype(np.int64)
+        self.groups = shot_groups(self.eval_data.counts, self.cfg.eval)
+        super().setup()
+
+    def _write_partition(self, run_dir: Path) -> None:
+        """None: the server does not know which node holds what."""
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        on_server = len(self.eval_data.test) > 0
+        out: dict[str, Any] = self._server_metrics()[0] if on_server else {}
+        model = self.server.global_model()
+        val = self.eval_data.val
+        if not on_server and val is not None and model is not None:
+            out.update(validation_metrics(model, val, self.groups, self.cfg.eval.batch_size))
+        personalized = self.cfg.eval.personalized
+        models = {} if model is None else {GLOBAL: model}
+        if not on_server:
+            models.update(self.server.extra_models())
+        if models and (not on_server or (personalized and not self.spec.client.personalized)):
+            if on_server:
+                models = {GLOBAL: model}
+            out.update(self._federated_metrics(rnd, models, on_server))
+        if personalized and self.spec.client.personalized:
+            out["pm_acc"] = self._personalized_accuracy(rnd, None)
+        return out
+
+    def _federated_metrics(self, rnd: int, models: dict[str, Any], pm_only: bool) -> dict[str, Any]:
+        """Each node evaluates ``models`` on its own test split; the sums give the metrics."""
+        own = type(self.server_model.head)
+        msg = Message(payload={"models": {name: encode_model(m, own) for name, m in models.items()}})
+        replies = list(self._exchange(EVALUATE_COUNTS, rnd, [(cid, msg) for cid in self.all_clients]).values())
+        out: dict[str, Any] = {}
+        if self.cfg.eval.personalized and not self.spec.client.personalized and GLOBAL in models:
+            n = sum(r.payload["pm_n"] for r in replies)
+            out["pm_acc"] = sum(r.payload["pm_sum"] for r in replies) / n if n else None
+        if pm_only:
+            return out
+        totals = _summed(replies, "totals")
+        variants = {}
+        for name in models:
+            metrics = count_metrics(_summed(replies, f"hits/{name}"), totals, _summed(replies, f"loss/{name}"),
+                                    self.groups)
+            if name == GLOBAL:
+                out.update(metrics)
+            else:
+                variants[name] = {k: metrics[k] for k in HEADLINE_METRICS}
+        if variants:
+            out["variants"] = variants
+        return out
+
+    def _summary_extra(self, elapsed: float) -> dict[str, Any]:
+        extra = super()._summary_extra(elapsed)
+        return {**extra, "nodes": self.client_names,
+                "evaluation": "server test set" if len(self.eval_data.test) else
+                "federated: per-class sums over the nodes' own test splits, accuracy = mean of per-class accuracies"}
+
+
+def _summed(replies, key: str) -> torch.Tensor:
+    """The sum of one payload entry over the replies (one aggregate reply under secure aggregation)."""
+    values = [r.payload[key] for r in replies]
+    if not values:
+        raise FedltError(f"no node answered the federated '{key}' sums; check that the SuperNodes are running")
+    return sum(torch.as_tensor(v, dtype=torch.float64) for v in values)

@@ -1,0 +1,204 @@
+"""Methods and calibrations from other packages (``fedlt.methods`` / ``fedlt.calibrations`` entry
+points): the example package in examples/fedlt-example-plugin is found in-process, by
+``run.backend=parallel`` workers, by ``fedlt bench --workers 2`` workers and by a Flower ClientApp,
+and a broken plug-in is one line naming it.
+
+Nothing is pip-installed: a ``.dist-info`` folder in tmp (what pip would write, as far as entry-point
+discovery reads it) and the example's source folder go on ``sys.path`` and on ``PYTHONPATH`` for
+subprocesses, the way an installed package is on every interpreter's path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import fedlt
+from fedlt.calibration.calibrators import CALIBRATORS
+from fedlt.cli import app
+from fedlt.errors import ConfigError
+from fedlt.methods.base import Client, MethodSpec, Server
+from fedlt.methods.registry import METHODS
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "fedlt-example-plugin"
+TINY = {"data": {"dataset": "synthetic", "num_clients": 4, "imbalance_factor": 10},
+        "fl": {"rounds": 2, "local_epochs": 1, "participation": 1.0}, "eval": {"personalized": False}}
+
+
+def install(site: Path, name: str, version: str, groups: dict[str, dict[str, str]]) -> None:
+    """Write the ``.dist-info`` that ``pip install`` would leave in ``site`` for entry-point discovery."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{ep} = {target}\n" for ep, target in eps.items()) + "\n"
+        for group, eps in groups.items()))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder standing in for site-packages, on this process's path and its subprocesses';
+    the registries look for plug-ins again on their next use, and after the test."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    paths = [str(site), str(EXAMPLE / "src")]
+    for path in reversed(paths):
+        monkeypatch.syspath_prepend(path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    for registry in (METHODS, CALIBRATORS):
+        registry.forget_plugins()
+    yield site
+    for registry in (METHODS, CALIBRATORS):  # rediscovered lazily, on the restored sys.path
+        registry.forget_plugins()
+
+
+@pytest.fixture
+def example(site):
+    """The example package 'installed' with the entry points its own pyproject.toml declares."""
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
+    install(site, project["name"], project["version"], project["entry-points"])
+    return project
+
+
+def run(tmp_path, name: str, **extra) -> dict:
+    cfg = {"seed": 1, "method": "clipavg", **TINY, "run": {"out_dir": str(tmp_path), "name": name, "threads": 1}}
+    for key, value in extra.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def finite(summary: dict) -> bool:
+    acc = summary["final"]["acc"]
+    return math.isfinite(acc) and 0 <= acc <= 100
+
+
+def test_example_plugin_is_listed_with_its_package_and_runs_in_process(example, tmp_path):
+    methods = CliRunner().invoke(app, ["methods"])
+    assert methods.exit_code == 0
+    assert [line for line in methods.output.splitlines() if line.startswith("clipavg ")] == [
+        f"clipavg        {METHODS['clipavg'].description} [plug-in: fedlt-example-plugin 0.1.0]"]
+    assert "fedavg " in methods.output and "[plug-in" not in methods.output.split("clipavg")[0]
+    calibrations = CliRunner().invoke(app, ["calibrations"])
+    assert calibrations.exit_code == 0
+    assert "equalnorm      equalnorm: learned head's class rows rescaled to their mean norm, bias removed " \
+           "(after training) [plug-in: fedlt-example-plugin 0.1.0]" in calibrations.output
+
+    # the plug-in's own server and knob at work: a bound no update reaches gives FedAvg (to float
+    # rounding: it averages updates, not weights), one every update exceeds changes the model
+    fedavg = fedlt.run(run(tmp_path, "fedavg", method="fedavg"), quiet=True)
+    free = fedlt.run(run(tmp_path, "free", method_args={"max_norm": 1e9}), quiet=True)
+    assert [m["loss"] for m in free.metrics] == pytest.approx([m["loss"] for m in fedavg.metrics], rel=1e-5)
+    assert free.summary["final"]["server_metrics"] == {"clipped_fraction": 0.0}
+    result = fedlt.run(run(tmp_path, "clip", method_args={"max_norm": 0.01}, calibration=["equalnorm"]), quiet=True)
+    assert finite(result.summary) and result.summary["method_args"] == {"max_norm": 0.01, "server_lr": 1.0}
+    assert result.summary["final"]["server_metrics"]["clipped_fraction"] == 1.0
+    assert result.summary["final"]["variants"]["uncalibrated"]["loss"] != pytest.approx(fedavg.summary["final"]["loss"])
+    # its declarations are checked like a built-in's: the server reads each reply, equalnorm needs a learned head
+    with pytest.raises(ConfigError, match="method clipavg's server reads each client's fit reply"):
+        fedlt.run(run(tmp_path, "secure", secagg={"enabled": True}), quiet=True)
+    with pytest.raises(ConfigError, match="calibration equalnorm has no meaning: equalnorm works on the model's "
+                                          "learned linear head, and fedetf's model has a fixed"):
+        fedlt.run(run(tmp_path, "etf", method="fedetf", calibration=["equalnorm"]), quiet=True)
+    with pytest.raises(ConfigError, match="method clipavg has no knob method_args.mu; its knobs: max_norm, server_lr"):
+        fedlt.run(run(tmp_path, "knob", method_args={"mu": 1}), quiet=True)
+
+
+def test_parallel_backend_workers_find_the_plugin(example, tmp_path):
+    """Each worker is a fresh interpreter that rebuilds the method from its name."""
+    cfg = run(tmp_path, "parallel", fl={"rounds": 1}, run={"backend": "parallel", "workers": 2, "device": "cpu"})
+    result = fedlt.run(cfg, quiet=True)
+    assert result.summary["backend"] == "parallel" and finite(result.summary)
+
+
+def test_bench_workers_find_the_plugin(example, tmp_path):
+    suite = {"name": "plugin", "title": "Plug-ins", "description": "the example plug-in's method and calibration",
+             "overrides": ["data.dataset=synthetic", "data.num_clients=4", "data.imbalance_factor=10", "fl.rounds=1",
+                           "fl.local_epochs=1", "eval.personalized=false", "run.threads=1"],
+             "seeds": [0], "settings": [{"name": "IF=10", "overrides": []}],
+             "methods": [{"name": "ClipAvg", "overrides": ["method=clipavg"]},
+                         {"name": "FedAvg + equalnorm", "overrides": ["method=fedavg", "calibration=equalnorm"]}]}
+    path = tmp_path / "plugin.yaml"
+    path.write_text(yaml.safe_dump(suite, sort_keys=False))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", str(path), "--out", str(out), "--workers", "2", "--no-report"])
+    assert result.exit_code == 0, result.output
+    summaries = [json.loads(p.read_text()) for p in sorted(out.rglob("summary.json"))]
+    assert sorted(s["method"] for s in summaries) == ["clipavg", "fedavg"]
+    assert all(finite(s) for s in summaries)
+
+
+def test_flower_clientapp_finds_the_plugin(example, tmp_path, monkeypatch):
+    """The real ClientApp handler rebuilds the method by name on the SuperNode's side."""
+    pytest.importorskip("flwr")
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    from flower_loopback import LoopbackGrid, server_identity
+
+    from fedlt.config import build_config
+    from fedlt.engine import flower_app
+
+    monkeypatch.setattr(flower_app, "_runtime", {})  # no client runtime left from another test
+    with server_identity():
+        result = flower_app.run_on_grid(build_config(run(tmp_path, "flower", engine="flower")), LoopbackGrid(nodes=2),
+                                        quiet=True)
+    assert finite(result.summary) and result.summary["final"]["server_metrics"]["clipped_fraction"] >= 0
+    # the ClientApp built its client from the plug-in's spec: it parsed clipavg's own knobs
+    assert [type(runtime.client.args).__name__ for runtime in flower_app._runtime.values()] == ["ClipAvgArgs"]
+
+
+BROKEN = {  # entry points of a distribution 'fedlt-broken' -> what the one line must say
+    "built-in name": ("fedlt.methods", {"fedavg": "fedlt_example_plugin.clipavg:SPEC"},
+                      "plug-in method 'fedavg' (entry point fedavg = fedlt_example_plugin.clipavg:SPEC in fedlt-broken "
+                      "1.0) has the name of fedlt's built-in method 'fedavg'; rename the entry point under "
+                      '[project.entry-points."fedlt.methods"] or pip uninstall fedlt-broken'),
+    "two plug-ins": ("fedlt.calibrations", {"equalnorm": "fedlt_example_plugin.equalnorm:EqualNorm"},
+                     "plug-in calibration 'equalnorm' (entry point equalnorm = fedlt_example_plugin.equalnorm:EqualNorm "
+                     "in fedlt-example-plugin 0.1.0) has the name of the one in fedlt-broken 1.0; rename one entry "
+                     'point under [project.entry-points."fedlt.calibrations"] or pip uninstall fedlt-example-plugin'),
+    "import fails": ("fedlt.methods", {"ghost": "fedlt_no_such_module:SPEC"},
+                     "plug-in method 'ghost' (entry point ghost = fedlt_no_such_module:SPEC in fedlt-broken 1.0) failed "
+                     "to load (ModuleNotFoundError: No module named 'fedlt_no_such_module'); fix its module or pip "
+                     "uninstall fedlt-broken"),
+    "not a spec": ("fedlt.methods", {"doc": "fedlt_example_plugin:__doc__"},
+                   "plug-in method 'doc' (entry point doc = fedlt_example_plugin:__doc__ in fedlt-broken 1.0) loads an "
+                   "object of type str, not a MethodSpec or a callable returning one; point the entry point at the "
+                   "method's MethodSpec"),
+    "other name": ("fedlt.methods", {"clip": "fedlt_example_plugin.clipavg:SPEC"},
+                   "plug-in method 'clip' (entry point clip = fedlt_example_plugin.clipavg:SPEC in fedlt-broken 1.0) "
+                   "loads the method named 'clipavg'; name the entry point 'clipavg'"),
+    "not a calibrator": ("fedlt.calibrations", {"clip": "fedlt_example_plugin.clipavg:ClipAvgServer"},
+                         "plug-in calibration 'clip' (entry point clip = fedlt_example_plugin.clipavg:ClipAvgServer in "
+                         "fedlt-broken 1.0) loads the class ClipAvgServer, not a subclass of "
+                         "fedlt.calibration.calibrators.Calibrator; point the entry point at the calibration's class"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_plugin_is_one_line_naming_it_and_the_fix(site, example, case):
+    group, eps, message = BROKEN[case]
+    install(site, "fedlt-broken", "1.0", {group: eps})
+    command, registry, builtin = ("methods", METHODS, "fedavg") if group == "fedlt.methods" else \
+        ("calibrations", CALIBRATORS, "ccvr")
+    for _ in range(2):  # not remembered as discovered: every use says it again
+        result = CliRunner().invoke(app, [command])
+        assert result.exit_code == 2 and result.stderr.splitlines() == [f"fedlt: error: {message}"], result.output
+    with pytest.raises(ConfigError) as err:
+        registry[builtin]  # any use, e.g. a run checking its method
+    assert str(err.value) == message
+    assert set(registry._entries) == set(registry._builtin)  # nothing half-registered, the example's good entry included
+
+
+def test_a_plugin_never_replaces_a_name_registered_in_code(example):
+    METHODS["clipavg"] = MethodSpec("clipavg", "registered in code", Server, Client)  # before discovery
+    try:
+        with pytest.raises(ConfigError, match=r"^plug-in method 'clipavg' \(.* in fedlt-example-plugin 0.1.0\) has "
+                                              "the name of the one registered in code as method 'clipavg'"):
+            METHODS["fedavg"]
+    finally:
+        del METHODS["clipavg"]

@@ -1,0 +1,280 @@
+"""A real federation (``flower.node_data``): SuperNodes that each hold one client's exported folder
+and a server that holds no training data give what the in-process engine gives on the same
+federation; federated evaluation gives the server test set's accuracy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+pytest.importorskip("flwr")
+
+import fedlt  # noqa: E402
+from fedlt.config import build_config  # noqa: E402
+from fedlt.data.export import export_federation  # noqa: E402
+from fedlt.errors import ConfigError, FedltError  # noqa: E402
+
+
+class NodeGrid:
+    """A Flower Grid in this process whose nodes each hold one folder (``data=PATH name=SITE``)
+    and answer through fedlt's real ClientApp handler."""
+
+    def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None):
+        from flwr.app import Context, RecordDict
+
+        def context(i: int, name: str, folder: Path):
+            return Context(run_id=1, node_id=200 + i, state=RecordDict(), run_config={},
+                           node_config={"data": str(folder), "name": name})
+
+        self.contexts = {200 + i: context(i, n, f) for i, (n, f) in enumerate(sorted(folders.items()))}
+        self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
+        self.sends = 0
+        self.kinds: list[str] = []
+
+    def get_node_ids(self):
+        if self.sends > 2:  # late nodes show up once the run is under way
+            self.contexts.update(self.late)
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout):
+        from fedlt.engine.flower_app import handle
+        from fedlt.engine.flower_codec import decode_meta
+
+        self.sends += 1
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            self.kinds.append(decode_meta(m.content)["kind"])
+            out.append(handle(m, self.contexts[m.metadata.dst_node_id]))
+        return out
+
+
+@pytest.fixture
+def server_identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_task_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+
+def tree(tmp_path: Path, name: str, method: str = "fedavg", **top) -> dict:
+    cfg = {
+        "seed": 1, "method": method, "loss": {"name": "bsm"},
+        "data": {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 3},
+        "fl": {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "eval": {"every": 1},
+        "run": {"out_dir": str(tmp_path / "runs"), "name": name, "checkpoint_every": 0, "threads": 1},
+    }
+    for key, value in top.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def node_run(cfg: dict, grid: NodeGrid):
+    from fedlt.engine.flower_app import run_on_grid
+
+    return run_on_grid(build_config(cfg), grid, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "federation"
+    export_federation(build_config(tree(out.parent, "export")), out)
+    return out
+
+
+def node_tree(tmp_path: Path, name: str, exported: Path, **top) -> dict:
+    extra = {"engine": "flower", "flower": {"node_data": True, "min_nodes": 3, "connect_timeout_s": 5},
+             "data": {"classes": [f"class{i}" for i in range(10)]}}
+    for key, value in top.items():
+        extra[key] = {**extra.get(key, {}), **value} if isinstance(value, dict) else value
+    return tree(tmp_path, name, **extra)
+
+
+def nodes_of(exported: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted((exported / "nodes").iterdir())}
+
+
+SAFS_SMALL = {"safs_max_per_class": 20, "safs_min_per_class": 5, "safs_steps": 3, "safs_rff_dim": 16,
+              "safs_finetune_epochs": 1}
+
+
+@pytest.mark.parametrize(("method", "extra"), [
+    ("fedavg", {}),  # FedAvg (BSM)
+    ("sfd", {"calibration_args": SAFS_SMALL, "loss": {"name": "ce"}}),
+    ("gbme", {"fl": {"rounds": 2}}),
+    ("fedrod", {"loss": {"name": "ce"}}),
+    ("scaffold", {"loss": {"name": "ce"}}),  # server state over the client set
+    ("fedyoyo", {"loss": {"name": "ce"}}),  # per-client memory on the server
+])
+def test_nodes_with_their_own_data_give_the_in_process_run(tmp_path, exported, server_identity, method, extra):
+    local = fedlt.run(tree(tmp_path, "local", method, **extra), quiet=True)
+    remote = node_run(node_tree(tmp_path, "nodes", exported, method=method,
+                                eval={"test_data": str(exported / "server" / "test")}, **extra),
+                      NodeGrid(nodes_of(exported)))
+    assert len(remote.metrics) == len(local.metrics) == 2
+    for a, b in zip(local.metrics, remote.metrics):
+        for key in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc"):
+            assert b[key] == (None if a[key] is None else pytest.approx(a[key], abs=1e-9)), (method, key)
+        assert b["per_class_acc"] == a["per_class_acc"]
+    assert remote.summary["train_class_counts"] == local.summary["train_class_counts"]
+    assert remote.summary["shot_groups"] == local.summary["shot_groups"]
+    assert remote.summary["nodes"] == sorted(nodes_of(exported))
+    assert not (remote.run_dir / "partition.json").exists()  # the server does not know the partition
+    assert "counts" in remote.summary["messages"]
+
+
+@pytest.mark.parametrize(("method", "extra"), [
+    ("fedavg", {}),
+    ("sfd", {"calibration_args": SAFS_SMALL, "loss": {"name": "ce"}}),  # calibrated heads travel as data
+])
+def test_federated_evaluation_gives_the_server_test_sets_accuracy(tmp_path, exported, server_identity, method, extra):
+    """Nodes whose test splits together are the server's balanced test set: the class-balanced
+    mean of the summed per-class counts is the server's plain accuracy, for the global model and
+    every variant."""
+    split = tmp_path / "split"
+    shutil.copytree(exported / "nodes", split)
+    server_test = exported / "server" / "test"
+    names = sorted(p.name for p in split.iterdir())
+    for name in names:
+        shutil.rmtree(split / name / "test")
+    for cls in sorted(server_test.iterdir()):
+        for i, image in enumerate(sorted(cls.iterdir())):
+            target = split / names[i % len(names)] / "test" / cls.name
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(image, target / image.name)
+    folders = {n: split / n for n in names}
+    on_server = node_run(node_tree(tmp_path, "server-test", exported, method=method,
+                                   eval={"test_data": str(server_test)}, **extra), NodeGrid(folders))
+    federated = node_run(node_tree(tmp_path, "federated", exported, method=method, **extra), NodeGrid(folders))
+    for a, b in zip(on_server.metrics, federated.metrics):
+        assert set(b.get("variants", {})) == set(a.get("variants", {}))
+        for name, variant in a.get("variants", {}).items():
+            assert b["variants"][name]["acc"] == pytest.approx(variant["acc"], rel=1e-9), name
+        for key in ("acc", "many_acc", "medium_acc", "few_acc", "loss"):
+            assert (b[key] is None) == (a[key] is None), key
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-9), key
+        assert a["acc"] is not None and a["few_acc"] is not None
+        assert b["per_class_acc"] == a["per_class_acc"]
+    assert "federated" in federated.summary["evaluation"]
+
+
+def test_secure_aggregation_hides_each_nodes_counts_and_evaluation(tmp_path, exported, server_identity):
+    """Under secagg.enabled the class counts and the federated evaluation are secure phases: the
+    same figures to the fixed-point precision, nothing of either in the clear."""
+    plain = node_run(node_tree(tmp_path, "plain", exported), NodeGrid(nodes_of(exported)))
+    grid = NodeGrid(nodes_of(exported))
+    secure = node_run(node_tree(tmp_path, "secure", exported, secagg={"enabled": True}), grid)
+    described = secure.summary["secure_aggregation"]
+    assert {"counts", "evaluate_counts", "fit"} <= set(described["phases"])
+    assert not {"counts", "evaluate_counts"} & set(described["in_clear"])
+    assert secure.summary["train_class_counts"] == plain.summary["train_class_counts"]
+    for a, b in zip(plain.metrics, secure.metrics):
+        assert b["acc"] == pytest.approx(a["acc"], abs=1e-3)
+    assert "secagg:keys" in grid.kinds
+
+
+def test_a_node_missing_classes_keeps_the_global_labels(tmp_path, exported, server_identity):
+    folders = {n: tmp_path / "nodes" / n for n in nodes_of(exported)}
+    shutil.copytree(exported / "nodes", tmp_path / "nodes")
+    first = folders[min(folders)] / "train"
+    kept = sorted(p.name for p in first.iterdir())
+    for cls in kept[:-1][:2]:
+        shutil.rmtree(first / cls)
+    run = node_run(node_tree(tmp_path, "missing", exported, eval={"test_data": str(exported / "server" / "test")}),
+                   NodeGrid(folders))
+    assert len(run.summary["train_class_counts"]) == 10
+    assert run.metrics[-1]["acc"] > 10
+
+
+def test_the_server_waits_for_min_nodes_and_names_who_came(tmp_path, exported, server_identity):
+    two = dict(list(nodes_of(exported).items())[:2])
+    with pytest.raises(FedltError, match=r"2 of flower.min_nodes=3 SuperNodes connected .* \(connected: client-0, "
+                                          r"client-1\); start the missing ones"):
+        node_run(node_tree(tmp_path, "few", exported, flower={"connect_timeout_s": 0.1}), NodeGrid(two))
+
+
+def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
+    nodes = nodes_of(exported)
+    grid = NodeGrid(nodes, late={"zz-late": nodes["client-0"]})
+    run = node_run(node_tree(tmp_path, "late", exported, eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert run.summary["nodes"] == sorted(nodes)
+    assert "joined after the federation was formed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("top", "refusal"), [
+    ({"engine": "inprocess"}, "flower.node_data=true is a real federation of SuperNodes; run it with engine=flower"),
+    ({"method": "centralized"}, "trains on pooled data"),
+    ({"loss": {"prior": "global"}}, "loss.prior=global (without secagg.enabled=true) shows the server"),
+    ({"method": "gbme", "method_args": {"diagnose_gpi": True}}, "method_args.diagnose_gpi=true shows the server"),
+    ({"calibration": ["oracle"]}, "calibration=oracle (uploads real features)"),
+    ({"data": {"val_per_class": 5}}, "data.val_per_class draws a validation set"),
+])
+def test_options_that_leak_or_need_the_servers_data_are_refused(tmp_path, top, refusal):
+    from fedlt.run_parts import check_config
+
+    cfg = node_tree(tmp_path, "refused", Path("/nonexistent"), **top)
+    with pytest.raises(ConfigError) as err:
+        check_config(build_config(cfg))
+    assert refusal in str(err.value) and "\n" not in str(err.value)
+    if "shows the server" in refusal:
+        cfg["privacy"] = {"allow_leaks": True}
+        check_config(build_config(cfg))
+
+
+def test_the_deployment_page_carries_the_measured_ledger(tmp_path):
+    """The page's table is what the code sends (regenerate: python -m fedlt.docs_ledger)."""
+    from fedlt.docs_ledger import method_rows
+
+    page = (Path(__file__).parents[1] / "docs" / "deploying.md").read_text()
+    table = page.split("<!-- ledger -->")[1].split("<!-- /ledger -->")[0]
+    for method in ("fedavg", "gbme", "creff", "centralized"):
+        for row in method_rows(method, tmp_path):
+            assert row in table, row
+
+
+def test_fedlt_deploy_over_exported_node_folders_gives_the_in_process_run(tmp_path, exported):
+    """The CLI end to end, on a real SuperLink with one SuperNode process per exported node folder
+    (127.0.0.1, --insecure): FedAvg (BSM) gives the in-process run's figures; each SuperNode read
+    only its own folder and the server no training data."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    local = fedlt.run(tree(tmp_path, "local"), quiet=True)
+    config = tmp_path / "federation.yaml"
+    deployed = yaml.safe_load((exported / "federation.yaml").read_text())
+    deployed["run"].update(out_dir=str(tmp_path / "runs"), name="deployed")
+    config.write_text(yaml.safe_dump(deployed))
+    proc = subprocess.run([sys.executable, "-m", "fedlt.cli", "deploy", "--node-data", str(exported / "nodes"),
+                           "--server-test", str(exported / "server" / "test"), "--workdir", str(tmp_path / "work"),
+                           "--timeout", "240", str(config)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "deployed" / "summary.json").read_text())
+    assert summary["nodes"] == sorted(nodes_of(exported)) and summary["engine"] == "flower"
+    assert summary["train_class_counts"] == local.summary["train_class_counts"]
+    for key in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc", "per_class_acc"):
+        expected = local.summary["final"][key]
+        assert summary["final"][key] == (expected if expected is None or isinstance(expected, list)
+                                         else pytest.approx(expected, abs=1e-9)), key
+
+
+def test_the_servers_validation_set_gives_the_in_process_validation_figures(tmp_path, server_identity):
+    """An export with data.val_per_class writes server/val; eval.val_data evaluates it as a run
+    with the validation split does (the exported config sets data.val_per_class=0)."""
+    with_val = tree(tmp_path, "local", data={"val_per_class": 5})
+    out = export_federation(build_config(with_val), tmp_path / "federation")
+    local = fedlt.run(with_val, quiet=True)
+    remote = node_run(node_tree(tmp_path, "nodes", out, eval={"test_data": str(out / "server" / "test"),
+                                                              "val_data": str(out / "server" / "val")}),
+                      NodeGrid(nodes_of(out)))
+    for a, b in zip(local.metrics, remote.metrics):
+        assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9) and b["acc"] == pytest.approx(a["acc"], abs=1e-9)
