@@ -170,13 +170,16 @@ class Simulation:
         replies = {}
         for cid, msg, reply in self._deliver(kind, rnd, messages):
             replies[cid] = reply
-            if kind not in (EVALUATE, EVALUATE_COUNTS):
-                self._account(kind, msg, reply)
+            self._account(kind, msg, reply)
         return replies
 
     def _account(self, kind: str, msg: Message, reply: Reply) -> None:
+        """The ledger records the first message each way of every exchange; traffic counts all but
+        evaluation's."""
         if kind not in self.message_record:
             self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
+        if kind in (EVALUATE, EVALUATE_COUNTS):
+            return
         for name, n in zip(TRAFFIC_KINDS, (*msg.nbytes(), *reply.nbytes())):
             self._traffic[name] += n
 
