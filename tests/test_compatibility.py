@@ -475,9 +475,6 @@ def resumes_to_the_same_result(tree: dict, out: Path, full: RunResult) -> None:
 @example(case=Case(method="sfd", model="resnet32", alpha=0.1, classes_per_client=2, participation=0.5)).xfail(
     raises=ValueError, reason="SAFS_COVARIANCE_CRASH: a covariance of a few resnet32 features is not positive definite")
 def test_property_every_configuration_runs_or_is_refused(tmp_path_factory, file_data, case):
-    # Two known gaps, refused only once the data are read (the strict xfail tests below): not drawn until fixed.
-    assume(not (case.engine == "flower" and METHODS[case.method].pooled))
-    assume(not (case.method == "gbme" and case.model == "resnet50"))
     out = tmp_path_factory.mktemp("property") / "out"
     tree = case.tree(out, file_data)
     result = run_or_refusal(tree, out, case.nodes)
@@ -485,14 +482,10 @@ def test_property_every_configuration_runs_or_is_refused(tmp_path_factory, file_
         resumes_to_the_same_result(tree, out.parent / "cut", result)
 
 
-@pytest.mark.xfail(strict=True, reason="check_config does not ask the method whether it can build cfg.model; "
-                   "GBME's multi-expert network refuses resnet50 only once the data are read (models/multi_expert.py)")
 def test_gbme_with_a_model_it_has_no_experts_for_is_refused_up_front(tmp_path):
     assert verdict(tiny(tmp_path, "gbme", [], "bsm", model="resnet50")) is not None
 
 
-@pytest.mark.xfail(strict=True, reason="a pooled method under engine=flower is refused by api._run_flower and "
-                   "FlowerSimulation, after check_config (and, on the grid path, after the data are read)")
 def test_a_pooled_method_under_flower_is_refused_by_check_config(tmp_path):
     assert verdict(tiny(tmp_path, "centralized", [], engine="flower")) is not None
 

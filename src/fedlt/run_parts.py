@@ -126,6 +126,11 @@ def check_config(cfg: Config) -> MethodSpec:
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
+    refusal = spec.server.model_refusal(cfg, method_args)
+    if refusal:
+        raise ConfigError(refusal)
+    if cfg.engine == "flower" and spec.pooled:
+        raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
     _check_secagg(cfg, spec)
     _check_node_data(cfg, spec, method_args)
     return spec

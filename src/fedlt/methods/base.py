@@ -178,6 +178,12 @@ class Server:
         return {"fit": "weighted_mean"} if cls.aggregate is Server.aggregate else {}
 
     @classmethod
+    def model_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
+        """Why this method cannot build ``config.model`` (checked before any data are read); None
+        when it can. Default: every registered model."""
+        return None
+
+    @classmethod
     def clear_uploads(cls, config: Config, args: "MethodArgs") -> list[str]:
         """The options of this run whose uploads show the server a client's label histogram or real
         features in the clear (beyond what the method must send): a real federation

@@ -118,7 +118,7 @@ from fedlt.methods.proxy_prior import (
     select_for_experts,
 )
 from fedlt.models import FedModel, create_model
-from fedlt.models.multi_expert import MultiExpertModel, multi_expert_model
+from fedlt.models.multi_expert import SUPPORTED, MultiExpertModel, multi_expert_model
 from fedlt.training.sequential import train_local
 
 LPI_QUERY = "gbme_lpi"
@@ -449,6 +449,14 @@ def prior_log_error(prior: torch.Tensor, counts: torch.Tensor) -> float:
 # ---- server -------------------------------------------------------------------------------
 class GBMEServer(Server):
     args: GBMEArgs
+
+    @classmethod
+    def model_refusal(cls, config, args):
+        """The multi-expert network exists for the CNN and the CIFAR ResNets only."""
+        if args.ensemble and config.model.name not in SUPPORTED:
+            return (f"GBME's multi-expert network has no version of model {config.model.name!r}; use "
+                    f"model.name=<one of {', '.join(SUPPORTED)}> or method_args.ensemble=false")
+        return None
 
     @classmethod
     def clear_uploads(cls, config, args):
