@@ -375,3 +375,18 @@ def test_creff_retrain_unit_counts_optimizer_steps(tmp_path, unit, expected):
         handle.remove()
     assert steps.count((10, d)) == expected == cal.retrain_steps(50)
     assert steps.count((10, 5, d)) == 2  # the I feature steps are unaffected
+
+
+def test_the_aligner_takes_fewer_rows_than_dimensions_of_large_features():
+    """A class with fewer raw rows than feature dimensions has a rank-deficient covariance; in
+    float32, features of ~1e3 make it indefinite by more than safs_eps, so it is formed in float64."""
+    from fedlt.calibration.math.safs import align_mean_cov, cholesky_factor
+
+    z = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 1e3 + 500
+    centered = z - z.mean(dim=0)
+    with pytest.raises(ValueError, match="not positive definite"):
+        cholesky_factor(centered.T @ centered / 3, 1e-5)  # what the float32 covariance gives
+    out = align_mean_cov(z, torch.full((64,), 2.0), torch.eye(64, dtype=torch.float64))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    # the float32 centring leaves ~1e-4 (eps32 x 1.5e3) that the null directions scale by 1/sqrt(safs_eps) ~ 316
+    assert torch.allclose(out.mean(dim=0), torch.full((64,), 2.0), atol=0.1)

@@ -83,7 +83,11 @@ def align_mean_cov(z_raw: torch.Tensor, target_mean: torch.Tensor, target_factor
     if z_raw.dim() != 2 or z_raw.shape[0] < 2:
         raise ValueError(f"the aligner needs at least 2 rows of (n, d) features, got {tuple(z_raw.shape)}")
     centered = z_raw - z_raw.mean(dim=0)
-    raw_factor = cholesky_factor(centered.T @ centered / (z_raw.shape[0] - 1), eps)
+    try:
+        raw_factor = cholesky_factor(centered.T @ centered / (z_raw.shape[0] - 1), eps)
+    except ValueError:  # fewer rows than dimensions: float32 rounding of large features made it indefinite
+        wide = centered.to(torch.float64)
+        raw_factor = cholesky_factor(wide.T @ wide / (z_raw.shape[0] - 1), eps)
     # A = L_g L_raw^{-1} by forward substitution (X L_raw = L_g), not an explicit inverse
     a = torch.linalg.solve_triangular(raw_factor, target_factor.to(torch.float64), upper=False, left=False)
     return centered @ a.T.to(z_raw.dtype) + target_mean.to(z_raw.dtype)
