@@ -440,3 +440,31 @@ def test_row_option_runs_only_the_named_rows_and_a_variant_names_its_runs(tmp_pa
     result = CliRunner().invoke(app, ["bench", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"),
                                       "--row", "FedProx", "--dry-run"])
     assert result.exit_code == 0 and "2 cells: 0 finished, 2 to run" in result.stderr
+
+
+def test_reference_config_commands_run_exactly_the_reference_suites_cells(tmp_path):
+    """configs/reference.yaml's one command per headline row resolves to the reference suite's cell
+    of that row (seed 0): the two spellings of the protocol cannot drift apart."""
+    import shlex
+
+    from fedlt.bench.suite import config_difference, expand
+    from fedlt.config import load_config
+    from fedlt.methods.registry import get_method, parse_method_args
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "configs/reference.yaml").read_text()
+    commands = re.findall(r"^#\s+fedlt run configs/reference\.yaml(.*?)\s+#\s+([^,\n]+?)\s*(?:,.*)?$", text, re.M)
+    rows = {name: shlex.split(args) for args, name in commands}
+    assert set(rows) == {"FedAvg (CE)", "FedAvg (BSM)", "CReFF", "SFD", "FedLoGe", "GBME", "FedYoYo"}
+    cells = {c.method: c for c in expand(load_suite("reference"), tmp_path, seeds=[0])}
+
+    def resolved(cfg):  # method_args with the defaults filled in: the suite spells some out
+        tree = cfg.model_dump(mode="json")
+        tree["method_args"] = parse_method_args(get_method(cfg.method), cfg.method_args).model_dump(mode="json")
+        return tree
+
+    for name, overrides in rows.items():
+        suite_cfg = resolved(load_config(load_suite("reference").base, cells[name].overrides))
+        command_cfg = resolved(load_config(root / "configs/reference.yaml", ["seed=0", *overrides]))
+        assert config_difference(suite_cfg, command_cfg) is None, name
+        assert config_difference(command_cfg, suite_cfg) is None, name

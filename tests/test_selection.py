@@ -109,3 +109,50 @@ def test_an_impossible_validation_split_in_a_suite_is_refused_before_anything_ru
                                           r"images in the test split of synthetic"):
         run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), tmp_path / "out", echo=lambda line: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_row_that_joins_a_grid_rows_choice_competes_on_validation_and_can_win(tmp_path):
+    """``select_with``: FedProx's table entry is the best on validation of its own grid and of the
+    joined row's readings; the joined row keeps its own entry and its own choice."""
+    import json
+
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.reporting import write_report
+    from fedlt.reporting.collect import collect
+
+    tree = {**GRID_SUITE, "seeds": [0], "methods": [
+        *GRID_SUITE["methods"],
+        {"name": "FedProx (mu=0.1)", "overrides": ["method=fedprox", "method_args.mu=0.1"],
+         "grid": {"fl.lr": [0.001, 0.05]}, "select_with": "FedProx"},
+    ]}
+    out = tmp_path / "out"
+    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), out, echo=lambda line: None)
+    assert not result.failed and len(result.ran) == 2 * (1 + 2 + 2)
+    folders = {"fl.lr=0.001": "fedprox-fl-lr-0-001", "fl.lr=0.05": "fedprox-fl-lr-0-05",
+               "FedProx (mu=0.1) [fl.lr=0.001]": "fedprox-mu-0-1-fl-lr-0-001",
+               "FedProx (mu=0.1) [fl.lr=0.05]": "fedprox-mu-0-1-fl-lr-0-05"}
+    final = {c: {s: json.loads((out / s / f / "seed0" / "summary.json").read_text())["final"] for s in ("a", "b")}
+             for c, f in folders.items()}
+    val = {c: (final[c]["a"]["val_acc"] + final[c]["b"]["val_acc"]) / 2 for c in folders}
+    best = max(folders, key=lambda c: (val[c], -list(folders).index(c)))
+    selections = {s.row: s for s in collect(out).selections}
+    assert set(selections["FedProx"].scores) == set(folders)
+    assert selections["FedProx"].chosen == {"a": best, "b": best}
+    assert set(selections["FedProx (mu=0.1)"].scores) == {"fl.lr=0.001", "fl.lr=0.05"}
+    text = write_report(out, with_plots=False).markdown
+    assert f"| FedProx | {final[best]['a']['acc']:.2f}" in text  # the table shows the winner's test accuracy
+
+
+@pytest.mark.parametrize("joined, message", [
+    ({"select_with": "FedAvg"}, r"select_with names 'FedAvg', which is no other row with a grid"),
+    ({"select_with": "FedProx", "seeds": [0]}, r"which runs other settings or seeds"),
+])
+def test_select_with_must_name_a_grid_row_on_the_same_cells(tmp_path, joined, message):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite
+    from fedlt.errors import ConfigError
+
+    tree = {**GRID_SUITE, "methods": [*GRID_SUITE["methods"], {"name": "X", "overrides": ["method=fedavg"], **joined}]}
+    with pytest.raises(ConfigError, match=message):
+        load_suite(write_suite(tmp_path / "grid.yaml", tree))

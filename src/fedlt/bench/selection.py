@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: what a grid row may be selected on: the final round's metrics on the validation set
@@ -53,6 +53,13 @@ class Selection:
     complete: bool  # every candidate has a value on every expected seed of every setting
     settings: list[str]
     per_setting: bool = False  # each setting chose its own candidate
+    #: candidate -> the row label whose folders hold its cells, for candidates of rows that join
+    #: this one's choice (``select_with``); the row's own candidates are ``candidate_label(row, c)``
+    folders: dict[str, str] = field(default_factory=dict)
+
+    def folder(self, candidate: str) -> str:
+        """The label (and so the folder) of ``candidate``'s cells."""
+        return self.folders.get(candidate, candidate_label(self.row, candidate))
 
     def mean(self, candidate: str, setting: str) -> float | None:
         values = list(self.scores.get(candidate, {}).get(setting, {}).values())
@@ -64,13 +71,13 @@ class Selection:
 
 
 def select(row: str, metric: str, scores: dict[str, dict[str, dict[int, float]]], settings: list[str],
-           expected_seeds: list[int], per_setting: bool) -> Selection:
+           expected_seeds: list[int], per_setting: bool, folders: dict[str, str] | None = None) -> Selection:
     """The candidate with the highest mean ``metric`` (ties: the earlier candidate in grid order),
     over all ``settings`` together or per setting. Candidates lacking a value in a setting are
     passed over there; ``complete`` says whether any was."""
     order = list(scores)
     complete = all(set(expected_seeds) <= set(scores[c].get(s, {})) for c in order for s in settings)
-    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting)
+    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting, dict(folders or {}))
 
     def best(score) -> str | None:
         scored = [(score(c), -i, c) for i, c in enumerate(order) if score(c) is not None]

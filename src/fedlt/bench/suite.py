@@ -82,6 +82,9 @@ class MethodRow(_Strict):
     seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="config key -> candidate values: every "
                                        "combination runs, the report selects one on validation data (bench/selection)")
+    select_with: str | None = Field(None, description="a grid row whose selection also weighs this row's candidates "
+                                    "(another reading of the same method, run as its own row): that row's table "
+                                    "entry is then the best on validation of both rows' candidates")
 
     @field_validator("grid")
     @classmethod
@@ -178,10 +181,27 @@ class SuiteSpec(_Strict):
                 if getattr(c, key) not in labels:
                     raise ValueError(f"claims[{i}].{key} names '{getattr(c, key)}', which is no row; use a method "
                                      "name or variant label")
+        for i, m in enumerate(self.methods):
+            if m.select_with is not None:
+                _check_select_with(i, m, {r.name: r for r in self.methods})
         if self.reference is not None and self.reference not in labels:
             raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
                              + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))
         return self
+
+
+def _check_select_with(i: int, row: MethodRow, rows: dict[str, MethodRow]) -> None:
+    """``row.select_with`` names another grid row that runs on the same settings and seeds and is
+    not itself joined to a third (one level: the joined row's folders are read as they are)."""
+    target = rows.get(row.select_with)
+    where = f"methods[{i}].select_with names '{row.select_with}'"
+    if target is None or target is row or not target.grid:
+        raise ValueError(f"{where}, which is no other row with a grid; name the grid row whose choice this row's "
+                         "readings join")
+    if target.select_with is not None:
+        raise ValueError(f"{where}, which itself joins '{target.select_with}'; name '{target.select_with}' instead")
+    if (row.settings, row.seeds) != (target.settings, target.seeds):
+        raise ValueError(f"{where}, which runs other settings or seeds; give both rows the same settings and seeds")
 
 
 def _unique(what: str, slugs: list[str], names: list[str]) -> None:
@@ -364,13 +384,14 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
 
     datasets: dict[tuple, str] = {}  # (name, root, image size) the cells to train read -> one such cell
     splits: dict[str, tuple[Config, str]] = {}  # data settings with a validation split -> one such cell
+    selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
             check_config(cfg)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
-        if cell.row != cell.method and cfg.data.val_per_class == 0:
+        if cell.row in selected and cfg.data.val_per_class == 0:
             raise ConfigError(f"suite {suite.spec.name}, row '{cell.row}': its grid is selected on "
                               f"{suite.spec.select_on}, but its cells have no validation set; add "
                               "data.val_per_class=N (e.g. 500) to the suite's overrides")

@@ -194,7 +194,7 @@ def _collect_suite(path: Path) -> Collection:
                 chosen = selections[m.name].chosen.get(s.name)
                 if chosen is None:
                     warnings.append(f"row '{m.name}': no candidate of its grid has finished cells here")
-                folder = candidate_label(m.name, chosen) if chosen else folder
+                folder = selections[m.name].folder(chosen) if chosen else folder
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
@@ -236,14 +236,22 @@ def _seed_runs(method_dir: Path) -> list[Run]:
 
 
 def _select(path: Path, spec: SuiteSpec, row: MethodRow) -> Selection:
-    """Which candidate of ``row``'s grid the suite's validation metric selects (bench/selection)."""
+    """Which candidate of ``row``'s grid, or of a row that joins its choice (``select_with``), the
+    suite's validation metric selects (bench/selection). A joined row's candidates are named by their
+    own row labels."""
     from fedlt.bench.suite import cell_dir
 
     settings = [s.name for s in spec.settings if row.settings is None or s.name in row.settings]
+    folders = {d: candidate_label(row.name, d) for d, _ in candidates(row.grid)}
+    for other in spec.methods:
+        if other.select_with == row.name:
+            labels = [candidate_label(other.name, d) for d, _ in candidates(other.grid)] if other.grid else [other.name]
+            folders.update({label: label for label in labels})
     scores = {}
-    for description, _ in candidates(row.grid):
-        label = candidate_label(row.name, description)
-        scores[description] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in
-                                   _seed_runs(cell_dir(path, s, label, 0).parent)
-                                   if r.final(None).get(spec.select_on) is not None} for s in settings}
-    return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting)
+    for candidate, label in folders.items():
+        scores[candidate] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in
+                                 _seed_runs(cell_dir(path, s, label, 0).parent)
+                                 if r.final(None).get(spec.select_on) is not None} for s in settings}
+    joined = {c: label for c, label in folders.items() if label == c}
+    return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting,
+                  joined)
