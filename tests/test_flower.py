@@ -228,6 +228,37 @@ def test_engine_flower_refuses_what_it_cannot_do(tmp_path):
         build_config({"flower": {"min_reply_fraction": 0}})
 
 
+@pytest.mark.parametrize("gpus, present, device, message", [
+    (1, 0, "auto", r"flower.gpus_per_client=1 but this machine has 0 CUDA device\(s\); use at most 0"),
+    (2, 1, "auto", r"flower.gpus_per_client=2 but this machine has 1 CUDA device\(s\); use at most 1"),
+    (0.5, 1, "cpu", r"flower.gpus_per_client=0.5 reserves GPUs but run.device=cpu keeps training on the CPU"),
+])
+def test_gpus_for_simulated_clients_are_refused_beyond_the_devices_present(monkeypatch, gpus, present, device,
+                                                                          message):
+    from fedlt.errors import ConfigError
+    from fedlt.run_parts import check_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: present)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: present > 0)
+    cfg = build_config({"engine": "flower", "data": {"dataset": "synthetic"}, "run": {"device": device},
+                        "flower": {"gpus_per_client": gpus}})
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
+
+
+def test_simulated_clients_reserve_the_gpus_and_cpus_the_config_asks_for(monkeypatch):
+    from fedlt.engine.flower_app import simulation_backend
+    from fedlt.run_parts import check_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = build_config({"engine": "flower", "data": {"dataset": "synthetic"},
+                        "flower": {"gpus_per_client": 0.25, "cpus_per_client": 2}})
+    check_config(cfg)  # a quarter of the one GPU present: four clients share it
+    assert simulation_backend(cfg)["client_resources"] == {"num_cpus": 2, "num_gpus": 0.25}
+    assert simulation_backend(build_config({}))["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
 def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_node():
     """Flower's deployed grid asks the SuperLink for replies every 3 s; the deployed ServerApp asks
     every REPLY_POLL_S: replies are taken as soon as they are there, a silent node is waited for

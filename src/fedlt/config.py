@@ -206,6 +206,9 @@ class FlowerConfig(_Section):
     )
     connect_timeout_s: float = Field(120.0, gt=0, description="longest wait for every partition's SuperNode to connect")
     cpus_per_client: float = Field(1.0, gt=0, description="simulation: CPU cores Ray reserves per running ClientApp")
+    gpus_per_client: float = Field(
+        0.0, ge=0, description="simulation: GPUs Ray reserves per running ClientApp (a fraction shares one: 0.25 runs "
+        "four clients per GPU); 0 = the simulated clients train on CPU")
     node_data: bool = Field(
         False, description="a real federation: each SuperNode is one client and trains on its own folder "
         "(--node-config \"data=PATH name=SITE\"); the server reads no training data")

@@ -38,6 +38,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _check_client_gpus(cfg: Config) -> None:
+    """``flower.gpus_per_client`` asks Ray for GPUs: refused when it asks for more than one client can
+    have on this machine, or for GPUs while the run is held on the CPU."""
+    wanted = cfg.flower.gpus_per_client
+    if cfg.engine != "flower" or wanted == 0:
+        return
+    present = torch.cuda.device_count()
+    if wanted > present:
+        raise ConfigError(f"flower.gpus_per_client={wanted:g} but this machine has {present} CUDA device(s); use at "
+                          f"most {present} (a fraction shares one GPU), or 0 to train the simulated clients on CPU")
+    if resolve_device(cfg.run.device).type != "cuda":
+        raise ConfigError(f"flower.gpus_per_client={wanted:g} reserves GPUs but run.device={cfg.run.device} keeps "
+                          "training on the CPU; set run.device=auto (or cuda) or flower.gpus_per_client=0")
+
+
 def supports_vectorized(client_cls: type[Client]) -> bool:
     """Whether the client class declares its own :meth:`Client.local_objective` (inheriting one is
     not enough: a subclass may have changed ``fit``)."""
@@ -126,6 +141,7 @@ def check_config(cfg: Config) -> MethodSpec:
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
+    _check_client_gpus(cfg)
     refusal = spec.server.model_refusal(cfg, method_args)
     if refusal:
         raise ConfigError(refusal)

@@ -373,6 +373,13 @@ def main(grid: Grid, context: Context) -> None:
     print(f"fedlt: {result.run_dir}: final acc {result.summary['final'].get('acc')}", flush=True)
 
 
+def simulation_backend(cfg: Config) -> dict[str, Any]:
+    """Flower's simulation backend settings: what Ray reserves for each running ClientApp (its CPUs,
+    and GPUs when ``flower.gpus_per_client`` asks for them; check_config has refused more than exist)."""
+    resources = {"num_cpus": cfg.flower.cpus_per_client, "num_gpus": cfg.flower.gpus_per_client}
+    return {"client_resources": resources, "init_args": {"include_dashboard": False}}
+
+
 def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     """``fedlt run ... engine=flower``: ``cfg`` on Flower's simulation engine (Ray), one virtual
     SuperNode per client."""
@@ -389,9 +396,7 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
         result["run"] = run_on_grid(cfg, grid, quiet=quiet)
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
-    resources = {"num_cpus": cfg.flower.cpus_per_client, "num_gpus": 0.0}
-    run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
-                   backend_config={"client_resources": resources, "init_args": {"include_dashboard": False}})
+    run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients, backend_config=simulation_backend(cfg))
     if "run" not in result:
         raise FedltError("the Flower simulation ended without a result; its log above says why")
     return result["run"]
