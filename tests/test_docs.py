@@ -78,8 +78,8 @@ def test_readme_is_short_and_its_links_resolve():
 
 
 #: abbreviations of general computing, which the glossary does not define
-COMMON_ABBREVIATIONS = {"AES-256", "AI", "API", "CA", "CI", "CLI", "CONTRIBUTING", "CPU", "CSV", "CTR", "CUDA", "DNS",
-                        "EC", "ECDH", "ETA", "GPU", "H100", "HKDF", "II", "IP", "JSON", "NIST", "NOT", "PIL", "PORT",
+COMMON_ABBREVIATIONS = {"AES-256", "AI", "AMD", "API", "CA", "CI", "CLI", "CONTRIBUTING", "CPU", "CSV", "CTR", "CUDA", "DNS",
+                        "EC", "ECDH", "EPYC", "ETA", "GPU", "H100", "HKDF", "II", "IP", "JSON", "NIST", "NOT", "PIL", "PORT",
                         "PRIVATE", "README", "RNG", "SHA-256", "SIGINT", "SIGTERM", "TOML", "YAML"}
 
 
@@ -104,3 +104,121 @@ def test_the_glossary_defines_every_abbreviation_of_the_readme_and_the_docs():
     entries = [m.group(1) for m in re.finditer(r"^\*\*(.+?)\*\*", glossary, flags=re.M)]
     key = [re.sub(r"[^a-z0-9]", "", e.lower()) for e in entries]
     assert key == sorted(key), "glossary entries in alphabetical order"
+
+
+#: the opening line of every results and method page (its form: docs/results/index.md)
+PROVENANCE_LABELS = ("**Protocol:**", "**Defaults:**", "**Runs:**")
+#: pages that do not carry the line yet (each is to get it); keep this list short
+PROVENANCE_EXEMPT = {"docs/results/robustness.md", "docs/results/reference.md",
+                     "docs/methods/fedloge.md", "docs/methods/gbme.md"}
+
+
+def _paragraphs_after_title(text: str) -> list[str]:
+    """The page's paragraphs after its first heading (blank-line separated, code fences kept whole)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ")) + 1
+    return [p.strip() for p in "\n".join(lines[start:]).split("\n\n") if p.strip()]
+
+
+def _provenance_block(text: str) -> str | None:
+    """The blockquote right after the title that starts with **Protocol:**, as one line, or None."""
+    paragraphs = _paragraphs_after_title(text)
+    if not paragraphs or not paragraphs[0].startswith("> " + PROVENANCE_LABELS[0]):
+        return None
+    lines = paragraphs[0].splitlines()
+    if not all(line.startswith(">") for line in lines):
+        return None
+    return " ".join(line[1:].strip() for line in lines)
+
+
+def test_every_results_and_method_page_states_its_protocol_defaults_and_code_version():
+    """Right after the title: `> **Protocol:** ... | **Defaults:** ... | **Runs:** ...`, the runs
+    named by git commit (or "no measured figures")."""
+    import re
+
+    pages = [*sorted((ROOT / "docs" / "results").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md"))]
+    assert len(pages) > 15
+    problems = {}
+    for page in pages:
+        rel = page.relative_to(ROOT).as_posix()
+        if page.name == "index.md" or rel in PROVENANCE_EXEMPT:
+            continue
+        block = _provenance_block(page.read_text())
+        if block is None:
+            problems[rel] = "no '> **Protocol:** ...' block right after the title"
+            continue
+        at = [block.find(label) for label in PROVENANCE_LABELS]
+        if min(at) < 0 or at != sorted(at):
+            problems[rel] = f"the block names {', '.join(PROVENANCE_LABELS)} in this order"
+            continue
+        runs = block[at[2]:]
+        if not (re.search(r"\b[0-9a-f]{7,40}\b", runs) or "no measured figures" in runs):
+            problems[rel] = "**Runs:** names no git commit (nor says 'no measured figures')"
+    assert not problems, problems
+    assert all((ROOT / rel).exists() for rel in PROVENANCE_EXEMPT), "drop pages that no longer exist"
+
+
+def _nav() -> list:
+    import yaml
+
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+
+def _nav_pages(entry) -> list[str]:
+    if isinstance(entry, str):
+        return [entry]
+    if isinstance(entry, list):
+        return [page for item in entry for page in _nav_pages(item)]
+    return [page for value in entry.values() for page in _nav_pages(value)]
+
+
+def _nav_group(entry, title: str):
+    if isinstance(entry, list):
+        for item in entry:
+            if (found := _nav_group(item, title)) is not None:
+                return found
+    elif isinstance(entry, dict):
+        for key, value in entry.items():
+            if key == title:
+                return value
+            if (found := _nav_group(value, title)) is not None:
+                return found
+    return None
+
+
+def test_the_nav_lists_every_page_once():
+    listed = _nav_pages(_nav())
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")
+             if "runs" not in p.relative_to(ROOT / "docs").parts}
+    assert sorted(set(listed)) == sorted(listed), "a page is listed twice"
+    assert pages - set(listed) == set(), "add these pages to the nav of mkdocs.yml"
+    assert set(listed) - pages <= {"configuration.md"}, "the nav lists pages that do not exist"
+
+
+def test_archived_pages_open_by_naming_what_supersedes_them():
+    """Every page of the Results > Archive nav group opens (after its provenance line) with a
+    paragraph "**Archived.** ... superseded by [current page](...)"; a generated report in the
+    group is covered by the archived page that links it."""
+    import re
+
+    archive = _nav_group(_nav_group(_nav(), "Results"), "Archive")
+    assert archive, "mkdocs.yml: Results has an Archive group"
+    archived = _nav_pages(archive)
+    docs = ROOT / "docs"
+    written = [p for p in archived if not p.endswith("/tables.md")]
+    assert written
+    linked = set()
+    for rel in written:
+        page = docs / rel
+        paragraphs = _paragraphs_after_title(page.read_text())
+        first = paragraphs[1] if paragraphs and paragraphs[0].startswith(">") else (paragraphs or [""])[0]
+        assert first.startswith("**Archived.**"), f"{rel}: open with a paragraph '**Archived.** ...'"
+        assert "superseded by" in first, f"{rel}: say what it is superseded by"
+        targets = {(page.parent / t).resolve().relative_to(docs.resolve()).as_posix()
+                   for t in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", first)}
+        current = {t for t in targets if t not in archived and (docs / t).exists()}
+        assert current, f"{rel}: link the current page that supersedes it in the first paragraph"
+        linked |= {(page.parent / t).resolve().relative_to(docs.resolve()).as_posix()
+                   for t in re.findall(r"\]\(([^)#\s]+/tables\.md)\)", page.read_text())}
+    reports = [p for p in archived if p.endswith("/tables.md")]
+    assert set(reports) <= linked, f"link each archived report from its archived page: {set(reports) - linked}"
