@@ -156,3 +156,34 @@ def test_select_with_must_name_a_grid_row_on_the_same_cells(tmp_path, joined, me
     tree = {**GRID_SUITE, "methods": [*GRID_SUITE["methods"], {"name": "X", "overrides": ["method=fedavg"], **joined}]}
     with pytest.raises(ConfigError, match=message):
         load_suite(write_suite(tmp_path / "grid.yaml", tree))
+
+
+def test_a_candidate_that_diverged_anywhere_is_passed_over_unless_all_did():
+    scores = {"fast": {"s": {0: 90.0, 1: 10.0}}, "slow": {"s": {0: 40.0, 1: 41.0}}}  # fast: mean 50 with a NaN seed
+    chosen = select("R", "val_acc", scores, ["s"], [0, 1], per_setting=False, diverged={"fast": ["s / seed 1"]})
+    assert chosen.chosen == {"s": "slow"} and chosen.diverged == {"fast": ["s / seed 1"]}
+    everyone = {"fast": ["s / seed 1"], "slow": ["s / seed 0"]}
+    assert select("R", "val_acc", scores, ["s"], [0, 1], per_setting=False, diverged=everyone).chosen == {"s": "fast"}
+
+
+def test_a_diverged_cell_is_reported_and_its_candidate_not_selected(tmp_path):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.reporting import write_report
+    from fedlt.reporting.collect import collect
+
+    tree = {**GRID_SUITE, "seeds": [0], "settings": [GRID_SUITE["settings"][0]], "methods": [
+        GRID_SUITE["methods"][0], {"name": "FedProx", "overrides": ["method=fedprox"], "grid": {"fl.lr": [1e8, 0.001]}},
+        {"name": "Boom", "overrides": ["method=fedavg", "fl.lr=1e8"]}]}
+    out = tmp_path / "out"
+    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), out, echo=lambda line: None)
+    assert [f[0].method for f in result.failed] == ["FedProx [fl.lr=100000000.0]", "Boom"]  # listed, summaries kept
+    selection = collect(out).selections[0]
+    assert selection.diverged == {"fl.lr=100000000.0": ["a / seed 0"]}
+    assert selection.chosen == {"a": "fl.lr=0.001"}  # whatever the scores: the stable candidate
+    text = write_report(out, with_plots=False).markdown
+    assert ("> `fl.lr=100000000.0` diverged (NaN training loss) in 1 cell(s): a / seed 0; passed over: a default "
+            "must not diverge") in text
+    assert ("> note: row 'Boom': seed 0 diverged in round 1 (NaN training loss); its cell counts with the NaN "
+            "model's accuracy") in text
+    assert "| Boom | 10.00" in text  # in the table, never dropped

@@ -57,6 +57,10 @@ class Selection:
     #: this one's choice (``select_with``); the row's own candidates are ``candidate_label(row, c)``
     folders: dict[str, str] = field(default_factory=dict)
 
+    #: candidate -> the cells (``setting / seed S``) where it diverged: a default must never diverge,
+    #: so such a candidate is passed over while any other has no diverged cell
+    diverged: dict[str, list[str]] = field(default_factory=dict)
+
     def folder(self, candidate: str) -> str:
         """The label (and so the folder) of ``candidate``'s cells."""
         return self.folders.get(candidate, candidate_label(self.row, candidate))
@@ -71,13 +75,17 @@ class Selection:
 
 
 def select(row: str, metric: str, scores: dict[str, dict[str, dict[int, float]]], settings: list[str],
-           expected_seeds: list[int], per_setting: bool, folders: dict[str, str] | None = None) -> Selection:
+           expected_seeds: list[int], per_setting: bool, folders: dict[str, str] | None = None,
+           diverged: dict[str, list[str]] | None = None) -> Selection:
     """The candidate with the highest mean ``metric`` (ties: the earlier candidate in grid order),
     over all ``settings`` together or per setting. Candidates lacking a value in a setting are
-    passed over there; ``complete`` says whether any was."""
-    order = list(scores)
-    complete = all(set(expected_seeds) <= set(scores[c].get(s, {})) for c in order for s in settings)
-    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting, dict(folders or {}))
+    passed over there; ``complete`` says whether any was. Candidates that ``diverged`` in some cell
+    are passed over unless every candidate did (then the mean decides, chance-level cells included)."""
+    diverged = diverged or {}
+    stable = [c for c in scores if c not in diverged]
+    order = stable or list(scores)
+    complete = all(set(expected_seeds) <= set(scores[c].get(s, {})) for c in scores for s in settings)
+    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting, dict(folders or {}), dict(diverged))
 
     def best(score) -> str | None:
         scored = [(score(c), -i, c) for i, c in enumerate(order) if score(c) is not None]

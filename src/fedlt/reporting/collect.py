@@ -129,6 +129,15 @@ def _aborted(run: Run) -> str:
     return f" (aborted after {s.get('rounds_done', '?')} of {s.get('rounds', '?')} rounds)"
 
 
+def _diverged(run: Run) -> str:
+    """`` diverged in round N ...`` for a run whose training went NaN, else ``""``: its cell stays in
+    the tables with what the method delivered (the NaN model's chance-level accuracy)."""
+    if run.summary.get("status") != "diverged":
+        return ""
+    return (f" diverged in round {run.summary.get('diverged_round', '?')} (NaN training loss); its cell counts "
+            "with the NaN model's accuracy")
+
+
 def _run_rows(label: str, run: Run) -> list[Row]:
     label += _aborted(run)
     rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None) and not _aborted(run))]
@@ -197,6 +206,7 @@ def _collect_suite(path: Path) -> Collection:
                 folder = selections[m.name].folder(chosen) if chosen else folder
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
+            warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
             rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
@@ -247,11 +257,12 @@ def _select(path: Path, spec: SuiteSpec, row: MethodRow) -> Selection:
         if other.select_with == row.name:
             labels = [candidate_label(other.name, d) for d, _ in candidates(other.grid)] if other.grid else [other.name]
             folders.update({label: label for label in labels})
-    scores = {}
+    scores, diverged = {}, {}
     for candidate, label in folders.items():
-        scores[candidate] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in
-                                 _seed_runs(cell_dir(path, s, label, 0).parent)
+        runs = {s: _seed_runs(cell_dir(path, s, label, 0).parent) for s in settings}
+        scores[candidate] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in runs[s]
                                  if r.final(None).get(spec.select_on) is not None} for s in settings}
+        diverged[candidate] = [f"{s} / seed {r.seed}" for s in settings for r in runs[s] if _diverged(r)]
     joined = {c: label for c, label in folders.items() if label == c}
     return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting,
-                  joined)
+                  joined, {c: cells for c, cells in diverged.items() if cells})

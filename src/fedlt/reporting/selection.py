@@ -42,6 +42,9 @@ def selection_section(selections: list[Selection]) -> list[str]:
                 text = "-" if overall is None else f"{overall:.2f}"
                 cells.append(f"**{text}**" if candidate in sel.chosen.values() else text)
             lines.append(f"| `{candidate}` | " + " | ".join(cells) + " |")
+        for candidate, cells in sel.diverged.items():
+            lines += ["", f"> `{candidate}` diverged (NaN training loss) in {len(cells)} cell(s): {'; '.join(cells)}"
+                      + ("; passed over: a default must not diverge" if len(sel.diverged) < len(sel.scores) else "")]
         if not sel.complete:
             lines += ["", "> note: some candidates lack seeds in some settings; the choice may change when they finish."]
     return lines
