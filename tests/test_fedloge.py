@@ -94,15 +94,20 @@ def test_personal_heads_persist_across_rounds_and_never_reach_the_server(tmp_pat
 
 
 def test_realignments_change_only_evaluation(tmp_path):
-    """GA-FR and LA-FR act after training: switching them leaves training identical, the GM without
-    GA-FR equals the raw-psi variant of the run with it, and LA-FR changes only PM."""
+    """GA-FR, LA-FR and the generic head act after training: switching them leaves training
+    identical, the GM without GA-FR equals the raw-psi variant of the run with it, the GM with the
+    fixed head its SSE-C variant, and LA-FR changes only PM."""
     full = fedlt.run(tiny(tmp_path, "full"), quiet=True)
     no_ga = fedlt.run(tiny(tmp_path, "no_ga", ga_fr=False), quiet=True)
     no_la = fedlt.run(tiny(tmp_path, "no_la", la_fr=False), quiet=True)
-    for a, b, c in zip(full.metrics, no_ga.metrics, no_la.metrics):
-        assert a["train_loss"] == b["train_loss"] == c["train_loss"]
+    fixed = fedlt.run(tiny(tmp_path, "fixed", generic_head="fixed"), quiet=True)  # the released code's GM
+    for a, b, c, d in zip(full.metrics, no_ga.metrics, no_la.metrics, fixed.metrics):
+        assert a["train_loss"] == b["train_loss"] == c["train_loss"] == d["train_loss"]
         assert b["acc"] == a["variants"]["psi_raw"]["acc"] and a["acc"] == b["variants"]["psi_ga_fr"]["acc"]
         assert b["pm_acc"] == a["pm_acc"] and c["acc"] == a["acc"]
+        assert d["acc"] == a["variants"]["sse_c"]["acc"] and d["variants"]["psi_ga_fr"]["acc"] == a["acc"]
+        assert d["variants"]["psi_raw"] == a["variants"]["psi_raw"] and d["pm_acc"] == a["pm_acc"]
+    assert set(fixed.summary["final"]["variants"]) == {"psi_ga_fr", "psi_raw"}
     assert [r["pm_acc"] for r in no_la.metrics] != [r["pm_acc"] for r in full.metrics]
 
 

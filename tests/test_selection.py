@@ -147,6 +147,7 @@ def test_a_row_that_joins_a_grid_rows_choice_competes_on_validation_and_can_win(
 @pytest.mark.parametrize("joined, message", [
     ({"select_with": "FedAvg"}, r"select_with names 'FedAvg', which is no other row with a grid"),
     ({"select_with": "FedProx", "seeds": [0]}, r"which runs other settings or seeds"),
+    ({"select_variants": {"uncalibrated": "calibration=[]"}}, r"select_variants needs a selection to join"),
 ])
 def test_select_with_must_name_a_grid_row_on_the_same_cells(tmp_path, joined, message):
     from conftest import write_suite
@@ -187,3 +188,32 @@ def test_a_diverged_cell_is_reported_and_its_candidate_not_selected(tmp_path):
     assert ("> note: row 'Boom': seed 0 diverged in round 1 (NaN training loss); its cell counts with the NaN "
             "model's accuracy") in text
     assert "| Boom | 10.00" in text  # in the table, never dropped
+
+
+def test_a_variant_reading_competes_without_training_again_and_the_table_reads_it(tmp_path):
+    """``select_variants``: each candidate is also scored through a variant of its own runs (here the
+    uncalibrated backbone beside tau-norm), and a chosen variant reading is what the table shows."""
+    import json
+
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.reporting import write_report
+    from fedlt.reporting.collect import collect
+
+    tree = {**GRID_SUITE, "seeds": [0], "methods": [GRID_SUITE["methods"][0], {
+        "name": "FedAvg+tau", "overrides": ["method=fedavg", "calibration=[taunorm]"], "grid": {"fl.lr": [0.001, 0.05]},
+        "select_variants": {"uncalibrated": "calibration=[]"}}]}
+    out = tmp_path / "out"
+    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", tree)), out, echo=lambda line: None)
+    assert len(result.ran) == 2 * 3  # the variant readings train nothing
+    finals = {lr: {s: json.loads((out / s / f"fedavg-tau-fl-lr-{lr.replace('.', '-')}" / "seed0" / "summary.json")
+                                 .read_text())["final"] for s in ("a", "b")} for lr in ("0.001", "0.05")}
+    selection = collect(out).selections[0]
+    for lr in ("0.001", "0.05"):
+        read = selection.scores[f"fl.lr={lr}, calibration=[]"]
+        assert read == {s: {0: finals[lr][s]["variants"]["uncalibrated"]["val_acc"]} for s in ("a", "b")}
+        assert selection.scores[f"fl.lr={lr}"] == {s: {0: finals[lr][s]["val_acc"]} for s in ("a", "b")}
+    chosen = selection.chosen["a"]
+    lr = chosen.split(",")[0].removeprefix("fl.lr=")
+    shown = finals[lr]["a"]["variants"]["uncalibrated"] if selection.variants.get(chosen) else finals[lr]["a"]
+    assert f"| FedAvg+tau | {shown['acc']:.2f}" in write_report(out, with_plots=False).markdown

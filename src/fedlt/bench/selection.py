@@ -60,6 +60,9 @@ class Selection:
     #: candidate -> the cells (``setting / seed S``) where it diverged: a default must never diverge,
     #: so such a candidate is passed over while any other has no diverged cell
     diverged: dict[str, list[str]] = field(default_factory=dict)
+    #: candidate -> the variant of its runs it is read through (``select_variants``); absent: the
+    #: runs' own global model
+    variants: dict[str, str] = field(default_factory=dict)
 
     def folder(self, candidate: str) -> str:
         """The label (and so the folder) of ``candidate``'s cells."""
@@ -76,7 +79,7 @@ class Selection:
 
 def select(row: str, metric: str, scores: dict[str, dict[str, dict[int, float]]], settings: list[str],
            expected_seeds: list[int], per_setting: bool, folders: dict[str, str] | None = None,
-           diverged: dict[str, list[str]] | None = None) -> Selection:
+           diverged: dict[str, list[str]] | None = None, variants: dict[str, str] | None = None) -> Selection:
     """The candidate with the highest mean ``metric`` (ties: the earlier candidate in grid order),
     over all ``settings`` together or per setting. Candidates lacking a value in a setting are
     passed over there; ``complete`` says whether any was. Candidates that ``diverged`` in some cell
@@ -85,7 +88,8 @@ def select(row: str, metric: str, scores: dict[str, dict[str, dict[int, float]]]
     stable = [c for c in scores if c not in diverged]
     order = stable or list(scores)
     complete = all(set(expected_seeds) <= set(scores[c].get(s, {})) for c in scores for s in settings)
-    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting, dict(folders or {}), dict(diverged))
+    tmp = Selection(row, metric, scores, {}, complete, settings, per_setting, dict(folders or {}), dict(diverged),
+                    dict(variants or {}))
 
     def best(score) -> str | None:
         scored = [(score(c), -i, c) for i, c in enumerate(order) if score(c) is not None]

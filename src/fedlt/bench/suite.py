@@ -82,6 +82,10 @@ class MethodRow(_Strict):
     seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="config key -> candidate values: every "
                                        "combination runs, the report selects one on validation data (bench/selection)")
+    select_variants: dict[str, str] = Field(
+        default_factory=dict, description="variant key of this row's runs -> the override that makes it the global "
+        "model (an evaluation-only reading, e.g. another head on the same training): the selection weighs each "
+        "candidate read through that variant beside the candidate itself, without training it again")
     select_with: str | None = Field(None, description="a grid row whose selection also weighs this row's candidates "
                                     "(another reading of the same method, run as its own row): that row's table "
                                     "entry is then the best on validation of both rows' candidates")
@@ -184,6 +188,9 @@ class SuiteSpec(_Strict):
         for i, m in enumerate(self.methods):
             if m.select_with is not None:
                 _check_select_with(i, m, {r.name: r for r in self.methods})
+            if m.select_variants and not (m.grid or m.select_with):
+                raise ValueError(f"methods[{i}].select_variants needs a selection to join: give the row a grid or "
+                                 "select_with")
         if self.reference is not None and self.reference not in labels:
             raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
                              + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))

@@ -90,6 +90,10 @@ class FedLoGeArgs(MethodArgs):
     sse_steps: int = Field(10000, ge=0, description="SSE-C: Adam steps on Eq. 5 (paper 10,000)")
     sse_lr: float = Field(1e-4, gt=0, description="SSE-C: Adam learning rate (paper 1e-4)")
     ga_fr: bool = Field(True, description="global model head = GA-FR(psi) (Eq. 6); false: the raw aggregated psi")
+    generic_head: Literal["psi", "fixed"] = Field(
+        "psi", description="the global (generic) model's head: psi = the paper's (GA-FR(psi), or the raw psi with "
+        "ga_fr=false); fixed = the released code's: the fixed classifier (SSE-C) the backbone trained through. "
+        "Evaluation only: training is the same either way")
     la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
     personal_head: Literal["realigned", "realigned_plus_phi"] = Field(
         "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
@@ -238,13 +242,19 @@ class FedLoGeServer(Server):
         return set_head(view, head, bias)
 
     def global_model(self) -> FedModel:
+        if self.args.generic_head == "fixed":
+            return self.model
         return self._view("global", *global_head(*psi_of(self.model.head), self.args.ga_fr))
 
     def extra_models(self) -> dict[str, FedModel]:
-        """The fixed classifier itself, and the other choice of global head (ablation of GA-FR)."""
-        other = "psi_raw" if self.args.ga_fr else "psi_ga_fr"
-        return {self.args.classifier: self.model,
-                other: self._view(other, *global_head(*psi_of(self.model.head), not self.args.ga_fr))}
+        """The heads the global model does not use, evaluated on the same backbone: the fixed
+        classifier itself, psi with and without GA-FR (the generic-head and GA-FR ablations)."""
+        psi = psi_of(self.model.head)
+        models = {self.args.classifier: self.model, "psi_ga_fr": self._view("psi_ga_fr", *global_head(*psi, True)),
+                  "psi_raw": self._view("psi_raw", *global_head(*psi, False))}
+        used = self.args.classifier if self.args.generic_head == "fixed" else "psi_ga_fr" if self.args.ga_fr \
+            else "psi_raw"
+        return {name: model for name, model in models.items() if name != used}
 
     def eval_message(self, cid: int) -> Message:
         return Message(weights=clone_state(self.model))

@@ -198,18 +198,19 @@ def _collect_suite(path: Path) -> Collection:
         for m in spec.methods:
             if m.settings is not None and s.name not in m.settings:
                 continue
-            folder = m.name
+            folder, variant = m.name, None
             if m.grid:
                 chosen = selections[m.name].chosen.get(s.name)
                 if chosen is None:
                     warnings.append(f"row '{m.name}': no candidate of its grid has finished cells here")
                 folder = selections[m.name].folder(chosen) if chosen else folder
+                variant = selections[m.name].variants.get(chosen) if chosen else None
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
-            rows.append(Row(m.name, None, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
+            rows.append(Row(m.name, variant, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
             for label, key in m.variants.items():
                 rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
                                 expected=expected))
@@ -246,23 +247,32 @@ def _seed_runs(method_dir: Path) -> list[Run]:
 
 
 def _select(path: Path, spec: SuiteSpec, row: MethodRow) -> Selection:
-    """Which candidate of ``row``'s grid, or of a row that joins its choice (``select_with``), the
-    suite's validation metric selects (bench/selection). A joined row's candidates are named by their
-    own row labels."""
+    """Which candidate of ``row``'s grid, or of a row that joins its choice (``select_with``), each
+    also read through the variants its row names in ``select_variants``, the suite's validation
+    metric selects (bench/selection). A joined row's candidates are named by their own row labels,
+    a variant reading by its candidate and the override it stands for."""
     from fedlt.bench.suite import cell_dir
 
     settings = [s.name for s in spec.settings if row.settings is None or s.name in row.settings]
-    folders = {d: candidate_label(row.name, d) for d, _ in candidates(row.grid)}
-    for other in spec.methods:
-        if other.select_with == row.name:
-            labels = [candidate_label(other.name, d) for d, _ in candidates(other.grid)] if other.grid else [other.name]
-            folders.update({label: label for label in labels})
+    owners = [row, *(other for other in spec.methods if other.select_with == row.name)]
+    folders: dict[str, str] = {}
+    variants: dict[str, str] = {}
+    for owner in owners:
+        own = [(d, candidate_label(owner.name, d)) for d, _ in candidates(owner.grid)] if owner.grid \
+            else [(owner.name, owner.name)]
+        for description, label in own:
+            name = description if owner is row else label
+            folders[name] = label
+            for key, override in owner.select_variants.items():
+                folders[f"{name}, {override}"] = label
+                variants[f"{name}, {override}"] = key
     scores, diverged = {}, {}
     for candidate, label in folders.items():
         runs = {s: _seed_runs(cell_dir(path, s, label, 0).parent) for s in settings}
-        scores[candidate] = {s: {r.seed: float(r.final(None)[spec.select_on]) for r in runs[s]
-                                 if r.final(None).get(spec.select_on) is not None} for s in settings}
+        scores[candidate] = {s: {r.seed: float(f[spec.select_on]) for r in runs[s]
+                                 if (f := r.final(variants.get(candidate))) and f.get(spec.select_on) is not None}
+                             for s in settings}
         diverged[candidate] = [f"{s} / seed {r.seed}" for s in settings for r in runs[s] if _diverged(r)]
-    joined = {c: label for c, label in folders.items() if label == c}
+    joined = {c: label for c, label in folders.items() if label != candidate_label(row.name, c)}
     return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting,
-                  joined, {c: cells for c, cells in diverged.items() if cells})
+                  joined, {c: cells for c, cells in diverged.items() if cells}, variants)
