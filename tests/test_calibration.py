@@ -106,11 +106,12 @@ def test_calibrated_gbme_trains_the_experts_it_selects(tmp_path):
 
 
 def test_taunorm_on_fedloge_rescales_psi(tmp_path):
-    """tau-norm acts on FedLoGe's learned head psi: at tau = 1 it is GA-FR, the global model itself."""
+    """tau-norm acts on FedLoGe's learned head psi: at tau = 1 it is GA-FR (the paper's global model),
+    at tau = 0 psi as trained, whichever head the uncalibrated global model uses."""
     cfg = tiny(tmp_path, method="fedloge", calibration=["taunorm"], method_args={"sse_steps": 10},
                calibration_args={"taunorm_tau": 1.0})
     final = fedlt.run(cfg, quiet=True).summary["final"]
-    assert final["acc"] == final["variants"]["uncalibrated"]["acc"]
+    assert final["acc"] == final["variants"]["psi_ga_fr"]["acc"]
     cfg["calibration_args"] = {"taunorm_tau": 0.0}  # psi as trained: the psi_raw variant
     final = fedlt.run(cfg, quiet=True).summary["final"]
     assert final["acc"] == final["variants"]["psi_raw"]["acc"]

@@ -86,7 +86,7 @@ def test_personal_heads_persist_across_rounds_and_never_reach_the_server(tmp_pat
     assert classifier_geometry(sse_c)["sparsity"] == pytest.approx(0.6, abs=1e-9)
     final = res.summary["final"]
     assert final["acc"] is not None and final["pm_acc"] is not None
-    assert set(final["variants"]) == {"sse_c", "psi_raw"}
+    assert set(final["variants"]) == {"psi_ga_fr", "psi_raw"}  # the default GM is the SSE-C itself
     # the fixed head is never uploaded: up-model bytes are the model minus the SSE-C's weight and bias
     up = res.summary["messages"]["fit"]["from_client"]["model_bytes"]
     down = res.summary["messages"]["fit"]["to_client"]["model_bytes"]
@@ -97,10 +97,10 @@ def test_realignments_change_only_evaluation(tmp_path):
     """GA-FR, LA-FR and the generic head act after training: switching them leaves training
     identical, the GM without GA-FR equals the raw-psi variant of the run with it, the GM with the
     fixed head its SSE-C variant, and LA-FR changes only PM."""
-    full = fedlt.run(tiny(tmp_path, "full"), quiet=True)
-    no_ga = fedlt.run(tiny(tmp_path, "no_ga", ga_fr=False), quiet=True)
-    no_la = fedlt.run(tiny(tmp_path, "no_la", la_fr=False), quiet=True)
-    fixed = fedlt.run(tiny(tmp_path, "fixed", generic_head="fixed"), quiet=True)  # the released code's GM
+    full = fedlt.run(tiny(tmp_path, "full", generic_head="psi"), quiet=True)  # the paper's GM: GA-FR(psi)
+    no_ga = fedlt.run(tiny(tmp_path, "no_ga", ga_fr=False, generic_head="psi"), quiet=True)
+    no_la = fedlt.run(tiny(tmp_path, "no_la", la_fr=False, generic_head="psi"), quiet=True)
+    fixed = fedlt.run(tiny(tmp_path, "fixed"), quiet=True)  # the default: the released code's GM, the SSE-C
     for a, b, c, d in zip(full.metrics, no_ga.metrics, no_la.metrics, fixed.metrics):
         assert a["train_loss"] == b["train_loss"] == c["train_loss"] == d["train_loss"]
         assert b["acc"] == a["variants"]["psi_raw"]["acc"] and a["acc"] == b["variants"]["psi_ga_fr"]["acc"]
@@ -117,8 +117,8 @@ def test_dense_etf_ablation_and_code_variant(tmp_path, monkeypatch):
                          finetune_epochs=1), quiet=True)
     geo = classifier_geometry(calls[0]["sse_c"])
     assert geo["sparsity"] == 0 and geo["angle_min"] == pytest.approx(etf_angle(10), abs=1e-3)
-    assert geo["norm_mean"] == pytest.approx(4.0, abs=1e-5)  # the default gamma on the cnn
-    assert set(etf.summary["final"]["variants"]) == {"etf", "psi_raw"}
+    assert geo["norm_mean"] == pytest.approx(1.0, abs=1e-5)  # the default gamma, the paper's
+    assert set(etf.summary["final"]["variants"]) == {"psi_ga_fr", "psi_raw"}  # the GM is the ETF itself
     assert etf.summary["final"]["pm_acc"] is not None
     with pytest.raises(ConfigError, match="la_fr=true"):
         fedlt.run(tiny(tmp_path, "bad", la_fr=False, personal_head="realigned_plus_phi"), quiet=True)
@@ -221,9 +221,9 @@ def test_gamma_auto_sets_the_sse_c_norm_to_the_initial_backbones_mean_feature_no
     assert f"query:{NORM_QUERY}" not in secure.secure.in_clear
 
 
-@pytest.mark.parametrize("model,given,expected", [("cnn", None, 4.0), ("resnet8", None, 1.0), ("cnn", 1, 1.0),
+@pytest.mark.parametrize("model,given,expected", [("cnn", None, 1.0), ("resnet8", None, 1.0), ("cnn", 4, 4.0),
                                                   ("resnet8", 2.5, 2.5)])
-def test_default_gamma_is_the_backbones_and_a_given_gamma_wins(tmp_path, model, given, expected):
+def test_default_gamma_is_the_papers_on_every_model_and_a_given_gamma_wins(tmp_path, model, given, expected):
     from fedlt.api import prepare
     from fedlt.config import build_config
 

@@ -354,7 +354,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and k not in ("method_args", "calibration_args"):
+        if isinstance(v, dict) and v:  # method_args too: a knob a finished run did not set is compared by name
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
