@@ -108,8 +108,6 @@ def test_the_glossary_defines_every_abbreviation_of_the_readme_and_the_docs():
 
 #: the opening line of every results and method page (its form: docs/results/index.md)
 PROVENANCE_LABELS = ("**Protocol:**", "**Defaults:**", "**Runs:**")
-#: pages that do not carry the line yet (each is to get it); keep this list short
-PROVENANCE_EXEMPT = {"docs/results/reference.md", "docs/methods/gbme.md"}
 
 
 def _paragraphs_after_title(text: str) -> list[str]:
@@ -140,7 +138,7 @@ def test_every_results_and_method_page_states_its_protocol_defaults_and_code_ver
     problems = {}
     for page in pages:
         rel = page.relative_to(ROOT).as_posix()
-        if page.name == "index.md" or rel in PROVENANCE_EXEMPT:
+        if page.name == "index.md":
             continue
         block = _provenance_block(page.read_text())
         if block is None:
@@ -154,7 +152,6 @@ def test_every_results_and_method_page_states_its_protocol_defaults_and_code_ver
         if not (re.search(r"\b[0-9a-f]{7,40}\b", runs) or "no measured figures" in runs):
             problems[rel] = "**Runs:** names no git commit (nor says 'no measured figures')"
     assert not problems, problems
-    assert all((ROOT / rel).exists() for rel in PROVENANCE_EXEMPT), "drop pages that no longer exist"
 
 
 def _nav() -> list:
