@@ -170,8 +170,9 @@ def _caption_text(c: Collection) -> str:
             "where its runs were measured, and the code they ran. "
             "Per column the best is **bold** only if its lead over the second is resolved, and the second "
             "<u>underlined</u> only if its lead over the third is resolved too; a row whose difference to the "
-            f"reference is not resolved is never marked. Rows marked {UNRANKED_MARK} are upper bounds "
-            "(centralized training, heads re-trained on real features: not private) and are not ranked; rows "
+            f"reference is not resolved is never marked. Rows marked {UNRANKED_MARK} are not ranked: upper bounds "
+            "(centralized training, heads re-trained on real features: not private) and the rows a suite names "
+            "unranked (controls and diagnoses, not competitors); rows "
             f"marked {MIXED_MARK} ran different code on different seeds.")
 
 
