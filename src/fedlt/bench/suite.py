@@ -123,8 +123,9 @@ class SuiteSpec(_Strict):
     seeds: list[int] = [0]
     settings: list[SettingSpec] = Field(default_factory=lambda: [SettingSpec(name="default")])
     methods: list[MethodRow]
-    #: optional: row labels shown but never bold/underlined, e.g. controls and diagnoses (the centralized method and the
-    #: ``oracle`` variant are never ranked anyway: they are upper bounds, not competitors)
+    #: optional: row labels shown but never bold/underlined, e.g. controls and diagnoses (the
+    #: centralized method and the ``oracle`` variant are never ranked anyway: they are upper
+    #: bounds, not competitors)
     unranked: list[str] = []
     #: optional: the row label the tables' paired differences (Δ) are taken against; default: the
     #: first row of each setting
