@@ -3,6 +3,7 @@
 environment line."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,34 @@ def fake_suite(root, rows=ROWS, **keys):
 
 
 def table_lines(markdown):
-    return [line for line in markdown.splitlines() if line.startswith("| ")]
+    """The detailed tables' lines (the glance section's summary table left out)."""
+    detailed = re.sub(r"## At a glance.*?(?=\n## |\Z)", "", markdown, flags=re.S)
+    return [line for line in detailed.splitlines() if line.startswith("| ")]
+
+
+def glance_lines(markdown):
+    return [line for line in markdown.split("## At a glance")[1].split("\n## ")[0].splitlines()
+            if line.startswith("| ")]
+
+
+def test_glance_leads_with_each_rows_paired_difference_its_verdict_in_words_shot_groups_and_time(tmp_path):
+    root = fake_suite(tmp_path / "out")
+    for seed, minutes in enumerate((1.0, 2.0, 3.0)):  # FedAvg's runs took 1, 2 and 3 minutes
+        path = root / "default" / "fedavg" / f"seed{seed}" / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "elapsed_s": 60 * minutes}))
+    report = write_report(root, with_plots=False)
+    assert report.markdown.index("## At a glance") < report.markdown.index("## default")
+    assert glance_lines(report.markdown) == [
+        "| method | GM acc | Δ GM vs FedAvg [95% CI] | verdict | many / medium / few | minutes per run |",
+        "| FedAvg | 71.00 | ref | reference | 81.0 / 61.0 / 51.0 | 2.0 |",
+        "| A | 73.00 | +2.00 ±2.48 [-0.48, 4.48] | not resolved | 83.0 / 63.0 / 53.0 | - |",
+        "| B | 76.33 | +5.33 ±0.72 [4.62, 6.05] | better | 86.3 / 66.3 / 56.3 | - |",
+        "| C (1/3 seeds) | 60.00 | n/a (1 seed) | n/a (1 seed) | 70.0 / 50.0 / 40.0 | - |",
+        "| Oracle † | 91.00 | +20.00 ±0.00 [20.00, 20.00] | better | 101.0 / 81.0 / 71.0 | - |",
+    ]
+    worse = write_report(fake_suite(tmp_path / "worse", {"FedAvg": [70.0, 71.0, 72.0], "D": [60.0, 62.0, 61.0]}),
+                         with_plots=False)
+    assert glance_lines(worse.markdown)[-1].split(" | ")[3] == "worse"
 
 
 def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_order(tmp_path):
@@ -319,3 +347,18 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
 def test_a_claim_naming_no_row_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"claims\[0\]\.against names 'FedAvgg', which is no row; use a method"):
         write_report(fake_suite(tmp_path / "bad", claims=[claim("A", "FedAvgg")]), with_plots=False)
+
+
+def test_rows_with_identical_curves_are_drawn_once_under_their_joined_labels(tmp_path):
+    from fedlt.reporting.plots import _same_curves
+
+    def row(label, accs):
+        path = tmp_path / label
+        path.mkdir()
+        (path / "metrics.jsonl").write_text("".join(json.dumps({"round": r + 1, "acc": a, "few_acc": a - 30}) + "\n"
+                                                    for r, a in enumerate(accs)))
+        return Row(label, None, [Run(path, 0, {})])
+
+    rows = [row("FedAvg", [50, 60]), row("BSM", [55, 70]), row("FedRoD", [55, 70]), row("LA", [55, 71])]
+    assert [(label, r.label) for label, r in _same_curves(rows, ("acc", "few_acc"))] == [
+        ("FedAvg", "FedAvg"), ("BSM = FedRoD", "BSM"), ("LA", "LA")]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from fedlt.reporting.collect import Row, Run, Setting
+from fedlt.reporting.stats import summarize
 
 DPI = 100
 SHOTS = (("acc", "overall"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"))
@@ -59,6 +60,17 @@ def _mean_curve(row: Row, key: str, lines: Callable[[Run], list[dict[str, Any]]]
     return np.array(rounds), values.mean(0), values.std(0, ddof=1) if len(per_seed) > 1 else np.zeros(len(rounds))
 
 
+def _same_curves(rows: list[Row], keys: tuple[str, ...]) -> list[tuple[str, Row]]:
+    """Rows whose curves are identical in every key (e.g. FedRoD's generic model is FedAvg (BSM)'s),
+    drawn once under their joined labels so that no line hides another."""
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        signature = tuple((key, tuple(np.round(c[1], 6)) if (c := _mean_curve(row, key)) is not None else None)
+                          for key in keys)
+        groups.setdefault(signature, []).append(row)
+    return [(" = ".join(r.label for r in same), same[0]) for same in groups.values()]
+
+
 def plot_curves(setting: Setting, path: Path) -> Path | None:
     """GM accuracy and few-shot accuracy vs round, per method row: mean over seeds, ± std band."""
     rows = [r for r in setting.rows if r.variant is None and r.runs]
@@ -66,13 +78,14 @@ def plot_curves(setting: Setting, path: Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=False)
-    for color, row in zip(_colors(len(rows)), rows):
+    drawn = _same_curves(rows, ("acc", "few_acc"))
+    for color, (label, row) in zip(_colors(len(drawn)), drawn):
         for ax, key in zip(axes, ("acc", "few_acc")):
             curve = _mean_curve(row, key)
             if curve is None:
                 continue
             x, mean, std = curve
-            ax.plot(x, mean, marker="o", ms=3, color=color, label=row.label)
+            ax.plot(x, mean, marker="o", ms=3, color=color, label=label)
             ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
     seeds = max(len(r.runs) for r in rows)
     epochs = any(r.runs[0].summary.get("method") == "centralized" for r in rows)
@@ -127,7 +140,8 @@ def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | 
 
 
 def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
-    """Overall / many / medium / few GM accuracy per row (variants included), error bars = std."""
+    """Overall / many / medium / few GM accuracy per row (variants included), error bars = the 95%
+    t-interval of the mean over seeds."""
     rows = [r for r in setting.rows if r.values("acc")]
     if not rows:
         return None
@@ -137,13 +151,14 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 + 0.35 * n * len(SHOTS) * 0.8), 4.2))
     x = np.arange(len(SHOTS))
     for i, (color, row) in enumerate(zip(_colors(n), rows)):
-        means, stds = [], []
+        means, halves = [], []
         for key, _ in SHOTS:
             v = row.values(key)
-            means.append(np.mean(v) if v else np.nan)
-            stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
+            stats = summarize(v) if v else None
+            means.append(stats.mean if stats else np.nan)
+            halves.append((stats.ci[1] - stats.mean) if stats and stats.ci else 0.0)
         many_seeds = len(row.runs) > 1
-        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds if many_seeds else None, color=color,
+        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=halves if many_seeds else None, color=color,
                label=row.label, capsize=2, error_kw={"elinewidth": 0.8})
     groups = rows[0].runs[0].summary.get("shot_groups") or {}
     ax.set_xticks(x, ["all classes" if key == "acc" else f"{name}-shot\n({len(groups.get(name, []))} classes)"
@@ -151,7 +166,7 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
     seeds = max(len(r.runs) for r in rows)
     ax.set(ylabel="final-round test accuracy (%)", ylim=(0, 100),
            title=f"{setting.name}: GM accuracy by shot group "
-                 + ("(mean; error bars: std over seeds)" if seeds > 1 else "(1 seed)"))
+                 + (f"(mean over {seeds} seeds; error bars: 95% interval of the mean)" if seeds > 1 else "(1 seed)"))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method / head")
     return _save(fig, path)
@@ -215,10 +230,14 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     plt = _plt()
     run0 = rows[0].runs[0].summary
     counts = np.asarray(run0["train_class_counts"], dtype=float)
+    seeds = max(len(r.runs) for r in rows)
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
-    for color, row in zip(_colors(len(rows)), rows):
+    drawn: dict[tuple, tuple[list[str], np.ndarray, np.ndarray]] = {}  # identical curves drawn once
+    for row in rows:
         sizes, mean = by_class_size(row.runs)
-        ax.plot(sizes, mean, marker="o", ms=4, lw=1, color=color, label=row.label)
+        drawn.setdefault(tuple(np.round(mean, 6)), ([], sizes, mean))[0].append(row.label)
+    for color, (labels, sizes, mean) in zip(_colors(len(drawn)), drawn.values()):
+        ax.plot(sizes, mean, marker="o", ms=4, lw=1, color=color, label=" = ".join(labels))
     groups = run0.get("shot_groups") or {}
     for low_name, high_name in (("few", "medium"), ("medium", "many")):
         low, high = groups.get(low_name) or [], groups.get(high_name) or []
@@ -233,7 +252,8 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set(xlabel="training samples of the class in the federation (log scale)", ylabel="final test accuracy (%)",
-           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size (mean over seeds by size rank)")
+           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size "
+                 + (f"(mean over {seeds} seeds by size rank)" if seeds > 1 else "(1 seed)"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
     return _save(fig, path)

@@ -198,10 +198,66 @@ def _markdown_columns(t: Table) -> list[tuple[str, str, str]]:
     return columns
 
 
+VERDICTS = {True: "better", False: "worse"}
+
+
+def verdict(t: Table, i: int) -> str:
+    """The GM difference to the reference in plain words: better / worse where its 95% interval
+    excludes 0, else not resolved (or why there is no interval)."""
+    if i == t.reference:
+        return "reference"
+    d = t.diffs[i]["acc"]
+    if d is None or d.ci is None:
+        return f"n/a ({d.n if d else 0} seed{'s' * ((d.n if d else 0) != 1)})"
+    return VERDICTS[d.mean > 0] if d.resolved else "not resolved"
+
+
+def _minutes_per_run(row: Row) -> str:
+    """Mean wall minutes of the row's runs; a variant shares its run's time."""
+    times = [float(r.summary["elapsed_s"]) for r in row.runs if r.summary.get("elapsed_s") is not None]
+    if not times:
+        return "-"
+    return f"{sum(times) / len(times) / 60:.1f}" + (" (its run's)" if row.variant else "")
+
+
+def glance_section(tables: list[Table]) -> list[str]:
+    """What a reader needs first, per setting: each row's GM difference to the reference with its
+    interval and verdict, its shot groups and what one run took; empty without a reference row."""
+    lines = []
+    for t in tables:
+        if not t.rows or not t.rows[t.reference].runs:
+            continue
+        ref = t.rows[t.reference].label
+        lines += ["", *([f"**{t.setting.name}**", ""] if len(tables) > 1 else []),
+                  f"| method | GM acc | Δ GM vs {ref} [95% CI] | verdict | many / medium / few | minutes per run |",
+                  "|---|---|---|---|---|---|"]
+        for i, row in enumerate(t.rows):
+            if not row.runs:
+                continue
+            shots = " / ".join("-" if t.cells[i][m] is None else f"{t.cells[i][m].mean:.1f}"
+                               for m in ("many_acc", "medium_acc", "few_acc"))
+            acc = t.cells[i]["acc"]
+            lines.append(f"| {_label(row).replace('|', '/')} | {'-' if acc is None else f'{acc.mean:.2f}'} | "
+                         f"{_delta(t, i, 'acc').removesuffix(' *').removesuffix(' ' + UNRESOLVED_MARK)} | "
+                         f"{verdict(t, i)} | {shots} | {_minutes_per_run(row)} |")
+    if not lines:
+        return []
+    return ["## At a glance", "",
+            "Final-round global-model (GM) accuracy on the balanced test set, mean over seeds; Δ: the paired "
+            "difference to the reference row on the same seeds with its 95% interval. Verdict: better or worse "
+            "where the interval excludes 0, not resolved where it holds 0 (the seeds cannot tell the sign; that "
+            "is not evidence of a tie). Shot groups: the classes with many, a medium number of and few training "
+            "samples. Minutes per run: wall time of one run, mean over seeds. Details below.",
+            *lines]
+
+
 def markdown(c: Collection, tables: list[Table]) -> str:
     lines = [f"# {c.title}", ""]
     if c.description:
         lines += [c.description, ""]
+    glance = glance_section(tables)
+    if glance:
+        lines += [*glance, ""]
     lines += [_caption_text(c)]
     for t in tables:
         columns = _markdown_columns(t)
