@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: the built-in `demo` suite (fedlt's headline methods on Fashion-MNIST-LT, IF=100,
-# Dirichlet alpha=0.5, 20 clients, 40% participation, 25 rounds; src/fedlt/bench/suites/demo.yaml),
-# two cells at a time, then its report: comparison table (Markdown, CSV, LaTeX; printed) and plots.
+# The main job: the built-in `demo` suite (FedAvg, FedAvg (BSM) and the five seed methods on
+# Fashion-MNIST-LT, the reference protocol's kind at 6 rounds x 1 epoch, seeds 0-2, paired with FedAvg;
+# src/fedlt/bench/suites/demo.yaml), two cells at a time, then its report: a glance table (paired
+# difference to FedAvg, interval, verdict), the detailed tables (Markdown, CSV, LaTeX; printed) and plots.
 # Extra key=value arguments apply to every cell; a re-run skips finished cells.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"

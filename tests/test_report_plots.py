@@ -44,8 +44,10 @@ def test_single_run_directory_report(tiny_suite, tmp_path):
     run_dir = next(c.run_dir for c in result.cells if c.method == "FedAvg + CCVR")
     cli = CliRunner().invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "r"), "--no-plots"])
     assert cli.exit_code == 0, cli.stderr
-    rows = [line.split(" | ")[0] for line in cli.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    glance, detailed = cli.stdout.split("Final-round accuracy (%): ")  # the caption opens the detailed tables
+    rows = [line.split(" | ")[0] for line in detailed.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["| method", "| ccvr", "| ccvr [uncalibrated]"]
+    assert "| ccvr [uncalibrated] | " in glance and "n/a (1 seed)" in glance  # one seed: no interval, no verdict
     summary = json.loads((run_dir / "summary.json").read_text())
     assert f"{summary['final']['acc']:.2f}" in cli.stdout
     bad = CliRunner().invoke(app, ["report", str(tmp_path)])
