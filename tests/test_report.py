@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -362,3 +363,16 @@ def test_rows_with_identical_curves_are_drawn_once_under_their_joined_labels(tmp
     rows = [row("FedAvg", [50, 60]), row("BSM", [55, 70]), row("FedRoD", [55, 70]), row("LA", [55, 71])]
     assert [(label, r.label) for label, r in _same_curves(rows, ("acc", "few_acc"))] == [
         ("FedAvg", "FedAvg"), ("BSM = FedRoD", "BSM"), ("LA", "LA")]
+
+
+def test_shot_bars_are_means_with_the_half_width_of_their_95_percent_interval():
+    from fedlt.reporting.plots import shot_bars
+
+    def run(seed, acc, few):
+        return Run(Path("."), seed, {"final": {"acc": acc, "many_acc": acc, "medium_acc": None, "few_acc": few}})
+
+    means, halves = shot_bars(Row("a", None, [run(0, 70.0, 10.0), run(1, 72.0, 20.0), run(2, 74.0, 30.0)]))
+    # sd 2 and 10 over 3 seeds: half-widths t(0.975, 2) * sd / sqrt(3) = 4.303 * sd / 1.732
+    assert means[:2] == [72.0, 72.0] and means[3] == 20.0 and np.isnan(means[2])
+    assert halves == pytest.approx([4.9683, 4.9683, 0.0, 24.8414], abs=1e-3)
+    assert shot_bars(Row("one", None, [run(0, 70.0, 10.0)]))[1] == [0.0, 0.0, 0.0, 0.0]

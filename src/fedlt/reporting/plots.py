@@ -139,6 +139,17 @@ def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | 
     return _save(fig, path)
 
 
+def shot_bars(row: Row) -> tuple[list[float], list[float]]:
+    """Per shot group (overall, many, medium, few): the mean over seeds and the half-width of its
+    95% t-interval (0 for one seed; NaN mean where no seed reports the group)."""
+    means, halves = [], []
+    for key, _ in SHOTS:
+        stats = summarize(row.values(key)) if row.values(key) else None
+        means.append(stats.mean if stats else np.nan)
+        halves.append(stats.ci[1] - stats.mean if stats and stats.ci else 0.0)
+    return means, halves
+
+
 def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
     """Overall / many / medium / few GM accuracy per row (variants included), error bars = the 95%
     t-interval of the mean over seeds."""
@@ -151,12 +162,7 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 + 0.35 * n * len(SHOTS) * 0.8), 4.2))
     x = np.arange(len(SHOTS))
     for i, (color, row) in enumerate(zip(_colors(n), rows)):
-        means, halves = [], []
-        for key, _ in SHOTS:
-            v = row.values(key)
-            stats = summarize(v) if v else None
-            means.append(stats.mean if stats else np.nan)
-            halves.append((stats.ci[1] - stats.mean) if stats and stats.ci else 0.0)
+        means, halves = shot_bars(row)
         many_seeds = len(row.runs) > 1
         ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=halves if many_seeds else None, color=color,
                label=row.label, capsize=2, error_kw={"elinewidth": 0.8})
