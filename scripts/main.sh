@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: the built-in `demo` suite (FedAvg, FedAvg (BSM) and the five seed methods on
-# Fashion-MNIST-LT, the reference protocol's kind at 6 rounds x 1 epoch, seeds 0-2, paired with FedAvg;
+# Fashion-MNIST-LT, the reference protocol's kind at 5 rounds x 1 epoch, seeds 0-2, paired with FedAvg;
 # src/fedlt/bench/suites/demo.yaml), two cells at a time, then its report: a glance table (paired
 # difference to FedAvg, interval, verdict), the detailed tables (Markdown, CSV, LaTeX; printed) and plots.
 # Extra key=value arguments apply to every cell; a re-run skips finished cells.
