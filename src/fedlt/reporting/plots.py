@@ -91,6 +91,7 @@ def plot_curves(setting: Setting, path: Path) -> Path | None:
     epochs = any(r.runs[0].summary.get("method") == "centralized" for r in rows)
     for ax, what in zip(axes, ("overall", "few-shot classes")):
         ax.set(xlabel="communication round" + (" (centralized: epoch)" if epochs else ""), ylabel="test accuracy (%)", title=f"GM accuracy, {what}")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # rounds are whole numbers
         ax.grid(alpha=0.3)
     axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
     band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
@@ -131,6 +132,7 @@ def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | 
             ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
     for ax, key in zip(axes[0], keys):
         ax.set(xlabel="communication round", ylabel=key, title=key)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
     seeds = max(len(r.runs) for r in rows)
