@@ -1,7 +1,7 @@
 """Methods and calibrations from other packages (``fedlt.methods`` / ``fedlt.calibrations`` entry
 points): the example package in examples/fedlt-example-plugin is found in-process, by
-``run.backend=parallel`` workers, by ``fedlt bench --workers 2`` workers and by a Flower ClientApp,
-and a broken plug-in is one line naming it.
+``run.backend=parallel`` workers, by ``fedlt bench --workers 2`` workers, by a Flower ClientApp and
+by the SuperNodes of a loopback deployment, and a broken plug-in is one line naming it.
 
 Nothing is pip-installed: a ``.dist-info`` folder in tmp (what pip would write, as far as entry-point
 discovery reads it) and the example's source folder go on ``sys.path`` and on ``PYTHONPATH`` for
@@ -150,6 +150,24 @@ def test_flower_clientapp_finds_the_plugin(example, tmp_path, monkeypatch):
     assert finite(result.summary) and result.summary["final"]["server_metrics"]["clipped_fraction"] >= 0
     # the ClientApp built its client from the plug-in's spec: it parsed clipavg's own knobs
     assert [type(runtime.client.args).__name__ for runtime in flower_app._runtime.values()] == ["ClipAvgArgs"]
+
+
+def test_a_loopback_deployment_runs_the_plugin(example, tmp_path):
+    """``python -m fedlt.deploy``: a real SuperLink and two SuperNode processes on 127.0.0.1, each
+    of which finds the plug-in through the installed entry points and rebuilds it by name."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "plugin.yaml"
+    config.write_text(yaml.safe_dump(run(tmp_path, "deployed", engine="flower")))
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ["PYTHONPATH"]])}
+    proc = subprocess.run([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--workdir", str(tmp_path / "work"),
+                           "--timeout", "240", str(config)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["method"] == "clipavg" and summary["engine"] == "flower" and finite(summary)
+    assert summary["final"]["server_metrics"]["clipped_fraction"] >= 0  # the plug-in's server ran its own step
 
 
 BROKEN = {  # entry points of a distribution 'fedlt-broken' -> what the one line must say
