@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 # before flwr is first imported: no telemetry, no dependency installation from a test
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -94,3 +95,17 @@ def server_identity() -> Iterator[None]:
                 setattr(TaskIdentity, attr, saved[attr])
             else:
                 delattr(TaskIdentity, attr)
+
+
+def deployment_pids(workdir: Path) -> list[int]:
+    """Every live process of the deployment in ``workdir``: all inherit its FLWR_HOME."""
+    mark = f"FLWR_HOME={workdir / 'flwr-home'}".encode()
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            live = Path(env.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if live and mark in env.read_bytes().split(b"\0"):
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue
+    return pids

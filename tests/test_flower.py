@@ -17,7 +17,7 @@ pytest.importorskip("flwr")
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
 
-from flower_loopback import LoopbackGrid  # noqa: E402
+from flower_loopback import LoopbackGrid, deployment_pids  # noqa: E402
 
 import fedlt  # noqa: E402
 from fedlt.config import build_config  # noqa: E402
@@ -286,20 +286,6 @@ def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_
     got = poll_replies(grid, [], timeout=1.0)
     assert [r.metadata.reply_to_message_id for r in got] == ["a"]
     assert time.monotonic() - started >= 1.0 and grid.pulls >= 1.0 / REPLY_POLL_S / 2
-
-
-def deployment_pids(workdir: Path) -> list[int]:
-    """Every live process of the deployment in ``workdir``: all inherit its FLWR_HOME."""
-    mark = f"FLWR_HOME={workdir / 'flwr-home'}".encode()
-    pids = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            live = Path(env.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            if live and mark in env.read_bytes().split(b"\0"):
-                pids.append(int(env.parent.name))
-        except OSError:
-            continue
-    return pids
 
 
 def wait_for(condition, seconds: float, what: str) -> None:

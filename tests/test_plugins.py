@@ -168,6 +168,8 @@ def test_a_loopback_deployment_runs_the_plugin(example, tmp_path):
     summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
     assert summary["method"] == "clipavg" and summary["engine"] == "flower" and finite(summary)
     assert summary["final"]["server_metrics"]["clipped_fraction"] >= 0  # the plug-in's server ran its own step
+    from flower_loopback import deployment_pids
+    assert deployment_pids(tmp_path / "work") == []  # the deploy stopped every process it started
 
 
 BROKEN = {  # entry points of a distribution 'fedlt-broken' -> what the one line must say
