@@ -1,5 +1,6 @@
 """A Flower Grid inside the test process, shared by the tests that run the Flower engine at message
-level without Ray or sockets (test_flower.py, test_compatibility.py)."""
+level without Ray or sockets (test_flower.py, test_compatibility.py), and the live processes of a real
+loopback deployment (test_flower.py, test_plugins.py)."""
 
 from __future__ import annotations
 
