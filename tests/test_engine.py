@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,13 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
     again = fedlt.run(tiny(tmp_path / "b", run__name="again"), quiet=True)
     assert without_timing(full.metrics) == without_timing(again.metrics)
 
+    resumed = cut_in_round_3_and_resume(tiny(tmp_path / "c", run__name="cut"), monkeypatch)
+    assert without_timing(resumed.metrics) == without_timing(full.metrics)
+    assert resumed.summary["final"] == full.summary["final"]
+
+
+def cut_in_round_3_and_resume(cfg: dict, monkeypatch):
+    """Run ``cfg`` until a crash in round 3 (after round 2's checkpoint), then resume it to the end."""
     from fedlt.engine.simulation import Simulation
 
     original = Simulation.fit_round
@@ -94,11 +102,19 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
 
     monkeypatch.setattr(Simulation, "fit_round", crash_in_round_3)
     with pytest.raises(KeyboardInterrupt):
-        fedlt.run(tiny(tmp_path / "c", run__name="cut"), quiet=True)
+        fedlt.run(cfg, quiet=True)
     monkeypatch.setattr(Simulation, "fit_round", original)
-    run_dir = tmp_path / "c" / "cut"
+    run_dir = Path(cfg["run"]["out_dir"]) / cfg["run"]["name"]
     assert [json.loads(l)["round"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
-    resumed = fedlt.resume(run_dir, quiet=True)
+    return fedlt.resume(run_dir, quiet=True)
+
+
+@pytest.mark.parametrize("method, over", [("fedyoyo", {"method_args": {"asd": False}}), ("gbme", {"loss__name": "bsm"})])
+def test_a_method_with_server_state_resumes_as_if_uninterrupted(tmp_path, monkeypatch, method, over):
+    """FedYoYo's global prior and GBME's GPI and client groups live on the server between rounds."""
+    over = dict(method=method, fl__local_epochs=1, **over)
+    full = fedlt.run(tiny(tmp_path / "a", run__name="full", **over), quiet=True)
+    resumed = cut_in_round_3_and_resume(tiny(tmp_path / "b", run__name="cut", **over), monkeypatch)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)
     assert resumed.summary["final"] == full.summary["final"]
 
