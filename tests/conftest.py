@@ -23,6 +23,26 @@ TINY_SUITE = {
 }
 
 
+def run_until_crash_in_round_3(cfg: dict, monkeypatch) -> Path:
+    """Run ``cfg`` until it is interrupted in round 3 (after round 2's checkpoint); its run folder,
+    to resume and compare with an uninterrupted run."""
+    import fedlt
+    from fedlt.engine.simulation import Simulation
+
+    original = Simulation.fit_round
+
+    def crash_in_round_3(self, rnd):
+        if rnd == 3:
+            raise KeyboardInterrupt
+        return original(self, rnd)
+
+    monkeypatch.setattr(Simulation, "fit_round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        fedlt.run(cfg, quiet=True)
+    monkeypatch.setattr(Simulation, "fit_round", original)
+    return Path(cfg["run"]["out_dir"]) / cfg["run"]["name"]
+
+
 def write_suite(path: Path, tree: dict) -> Path:
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path

@@ -9,7 +9,7 @@ import torch
 
 import fedlt
 from fedlt.calibration.math.stats import class_feature_sums, class_moments
-from conftest import pooled_client_features, run_capturing_stats
+from conftest import pooled_client_features, run_capturing_stats, run_until_crash_in_round_3
 from fedlt.calibration.wrapper import STATS_QUERY
 from fedlt.errors import ConfigError
 from fedlt.results import TIMING_KEYS
@@ -130,20 +130,8 @@ def test_calibration_errors_are_config_errors(tmp_path):
 def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
     cfg = dict(method="creff", calibration=["ccvr"])
     full = fedlt.run(tiny(tmp_path / "a", **cfg), quiet=True)
-    from fedlt.engine.simulation import Simulation
-
-    original = Simulation.fit_round
-
-    def crash(self, rnd):
-        if rnd == 3:
-            raise KeyboardInterrupt
-        return original(self, rnd)
-
-    monkeypatch.setattr(Simulation, "fit_round", crash)
-    with pytest.raises(KeyboardInterrupt):
-        fedlt.run(tiny(tmp_path / "b", run={"out_dir": str(tmp_path / "b"), "name": "cut", "checkpoint_every": 2,
-                                             "threads": 1}, **cfg), quiet=True)
-    monkeypatch.setattr(Simulation, "fit_round", original)
+    run_until_crash_in_round_3(tiny(tmp_path / "b", run={"out_dir": str(tmp_path / "b"), "name": "cut",
+                                                          "checkpoint_every": 2, "threads": 1}, **cfg), monkeypatch)
     resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)
     assert resumed.summary["messages"] == full.summary["messages"]

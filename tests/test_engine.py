@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import fedlt
+from conftest import run_until_crash_in_round_3
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.messages import Reply
@@ -91,20 +91,7 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
 
 def cut_in_round_3_and_resume(cfg: dict, monkeypatch):
     """Run ``cfg`` until a crash in round 3 (after round 2's checkpoint), then resume it to the end."""
-    from fedlt.engine.simulation import Simulation
-
-    original = Simulation.fit_round
-
-    def crash_in_round_3(self, rnd):
-        if rnd == 3:
-            raise KeyboardInterrupt
-        return original(self, rnd)
-
-    monkeypatch.setattr(Simulation, "fit_round", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        fedlt.run(cfg, quiet=True)
-    monkeypatch.setattr(Simulation, "fit_round", original)
-    run_dir = Path(cfg["run"]["out_dir"]) / cfg["run"]["name"]
+    run_dir = run_until_crash_in_round_3(cfg, monkeypatch)
     assert [json.loads(l)["round"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
     return fedlt.resume(run_dir, quiet=True)
 

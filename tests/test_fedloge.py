@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fedlt
+from conftest import run_until_crash_in_round_3
 from fedlt.errors import ConfigError
 from fedlt.methods.fedloge import FedLoGeClient, ga_fr, global_head, la_fr
 from fedlt.models.etf import classifier_geometry, etf_angle
@@ -131,20 +132,8 @@ def test_resume_restores_personal_heads(tmp_path, monkeypatch):
     resumed ends exactly where an uninterrupted one does."""
     cfg = {**tiny(tmp_path / "a", "full"), "fl": {**tiny(tmp_path)["fl"], "rounds": 3}}
     full = fedlt.run(cfg, quiet=True)
-    from fedlt.engine.simulation import Simulation
-
-    original = Simulation.fit_round
-
-    def crash_in_round_3(self, rnd):
-        if rnd == 3:
-            raise KeyboardInterrupt
-        return original(self, rnd)
-
-    monkeypatch.setattr(Simulation, "fit_round", crash_in_round_3)
     cut_cfg = {**cfg, "run": {**cfg["run"], "out_dir": str(tmp_path / "b"), "name": "cut"}}
-    with pytest.raises(KeyboardInterrupt):
-        fedlt.run(cut_cfg, quiet=True)
-    monkeypatch.setattr(Simulation, "fit_round", original)
+    run_until_crash_in_round_3(cut_cfg, monkeypatch)
     ckpt = torch.load(tmp_path / "b" / "cut" / "checkpoint.pt", weights_only=True)
     assert all("personal/phi/weight" in s for s in ckpt["clients"].values()) and len(ckpt["clients"]) == 4
     resumed = fedlt.resume(tmp_path / "b" / "cut", quiet=True)
