@@ -337,7 +337,8 @@ def test_cosine_head_logits_are_scale_times_cosine_and_the_default_expert_head()
 
 
 def test_lr_warmup_ramps_linearly_over_the_first_rounds_steps():
-    from fedlt.methods.gbme import lr_warmup, steps_per_epoch
+    from fedlt.methods.gbme import lr_warmup
+    from fedlt.training.sequential import steps_per_epoch
 
     def lrs(rnd, rounds, steps=4):
         w = torch.nn.Parameter(torch.zeros(1))
@@ -510,7 +511,8 @@ def test_per_expert_training_scales_the_trained_experts_loss_by_m():
 def test_lpi_steps_caps_the_epoch_pass_at_its_first_steps():
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fedlt.methods.gbme import fc_weights, steps_per_epoch
+    from fedlt.methods.gbme import fc_weights
+    from fedlt.training.sequential import steps_per_epoch
     from fedlt.training.sequential import epoch_batches
 
     torch.manual_seed(0)

@@ -157,3 +157,26 @@ def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
         bound = 100 * (0.005 / (peak - 0.05) + (g + 0.005) * 0.05 / (peak * (peak - 0.05))) + 0.05
         assert float(percent) == pytest.approx(100 * g / peak, abs=bound + 1e-9)
     assert re.search(r"Fastest here: (eager|channels_last|compile) \([\d.]+x eager\)", text)
+
+
+def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
+    """`fedlt bench profile`: per backend, the marked parts of a step (batch, forward+loss, backward
+    or vmap's forward+backward, optimizer) as host time, and no GPU columns on a CPU; FedAvg's epoch makes no host synchronisation, so what is counted is per client, not per batch."""
+    import re
+
+    from fedlt.bench.profile import run_profile_bench
+
+    text = run_profile_bench(None, ["data.dataset=synthetic", "data.num_clients=4", "fl.local_epochs=2",
+                                    "run.threads=1", "run.checkpoint_every=0", f"run.out_dir={tmp_path}"],
+                             models=("cnn",), sampled_counts=(2,))
+    header = next(line for line in text.splitlines() if line.startswith("| model"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {r[2]: dict(zip(columns, r)) for r in (
+        [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if re.match(r"\| cnn \| 2 \|", line))}
+    assert set(rows) == {"sequential", "vectorized"} and "kernel ms" not in columns  # no GPU columns on a CPU
+    seq, vec = rows["sequential"], rows["vectorized"]
+    assert all(float(seq[p]) > 0 for p in ("batch ms", "forward+loss ms", "backward ms", "optimizer ms"))
+    assert seq["forward+backward ms"] == "" and vec["forward+loss ms"] == vec["backward ms"] == ""
+    assert float(vec["forward+backward ms"]) > 0 and float(vec["optimizer ms"]) > 0
+    # 2 clients x 2 epochs of synthetic data: the per-client synchronisations spread over many steps
+    assert 0 < float(seq["host syncs / step"]) < 1

@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Federated learning on long-tailed data.")
 bench_app = typer.Typer(cls=_SuiteGroup, no_args_is_help=True,
                         help="Benchmarks: `fedlt bench SUITE` runs a suite (built-in name or YAML file); "
-                             "`fedlt bench list`; `fedlt bench speed`; `fedlt bench engines`.")
+                             "`fedlt bench list`; `fedlt bench speed`; `fedlt bench profile`; `fedlt bench engines`.")
 app.add_typer(bench_app, name="bench")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data without training.")
 app.add_typer(data_app, name="data")
@@ -217,24 +217,67 @@ def bench_speed_cmd(
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)  # as given: the bench's own fl.rounds would hide a bad one
         if backends:
-            from fedlt.errors import ConfigError
-            from fedlt.models.registry import MODELS
-
-            names = tuple(m.strip() for m in models.split(",") if m.strip())
-            unknown = [m for m in names if m not in MODELS]
-            try:
-                counts = tuple(int(s) for s in sampled.split(","))
-            except ValueError:
-                counts = ()
-            if unknown or not names:
-                raise ConfigError(f"unknown model '{unknown[0] if unknown else models}' in --models; use a comma-separated "
-                                  f"list of {', '.join(MODELS)}")
-            if not counts or min(counts) < 1:
-                raise ConfigError(f"--sampled {sampled}: give comma-separated client counts >= 1, e.g. 10,40")
             text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True),
-                                     models=names, sampled_counts=counts, synthetic_size=synthetic_size)
+                                     models=_model_list(models), sampled_counts=_client_counts(sampled),
+                                     synthetic_size=synthetic_size)
         else:
             text = run_speed_bench(config, args, rounds=rounds)
+        _print_and_save(text, out)
+
+    _guard(go)
+
+
+def _model_list(models: str) -> tuple[str, ...]:
+    from fedlt.errors import ConfigError
+    from fedlt.models.registry import MODELS
+
+    names = tuple(m.strip() for m in models.split(",") if m.strip())
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise ConfigError(f"unknown model '{unknown[0] if unknown else models}' in --models; use a comma-separated "
+                          f"list of {', '.join(MODELS)}")
+    return names
+
+
+def _client_counts(sampled: str) -> tuple[int, ...]:
+    from fedlt.errors import ConfigError
+
+    try:
+        counts = tuple(int(s) for s in sampled.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"--sampled {sampled}: give comma-separated client counts >= 1, e.g. 10,40")
+    return counts
+
+
+@bench_app.command("profile")
+def bench_profile_cmd(
+    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
+    models: str = typer.Option("cnn,resnet8", help="models to profile (ResNets on synthetic data)"),
+    sampled: str = typer.Option("10", help="sampled clients per round to profile"),
+    backends: str = typer.Option("sequential,vectorized", help="run.backend values to profile"),
+    synthetic_size: int = typer.Option(16, help="image side of the ResNets' synthetic data (32: CIFAR-shaped)"),
+    out: Optional[Path] = typer.Option(None, help="also write the table as markdown to this file"),
+) -> None:
+    """Where a local training step's time goes: batch, forward, backward, optimizer, host syncs (and kernels on a GPU)."""
+    args = list(args or [])
+
+    def go() -> None:
+        from fedlt.bench.profile import run_profile_bench
+        from fedlt.config import RunConfig, load_config
+        from fedlt.errors import ConfigError
+
+        _check_out(out, folder=False)
+        config = args.pop(0) if args and "=" not in args[0] else None
+        load_config(config, args)
+        allowed = [b for b in RunConfig.model_fields["backend"].annotation.__args__ if b != "auto"]
+        chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+        if not chosen or any(b not in allowed for b in chosen):
+            raise ConfigError(f"--backends {backends}: give a comma-separated list of {', '.join(allowed)}")
+        text = run_profile_bench(config, args, models=_model_list(models), sampled_counts=_client_counts(sampled),
+                                 backends=chosen, synthetic_size=synthetic_size,
+                                 echo=lambda line: typer.echo(line, err=True))
         _print_and_save(text, out)
 
     _guard(go)

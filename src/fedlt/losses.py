@@ -59,8 +59,9 @@ def _check_class_vector(vec: torch.Tensor, logits: torch.Tensor, what: str) -> N
         raise ValueError(f"{what} has shape {tuple(vec.shape)}, expected ({logits.shape[1]},) to match the logits")
 
 
-def _as_vector(values: torch.Tensor | Sequence[float], what: str) -> tuple[torch.Tensor, torch.device]:
-    """Validated float64 CPU copy of a per-class vector, and the device it came from.
+def _as_vector(values: torch.Tensor | Sequence[float], what: str, check: bool = True) -> tuple[torch.Tensor, torch.device]:
+    """Validated (unless ``check`` is false) float64 CPU copy of a per-class vector, and the device
+    it came from.
 
     Validation syncs with the device; float64 on CPU also works for backends without it (MPS).
     """
@@ -69,6 +70,8 @@ def _as_vector(values: torch.Tensor | Sequence[float], what: str) -> tuple[torch
         raise ValueError(f"{what} must be a non-empty 1-D vector, got shape {tuple(vec.shape)}")
     device = vec.device
     vec = vec.detach().to("cpu", torch.float64)
+    if not check:
+        return vec, device
     if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
         raise ValueError(f"{what} must be finite and non-negative")
     if float(vec.sum()) <= 0:
@@ -76,13 +79,15 @@ def _as_vector(values: torch.Tensor | Sequence[float], what: str) -> tuple[torch
     return vec, device
 
 
-def log_prior(prior: torch.Tensor | Sequence[float]) -> torch.Tensor:
+def log_prior(prior: torch.Tensor | Sequence[float], check: bool = True) -> torch.Tensor:
     """``log(max(prior / sum(prior), PRIOR_FLOOR))`` as float32 on the prior's device.
 
     The prior is normalised first, so raw class counts are accepted too; the logit-adjusted
     losses are unchanged by a constant shift of the log-prior, so only the floor cares.
+    ``check=False`` skips the validation (finite, non-negative, a positive entry) for a caller
+    that has validated what the prior is made of.
     """
-    p, device = _as_vector(prior, "prior")
+    p, device = _as_vector(prior, "prior", check)
     return torch.log((p / p.sum()).clamp_min(PRIOR_FLOOR)).to(device, torch.float32)
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedlt.api import prepare
-from fedlt.config import load_config
+from fedlt.config import Config, load_config
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.environment import collect, describe
 from fedlt.run_parts import resolve_device
@@ -32,15 +32,15 @@ def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -
     b = torch.randn(n, n, device=device)
     for _ in range(2):
         a @ b
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    _sync(device)
+    sync_device(device)
     return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -63,18 +63,18 @@ def time_rounds(sim, rounds: int) -> dict[str, float]:
     """Seconds per round and images/s over ``rounds`` rounds after one warm-up round."""
     sim.setup()
     sim.fit_round(1)  # warm-up: allocations, compilation
-    _sync(sim.device)
+    sync_device(sim.device)
     images = 0
     t0 = time.perf_counter()
     for rnd in range(2, rounds + 2):
         sim.fit_round(rnd)
         images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
-    _sync(sim.device)
+    sync_device(sim.device)
     seconds = time.perf_counter() - t0
     images *= sim.cfg.fl.local_epochs
     t1 = time.perf_counter()
     sim.evaluate(rounds + 1)
-    _sync(sim.device)
+    sync_device(sim.device)
     return {"s_per_round": seconds / rounds, "images_per_s": images / seconds, "eval_s": time.perf_counter() - t1}
 
 
@@ -130,6 +130,15 @@ def model_data(model: str, synthetic_size: int) -> list[str]:
     return [] if model == "cnn" else ["data.dataset=synthetic", f"data.image_size={synthetic_size}"]
 
 
+def measured_setting(base: Config, overrides: list[str], model: str, sampled: int, synthetic_size: int,
+                     rounds: int) -> list[str]:
+    """Overrides that train ``model`` with ``sampled`` clients a round for ``rounds`` rounds (more
+    clients than the config has when needed)."""
+    clients = max(sampled, base.data.num_clients)
+    return [*overrides, f"fl.rounds={rounds}", f"model.name={model}", *model_data(model, synthetic_size),
+            f"data.num_clients={clients}", f"fl.participation={sampled / clients}"]
+
+
 def reference_round(sim, rnd: int) -> None:
     """One FedAvg round written the way peer frameworks write it: per sampled client a deep copy
     of the global model, a torch DataLoader over a TensorDataset of its samples and a fresh
@@ -161,13 +170,13 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
     try:
         sim.setup()
         step(1)
-        _sync(sim.device)
+        sync_device(sim.device)
         images = 0
         t0 = time.perf_counter()
         for rnd in range(2, rounds + 2):
             step(rnd)
             images += sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd - 1])
-        _sync(sim.device)
+        sync_device(sim.device)
         seconds = time.perf_counter() - t0
     finally:
         sim.close()
@@ -201,9 +210,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
     ]
     for model in models:
         for sampled in sampled_counts:
-            common = [*overrides, f"fl.rounds={rounds + 1}", f"model.name={model}", *model_data(model, synthetic_size),
-                      f"data.num_clients={max(sampled, base.data.num_clients)}"]
-            common.append(f"fl.participation={sampled / max(sampled, base.data.num_clients)}")
+            common = measured_setting(base, overrides, model, sampled, synthetic_size, rounds + 1)
             results, flops = {}, None
             for backend in ("reference", *backends):
                 pick = ["run.channels_last=false"] if backend == "reference" else [f"run.backend={backend}"]

@@ -69,9 +69,16 @@ class ImageDataset:
 
     def standardize(self, images01: torch.Tensor) -> torch.Tensor:
         """float batch in [0, 1] (e.g. after augmentation) -> standardised per channel."""
-        mean = torch.tensor(self.mean, device=images01.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=images01.device).view(1, -1, 1, 1)
+        mean, std = self._statistics(images01.device)
         return (images01 - mean) / std
+
+    def _statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mean`` and ``std`` as (1, C, 1, 1) tensors on ``device``, made once per device: a
+        fresh copy from host memory in every batch would make a GPU wait for the host."""
+        cache = self.__dict__.setdefault("_on_device", {})
+        if device not in cache:
+            cache[device] = tuple(torch.tensor(v, device=device).view(1, -1, 1, 1) for v in (self.mean, self.std))
+        return cache[device]
 
 
 @dataclass

@@ -102,7 +102,7 @@ from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
-from fedlt.training.sequential import epoch_batches, train_local
+from fedlt.training.sequential import epoch_batches, steps_per_epoch, train_local
 
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")
@@ -205,7 +205,8 @@ def effective_numbers(features: torch.Tensor, labels: torch.Tensor, prototypes: 
     num_classes = prototypes.shape[0]
     units = F.normalize(features - prototypes[labels], dim=1)
     sums = torch.zeros_like(prototypes).index_add_(0, labels, units)
-    m = torch.bincount(labels, minlength=num_classes).to(features.dtype)
+    m = torch.zeros(num_classes, dtype=features.dtype, device=features.device).index_add_(
+        0, labels, torch.ones_like(labels, dtype=features.dtype))  # bincount would wait for the device
     quad = sums.pow(2).sum(dim=1) / m.clamp_min(1).pow(2)  # a R a^T = ||mean of unit vectors||^2
     quad = torch.maximum(quad, 1.0 / m.clamp_min(1))
     return torch.where(m > 0, 1.0 / quad, torch.zeros_like(quad))
@@ -340,12 +341,17 @@ class FedYoYoClient(FedAvgClient):
 
     def prior_schedule(self, ctx: ClientContext, msg: Message):
         """``t -> log prior`` of the round's batch ``t`` (1, 2, ...) on the device: the per-batch
-        re-mix towards the label distribution (``local_remix``) or the fixed ``pi_mix``."""
+        re-mix towards the label distribution (``local_remix``) or the fixed ``pi_mix``. The re-mixed
+        priors of every batch are made before training, so no batch waits for the host."""
         a, device = self.args, ctx.data.images.device
         if a.dla and a.prior == "local_remix":
-            start = msg.payload["global_prior"].float().to(device)
-            local = label_distribution(ctx.data.class_counts()).to(device)
-            return lambda t: log_prior(remixed_prior(start, local, a.gamma, t))
+            start = msg.payload["global_prior"].float().cpu()
+            local = label_distribution(ctx.data.class_counts().cpu())
+            steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
+            # every re-mix is a convex combination of the first and the label distribution: checked once
+            table = torch.stack([log_prior(remixed_prior(start, local, a.gamma, t), check=t == 1)
+                                 for t in range(1, max(steps, 1) + 1)]).to(device)
+            return lambda t: table[t - 1]
         fixed = log_prior(self.round_prior(ctx, msg)).to(device)
         return lambda t: fixed
 

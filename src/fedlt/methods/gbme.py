@@ -119,7 +119,7 @@ from fedlt.methods.proxy_prior import (
 )
 from fedlt.models import FedModel, create_model
 from fedlt.models.multi_expert import SUPPORTED, MultiExpertModel, multi_expert_model
-from fedlt.training.sequential import train_local
+from fedlt.training.sequential import steps_per_epoch, train_local
 
 LPI_QUERY = "gbme_lpi"
 COUNTS_QUERY = "class_counts"
@@ -246,13 +246,6 @@ def fc_weights(model: FedModel) -> list[torch.nn.Parameter]:
 
 
 # ---- client -------------------------------------------------------------------------------
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Optimiser steps of one local epoch (:func:`fedlt.training.sequential.epoch_batches`: a
-    trailing batch of one sample joins the previous one)."""
-    steps = -(-n // batch_size)
-    return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
-
-
 @contextmanager
 def lr_warmup(rnd: int, steps: int, rounds: float) -> Iterator[None]:
     """Scale every optimiser's lr by ``min(1, (rnd - 1 + i / steps) / rounds)`` at its i-th step

@@ -64,7 +64,9 @@ def adaptive_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature
     positive = (labels[:, None] == labels[None, :]) & ~self_mask
     num_pos = positive.sum(dim=1)
     anchors = num_pos > 0
-    if not bool(anchors.any()):
-        return projections.sum() * 0.0  # no pair of one class in the batch: nothing to contrast
-    per_anchor = (log_prob * positive).sum(dim=1)[anchors] / num_pos[anchors]
-    return -per_anchor.mean()
+    if b < 2:
+        return projections.sum() * 0.0  # no pair in the batch: nothing to contrast
+    # the mean over anchors, written without selecting them (a selection waits for the device);
+    # no anchor at all gives 0 with zero gradient
+    per_anchor = (log_prob * positive).sum(dim=1) / num_pos.clamp_min(1)
+    return -(per_anchor * anchors).sum() / anchors.sum().clamp_min(1)

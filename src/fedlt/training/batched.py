@@ -34,6 +34,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedlt.losses import LossFn
 from fedlt.methods.base import ClientContext, LocalObjective
 from fedlt.seeding import seed_for
+from fedlt.training.scopes import BATCH, GRADIENT, OPTIMIZER, scope
 from fedlt.training.sequential import epoch_batches
 
 Stacked = dict[str, torch.Tensor]
@@ -108,22 +109,28 @@ def train_clients(
     last = contexts[-1]  # the global RNG as sequential training leaves it (it seeds it per client)
     torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
     model.train()
-    for t in range(max((len(p) for p in plans), default=0)):
-        groups: dict[int, list[int]] = {}
-        for k, plan in enumerate(plans):
-            if t < len(plan):
-                groups.setdefault(len(plan[t]), []).append(k)
-        for members in groups.values():
-            batches = [contexts[k].data.batch(plans[k][t], augment[k]) for k in members]
-            x = torch.stack([b[0] for b in batches]).contiguous()  # channels-last inputs hit slow vmap paths
-            y = torch.stack([b[1] for b in batches])
-            idx = None if len(members) == n else torch.tensor(members, device=device)
+    schedule = step_groups([[len(rows) for rows in plan] for plan in plans])
+    # the client positions of every partial group, on the device before the first step
+    partial = {m for groups in schedule for m in groups if len(m) < n}
+    positions = {m: torch.tensor(m, device=device) for m in partial}
+    for t, groups in enumerate(schedule):
+        for members in groups:
+            with scope(BATCH):
+                batches = [contexts[k].data.batch(plans[k][t], augment[k]) for k in members]
+                x = torch.stack([b[0] for b in batches]).contiguous()  # channels-last inputs hit slow vmap paths
+                y = torch.stack([b[1] for b in batches])
+            idx = positions.get(members)
             pick = (lambda d: d) if idx is None else (lambda d: {k: v[idx] for k, v in d.items()})
             p, b, m, a = pick(params), pick(buffers), pick(momentum), pick(anchor)
             kw = pick(loss_tensors)
-            grads, losses = step(p, b, x, y, kw, mu if idx is None else mu[idx], a)
-            _sgd_step(p, grads, m, train)
-            totals.index_add_(0, torch.arange(n, device=device) if idx is None else idx, losses.detach())
+            with scope(GRADIENT):
+                grads, losses = step(p, b, x, y, kw, mu if idx is None else mu[idx], a)
+            with scope(OPTIMIZER):
+                _sgd_step(p, grads, m, train)
+            if idx is None:
+                totals.add_(losses.detach())
+            else:
+                totals.index_add_(0, idx, losses.detach())
             if idx is not None:
                 for full, part in ((params, p), (buffers, b), (momentum, m)):
                     for k in part:
@@ -136,6 +143,19 @@ def train_clients(
         loss = float(totals[k]) / steps if steps else float("nan")
         results.append((state, {"train_loss": loss, "steps": float(steps)}))
     return results
+
+
+def step_groups(batch_sizes: list[list[int]]) -> list[list[tuple[int, ...]]]:
+    """Per step ``t``, the clients (positions in ``batch_sizes``) that take part, grouped by the
+    size of their ``t``-th batch: clients whose batches differ in size cannot share a step."""
+    schedule = []
+    for t in range(max((len(sizes) for sizes in batch_sizes), default=0)):
+        groups: dict[int, list[int]] = {}
+        for k, sizes in enumerate(batch_sizes):
+            if t < len(sizes):
+                groups.setdefault(sizes[t], []).append(k)
+        schedule.append([tuple(m) for m in groups.values()])
+    return schedule
 
 
 def _sgd_step(params: Stacked, grads: Stacked, momentum: Stacked, train) -> None:

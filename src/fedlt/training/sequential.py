@@ -12,6 +12,7 @@ import torch
 
 from fedlt.methods.base import ClientContext, TrainSettings
 from fedlt.seeding import seed_for
+from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, OPTIMIZER, scope
 
 BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -29,6 +30,12 @@ def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterat
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else n
         yield order[start:end]
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Optimiser steps of one local epoch: the number of batches :func:`epoch_batches` yields."""
+    steps = -(-n // batch_size)
+    return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
 
 
 def make_sgd(params: Iterable[torch.nn.Parameter], train: TrainSettings, lr: float | None = None) -> torch.optim.SGD:
@@ -58,13 +65,17 @@ def train_local(
     total, steps = torch.zeros((), device=data.images.device), 0
     for _ in range(train.epochs if epochs is None else epochs):
         for rows in epoch_batches(len(data), train.batch_size, generator):
-            x, y = data.batch(rows, augment_generator)
-            loss = batch_loss(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if train.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-            optimizer.step()
-            total += loss.detach()
+            with scope(BATCH):
+                x, y = data.batch(rows, augment_generator)
+            with scope(FORWARD):
+                loss = batch_loss(x, y)
+            with scope(BACKWARD):
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with scope(OPTIMIZER):
+                if train.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+                optimizer.step()
+                total += loss.detach()
             steps += 1
     return {"train_loss": float(total) / max(steps, 1), "steps": float(steps)}
