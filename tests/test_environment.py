@@ -37,7 +37,7 @@ def check(env: dict, backend: str | None, threads: int) -> None:
 def test_a_run_summary_records_its_environment(tmp_path):
     res = fedlt.run(None, overrides=[*TINY, "run.backend=auto", f"run.out_dir={tmp_path}"], quiet=True)
     env = json.loads((res.run_dir / "summary.json").read_text())["environment"]
-    check(env, backend="vectorized", threads=1)  # the backend run.backend=auto resolved to; run.threads=1
+    check(env, backend="sequential", threads=1)  # the backend run.backend=auto resolved to on a CPU; run.threads=1
     assert torch.get_num_threads() == 1
 
 

@@ -14,6 +14,7 @@ from fedlt.messages import Message
 from fedlt.methods.base import clone_state
 from fedlt.methods.fedavg import local_loss
 from fedlt.training.batched import train_clients
+from fedlt.training.graphed import GraphedTrainer
 from fedlt.training.sequential import train_local
 
 
@@ -25,11 +26,17 @@ def config(tmp_path, *overrides: str):
     ])
 
 
+def graphed(model, contexts, starts, objectives):
+    """The graphed backend's trainer (on a CPU: its step without capture, one client at a time)."""
+    return GraphedTrainer(model, lanes=4).train(contexts, starts, objectives)
+
+
+@pytest.mark.parametrize("trainer", [train_clients, graphed], ids=["vectorized", "graphed"])
 @pytest.mark.parametrize("model,loss,extra", [
     ("resnet8", "ldam", ["data.augment=strong", "fl.grad_clip=0.5"]),  # BatchNorm, margins, augmentation, clipping
     ("cnn", "la", ["fl.local_epochs=2", "fl.weight_decay=0.01"]),
 ])
-def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, model, loss, extra):
+def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, model, loss, extra, trainer):
     sim = prepare(config(tmp_path, f"model.name={model}", f"loss.name={loss}", "fl.batch_size=16", "data.image_size=8",
                          *extra))
     assert sim.worker.head.weight.dtype == torch.float64
@@ -38,8 +45,8 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
     contexts = [sim._context(c, 1) for c in cids]
     steps = {-(-len(ctx.data) // 16) for ctx in contexts}
     assert len(steps) > 1, "the test needs clients with unequal numbers of batches"
-    batched = train_clients(sim.worker, contexts, [dict(msg.weights)] * len(cids),
-                            [sim.client.local_objective(ctx, msg) for ctx in contexts])
+    batched = trainer(sim.worker, contexts, [dict(msg.weights)] * len(cids),
+                      [sim.client.local_objective(ctx, msg) for ctx in contexts])
     for cid, (weights, metrics) in zip(cids, batched):
         ctx = sim._context(cid, 1)
         loss_fn = local_loss(ctx, msg)
@@ -50,15 +57,18 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
             assert torch.allclose(weights[name], value, rtol=0, atol=1e-10), (cid, name)
 
 
-@pytest.mark.parametrize("method,extra", [
-    ("fedavg", ["loss.name=la"]),
-    ("fedprox", ["method_args.mu=0.5"]),
+@pytest.mark.parametrize("method,extra,together", [
+    ("fedavg", ["loss.name=la"], "vectorized"),
+    ("fedprox", ["method_args.mu=0.5"], "vectorized"),
     # BatchNorm; half the data and one evaluation: float64 convolutions are slow on CPU
-    ("fedavg", ["model.name=resnet8", "data.image_size=8", "loss.name=bsm", "data.train_fraction=0.5", "eval.every=2"]),
+    ("fedavg", ["model.name=resnet8", "data.image_size=8", "loss.name=bsm", "data.train_fraction=0.5", "eval.every=2"],
+     "vectorized"),
+    ("fedavg", ["loss.name=la"], "graphed"),
+    ("fedprox", ["method_args.mu=0.5", "fl.lr_schedule=cosine"], "graphed"),  # a new learning rate each round
 ])
-def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra):
+def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, together):
     runs = {}
-    for backend in ("sequential", "vectorized"):
+    for backend in ("sequential", together):
         sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
         assert sim.backend == backend
         states, aggregate = [], sim.server.aggregate  # capture the global model after each aggregation
@@ -71,7 +81,7 @@ def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra):
         (tmp_path / backend).mkdir()
         result = sim.run(tmp_path / backend, quiet=True)
         runs[backend] = (states, result)
-    (seq_states, seq), (vec_states, vec) = runs["sequential"], runs["vectorized"]
+    (seq_states, seq), (vec_states, vec) = runs["sequential"], runs[together]
     assert len(seq_states) == len(vec_states) == 2
     for seq_state, vec_state in zip(seq_states, vec_states):
         for name, value in seq_state.items():
@@ -80,17 +90,27 @@ def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra):
     assert [r["train_loss"] for r in vec.metrics] == pytest.approx([r["train_loss"] for r in seq.metrics], rel=1e-10)
     # models 1e-15 apart classify alike unless a test sample's top two logits tie within ~1e-14
     assert [r["acc"] for r in vec.metrics] == [r["acc"] for r in seq.metrics]
-    assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == "vectorized"
+    assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == together
     assert vec.summary["communication_bytes"] == seq.summary["communication_bytes"]
 
 
 def test_backend_choice_and_fallback(tmp_path):
-    assert prepare(config(tmp_path, "method=feddecorr", "run.backend=auto")).backend == "sequential"
-    assert prepare(config(tmp_path, "method=fedavgm", "run.backend=auto")).backend == "vectorized"
-    assert prepare(config(tmp_path, "run.backend=auto", "calibration=ccvr")).backend == "sequential"
+    from fedlt.methods.feddecorr import FedDecorrClient
+    from fedlt.methods.fedavg import FedAvgClient
+    from fedlt.run_parts import choose_backend
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    # auto: the backend measured fastest for the device and model, where the method supports it
+    assert prepare(config(tmp_path, "method=fedavgm", "run.backend=auto")).backend == "sequential"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), FedAvgClient, gpu) == "vectorized"  # the CNN
+    assert choose_backend(config(tmp_path, "run.backend=auto", "model.name=resnet8"), FedAvgClient, gpu) == "sequential"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), FedDecorrClient, gpu) == "sequential"
     assert prepare(config(tmp_path)).backend == "sequential"  # the default: measured faster on CPU
-    with pytest.raises(ConfigError, match="run.backend=vectorized does not support method scaffold"):
-        prepare(config(tmp_path, "method=scaffold", "run.backend=vectorized"))
+    for backend in ("vectorized", "graphed"):
+        assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, cpu) == backend
+        assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
+        with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method scaffold"):
+            prepare(config(tmp_path, "method=scaffold", f"run.backend={backend}"))
 
 
 def test_many_clients_keep_no_per_client_state(tmp_path):

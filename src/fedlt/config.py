@@ -186,11 +186,15 @@ class RunConfig(_Section):
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format on the CPU (measured faster for convs there; "
                                 "not used on CUDA)")
-    backend: Literal["auto", "sequential", "parallel", "vectorized"] = Field(
+    backend: Literal["auto", "sequential", "parallel", "vectorized", "graphed"] = Field(
         "sequential", description="local training: sampled clients one after another; at the same time in "
-        "run.workers CPU processes (parallel, any method); or all at once as one batched computation (vectorized; "
-        "FedAvg, FedProx); auto = vectorized where the method supports it"
+        "run.workers CPU processes (parallel, any method); all at once as one batched computation (vectorized; "
+        "FedAvg, FedProx and methods with their local step); each client's step captured as a CUDA graph, "
+        "run.streams clients at once (graphed; the same methods; on a CPU the same step without capture); "
+        "auto = the backend measured fastest for the device and model (docs/speed.md)"
     )
+    streams: int = Field(8, ge=1, description="run.backend=graphed on a GPU: clients trained at once, each on its "
+                         "own CUDA stream with its own copy of the model")
     workers: int | None = Field(None, ge=1, description="run.backend=parallel: worker processes (default: one per "
                                 "CPU core, at most the clients sampled per round)")
     deterministic: bool = Field(True, description="GPU runs: cuDNN deterministic mode without autotuning, and torch's deterministic CUDA kernels (warns where one has none)")

@@ -25,7 +25,7 @@ from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_m
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
-from fedlt.engine.vectorized import fit_vectorized
+from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import (
@@ -41,6 +41,7 @@ from fedlt.results import (
     write_stopped_summary, write_summary,
 )
 from fedlt.run_parts import choose_backend
+from fedlt.training.graphed import GraphedTrainer
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
 
@@ -78,10 +79,11 @@ class Simulation:
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
         ))
-        #: how sampled clients train: "sequential", "parallel" or "vectorized" (run.backend, resolved
+        #: how sampled clients train: "sequential", "parallel", "vectorized" or "graphed" (run.backend, resolved
         #: for the method); clients on Flower SuperNodes train one message at a time
         self.backend = choose_backend(cfg, spec.client, device) if self.clients is not None else "sequential"
         self._pool: ClientPool | None = None  # run.backend=parallel's worker processes, started on first use
+        self.graphed: GraphedTrainer | None = None  # run.backend=graphed's lanes and graphs, made on first use
         self.client_states: dict[int, dict[str, Any]] = {}
         #: secure aggregation of the method's linear phases (secagg.enabled), else None
         self.secure = (SecureAggregation(cfg.secagg, spec.server.secure_phases(cfg), cfg.seed, device)
@@ -208,8 +210,8 @@ class Simulation:
                                f"need distinct ids in 0..{len(self.all_clients) - 1}")
         self._run_queries("before_fit", rnd, sampled)
         self._seed_global(rnd, len(STAGES))
-        if self.backend == "vectorized":
-            replies = fit_vectorized(self, rnd, sampled)
+        if self.backend in ("vectorized", "graphed"):
+            replies = fit_together(self, rnd, sampled)
         else:
             messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
             replies = self._exchange("fit", rnd, messages)

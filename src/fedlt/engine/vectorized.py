@@ -1,12 +1,14 @@
-"""The vectorized backend in the engine: one round's fit with the sampled clients trained together.
+"""The backends in the engine that take a round's sampled clients together: ``vectorized`` (one
+batched computation, :func:`fedlt.training.batched.train_clients`) and ``graphed`` (each client's
+step a captured CUDA graph, several clients on their own streams,
+:class:`fedlt.training.graphed.GraphedTrainer`).
 
 (``run.backend=parallel``, clients in worker processes, is :mod:`fedlt.engine.process_pool`.)
 
-``run.backend=vectorized`` trains the round's sampled clients together
-(:func:`fedlt.training.batched.train_clients`) when the method's client declares its local step
-as a :class:`~fedlt.methods.base.LocalObjective`; ``auto`` does so where supported and trains one
-client after another otherwise (:func:`fedlt.run_parts.choose_backend` decides). Server hooks,
-messages and traffic accounting are unchanged.
+Both train the clients whose method declares its local step as a
+:class:`~fedlt.methods.base.LocalObjective`; ``auto`` picks one of them where it was measured fastest
+(:func:`fedlt.run_parts.choose_backend` decides). Clients whose objective does not fit train one after
+another. Server hooks, messages and traffic accounting are unchanged.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from fedlt.messages import Reply
 from fedlt.training.batched import stack_losses, train_clients
+from fedlt.training.graphed import GraphedTrainer
 
 if TYPE_CHECKING:
     from fedlt.engine.simulation import Simulation
 
 
-def fit_vectorized(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Reply]:
-    """The fit step of ``sim.fit_round`` with the sampled clients trained together. Clients whose
-    objective does not fit (``local_objective`` returned None) train sequentially."""
+def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Reply]:
+    """The fit step of ``sim.fit_round`` with the sampled clients trained by ``sim.backend``
+    (vectorized or graphed). Clients whose objective does not fit (``local_objective`` returned
+    None) train sequentially."""
     messages = {cid: msg for cid in sampled if (msg := sim.server.fit_message(rnd, cid)) is not None}
     contexts, objectives, starts = {}, {}, {}
     for cid, msg in messages.items():
@@ -31,14 +35,21 @@ def fit_vectorized(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, R
         if objective is not None:
             contexts[cid], objectives[cid] = ctx, objective
             starts[cid] = {**sim.clients._worker_init, **{k: v.to(sim.device) for k, v in msg.weights.items()}}
-    batched = list(contexts)
-    if batched and stack_losses([objectives[c].loss for c in batched], sim.device) is None:
-        batched = []  # clients with different kinds of loss: nothing to share a step
+    together = list(contexts)
+    if together and stack_losses([objectives[c].loss for c in together], sim.device) is None:
+        together = []  # clients with different kinds of loss: nothing to share a step
+    if sim.backend == "graphed" and len({objectives[c].prox_mu for c in together}) > 1:
+        together = []  # a captured step bakes FedProx's mu in
     trained = {}
-    if batched:
-        results = train_clients(sim.worker, [contexts[c] for c in batched], [starts[c] for c in batched],
-                                [objectives[c] for c in batched])
-        for cid, (weights, metrics) in zip(batched, results):
+    if together:
+        args = ([contexts[c] for c in together], [starts[c] for c in together], [objectives[c] for c in together])
+        if sim.backend == "graphed":
+            if sim.graphed is None:
+                sim.graphed = GraphedTrainer(sim.worker, sim.cfg.run.streams)
+            results = sim.graphed.train(*args)
+        else:
+            results = train_clients(sim.worker, *args)
+        for cid, (weights, metrics) in zip(together, results):
             trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics)
 
     replies = {}

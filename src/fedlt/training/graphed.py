@@ -1,0 +1,221 @@
+"""Local training whose step is captured once as a CUDA graph and replayed, several clients at once
+on their own CUDA streams (``run.backend=graphed``).
+
+A BatchNorm ResNet's step at batch 32 is a few hundred small kernels. Launched one by one from
+Python, the GPU waits for the host between them; a CUDA graph launches them all with one call, and
+clients on separate streams (``run.streams`` lanes, each with its own copy of the model) keep the
+device busy while the host prepares the next batches.
+
+Everything a step touches lives at fixed addresses: the lane's model (its parameters and BatchNorm
+buffers, loaded in place from each client's start), the momentum buffers, the FedProx anchor, the
+loss's per-client tensors (log-prior, margins), the loss sum and one input buffer per batch size. A
+step reads its batch from the input buffer, computes the loss and its gradient with
+``torch.autograd.grad``, clips and applies SGD with foreach operations in ``torch.optim.SGD``'s order
+(dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
+own) and learning rate.
+
+Equal to the sequential loop, client by client, to float rounding: the same batches from each
+client's own generators, the same loss and the same SGD arithmetic. On a CPU the same step runs
+without capture, one client after another: what CUDA replays is what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings
+from fedlt.seeding import seed_for
+from fedlt.training.batched import client_plan, split_loss
+from fedlt.training.scopes import BATCH, GRADIENT, scope
+
+WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS set-up, autograd's threads)
+
+
+@dataclass
+class Lane:
+    """One model copy and everything its steps write, on one stream (None on a CPU)."""
+
+    model: torch.nn.Module
+    stream: torch.cuda.Stream | None
+    params: list[torch.Tensor] = field(init=False)
+    momentum: list[torch.Tensor] = field(init=False)
+    anchor: list[torch.Tensor] = field(init=False)
+    total: torch.Tensor = field(init=False)
+    loss_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    graphs: dict[tuple[int, float], torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.anchor = [torch.zeros_like(p) for p in self.params]
+        self.total = torch.zeros((), device=self.params[0].device, dtype=self.params[0].dtype)
+
+
+class GraphedTrainer:
+    """Trains clients from their start states with captured steps; one per engine, so the lanes,
+    their buffers and graphs are made once and reused every round."""
+
+    def __init__(self, template: torch.nn.Module, lanes: int):
+        device = next(template.parameters()).device
+        self.capture = device.type == "cuda"
+        count = lanes if self.capture else 1
+        self.lanes = [Lane(copy.deepcopy(template), torch.cuda.Stream(device) if self.capture else None)
+                      for _ in range(count)]
+        self.signature = None  # what the graphs baked in: loss function, its fixed settings, prox, SGD settings
+
+    def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]],
+              objectives: list[LocalObjective]) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+        """Per client its final state dict and ``train_local``'s metrics, in the order given."""
+        if not contexts:
+            return []
+        train = contexts[0].train
+        if any(ctx.train != train for ctx in contexts):
+            raise ValueError("graphed clients must share the round's training settings")
+        parts = [split_loss(o.loss) for o in objectives]
+        fn, fixed, first = parts[0]
+        if any(f is not fn or x != fixed or t.keys() != first.keys() for f, x, t in parts):
+            raise ValueError("graphed clients must use the same kind of loss")
+        mus = {o.prox_mu for o in objectives}
+        if len(mus) > 1:
+            raise ValueError("graphed clients must share FedProx's mu")
+        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), train.momentum, train.weight_decay, train.grad_clip)
+        if signature != self.signature:
+            for lane in self.lanes:
+                lane.graphs.clear()
+            self.signature = signature
+        step = _step_function(fn, fixed, signature[2], train)
+        queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
+        results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        runs = [self._client_runs(lane, queue, contexts, starts, parts, step, results)
+                for lane, queue in zip(self.lanes, queues)]
+        current = torch.cuda.current_stream() if self.capture else None
+        for lane in self.lanes:
+            if lane.stream is not None:
+                lane.stream.wait_stream(current)  # the start states were made on the default stream
+        while runs:  # one step of every lane in turn, so their streams overlap on the device
+            runs = [run for run in runs if next(run, StopIteration) is not StopIteration]
+        for lane in self.lanes:
+            if lane.stream is not None:
+                current.wait_stream(lane.stream)
+        last = contexts[-1]  # the global RNG as sequential training leaves it (it seeds it per client)
+        torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
+        return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)})
+                for state, total, steps in (results[i] for i in range(len(contexts)))]
+
+    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, step, results):
+        """A generator that trains the lane's clients one batch per ``next``."""
+        with _on(lane.stream):
+            lane.model.train()
+        for i in queue:
+            ctx = contexts[i]
+            with _on(lane.stream):
+                _load(lane, starts[i], parts[i][2])
+                plan = client_plan(ctx, ctx.train.epochs)
+                augment = ctx.generator(purpose=1)
+            for rows in plan:
+                with _on(lane.stream):
+                    with scope(BATCH):
+                        x, y = ctx.data.batch(rows, augment)
+                    with scope(GRADIENT):
+                        self._run_step(lane, x, y, ctx.train, step)
+                yield
+            with _on(lane.stream):  # read on the host once every lane is done: no wait here
+                results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
+                              lane.total.clone(), len(plan))
+
+    def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, train: TrainSettings, step) -> None:
+        size = x.shape[0]
+        if size not in lane.inputs:
+            lane.inputs[size] = (torch.empty_like(x), torch.empty_like(y))
+        x_in, y_in = lane.inputs[size]
+        x_in.copy_(x)
+        y_in.copy_(y)
+        if not self.capture:
+            step(lane, x_in, y_in)
+            return
+        key = (size, train.lr)
+        if key not in lane.graphs:
+            lane.graphs[key] = _capture(lane, step, x_in, y_in)
+        lane.graphs[key].replay()
+
+
+def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
+    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum."""
+
+    def step(lane: Lane, x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
+        if mu > 0:
+            loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(lane.params, lane.anchor))
+        grads = list(torch.autograd.grad(loss, lane.params))
+        with torch.no_grad():
+            if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                torch._foreach_mul_(grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+            d = torch._foreach_add(grads, lane.params, alpha=train.weight_decay) if train.weight_decay else grads
+            if train.momentum:
+                torch._foreach_mul_(lane.momentum, train.momentum)
+                torch._foreach_add_(lane.momentum, d)
+                d = lane.momentum
+            torch._foreach_add_(lane.params, d, alpha=-train.lr)
+            lane.total.add_(loss.detach())
+
+    return step
+
+
+def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, torch.Tensor]) -> None:
+    """A client's start in the lane's fixed tensors: weights and buffers, zero momentum and loss sum,
+    the FedProx anchor, the loss's tensors."""
+    with torch.no_grad():
+        lane.model.load_state_dict(start)  # copies in place: captured graphs see the new values
+        torch._foreach_zero_(lane.momentum)
+        lane.total.zero_()
+        torch._foreach_copy_(lane.anchor, lane.params)
+        for k, v in loss_tensors.items():
+            if k not in lane.loss_tensors or lane.loss_tensors[k].shape != v.shape:
+                lane.loss_tensors[k] = torch.empty_like(v)
+            lane.loss_tensors[k].copy_(v)
+
+
+def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
+    """Capture ``step`` on the lane's fixed tensors. The warm-up steps change the lane's state (a
+    client may be mid-way through its batches), so that state is put back afterwards."""
+    with torch.no_grad():
+        saved = ({k: v.clone() for k, v in lane.model.state_dict().items()}, [m.clone() for m in lane.momentum],
+                 lane.total.clone())
+    side = torch.cuda.Stream(x_in.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
+            step(lane, x_in, y_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(lane, x_in, y_in)
+    with torch.no_grad():
+        lane.model.load_state_dict(saved[0])
+        torch._foreach_copy_(lane.momentum, saved[1])
+        lane.total.copy_(saved[2])
+    return graph
+
+
+class _on:
+    """``torch.cuda.stream(stream)``, or nothing for a CPU lane."""
+
+    def __init__(self, stream):
+        self.context = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc):
+        if self.context is not None:
+            return self.context.__exit__(*exc)
+        return False

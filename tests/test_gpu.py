@@ -1,0 +1,100 @@
+"""The CUDA paths: the graphed backend's captured steps and streams, and the vectorized backend, equal
+sequential training on the GPU client by client; a local epoch on the GPU never waits for the host.
+
+The same arithmetic is checked on the CPU in test_vectorized.py (the graphed step without capture);
+what only a GPU has (graph capture, replays, several streams) is checked here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fedlt
+from fedlt.api import prepare
+from fedlt.messages import Message
+from fedlt.methods.base import clone_state
+from fedlt.methods.fedavg import local_loss
+from fedlt.training.batched import train_clients
+from fedlt.training.graphed import GraphedTrainer
+from fedlt.training.sequential import train_local
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (graph capture, replays and streams exist only there)")
+
+
+def config(tmp_path, *overrides: str):
+    return fedlt.load_config(None, [
+        "seed=1", "data.dataset=synthetic", "data.imbalance_factor=10", "data.num_clients=6", "fl.participation=1.0",
+        "fl.local_epochs=1", "fl.rounds=2", "eval.every=1", f"run.out_dir={tmp_path}", "run.device=cuda",
+        "run.checkpoint_every=0", "fl.batch_size=16", *overrides,
+    ])
+
+
+@pytest.mark.parametrize("together", ["graphed", "vectorized"])
+@pytest.mark.parametrize("model,loss,extra", [
+    ("resnet8", "ldam", ["data.augment=weak", "fl.grad_clip=0.5"]),  # BatchNorm, margins, augmentation, clipping
+    ("cnn", "la", ["fl.local_epochs=2", "fl.weight_decay=0.01"]),
+])
+def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, float64, model, loss, extra, together):
+    sim = prepare(config(tmp_path, f"model.name={model}", f"loss.name={loss}", "data.image_size=8", *extra))
+    assert sim.device.type == "cuda" and sim.worker.head.weight.dtype == torch.float64
+    msg = Message(weights=clone_state(sim.worker))
+    cids = sim.schedule[0]
+    contexts = [sim._context(c, 1) for c in cids]
+    assert len({len(ctx.data) % 16 for ctx in contexts}) > 1, "the test needs clients whose last batches differ"
+    objectives = [sim.client.local_objective(ctx, msg) for ctx in contexts]
+    starts = [dict(msg.weights)] * len(cids)
+    if together == "graphed":
+        trainer = GraphedTrainer(sim.worker, lanes=4)
+        results = trainer.train(contexts, starts, objectives)
+        assert trainer.capture and len(trainer.lanes) == 4
+        assert all(lane.graphs for lane in trainer.lanes)  # every lane captured and replayed its steps
+    else:
+        results = train_clients(sim.worker, contexts, starts, objectives)
+    for cid, (weights, metrics) in zip(cids, results):
+        ctx = sim._context(cid, 1)
+        loss_fn = local_loss(ctx, msg)
+        expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
+        assert metrics["steps"] == expected["steps"]
+        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-9)
+        for name, value in ctx.model.state_dict().items():
+            assert torch.allclose(weights[name], value, rtol=0, atol=1e-9), (cid, name)
+
+
+def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64):
+    """Whole runs, with a new learning rate every round (new graphs) and FedProx's anchor."""
+    runs = {}
+    for backend in ("sequential", "graphed"):
+        sim = prepare(config(tmp_path, "method=fedprox", "method_args.mu=0.5", "fl.lr_schedule=cosine",
+                             f"run.backend={backend}", "run.streams=3"))
+        assert sim.backend == backend
+        (tmp_path / backend).mkdir()
+        runs[backend] = (sim.run(tmp_path / backend, quiet=True), clone_state(sim.server_model))
+    (seq, seq_state), (graphed, graphed_state) = runs["sequential"], runs["graphed"]
+    for name, value in seq_state.items():
+        assert torch.allclose(graphed_state[name], value, rtol=0, atol=1e-9), name
+    assert [r["acc"] for r in graphed.metrics] == [r["acc"] for r in seq.metrics]
+
+
+@pytest.mark.parametrize("backend", ["sequential", "graphed", "vectorized"])
+def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend):
+    """CUDA's own sync check: the synchronisations of a round do not grow with its local epochs."""
+    counts = []
+    for epochs in (1, 3):
+        sim = prepare(config(tmp_path, f"run.backend={backend}", f"fl.local_epochs={epochs}", "loss.name=bsm"))
+        sim.setup()
+        sim.fit_round(1)  # captures, allocations and cuDNN set-up happen here
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                sim.fit_round(2)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+        sim.close()
+    assert counts[1] == counts[0], f"synchronisations with 1 and 3 local epochs: {counts}"
