@@ -141,6 +141,22 @@ def test_reference_loop_of_the_speed_bench_trains_a_fedavg_round(tmp_path):
     assert not torch.equal(sim.server_model.head.weight, before["head.weight"])
 
 
+def test_limit_of_the_speed_bench_trains_the_round_as_one_model(tmp_path):
+    """The limit column: every image the sampled clients hold, once per local epoch, in batches of
+    K x B through one model."""
+    from fedlt.bench.speed import limit_round
+    from fedlt.training.sequential import steps_per_epoch
+
+    sim = prepare(config(tmp_path, "fl.local_epochs=2", "fl.batch_size=8"))
+    sampled = sim.schedule[0]
+    images = sum(len(sim.train_data.partition.client_indices[c]) for c in sampled)
+    assert len(sampled) == 4 and images > 32
+    before = clone_state(sim.worker)
+    metrics = limit_round(sim, 1)
+    assert metrics["steps"] == 2 * steps_per_epoch(images, 4 * 8)
+    assert not torch.equal(sim.worker.head.weight, before["head.weight"])
+
+
 def test_channels_last_applies_on_the_cpu_only(tmp_path):
     """cuDNN's backward under vmap refuses channels-last tensors, so CUDA runs keep NCHW."""
     from fedlt.engine.clients import channels_last

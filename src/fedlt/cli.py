@@ -199,11 +199,13 @@ def bench_speed_cmd(
     args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
     rounds: int = typer.Option(3, help="rounds to time (after one warm-up round)"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
-    backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/parallel/vectorized with a "
-                                  "peer-style reference loop (CNN and ResNet-8, 10/20 clients; K=10 vs 1,000)"),
+    backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/parallel/vectorized/graphed with a "
+                                  "peer-style reference loop and the limit of one model at batch K x B (CNN and "
+                                  "ResNet-8, 10/20 clients; K=10 vs 1,000)"),
     models: str = typer.Option("cnn,resnet8", help="--backends: models to measure (ResNets on synthetic data)"),
     sampled: str = typer.Option("10,20", help="--backends: sampled clients per round to measure"),
     synthetic_size: int = typer.Option(16, help="--backends: image side of the ResNets' synthetic data (32: CIFAR-shaped)"),
+    k_table: bool = typer.Option(True, "--k-table/--no-k-table", help="--backends: also K=10 vs K=1,000 clients"),
 ) -> None:
     """Images/s of local training, seconds per round and achieved GFLOP/s vs. a measured matmul peak."""
     args = list(args or [])
@@ -219,7 +221,7 @@ def bench_speed_cmd(
         if backends:
             text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True),
                                      models=_model_list(models), sampled_counts=_client_counts(sampled),
-                                     synthetic_size=synthetic_size)
+                                     synthetic_size=synthetic_size, k_table=k_table)
         else:
             text = run_speed_bench(config, args, rounds=rounds)
         _print_and_save(text, out)

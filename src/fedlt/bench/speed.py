@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ from fedlt.config import Config, load_config
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.environment import collect, describe
 from fedlt.run_parts import resolve_device
+from fedlt.training.sequential import train_local
 
 
 def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 10) -> float:
@@ -121,7 +123,7 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
 # ---- backends: sequential vs vectorized vs the way peer frameworks train ---------------------
 BACKEND_MODELS = ("cnn", "resnet8")  # the CNN on the config's data; ResNets on synthetic data (16 px: CPU-sized)
 SAMPLED = (10, 20)
-BACKENDS = ("sequential", "parallel", "vectorized")  # run.backend values measured
+BACKENDS = ("sequential", "parallel", "vectorized", "graphed")  # run.backend values measured (where they apply)
 
 
 def model_data(model: str, synthetic_size: int) -> list[str]:
@@ -164,13 +166,30 @@ def reference_round(sim, rnd: int) -> None:
     sim.server_model.load_state_dict(weighted_average(replies))
 
 
+def limit_round(sim, rnd: int) -> dict[str, float]:
+    """The round's work as one model: all the sampled clients' images in batches of K x B (K clients,
+    batch B) through the training loop (same batch pipeline, cross-entropy, SGD). Clients with their
+    own weights cannot train faster than this: it is the device's limit for the round."""
+    sampled = sim.schedule[rnd - 1]
+    ctx = sim.clients.context(sampled[0], rnd, {})
+    rows = torch.cat([sim.train_data.client_indices(c) for c in sampled])
+    ctx = replace(ctx, data=replace(ctx.data, indices=rows),
+                  train=replace(ctx.train, batch_size=len(sampled) * ctx.train.batch_size))
+    return train_local(ctx, lambda x, y: torch.nn.functional.cross_entropy(ctx.model(x), y))
+
+
 def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
-    """s/round and images/s of training (local training + aggregation) after one warm-up round."""
-    step = (lambda r: reference_round(sim, r)) if backend == "reference" else sim.fit_round
+    """s/round and images/s of training (local training + aggregation) after one warm-up round,
+    and on a GPU the peak memory allocated in the timed rounds."""
+    steps = {"reference": lambda r: reference_round(sim, r), "limit": lambda r: limit_round(sim, r)}
+    step = steps.get(backend, sim.fit_round)
+    cuda = sim.device.type == "cuda"
     try:
         sim.setup()
         step(1)
         sync_device(sim.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(sim.device)
         images = 0
         t0 = time.perf_counter()
         for rnd in range(2, rounds + 2):
@@ -181,20 +200,24 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
     finally:
         sim.close()
     return {"s_per_round": seconds / rounds, "images_per_s": images * sim.cfg.fl.local_epochs / seconds,
-            "images_per_round": images * sim.cfg.fl.local_epochs / rounds}
+            "images_per_round": images * sim.cfg.fl.local_epochs / rounds,
+            "peak_mib": torch.cuda.max_memory_allocated(sim.device) / 2**20 if cuda else None}
 
 
 def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
                       echo: Callable[[str], None] = lambda line: None, models: tuple[str, ...] = BACKEND_MODELS,
-                      sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16) -> str:
-    """Sequential vs parallel vs vectorized vs the peer-style reference loop, for the CNN and ResNet-8 with 10
-    and 20 sampled clients; then K=10 vs K=1,000 clients at 10 sampled per round with equal data
+                      sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16, k_table: bool = True) -> str:
+    """Sequential vs parallel vs vectorized (vs graphed on a GPU) vs the peer-style reference loop and
+    the limit (one model, batch K x B), for the CNN and ResNet-8 with 10 and 20 sampled clients; then
+    (``k_table``) K=10 vs K=1,000 clients at 10 sampled per round with equal data
     per client (K=10 keeps 1% of the training set). ``echo`` gets
     each table row as it is measured (the whole bench takes minutes on a CPU)."""
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
     device = prepare(base).device
     peak = matmul_peak_gflops(device)
-    backends = [b for b in BACKENDS if b != "parallel" or device.type == "cpu"]
+    cuda = device.type == "cuda"
+    # parallel: CPU processes; graphed without a GPU is its step without capture, no faster than sequential
+    backends = [b for b in BACKENDS if b != ("graphed" if device.type == "cpu" else "parallel")]
     lines = [
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
         f"{rounds} timed round(s) after one warm-up",
@@ -202,29 +225,44 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
         f"device {device}: {describe(collect(device))}; matmul peak measured now "
         f"{peak:.1f} GFLOP/s (float32, 2048x2048). reference = a DataLoader over a TensorDataset and a deep copy of "
         "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / parallel / "
-        f"vectorized = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here). "
-        "GFLOP/s = images/s x the model's forward+backward FLOPs per image.",
+        f"vectorized / graphed = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here; "
+        "graphed, GPU only). limit = the same images trained as one model in batches of K x B (K sampled clients, "
+        "batch B): what clients with their own weights cannot beat; of limit = its s/round over the row's. "
+        "GFLOP/s = images/s x the model's forward+backward FLOPs per image."
+        + (" peak MiB = GPU memory allocated at most during the timed rounds." if cuda else ""),
         "",
-        "| model | data | sampled clients | backend | s/round | images/s | vs reference | GFLOP/s | % of peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | data | sampled clients | backend | s/round | images/s | vs reference | of limit | GFLOP/s "
+        "| % of peak |" + (" peak MiB |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""),
     ]
+    memory: dict[tuple[str, str], dict[int, float]] = {}
     for model in models:
         for sampled in sampled_counts:
             common = measured_setting(base, overrides, model, sampled, synthetic_size, rounds + 1)
             results, flops = {}, None
-            for backend in ("reference", *backends):
-                pick = ["run.channels_last=false"] if backend == "reference" else [f"run.backend={backend}"]
+            for backend in ("reference", *backends, "limit"):
+                pick = {"reference": ["run.channels_last=false"], "limit": []}.get(backend, [f"run.backend={backend}"])
                 cfg = load_config(config, [*common, *pick])
                 sim = prepare(cfg)
                 flops = flops or train_flops_per_image(sim)
                 results[backend] = time_backend(sim, backend, rounds)
-            ref = results["reference"]["s_per_round"]
+            ref, limit = results["reference"]["s_per_round"], results["limit"]["s_per_round"]
             for backend, r in results.items():
                 gflops = r["images_per_s"] * flops / 1e9
                 lines.append(f"| {model} | {cfg.data.dataset} | {sampled} | {backend} | {r['s_per_round']:.3f} "
-                             f"| {r['images_per_s']:.0f} | {ref / r['s_per_round']:.2f}x | {gflops:.1f} "
-                             f"| {100 * gflops / peak:.1f} |")
+                             f"| {r['images_per_s']:.0f} | {ref / r['s_per_round']:.2f}x "
+                             f"| {100 * limit / r['s_per_round']:.0f}% | {gflops:.1f} | {100 * gflops / peak:.1f} |"
+                             + (f" {r['peak_mib']:.0f} |" if cuda else ""))
                 echo(lines[-1])
+                if cuda:
+                    memory.setdefault((model, backend), {})[sampled] = r["peak_mib"]
+    if len(sampled_counts) > 1 and memory:
+        low, high = min(sampled_counts), max(sampled_counts)
+        lines += ["", f"Peak GPU memory per extra sampled client ({low} to {high} clients): "
+                  + "; ".join(f"{model} {backend} {(mib[high] - mib[low]) / (high - low):.1f} MiB"
+                              for (model, backend), mib in memory.items()) + "."]
+    if not k_table:
+        return "\n".join(lines)
     k_rounds = max(rounds, 5)  # short rounds: time more of them
     lines += ["", f"### K = 10 vs 1,000 clients, 10 sampled per round, the same data per client "
               f"({base.model.name}, {base.data.dataset}, IID, IF = 1; K = 10 keeps 1% of the training set); "

@@ -165,10 +165,13 @@ def _sgd_step(params: Stacked, grads: Stacked, momentum: Stacked, train) -> None
         scale = (train.grad_clip / (norms + 1e-6)).clamp(max=1.0)
         for g in grads.values():
             g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
-    for k, p in params.items():
-        d = grads[k]
-        if train.weight_decay:
-            d = d.add(p, alpha=train.weight_decay)
-        if momentum:
-            d = momentum[k].mul_(train.momentum).add_(d)
-        p.add_(d, alpha=-train.lr)
+    names = list(params)  # foreach operations: one launch per operation on a GPU, the same arithmetic
+    p, d = [params[k] for k in names], [grads[k] for k in names]
+    if train.weight_decay:
+        d = torch._foreach_add(d, p, alpha=train.weight_decay)
+    if momentum:
+        m = [momentum[k] for k in names]
+        torch._foreach_mul_(m, train.momentum)
+        torch._foreach_add_(m, d)
+        d = m
+    torch._foreach_add_(p, d, alpha=-train.lr)
