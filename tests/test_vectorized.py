@@ -216,3 +216,30 @@ def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
     assert float(vec["forward+backward ms"]) > 0 and float(vec["optimizer ms"]) > 0
     # 2 clients x 2 epochs of synthetic data: the per-client synchronisations spread over many steps
     assert 0 < float(seq["host syncs / step"]) < 1
+
+
+def test_paper_rounds_project_a_protocol_from_two_timed_rounds():
+    """`fedlt bench paper-rounds`: per row and backend, a round on synthetic data split into a fixed
+    part and a part per image, projected to the protocol's images per round x rounds x seeds."""
+    import re
+
+    from fedlt.bench.paper_rounds import protocol_images, run_paper_rounds
+    from fedlt.config import load_config
+
+    extra = ["model.name=cnn", "data.image_size=16", "fl.local_epochs=1", "run.threads=1"]
+    text = run_paper_rounds(["paper-creff"], ("sequential", "vectorized"), rows=2, extra=extra)
+    assert "| CReFF | | vectorized | refused: run.backend=vectorized does not support method creff" in text
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if re.match(r"\| (CReFF|FedProx) \| cnn \|", line)]
+    assert [(r[0], r[2]) for r in rows] == [("CReFF", "sequential"), ("FedProx", "sequential"),
+                                            ("FedProx", "vectorized")]
+    # CIFAR-10-LT at IF = 100, 50, 10 and CIFAR-100-LT at the same: 40% of the clients, 1 local epoch
+    settings = [load_config(None, [f"data.dataset={d}", f"data.imbalance_factor={f}", "fl.participation=0.4", *extra])
+                for d in ("cifar10", "cifar100") for f in (100, 50, 10)]
+    assert protocol_images(settings[0]) == pytest.approx(0.4 * 12406, abs=1)  # CIFAR-10-LT, IF = 100: 12,406 images
+    images = sum(protocol_images(cfg) for cfg in settings)
+    for _, model, _, _, fixed, per_1000, hours in rows:
+        assert model == "cnn" and float(fixed) >= 0 and float(per_1000) > 0
+        expected = (6 * float(fixed) + float(per_1000) / 1e6 * images) * 200 * 3 / 3600
+        assert float(hours) == pytest.approx(expected, rel=0.05, abs=0.05)  # from the printed, rounded figures
+    assert re.search(r"paper-creff, the rows above: sequential [\d.]+ h; vectorized [\d.]+ h\.", text)

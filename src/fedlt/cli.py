@@ -31,7 +31,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Federated learning on long-tailed data.")
 bench_app = typer.Typer(cls=_SuiteGroup, no_args_is_help=True,
                         help="Benchmarks: `fedlt bench SUITE` runs a suite (built-in name or YAML file); "
-                             "`fedlt bench list`; `fedlt bench speed`; `fedlt bench profile`; `fedlt bench engines`.")
+                             "`fedlt bench list`; `fedlt bench speed`; `fedlt bench profile`; `fedlt bench paper-rounds`; "
+                             "`fedlt bench engines`.")
 app.add_typer(bench_app, name="bench")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data without training.")
 app.add_typer(data_app, name="data")
@@ -267,19 +268,56 @@ def bench_profile_cmd(
 
     def go() -> None:
         from fedlt.bench.profile import run_profile_bench
-        from fedlt.config import RunConfig, load_config
-        from fedlt.errors import ConfigError
+        from fedlt.config import load_config
 
         _check_out(out, folder=False)
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)
-        allowed = [b for b in RunConfig.model_fields["backend"].annotation.__args__ if b != "auto"]
-        chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
-        if not chosen or any(b not in allowed for b in chosen):
-            raise ConfigError(f"--backends {backends}: give a comma-separated list of {', '.join(allowed)}")
         text = run_profile_bench(config, args, models=_model_list(models), sampled_counts=_client_counts(sampled),
-                                 backends=chosen, synthetic_size=synthetic_size,
+                                 backends=_backend_list(backends, auto=False), synthetic_size=synthetic_size,
                                  echo=lambda line: typer.echo(line, err=True))
+        _print_and_save(text, out)
+
+    _guard(go)
+
+
+def _backend_list(backends: str, auto: bool) -> tuple[str, ...]:
+    from fedlt.config import RunConfig
+    from fedlt.errors import ConfigError
+
+    allowed = [b for b in RunConfig.model_fields["backend"].annotation.__args__ if auto or b != "auto"]
+    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+    if not chosen or any(b not in allowed for b in chosen):
+        raise ConfigError(f"--backends {backends}: give a comma-separated list of {', '.join(allowed)}")
+    return chosen
+
+
+@bench_app.command("paper-rounds")
+def bench_paper_rounds_cmd(
+    args: Optional[List[str]] = typer.Argument(None, help="[SUITE ...] [key=value ...]: paper suites (default: every "
+                                               "paper-* suite) and overrides for every round"),
+    backends: str = typer.Option("sequential,auto", help="run.backend values to time"),
+    rows: Optional[int] = typer.Option(None, help="time each suite's first N rows (default: all)"),
+    out: Optional[Path] = typer.Option(None, help="also write the tables as markdown to this file"),
+) -> None:
+    """A round of each paper suite's rows on synthetic CIFAR-shaped data, and the full protocol's projected hours."""
+    args = list(args or [])
+
+    def go() -> None:
+        from fedlt.bench.paper_rounds import run_paper_rounds
+        from fedlt.bench.suite import builtin_suites, load_suite
+        from fedlt.config import load_config
+
+        _check_out(out, folder=False)
+        if rows is not None:
+            _check_at_least_one(rows, "--rows", "rows")
+        overrides = [a for a in args if "=" in a]
+        suites = [a for a in args if "=" not in a] or [n for n in builtin_suites() if n.startswith("paper-")]
+        for name in suites:
+            load_suite(name)
+        load_config(None, overrides)
+        text = run_paper_rounds(suites, _backend_list(backends, auto=True), rows=rows, extra=overrides,
+                                echo=lambda line: typer.echo(line, err=True))
         _print_and_save(text, out)
 
     _guard(go)

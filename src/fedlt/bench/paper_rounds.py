@@ -1,0 +1,117 @@
+"""``fedlt bench paper-rounds``: what a paper suite's protocol costs on this machine, per backend.
+
+Each row of each ``paper-*`` suite trains rounds of its protocol (model, clients, participation,
+local epochs, batch, method) on synthetic data shaped like CIFAR (3 x 32 x 32) instead of the
+suite's dataset files: one warm-up round and one timed round, on the whole synthetic training set
+and on half of it. The two timings split a round into a part that grows with the images a round
+trains (local training) and a part that does not (server steps such as CReFF's feature
+optimisation): ``seconds = fixed + per_image x images``. The full protocol is projected from that
+line at the images a round of each setting holds (its long-tailed CIFAR training set x
+participation x local epochs), for the suite's rounds, settings and seeds. Evaluation is not
+included (it runs every ``eval.every`` rounds, on test sets of another size).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from fedlt.api import prepare
+from fedlt.bench.speed import sync_device
+from fedlt.bench.suite import SuiteSpec, load_suite
+from fedlt.config import load_config
+from fedlt.data.longtail import longtail_counts
+from fedlt.environment import collect, describe
+from fedlt.errors import ConfigError
+from fedlt.run_parts import check_config, resolve_device
+
+#: training images per class of the balanced CIFAR sets the paper suites subsample
+CIFAR_PER_CLASS = {"cifar10": (5000, 10), "cifar100": (500, 100)}
+#: the synthetic stand-in: balanced (its long tail would leave 100 clients too few images), any client size
+SYNTHETIC = ["data.dataset=synthetic", "data.image_size=32", "data.imbalance_factor=1", "data.min_client_size=0"]
+
+
+def round_seconds(base: str | None, overrides: list[str]) -> tuple[float, float]:
+    """(seconds, images trained) of round 2, after a warm-up round 1."""
+    sim = prepare(load_config(base, [*overrides, "fl.rounds=2", "eval.every=2", "run.checkpoint_every=0"]))
+    try:
+        sim.setup()
+        sim.fit_round(1)
+        sync_device(sim.device)
+        t0 = time.perf_counter()
+        sim.fit_round(2)
+        sync_device(sim.device)
+        seconds = time.perf_counter() - t0
+        images = sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[1])
+    finally:
+        sim.close()
+    return seconds, images * sim.cfg.fl.local_epochs
+
+
+def round_line(base: str | None, overrides: list[str]) -> tuple[float, float, float]:
+    """``(fixed seconds, seconds per image, seconds of the full synthetic round)`` from rounds on the
+    whole synthetic training set and on half of it."""
+    full_s, full_n = round_seconds(base, [*overrides, "data.train_fraction=1.0"])
+    half_s, half_n = round_seconds(base, [*overrides, "data.train_fraction=0.5"])
+    per_image = max((full_s - half_s) / (full_n - half_n), 0.0) if full_n != half_n else full_s / full_n
+    return max(full_s - per_image * full_n, 0.0), per_image, full_s
+
+
+def protocol_images(cfg) -> float | None:
+    """Images one round of ``cfg``'s real protocol trains (None for datasets other than CIFAR)."""
+    if cfg.data.dataset not in CIFAR_PER_CLASS:
+        return None
+    n_max, classes = CIFAR_PER_CLASS[cfg.data.dataset]
+    total = float(longtail_counts(n_max, classes, cfg.data.imbalance_factor).sum()) * cfg.data.train_fraction
+    return total * cfg.fl.participation * cfg.fl.local_epochs
+
+
+def suite_rows(s: SuiteSpec, rows: int | None):
+    """``(row name, [(setting, overrides), ...])`` of the suite's first ``rows`` rows."""
+    for m in s.methods[:rows]:
+        settings = [st for st in s.settings if m.settings is None or st.name in m.settings]
+        yield m.name, [(st.name, [*s.overrides, *st.overrides, *m.overrides]) for st in settings]
+
+
+def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | None = None, extra: list[str] = (),
+                     echo: Callable[[str], None] = lambda line: None) -> str:
+    """The cost table of every suite in ``suites`` (its first ``rows`` rows) for each backend."""
+    device = resolve_device(load_config(None, [*SYNTHETIC, *extra]).run.device)
+    lines = ["## What a paper suite's protocol costs here, per backend", "",
+             f"device {device}: {describe(collect(device))}. Rounds on synthetic CIFAR-shaped data (3 x 32 x 32, "
+             "balanced): a warm-up and a timed round on the whole synthetic training set and on half of it give "
+             "seconds = fixed + per image x images; the projection applies that line to the images a round of each "
+             "setting trains (long-tailed CIFAR x participation x local epochs), times the suite's rounds and seeds, "
+             "summed over the row's settings. Evaluation is not included.", ""]
+    for name in suites:
+        suite = load_suite(name)
+        s, base = suite.spec, str(suite.base) if suite.base else None
+        lines += [f"### {s.name}: {s.title}", "",
+                  "| row | models | backend | round on synthetic data (s) | fixed s | ms per 1,000 images "
+                  "| projected hours |", "|---|---|---|---|---|---|---|"]
+        totals = dict.fromkeys(backends, 0.0)
+        for row, settings in suite_rows(s, rows):
+            for backend in backends:
+                measured: dict[str, tuple[float, float, float]] = {}
+                hours: float | None = 0.0
+                try:
+                    check_config(load_config(base, [*settings[0][1], *SYNTHETIC, *extra, f"run.backend={backend}"]))
+                except ConfigError as refused:
+                    lines.append(f"| {row} | | {backend} | refused: {refused} | | | |")
+                    echo(lines[-1])
+                    continue
+                for _, overrides in settings:
+                    cfg = load_config(base, [*overrides, *extra])
+                    if cfg.model.name not in measured:
+                        measured[cfg.model.name] = round_line(base, [*overrides, *SYNTHETIC, *extra, f"run.backend={backend}"])
+                    fixed, per_image, _ = measured[cfg.model.name]
+                    images = protocol_images(cfg)
+                    hours = None if images is None or hours is None else \
+                        hours + (fixed + per_image * images) * cfg.fl.rounds * len(s.seeds) / 3600
+                totals[backend] += hours or 0.0
+                for model, (fixed, per_image, full) in measured.items():
+                    lines.append(f"| {row} | {model} | {backend} | {full:.2f} | {fixed:.2f} | {1e6 * per_image:.1f} "
+                                 f"| {'n/a' if hours is None else f'{hours:.1f}'} |")
+                    echo(lines[-1])
+        lines += ["", f"{s.name}, the rows above: " + "; ".join(f"{b} {h:.1f} h" for b, h in totals.items()) + ".", ""]
+    return "\n".join(lines).rstrip()
