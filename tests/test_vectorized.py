@@ -242,4 +242,4 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds():
         assert model == "cnn" and float(fixed) >= 0 and float(per_1000) > 0
         expected = (6 * float(fixed) + float(per_1000) / 1e6 * images) * 200 * 3 / 3600
         assert float(hours) == pytest.approx(expected, rel=0.05, abs=0.05)  # from the printed, rounded figures
-    assert re.search(r"paper-creff, the rows above: sequential [\d.]+ h; vectorized [\d.]+ h\.", text)
+    assert re.search(r"paper-creff, the rows each backend ran: sequential [\d.]+ h; vectorized [\d.]+ h\.", text)
