@@ -41,8 +41,9 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 def make_sgd(params: Iterable[torch.nn.Parameter], train: TrainSettings, lr: float | None = None) -> torch.optim.SGD:
     """``torch.optim.SGD``; on a GPU its fused kernel (one launch for all parameters, equal to the
     per-tensor update to rounding), on the CPU the per-tensor update that fedlt's results were made with."""
-    params = list(params)
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    params = list(params)  # tensors, or parameter groups (dicts with "params")
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    fused = bool(tensors) and all(t.device.type == "cuda" for t in tensors)
     return torch.optim.SGD(params, lr=train.lr if lr is None else lr, momentum=train.momentum,
                            weight_decay=train.weight_decay, fused=fused or None)
 
