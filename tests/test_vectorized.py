@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 import fedlt
 from fedlt.api import prepare
@@ -92,6 +93,32 @@ def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, 
     assert [r["acc"] for r in vec.metrics] == [r["acc"] for r in seq.metrics]
     assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == together
     assert vec.summary["communication_bytes"] == seq.summary["communication_bytes"]
+
+
+def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
+    """CReFF (FedAvg calibrated by federated features): its clients' gradients, computed from the
+    received model before training, ride on the fit replies of clients trained together. Without a
+    GPU the graphed backend runs the very kernels sequential training runs, in the same order, so
+    the runs agree to the last bit (float32, any CPU)."""
+    creff = ["method=creff", "calibration_args.creff_features_per_class=5", "calibration_args.creff_feature_steps=5",
+             "calibration_args.creff_retrain_steps=5"]
+    runs = {}
+    for backend in ("sequential", "graphed"):
+        sim = prepare(config(tmp_path, *creff, f"run.backend={backend}"))
+        assert sim.backend == backend
+        received, aggregate = [], sim.server.aggregate
+
+        def spy(rnd, replies, aggregate=aggregate, received=received):
+            received.append({cid: sorted(r.payload) for cid, r in replies.items()})
+            aggregate(rnd, replies)
+
+        sim.server.aggregate = spy
+        (tmp_path / backend).mkdir()
+        runs[backend] = (sim.run(tmp_path / backend, quiet=True), clone_state(sim.server_model), received)
+    (seq, seq_state, seq_payloads), (graphed, graphed_state, graphed_payloads) = runs.values()
+    assert graphed_payloads == seq_payloads and any("creff/grads" in keys for keys in graphed_payloads[1].values())
+    assert all(torch.equal(graphed_state[k], v) for k, v in seq_state.items())
+    assert [r["acc"] for r in graphed.metrics] == [r["acc"] for r in seq.metrics]
 
 
 def test_backend_choice_and_fallback(tmp_path):
@@ -197,7 +224,8 @@ def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
 
 def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
     """`fedlt bench profile`: per backend, the marked parts of a step (batch, forward+loss, backward
-    or vmap's forward+backward, optimizer) as host time, and no GPU columns on a CPU; FedAvg's epoch makes no host synchronisation, so what is counted is per client, not per batch."""
+    or vmap's forward+backward, optimizer) as host time, and no GPU columns on a CPU; FedAvg's epoch
+    makes no host synchronisation, so what is counted is per client, not per batch."""
     import re
 
     from fedlt.bench.profile import run_profile_bench
@@ -218,7 +246,7 @@ def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
     assert 0 < float(seq["host syncs / step"]) < 1
 
 
-def test_paper_rounds_project_a_protocol_from_two_timed_rounds():
+def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
     """`fedlt bench paper-rounds`: per row and backend, a round on synthetic data split into a fixed
     part and a part per image, projected to the protocol's images per round x rounds x seeds."""
     import re
@@ -228,11 +256,10 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds():
 
     extra = ["model.name=cnn", "data.image_size=16", "fl.local_epochs=1", "run.threads=1"]
     text = run_paper_rounds(["paper-creff"], ("sequential", "vectorized"), rows=2, extra=extra)
-    assert "| CReFF | | vectorized | refused: run.backend=vectorized does not support method creff" in text
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
             if re.match(r"\| (CReFF|FedProx) \| cnn \|", line)]
-    assert [(r[0], r[2]) for r in rows] == [("CReFF", "sequential"), ("FedProx", "sequential"),
-                                            ("FedProx", "vectorized")]
+    assert [(r[0], r[2]) for r in rows] == [("CReFF", "sequential"), ("CReFF", "vectorized"),
+                                            ("FedProx", "sequential"), ("FedProx", "vectorized")]
     # CIFAR-10-LT at IF = 100, 50, 10 and CIFAR-100-LT at the same: 40% of the clients, 1 local epoch
     settings = [load_config(None, [f"data.dataset={d}", f"data.imbalance_factor={f}", "fl.participation=0.4", *extra])
                 for d in ("cifar10", "cifar100") for f in (100, 50, 10)]
@@ -243,3 +270,14 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds():
         expected = (6 * float(fixed) + float(per_1000) / 1e6 * images) * 200 * 3 / 3600
         assert float(hours) == pytest.approx(expected, rel=0.05, abs=0.05)  # from the printed, rounded figures
     assert re.search(r"paper-creff, the rows each backend ran: sequential [\d.]+ h; vectorized [\d.]+ h\.", text)
+
+    # a backend the row's method does not support is named as refused, and the other still runs
+    suite = tmp_path / "tiny-paper.yaml"
+    suite.write_text(yaml.safe_dump({
+        "name": "tiny-paper", "title": "Tiny", "description": "one CIFAR-10-LT setting",
+        "overrides": ["model.name=cnn", "data.num_clients=4", "fl.participation=0.5", "fl.rounds=10"], "seeds": [0],
+        "settings": [{"name": "CIFAR-10-LT, IF=100", "overrides": ["data.dataset=cifar10", "data.imbalance_factor=100"]}],
+        "methods": [{"name": "SCAFFOLD", "overrides": ["method=scaffold"]}]}))
+    text = run_paper_rounds([str(suite)], ("sequential", "vectorized"), extra=extra)
+    assert "| SCAFFOLD | | vectorized | refused: run.backend=vectorized does not support method scaffold" in text
+    assert re.search(r"\| SCAFFOLD \| cnn \| sequential \| [\d.]+ \|", text)

@@ -20,7 +20,7 @@ from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, make_loss
-from fedlt.methods.base import Client, MethodArgs, MethodSpec
+from fedlt.methods.base import Client, MethodArgs, MethodSpec, declares_local_objective
 from fedlt.methods.registry import get_method, parse_method_args
 from fedlt.models.registry import MODELS, check_model_input
 from fedlt.tracking import check_tracking
@@ -54,9 +54,9 @@ def _check_client_gpus(cfg: Config) -> None:
 
 
 def supports_vectorized(client_cls: type[Client]) -> bool:
-    """Whether the client class declares its own :meth:`Client.local_objective` (inheriting one is
-    not enough: a subclass may have changed ``fit``)."""
-    return "local_objective" in vars(client_cls)
+    """Whether the vectorized and graphed backends can train this client class (it declares its
+    local step as a :class:`~fedlt.methods.base.LocalObjective`)."""
+    return declares_local_objective(client_cls)
 
 
 #: ``run.backend=auto``: the backend measured fastest, by device type and model (``*``: any other),

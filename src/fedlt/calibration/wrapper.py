@@ -22,7 +22,8 @@ from fedlt.calibration.math.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    Client, ClientContext, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state, parse_args,
+    Client, ClientContext, LocalObjective, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state,
+    declares_local_objective, parse_args,
 )
 
 STATS_QUERY = "calibration_stats"
@@ -216,14 +217,26 @@ class CalibratedClient(Client):
         super().__init__(args)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        extra = {}
-        if "creff/weight" in msg.payload:
-            ctx.model.load_state_dict(msg.weights, strict=False)  # gradients use the received backbone
-            feats, labels = client_features(ctx.model, ctx)
-            extra = creff_client_gradients(ctx.model, feats, labels, msg.payload)
+        extra = self._before_training(ctx, msg)
         reply = self.inner.fit(ctx, msg)
-        reply.payload.update({k: v.cpu() for k, v in extra.items()})
+        reply.payload.update(extra)
         return reply
+
+    def _local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """The inner client's local step with the calibrations' payload (CReFF's gradients): set as
+        ``local_objective`` on the wrapper of a client that declares one."""
+        objective = self.inner.local_objective(ctx, msg)
+        if objective is not None:
+            objective.payload.update(self._before_training(ctx, msg))
+        return objective
+
+    def _before_training(self, ctx: ClientContext, msg: Message) -> dict[str, torch.Tensor]:
+        """What the calibrations add to a fit reply from the received model, before training."""
+        if "creff/weight" not in msg.payload:
+            return {}
+        ctx.model.load_state_dict(msg.weights, strict=False)  # gradients use the received backbone
+        feats, labels = client_features(ctx.model, ctx)
+        return {k: v.cpu() for k, v in creff_client_gradients(ctx.model, feats, labels, msg.payload).items()}
 
     def query(self, name, ctx, msg):
         if name != STATS_QUERY:
@@ -282,7 +295,10 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
     server = type(f"Calibrated{spec.server.__name__}", (CalibratedServer,),
                   {"inner_cls": spec.server, "names": tuple(names), "head_of": staticmethod(spec.head)})
     # the engine reads ``personalized`` from the class: it must declare what the wrapped client does
-    client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,),
-                  {"inner_cls": spec.client, "personalized": spec.client.personalized})
+    # and trains together with other clients (run.backend=vectorized, graphed) where the wrapped one does
+    members = {"inner_cls": spec.client, "personalized": spec.client.personalized}
+    if declares_local_objective(spec.client):
+        members["local_objective"] = CalibratedClient._local_objective
+    client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,), members)
     return dataclasses.replace(spec, server=server, client=client, calibration=tuple(names))
 

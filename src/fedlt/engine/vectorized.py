@@ -50,7 +50,8 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
         else:
             results = train_clients(sim.worker, *args)
         for cid, (weights, metrics) in zip(together, results):
-            trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics)
+            trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
+                                 payload=dict(objectives[cid].payload))
 
     replies = {}
     for cid, msg in messages.items():

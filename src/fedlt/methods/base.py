@@ -115,6 +115,8 @@ class LocalObjective:
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     prox_mu: float = 0.0
+    #: what the reply carries besides the weights, computed before training (CReFF's gradients)
+    payload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -247,6 +249,12 @@ class Server:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+
+
+def declares_local_objective(client_cls: type["Client"]) -> bool:
+    """Whether the client class declares its own :meth:`Client.local_objective` (inheriting one is
+    not enough: a subclass may have changed ``fit``)."""
+    return "local_objective" in vars(client_cls)
 
 
 class Client:
