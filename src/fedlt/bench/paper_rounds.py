@@ -2,10 +2,10 @@
 
 Each row of each ``paper-*`` suite trains rounds of its protocol (model, clients, participation,
 local epochs, batch, method) on synthetic data shaped like CIFAR (3 x 32 x 32) instead of the
-suite's dataset files: one warm-up round and one timed round, on the whole synthetic training set
-and on half of it. The two timings split a round into a part that grows with the images a round
-trains (local training) and a part that does not (server steps such as CReFF's feature
-optimisation): ``seconds = fixed + per_image x images``, timed with one local epoch. The full protocol is projected from that
+suite's dataset files: one warm-up round and one timed round with one local epoch. The timed round
+splits at the aggregation into a part that grows with the images a round trains (queries before
+training, local training) and a part that does not (the aggregation, server steps such as CReFF's
+feature optimisation): ``seconds = fixed + per_image x images``. The full protocol is projected from that
 line at the images a round of each setting holds (its long-tailed CIFAR training set x
 participation x local epochs), for the suite's rounds, settings and seeds. Evaluation is not
 included (it runs every ``eval.every`` rounds, on test sets of another size).
@@ -31,15 +31,27 @@ CIFAR_PER_CLASS = {"cifar10": (5000, 10), "cifar100": (500, 100)}
 SYNTHETIC = ["data.dataset=synthetic", "data.image_size=32", "data.imbalance_factor=1", "data.min_client_size=0"]
 
 
-def round_seconds(base: str | None, overrides: list[str]) -> tuple[float, float]:
-    """(seconds, images trained) of round 2, after a warm-up round 1; one local epoch (the line is
-    per image trained, so more epochs would only take longer to measure)."""
+def round_line(base: str | None, overrides: list[str]) -> tuple[float, float, float]:
+    """``(fixed seconds, seconds per image, seconds of the round)`` of round 2, after a warm-up round
+    1, with one local epoch (the line is per image trained, so more epochs would only take longer to
+    measure). The round's work up to the aggregation (queries before training, local training) is
+    what grows with the images; the aggregation and what follows (server steps, queries after it) is
+    the fixed part."""
     sim = prepare(load_config(base, [*overrides, "fl.rounds=2", "fl.local_epochs=1", "eval.every=2",
                                      "run.checkpoint_every=0"]))
+    marks: dict[str, float] = {}
+    aggregate = sim.server.aggregate
+
+    def timed_aggregate(rnd, replies):
+        sync_device(sim.device)
+        marks["trained"] = time.perf_counter()
+        return aggregate(rnd, replies)
+
     try:
         sim.setup()
         sim.fit_round(1)
         sync_device(sim.device)
+        sim.server.aggregate = timed_aggregate
         t0 = time.perf_counter()
         sim.fit_round(2)
         sync_device(sim.device)
@@ -47,16 +59,8 @@ def round_seconds(base: str | None, overrides: list[str]) -> tuple[float, float]
         images = sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[1])
     finally:
         sim.close()
-    return seconds, images * sim.cfg.fl.local_epochs
-
-
-def round_line(base: str | None, overrides: list[str]) -> tuple[float, float, float]:
-    """``(fixed seconds, seconds per image, seconds of the full synthetic round)`` from rounds on the
-    whole synthetic training set and on half of it."""
-    full_s, full_n = round_seconds(base, [*overrides, "data.train_fraction=1.0"])
-    half_s, half_n = round_seconds(base, [*overrides, "data.train_fraction=0.5"])
-    per_image = max((full_s - half_s) / (full_n - half_n), 0.0) if full_n != half_n else full_s / full_n
-    return max(full_s - per_image * full_n, 0.0), per_image, full_s
+    trained = marks["trained"] - t0
+    return seconds - trained, trained / max(images, 1), seconds
 
 
 def protocol_images(cfg) -> float | None:
@@ -81,10 +85,11 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
     device = resolve_device(load_config(None, [*SYNTHETIC, *extra]).run.device)
     lines = ["## What a paper suite's protocol costs here, per backend", "",
              f"device {device}: {describe(collect(device))}. Rounds on synthetic CIFAR-shaped data (3 x 32 x 32, "
-             "balanced): a warm-up and a timed round on the whole synthetic training set and on half of it give "
-             "seconds = fixed + per image x images; the projection applies that line to the images a round of each "
-             "setting trains (long-tailed CIFAR x participation x local epochs), times the suite's rounds and seeds, "
-             "summed over the row's settings. Evaluation is not included.", ""]
+             "balanced), one local epoch: a warm-up and a timed round, split at the aggregation into the work that "
+             "grows with the images (training, queries before it: ms per 1,000 images) and the rest (aggregation, "
+             "server steps: fixed s); the projection applies seconds = fixed + per image x images to the images a "
+             "round of each setting trains (long-tailed CIFAR x participation x local epochs), times the suite's "
+             "rounds and seeds, summed over the row's settings. Evaluation is not included.", ""]
     for name in suites:
         suite = load_suite(name)
         s, base = suite.spec, str(suite.base) if suite.base else None
