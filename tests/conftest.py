@@ -107,3 +107,19 @@ def pooled_client_features(sim, num_clients: int, rnd: int):
         feats.append(f)
         labels.append(y)
     return torch.cat(feats).cpu(), torch.cat(labels).cpu()  # where the server keeps its merged sums
+
+
+def assert_clients_equal_sequential_training(sim, msg, cids, results, tol: float) -> None:
+    """Each client's ``(weights, metrics)`` in ``results`` equals training it alone with
+    ``train_local`` from ``msg`` (FedAvg's local loss), to ``tol``."""
+    from fedlt.methods.fedavg import local_loss
+    from fedlt.training.sequential import train_local
+
+    for cid, (weights, metrics) in zip(cids, results):
+        ctx = sim._context(cid, 1)
+        loss_fn = local_loss(ctx, msg)
+        expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
+        assert metrics["steps"] == expected["steps"]
+        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=tol)
+        for name, value in ctx.model.state_dict().items():
+            assert torch.allclose(weights[name], value, rtol=0, atol=tol), (cid, name)

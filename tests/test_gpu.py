@@ -13,13 +13,12 @@ import pytest
 import torch
 
 import fedlt
+from conftest import assert_clients_equal_sequential_training
 from fedlt.api import prepare
 from fedlt.messages import Message
 from fedlt.methods.base import clone_state
-from fedlt.methods.fedavg import local_loss
 from fedlt.training.batched import train_clients
 from fedlt.training.graphed import GraphedTrainer
-from fedlt.training.sequential import train_local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (graph capture, replays and streams exist only there)")
@@ -54,14 +53,7 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
         assert all(lane.graphs for lane in trainer.lanes)  # every lane captured and replayed its steps
     else:
         results = train_clients(sim.worker, contexts, starts, objectives)
-    for cid, (weights, metrics) in zip(cids, results):
-        ctx = sim._context(cid, 1)
-        loss_fn = local_loss(ctx, msg)
-        expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
-        assert metrics["steps"] == expected["steps"]
-        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-9)
-        for name, value in ctx.model.state_dict().items():
-            assert torch.allclose(weights[name], value, rtol=0, atol=1e-9), (cid, name)
+    assert_clients_equal_sequential_training(sim, msg, cids, results, tol=1e-9)
 
 
 def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64):

@@ -9,14 +9,13 @@ import torch
 import yaml
 
 import fedlt
+from conftest import assert_clients_equal_sequential_training
 from fedlt.api import prepare
 from fedlt.errors import ConfigError
 from fedlt.messages import Message
 from fedlt.methods.base import clone_state
-from fedlt.methods.fedavg import local_loss
 from fedlt.training.batched import train_clients
 from fedlt.training.graphed import GraphedTrainer
-from fedlt.training.sequential import train_local
 
 
 def config(tmp_path, *overrides: str):
@@ -48,14 +47,7 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
     assert len(steps) > 1, "the test needs clients with unequal numbers of batches"
     batched = trainer(sim.worker, contexts, [dict(msg.weights)] * len(cids),
                       [sim.client.local_objective(ctx, msg) for ctx in contexts])
-    for cid, (weights, metrics) in zip(cids, batched):
-        ctx = sim._context(cid, 1)
-        loss_fn = local_loss(ctx, msg)
-        expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))
-        assert metrics["steps"] == expected["steps"]
-        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-10)
-        for name, value in ctx.model.state_dict().items():
-            assert torch.allclose(weights[name], value, rtol=0, atol=1e-10), (cid, name)
+    assert_clients_equal_sequential_training(sim, msg, cids, batched, tol=1e-10)
 
 
 @pytest.mark.parametrize("method,extra,together", [

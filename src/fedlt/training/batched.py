@@ -106,13 +106,14 @@ def train_clients(
     plans = [client_plan(ctx, train.epochs) for ctx in contexts]
     augment = [ctx.generator(purpose=1) for ctx in contexts]
     totals = torch.zeros(n, device=device, dtype=params[param_names[0]].dtype)
-    last = contexts[-1]  # the global RNG as sequential training leaves it (it seeds it per client)
-    torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
+    seed_as_sequential_training(contexts)
     model.train()
     schedule = step_groups([[len(rows) for rows in plan] for plan in plans])
-    # the client positions of every partial group, on the device before the first step
-    partial = {m for groups in schedule for m in groups if len(m) < n}
-    positions = {m: torch.tensor(m, device=device) for m in partial}
+    # the client positions of every partial group, on the device before the first step, in one copy
+    partial = sorted({m for groups in schedule for m in groups if len(m) < n})
+    flat = upload([k for m in partial for k in m], device)
+    ends = [sum(len(m) for m in partial[:i + 1]) for i in range(len(partial))]
+    positions = {m: flat[end - len(m):end] for m, end in zip(partial, ends)}
     for t, groups in enumerate(schedule):
         for members in groups:
             with scope(BATCH):
@@ -143,6 +144,24 @@ def train_clients(
         loss = float(totals[k]) / steps if steps else float("nan")
         results.append((state, {"train_loss": loss, "steps": float(steps)}))
     return results
+
+
+def seed_as_sequential_training(contexts: list[ClientContext]) -> None:
+    """Leave the global RNG as :func:`~fedlt.training.sequential.train_local` leaves it after the
+    same clients: seeded for the last one that has data (the models draw nothing from it)."""
+    trained = [ctx for ctx in contexts if len(ctx.data)]
+    if trained:
+        last = trained[-1]
+        torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
+
+
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``; to a GPU from pinned memory without waiting (a copy from
+    ordinary host memory makes the host wait for the device)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def step_groups(batch_sizes: list[list[int]]) -> list[list[tuple[int, ...]]]:

@@ -12,7 +12,7 @@ loss's per-client tensors (log-prior, margins), the loss sum and one input buffe
 step reads its batch from the input buffer, computes the loss and its gradient with
 ``torch.autograd.grad``, clips and applies SGD with foreach operations in ``torch.optim.SGD``'s order
 (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
-own) and learning rate.
+own) and made again when the learning rate or the loss changes.
 
 Equal to the sequential loop, client by client, to float rounding: the same batches from each
 client's own generators, the same loss and the same SGD arithmetic. On a CPU the same step runs
@@ -28,8 +28,7 @@ from typing import Callable
 import torch
 
 from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings
-from fedlt.seeding import seed_for
-from fedlt.training.batched import client_plan, split_loss
+from fedlt.training.batched import client_plan, seed_as_sequential_training, split_loss
 from fedlt.training.scopes import BATCH, GRADIENT, scope
 
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS set-up, autograd's threads)
@@ -41,13 +40,16 @@ class Lane:
 
     model: torch.nn.Module
     stream: torch.cuda.Stream | None
+    #: where the lane's graphs are captured and warmed up: cuBLAS keeps a workspace per stream, and
+    #: graphs captured on one stream would share it while lanes replay them at the same time
+    capture_stream: torch.cuda.Stream | None = None
     params: list[torch.Tensor] = field(init=False)
     momentum: list[torch.Tensor] = field(init=False)
     anchor: list[torch.Tensor] = field(init=False)
     total: torch.Tensor = field(init=False)
     loss_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    graphs: dict[tuple[int, float], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters()]
@@ -63,11 +65,11 @@ class GraphedTrainer:
     their buffers and graphs are made once and reused every round."""
 
     def __init__(self, template: torch.nn.Module, lanes: int):
-        device = next(template.parameters()).device
-        self.capture = device.type == "cuda"
+        self.device = next(template.parameters()).device
+        self.capture = self.device.type == "cuda"
         count = lanes if self.capture else 1
-        self.lanes = [Lane(copy.deepcopy(template), torch.cuda.Stream(device) if self.capture else None)
-                      for _ in range(count)]
+        streams = (lambda: torch.cuda.Stream(self.device)) if self.capture else (lambda: None)
+        self.lanes = [Lane(copy.deepcopy(template), streams(), streams()) for _ in range(count)]
         self.signature = None  # what the graphs baked in: loss function, its fixed settings, prox, SGD settings
 
     def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]],
@@ -85,17 +87,19 @@ class GraphedTrainer:
         mus = {o.prox_mu for o in objectives}
         if len(mus) > 1:
             raise ValueError("graphed clients must share FedProx's mu")
-        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), train.momentum, train.weight_decay, train.grad_clip)
-        if signature != self.signature:
+        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), train.lr, train.momentum, train.weight_decay,
+                     train.grad_clip)
+        if signature != self.signature:  # a schedule's new learning rate, another loss: capture again
             for lane in self.lanes:
                 lane.graphs.clear()
+                lane.loss_tensors = {}
             self.signature = signature
-        step = _step_function(fn, fixed, signature[2], train)
+        step = _step_function(fn, fixed, signature[2], train)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
         runs = [self._client_runs(lane, queue, contexts, starts, parts, step, results)
                 for lane, queue in zip(self.lanes, queues)]
-        current = torch.cuda.current_stream() if self.capture else None
+        current = torch.cuda.current_stream(self.device) if self.capture else None
         for lane in self.lanes:
             if lane.stream is not None:
                 lane.stream.wait_stream(current)  # the start states were made on the default stream
@@ -104,8 +108,7 @@ class GraphedTrainer:
         for lane in self.lanes:
             if lane.stream is not None:
                 current.wait_stream(lane.stream)
-        last = contexts[-1]  # the global RNG as sequential training leaves it (it seeds it per client)
-        torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
+        seed_as_sequential_training(contexts)
         return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)})
                 for state, total, steps in (results[i] for i in range(len(contexts)))]
 
@@ -129,6 +132,9 @@ class GraphedTrainer:
             with _on(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
                               lane.total.clone(), len(plan))
+                if lane.stream is not None:  # made on the lane's stream, used on the device's current one
+                    for t in (*results[i][0].values(), results[i][1]):
+                        t.record_stream(torch.cuda.current_stream(self.device))
 
     def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, train: TrainSettings, step) -> None:
         size = x.shape[0]
@@ -140,10 +146,9 @@ class GraphedTrainer:
         if not self.capture:
             step(lane, x_in, y_in)
             return
-        key = (size, train.lr)
-        if key not in lane.graphs:
-            lane.graphs[key] = _capture(lane, step, x_in, y_in)
-        lane.graphs[key].replay()
+        if size not in lane.graphs:
+            lane.graphs[size] = _capture(lane, step, x_in, y_in)
+        lane.graphs[size].replay()
 
 
 def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
@@ -180,6 +185,7 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
         for k, v in loss_tensors.items():
             if k not in lane.loss_tensors or lane.loss_tensors[k].shape != v.shape:
                 lane.loss_tensors[k] = torch.empty_like(v)
+                lane.graphs.clear()  # they read the tensor this one replaces
             lane.loss_tensors[k].copy_(v)
 
 
@@ -189,14 +195,14 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
     with torch.no_grad():
         saved = ({k: v.clone() for k, v in lane.model.state_dict().items()}, [m.clone() for m in lane.momentum],
                  lane.total.clone())
-    side = torch.cuda.Stream(x_in.device)
+    side = lane.capture_stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(WARMUP_STEPS):
             step(lane, x_in, y_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         step(lane, x_in, y_in)
     with torch.no_grad():
         lane.model.load_state_dict(saved[0])
