@@ -57,7 +57,7 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
 
 
 def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64):
-    """Whole runs, with a new learning rate every round (new graphs) and FedProx's anchor."""
+    """Whole runs, with a new learning rate every round (read by the graphs from a tensor) and FedProx's anchor."""
     runs = {}
     for backend in ("sequential", "graphed"):
         sim = prepare(config(tmp_path, "method=fedprox", "method_args.mu=0.5", "fl.lr_schedule=cosine",

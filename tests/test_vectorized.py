@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -85,6 +86,31 @@ def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, 
     assert [r["acc"] for r in vec.metrics] == [r["acc"] for r in seq.metrics]
     assert json.loads((vec.run_dir / "summary.json").read_text())["backend"] == together
     assert vec.summary["communication_bytes"] == seq.summary["communication_bytes"]
+
+
+def test_the_captured_sgd_update_equals_the_uncaptured_one_to_rounding(tmp_path, float64):
+    """A captured step reads the learning rate from a tensor (so a schedule needs no new graphs):
+    p + d * (-lr) rounds at most once more than torch.optim.SGD's p + (-lr) * d, nothing else differs."""
+    from fedlt.losses import cross_entropy
+    from fedlt.methods.base import TrainSettings
+    from fedlt.training.graphed import Lane, _step_function
+
+    sim = prepare(config(tmp_path))
+    train = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip=0.5)
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    lanes = []
+    for captured in (False, True):
+        lane = Lane(copy.deepcopy(sim.worker), None)
+        lane.neg_lr.fill_(-train.lr)
+        step = _step_function(cross_entropy, {}, 0.0, train, captured)
+        for _ in range(3):
+            step(lane, x, y)
+        lanes.append(lane)
+    plain, captured = lanes
+    assert float(captured.total) == pytest.approx(float(plain.total), rel=1e-12)
+    for p, q in zip(plain.params, captured.params):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
+    assert not all(torch.equal(p, q) for p, q in zip(sim.worker.parameters(), plain.params))  # it trained
 
 
 def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):

@@ -12,7 +12,8 @@ loss's per-client tensors (log-prior, margins), the loss sum and one input buffe
 step reads its batch from the input buffer, computes the loss and its gradient with
 ``torch.autograd.grad``, clips and applies SGD with foreach operations in ``torch.optim.SGD``'s order
 (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
-own) and made again when the learning rate or the loss changes.
+own) and made again when the loss or an SGD setting changes; the learning rate is read from a tensor,
+so a schedule needs no new graphs.
 
 Equal to the sequential loop, client by client, to float rounding: the same batches from each
 client's own generators, the same loss and the same SGD arithmetic. On a CPU the same step runs
@@ -47,6 +48,7 @@ class Lane:
     momentum: list[torch.Tensor] = field(init=False)
     anchor: list[torch.Tensor] = field(init=False)
     total: torch.Tensor = field(init=False)
+    neg_lr: torch.Tensor = field(init=False)  # minus the round's rate: graphs read it, a schedule needs none new
     loss_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size
@@ -58,6 +60,7 @@ class Lane:
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.anchor = [torch.zeros_like(p) for p in self.params]
         self.total = torch.zeros((), device=self.params[0].device, dtype=self.params[0].dtype)
+        self.neg_lr = torch.zeros((), device=self.params[0].device, dtype=self.params[0].dtype)
 
 
 class GraphedTrainer:
@@ -87,22 +90,25 @@ class GraphedTrainer:
         mus = {o.prox_mu for o in objectives}
         if len(mus) > 1:
             raise ValueError("graphed clients must share FedProx's mu")
-        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), train.lr, train.momentum, train.weight_decay,
-                     train.grad_clip)
-        if signature != self.signature:  # a schedule's new learning rate, another loss: capture again
+        # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
+        # torch.optim.SGD does, so that it is the same arithmetic to the bit
+        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), None if self.capture else train.lr,
+                     train.momentum, train.weight_decay, train.grad_clip)
+        if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
                 lane.graphs.clear()
                 lane.loss_tensors = {}
             self.signature = signature
-        step = _step_function(fn, fixed, signature[2], train)  # its constants are the signature's
+        step = _step_function(fn, fixed, signature[2], train, self.capture)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
         runs = [self._client_runs(lane, queue, contexts, starts, parts, step, results)
                 for lane, queue in zip(self.lanes, queues)]
         current = torch.cuda.current_stream(self.device) if self.capture else None
         for lane in self.lanes:
+            lane.neg_lr.fill_(-train.lr)
             if lane.stream is not None:
-                lane.stream.wait_stream(current)  # the start states were made on the default stream
+                lane.stream.wait_stream(current)  # the start states (and the rate) were made on this stream
         while runs:  # one step of every lane in turn, so their streams overlap on the device
             runs = [run for run in runs if next(run, StopIteration) is not StopIteration]
         for lane in self.lanes:
@@ -151,7 +157,8 @@ class GraphedTrainer:
         lane.graphs[size].replay()
 
 
-def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
+def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings,
+                   captured: bool) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
     """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum."""
 
     def step(lane: Lane, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -168,7 +175,10 @@ def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings) -
                 torch._foreach_mul_(lane.momentum, train.momentum)
                 torch._foreach_add_(lane.momentum, d)
                 d = lane.momentum
-            torch._foreach_add_(lane.params, d, alpha=-train.lr)
+            if captured:
+                torch._foreach_add_(lane.params, torch._foreach_mul(d, lane.neg_lr))
+            else:
+                torch._foreach_add_(lane.params, d, alpha=-train.lr)
             lane.total.add_(loss.detach())
 
     return step
