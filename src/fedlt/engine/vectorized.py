@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fedlt.messages import Reply
-from fedlt.training.batched import stack_losses, train_clients
+from fedlt.training.batched import shared_loss, train_clients
 from fedlt.training.graphed import GraphedTrainer
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
             contexts[cid], objectives[cid] = ctx, objective
             starts[cid] = {**sim.clients._worker_init, **{k: v.to(sim.device) for k, v in msg.weights.items()}}
     together = list(contexts)
-    if together and stack_losses([objectives[c].loss for c in together], sim.device) is None:
+    if together and shared_loss([objectives[c].loss for c in together]) is None:
         together = []  # clients with different kinds of loss: nothing to share a step
     if sim.backend == "graphed" and len({objectives[c].prox_mu for c in together}) > 1:
         together = []  # a captured step bakes FedProx's mu in

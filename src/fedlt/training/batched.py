@@ -52,13 +52,23 @@ def split_loss(loss: LossFn) -> tuple[Callable, dict, dict[str, torch.Tensor]]:
     return loss.func, fixed, tensors
 
 
-def stack_losses(losses: list[LossFn], device: torch.device) -> tuple[Callable, dict, Stacked] | None:
-    """One loss function and per-client stacked tensor keywords; None if the clients' losses
-    differ in kind or fixed settings (then they cannot share one batched step)."""
+def shared_loss(losses: list[LossFn]) -> list[tuple[Callable, dict, dict[str, torch.Tensor]]] | None:
+    """Each loss split by :func:`split_loss`; None if the clients' losses differ in kind or fixed
+    settings (then they cannot share one step)."""
     parts = [split_loss(loss) for loss in losses]
     fn, fixed, first = parts[0]
     if any(f is not fn or x != fixed or t.keys() != first.keys() for f, x, t in parts):
         return None
+    return parts
+
+
+def stack_losses(losses: list[LossFn], device: torch.device) -> tuple[Callable, dict, Stacked] | None:
+    """One loss function and per-client stacked tensor keywords; None if the clients' losses
+    differ in kind or fixed settings (then they cannot share one batched step)."""
+    parts = shared_loss(losses)
+    if parts is None:
+        return None
+    fn, fixed, first = parts[0]
     return fn, fixed, {k: torch.stack([t[k].to(device) for _, _, t in parts]) for k in first}
 
 

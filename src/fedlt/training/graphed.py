@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings
-from fedlt.training.batched import client_plan, seed_as_sequential_training, split_loss
+from fedlt.training.batched import client_plan, seed_as_sequential_training, shared_loss
 from fedlt.training.scopes import BATCH, GRADIENT, scope
 
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS set-up, autograd's threads)
@@ -37,7 +37,8 @@ WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS 
 
 @dataclass
 class Lane:
-    """One model copy and everything its steps write, on one stream (None on a CPU)."""
+    """One model copy and everything its steps write, on one stream (None on a CPU, where
+    ``torch.cuda.stream(None)`` does nothing)."""
 
     model: torch.nn.Module
     stream: torch.cuda.Stream | None
@@ -83,10 +84,10 @@ class GraphedTrainer:
         train = contexts[0].train
         if any(ctx.train != train for ctx in contexts):
             raise ValueError("graphed clients must share the round's training settings")
-        parts = [split_loss(o.loss) for o in objectives]
-        fn, fixed, first = parts[0]
-        if any(f is not fn or x != fixed or t.keys() != first.keys() for f, x, t in parts):
+        parts = shared_loss([o.loss for o in objectives])
+        if parts is None:
             raise ValueError("graphed clients must use the same kind of loss")
+        fn, fixed, _ = parts[0]
         mus = {o.prox_mu for o in objectives}
         if len(mus) > 1:
             raise ValueError("graphed clients must share FedProx's mu")
@@ -120,22 +121,22 @@ class GraphedTrainer:
 
     def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, step, results):
         """A generator that trains the lane's clients one batch per ``next``."""
-        with _on(lane.stream):
+        with torch.cuda.stream(lane.stream):
             lane.model.train()
         for i in queue:
             ctx = contexts[i]
-            with _on(lane.stream):
+            with torch.cuda.stream(lane.stream):
                 _load(lane, starts[i], parts[i][2])
                 plan = client_plan(ctx, ctx.train.epochs)
                 augment = ctx.generator(purpose=1)
             for rows in plan:
-                with _on(lane.stream):
+                with torch.cuda.stream(lane.stream):
                     with scope(BATCH):
                         x, y = ctx.data.batch(rows, augment)
                     with scope(GRADIENT):
                         self._run_step(lane, x, y, ctx.train, step)
                 yield
-            with _on(lane.stream):  # read on the host once every lane is done: no wait here
+            with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
                               lane.total.clone(), len(plan))
                 if lane.stream is not None:  # made on the lane's stream, used on the device's current one
@@ -219,19 +220,3 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
         torch._foreach_copy_(lane.momentum, saved[1])
         lane.total.copy_(saved[2])
     return graph
-
-
-class _on:
-    """``torch.cuda.stream(stream)``, or nothing for a CPU lane."""
-
-    def __init__(self, stream):
-        self.context = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            return self.context.__exit__(*exc)
-        return False
