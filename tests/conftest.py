@@ -110,12 +110,12 @@ def pooled_client_features(sim, num_clients: int, rnd: int):
 
 
 def assert_clients_equal_sequential_training(sim, msg, cids, results, tol: float) -> None:
-    """Each client's ``(weights, metrics)`` in ``results`` equals training it alone with
+    """Each client's ``(weights, metrics, ...)`` in ``results`` equals training it alone with
     ``train_local`` from ``msg`` (FedAvg's local loss), to ``tol``."""
     from fedlt.methods.fedavg import local_loss
     from fedlt.training.sequential import train_local
 
-    for cid, (weights, metrics) in zip(cids, results):
+    for cid, (weights, metrics, *_) in zip(cids, results):  # the graphed trainer adds extras
         ctx = sim._context(cid, 1)
         loss_fn = local_loss(ctx, msg)
         expected = train_local(ctx, lambda x, y: loss_fn(ctx.model(x), y))

@@ -56,15 +56,22 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
     assert_clients_equal_sequential_training(sim, msg, cids, results, tol=1e-9)
 
 
-def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64):
-    """Whole runs, with a new learning rate every round (read by the graphs from a tensor) and FedProx's anchor."""
+@pytest.mark.parametrize("method,extra", [
+    # a new learning rate every round (read by the graphs from a tensor) and FedProx's anchor
+    ("fedprox", ["method_args.mu=0.5", "fl.lr_schedule=cosine"]),
+    # losses of the model: SFD's projector (its annealed weight a tensor), FedLoGe's phi_k outside the model
+    ("sfd", ["model.name=resnet8", "data.image_size=8", "data.augment=weak", "calibration_args.safs_steps=5"]),
+    ("fedloge", ["method_args.head_bias=true", "fl.grad_clip=0.5", "method_args.sse_steps=50"]),
+])
+def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, method, extra):
     runs = {}
     for backend in ("sequential", "graphed"):
-        sim = prepare(config(tmp_path, "method=fedprox", "method_args.mu=0.5", "fl.lr_schedule=cosine",
-                             f"run.backend={backend}", "run.streams=3"))
+        sim = prepare(config(tmp_path, f"method={method}", *extra, f"run.backend={backend}", "run.streams=3"))
         assert sim.backend == backend
         (tmp_path / backend).mkdir()
         runs[backend] = (sim.run(tmp_path / backend, quiet=True), clone_state(sim.server_model))
+        if backend == "graphed":
+            assert all(lane.graphs for lane in sim.graphed.lanes)  # the steps were captured and replayed
     (seq, seq_state), (graphed, graphed_state) = runs["sequential"], runs["graphed"]
     for name, value in seq_state.items():
         assert torch.allclose(graphed_state[name], value, rtol=0, atol=1e-9), name

@@ -139,6 +139,34 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     assert [r["acc"] for r in graphed.metrics] == [r["acc"] for r in seq.metrics]
 
 
+@pytest.mark.parametrize("method,extra", [
+    ("sfd", ["data.augment=weak", "fl.grad_clip=0.5", "calibration_args.safs_steps=5"]),  # a projector with BatchNorm
+    ("fedloge", ["method_args.head_bias=true", "fl.grad_clip=0.5", "fl.weight_decay=0.01", "fl.lr_schedule=cosine",
+                 "method_args.sse_steps=50"]),
+    # psi's own SGD settings: no one step for all parameters, so these clients train one after another
+    ("fedloge", ["method_args.head_optimizer=released", "method_args.sse_steps=50"]),
+])
+def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
+    """SFD's projector and FedLoGe's three heads (phi_k a tensor outside the model, kept on the client)
+    in the graphed step: on a CPU the very kernels of sequential training in the same order, so every
+    weight, personal head and metric (personalized accuracy included) is equal to the last bit."""
+    runs = {}
+    for backend in ("sequential", "graphed"):
+        sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
+        assert sim.backend == backend
+        (tmp_path / backend).mkdir()
+        result = sim.run(tmp_path / backend, quiet=True)
+        runs[backend] = (result, clone_state(sim.server_model), sim.client_states)
+    (seq, seq_state, seq_clients), (graphed, graphed_state, graphed_clients) = runs.values()
+    assert all(torch.equal(graphed_state[k], v) for k, v in seq_state.items())
+    assert graphed_clients.keys() == seq_clients.keys()
+    for cid, state in seq_clients.items():
+        assert all(torch.equal(graphed_clients[cid][k], v) for k, v in state.items() if torch.is_tensor(v)), cid
+    untimed = lambda rows: [{k: v for k, v in r.items() if k != "time_s"} for r in rows]  # noqa: E731
+    assert untimed(graphed.metrics) == untimed(seq.metrics) and "pm_acc" in seq.metrics[-1]
+    assert json.loads((graphed.run_dir / "summary.json").read_text())["backend"] == "graphed"
+
+
 def test_backend_choice_and_fallback(tmp_path):
     from fedlt.methods.feddecorr import FedDecorrClient
     from fedlt.methods.fedavg import FedAvgClient
@@ -156,6 +184,14 @@ def test_backend_choice_and_fallback(tmp_path):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
         with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method scaffold"):
             prepare(config(tmp_path, "method=scaffold", f"run.backend={backend}"))
+    # a loss of the model (SFD, FedLoGe): graphed only; auto falls back where it would pick vectorized
+    from fedlt.methods.sfd import SFDClient
+    assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "sequential"
+    with pytest.raises(ConfigError, match="vectorized does not support method fedloge .its loss reads more than the "
+                                          "logits.; use run.backend=graphed"):
+        prepare(config(tmp_path, "method=fedloge", "run.backend=vectorized"))
+    assert prepare(config(tmp_path, "method=sfd", "run.backend=graphed")).backend == "graphed"  # with SAFS calibration
 
 
 def test_many_clients_keep_no_per_client_state(tmp_path):
@@ -262,6 +298,18 @@ def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
     assert float(vec["forward+backward ms"]) > 0 and float(vec["optimizer ms"]) > 0
     # 2 clients x 2 epochs of synthetic data: the per-client synchronisations spread over many steps
     assert 0 < float(seq["host syncs / step"]) < 1
+
+
+def test_paper_rounds_time_the_rows_picked_by_name():
+    from fedlt.bench.paper_rounds import chosen_rows, unknown_pick
+    from fedlt.bench.suite import load_suite
+
+    sfd, fedloge = load_suite("paper-sfd").spec, load_suite("paper-fedloge").spec
+    picks = ["paper-sfd:SFD", "FedLoGe"]  # SUITE:ROW in one suite, ROW in every suite
+    assert chosen_rows(sfd, None, picks) == ["FedLoGe", "SFD"] and chosen_rows(fedloge, None, picks) == ["FedLoGe"]
+    assert chosen_rows(sfd, 2, []) == ["CReFF", "FedProx"]
+    assert unknown_pick([sfd, fedloge], picks) is None
+    assert unknown_pick([fedloge], ["paper-sfd:SFD"]).startswith("--row paper-sfd:SFD names no row")
 
 
 def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):

@@ -298,13 +298,16 @@ def bench_paper_rounds_cmd(
                                                "paper-* suite) and overrides for every round"),
     backends: str = typer.Option("sequential,auto", help="run.backend values to time"),
     rows: Optional[int] = typer.Option(None, help="time each suite's first N rows (default: all)"),
+    row: Optional[List[str]] = typer.Option(None, "--row", help="time only this row (ROW in every suite, SUITE:ROW in "
+                                            "one; repeatable)"),
     out: Optional[Path] = typer.Option(None, help="also write the tables as markdown to this file"),
 ) -> None:
     """A round of each paper suite's rows on synthetic CIFAR-shaped data, and the full protocol's projected hours."""
     args = list(args or [])
 
     def go() -> None:
-        from fedlt.bench.paper_rounds import run_paper_rounds
+        from fedlt.bench.paper_rounds import run_paper_rounds, unknown_pick
+        from fedlt.errors import ConfigError
         from fedlt.bench.suite import builtin_suites, load_suite
         from fedlt.config import load_config
 
@@ -313,11 +316,12 @@ def bench_paper_rounds_cmd(
             _check_at_least_one(rows, "--rows", "rows")
         overrides = [a for a in args if "=" in a]
         suites = [a for a in args if "=" not in a] or [n for n in builtin_suites() if n.startswith("paper-")]
-        for name in suites:
-            load_suite(name)
+        why = unknown_pick([load_suite(name).spec for name in suites], list(row or []))
+        if why is not None:
+            raise ConfigError(why)
         load_config(None, overrides)
         text = run_paper_rounds(suites, _backend_list(backends, auto=True), rows=rows, extra=overrides,
-                                echo=lambda line: typer.echo(line, err=True))
+                                echo=lambda line: typer.echo(line, err=True), picks=list(row or []))
         _print_and_save(text, out)
 
     _guard(go)

@@ -53,10 +53,10 @@ def _check_client_gpus(cfg: Config) -> None:
                           "training on the CPU; set run.device=auto (or cuda) or flower.gpus_per_client=0")
 
 
-def supports_vectorized(client_cls: type[Client]) -> bool:
-    """Whether the vectorized and graphed backends can train this client class (it declares its
-    local step as a :class:`~fedlt.methods.base.LocalObjective`)."""
-    return declares_local_objective(client_cls)
+def trains_together(client_cls: type[Client], backend: str) -> bool:
+    """Whether ``backend`` (vectorized, graphed) can train this client class: it declares its local
+    step as a :class:`~fedlt.methods.base.LocalObjective` of a form that backend takes."""
+    return declares_local_objective(client_cls) and backend in client_cls.objective_backends
 
 
 #: ``run.backend=auto``: the backend measured fastest, by device type and model (``*``: any other),
@@ -80,11 +80,15 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
         return "parallel"
     if wanted == "auto":
         wanted = auto_backend(device, cfg.model.name)
-        if wanted in ("vectorized", "graphed") and not supports_vectorized(client_cls):
+        if wanted in ("vectorized", "graphed") and not trains_together(client_cls, wanted):
             wanted = "sequential"
     if wanted == "sequential" or cfg.secagg.enabled:
         return "sequential"
-    if not supports_vectorized(client_cls):
+    if not trains_together(client_cls, wanted):
+        if declares_local_objective(client_cls):
+            others = ", ".join(f"run.backend={b}" for b in client_cls.objective_backends)
+            raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its loss reads more than "
+                              f"the logits); use {others}, run.backend=auto or run.backend=sequential")
         raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
                           "use run.backend=auto or run.backend=sequential")
     return wanted

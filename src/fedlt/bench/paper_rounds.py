@@ -72,16 +72,36 @@ def protocol_images(cfg) -> float | None:
     return total * cfg.fl.participation * cfg.fl.local_epochs
 
 
-def suite_rows(s: SuiteSpec, rows: int | None):
-    """``(row name, [(setting, overrides), ...])`` of the suite's first ``rows`` rows."""
-    for m in s.methods[:rows]:
+def chosen_rows(s: SuiteSpec, rows: int | None, picks: list[str] = ()) -> list[str]:
+    """The names of the suite's rows to time: its first ``rows``, or those ``picks`` name (``ROW`` in
+    every suite, ``SUITE:ROW`` in that one)."""
+    names = [m.name for m in s.methods[:rows]]
+    if not picks:
+        return names
+    return [n for n in names if n in picks or f"{s.name}:{n}" in picks]
+
+
+def unknown_pick(suites: list[SuiteSpec], picks: list[str]) -> str | None:
+    """Why a ``--row`` pick names no row of ``suites``; None when every pick names one."""
+    for pick in picks:
+        if not any(chosen_rows(s, None, [pick]) for s in suites):
+            rows = "; ".join(f"{s.name}: {', '.join(m.name for m in s.methods)}" for s in suites)
+            return f"--row {pick} names no row of the suites timed; their rows: {rows}"
+    return None
+
+
+def suite_rows(s: SuiteSpec, rows: int | None, picks: list[str] = ()):
+    """``(row name, [(setting, overrides), ...])`` of the rows :func:`chosen_rows` picks."""
+    chosen = set(chosen_rows(s, rows, picks))
+    for m in (m for m in s.methods if m.name in chosen):
         settings = [st for st in s.settings if m.settings is None or st.name in m.settings]
         yield m.name, [(st.name, [*s.overrides, *st.overrides, *m.overrides]) for st in settings]
 
 
 def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | None = None, extra: list[str] = (),
-                     echo: Callable[[str], None] = lambda line: None) -> str:
-    """The cost table of every suite in ``suites`` (its first ``rows`` rows) for each backend."""
+                     echo: Callable[[str], None] = lambda line: None, picks: list[str] = ()) -> str:
+    """The cost table of every suite in ``suites`` (its first ``rows`` rows, or the rows ``picks``
+    names) for each backend."""
     device = resolve_device(load_config(None, [*SYNTHETIC, *extra]).run.device)
     lines = ["## What a paper suite's protocol costs here, per backend", "",
              f"device {device}: {describe(collect(device))}. Rounds on synthetic CIFAR-shaped data (3 x 32 x 32, "
@@ -97,7 +117,7 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
                   "| row | models | backend | round on synthetic data (s) | fixed s | ms per 1,000 images "
                   "| projected hours |", "|---|---|---|---|---|---|---|"]
         totals: dict[str, float] = {}
-        for row, settings in suite_rows(s, rows):
+        for row, settings in suite_rows(s, rows, picks):
             for backend in backends:
                 measured: dict[str, tuple[float, float, float]] = {}
                 try:

@@ -6,9 +6,10 @@ step a captured CUDA graph, several clients on their own streams,
 (``run.backend=parallel``, clients in worker processes, is :mod:`fedlt.engine.process_pool`.)
 
 Both train the clients whose method declares its local step as a
-:class:`~fedlt.methods.base.LocalObjective`; ``auto`` picks one of them where it was measured fastest
-(:func:`fedlt.run_parts.choose_backend` decides). Clients whose objective does not fit train one after
-another. Server hooks, messages and traffic accounting are unchanged.
+:class:`~fedlt.methods.base.LocalObjective` (the vectorized one only losses of the logits); ``auto``
+picks one of them where it was measured fastest (:func:`fedlt.run_parts.choose_backend` decides).
+Clients whose objective does not fit train one after another. Server hooks, messages and traffic
+accounting are unchanged.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
     for cid, msg in messages.items():
         ctx = sim._context(cid, rnd)
         objective = sim.client.local_objective(ctx, msg)
-        if objective is not None:
+        if objective is not None and (sim.backend == "graphed" or not (objective.on_model or objective.extra)):
             contexts[cid], objectives[cid] = ctx, objective
             starts[cid] = {**sim.clients._worker_init, **{k: v.to(sim.device) for k, v in msg.weights.items()}}
     together = list(contexts)
     if together and shared_loss([objectives[c].loss for c in together]) is None:
         together = []  # clients with different kinds of loss: nothing to share a step
-    if sim.backend == "graphed" and len({objectives[c].prox_mu for c in together}) > 1:
-        together = []  # a captured step bakes FedProx's mu in
+    forms = {(objectives[c].prox_mu, objectives[c].on_model, tuple(objectives[c].extra)) for c in together}
+    if sim.backend == "graphed" and len(forms) > 1:
+        together = []  # a captured step bakes FedProx's mu and the loss's form in
     trained = {}
     if together:
         args = ([contexts[c] for c in together], [starts[c] for c in together], [objectives[c] for c in together])
@@ -48,10 +50,11 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
                 sim.graphed = GraphedTrainer(sim.worker, sim.cfg.run.streams)
             results = sim.graphed.train(*args)
         else:
-            results = train_clients(sim.worker, *args)
-        for cid, (weights, metrics) in zip(together, results):
-            trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
-                                 payload=dict(objectives[cid].payload))
+            results = [(state, metrics, {}) for state, metrics in train_clients(sim.worker, *args)]
+        for cid, (state, metrics, extra) in zip(together, results):
+            finish = objectives[cid].finish
+            trained[cid] = Reply(weights=finish(state, extra) if finish else state, num_samples=len(contexts[cid].data),
+                                 metrics=metrics, payload=dict(objectives[cid].payload))
 
     replies = {}
     for cid, msg in messages.items():

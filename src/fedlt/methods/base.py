@@ -107,16 +107,28 @@ class TrainSettings:
 
 @dataclass
 class LocalObjective:
-    """A client's local step written as data, so the vectorized backend can train many clients in
-    one batched computation: minimise ``loss(model(x), y)`` (a loss from
-    :func:`fedlt.losses.make_loss`) plus FedProx's ``prox_mu / 2 * ||w - w_start||^2`` with
+    """A client's local step written as data, so the vectorized and graphed backends can train many
+    clients together: minimise ``loss(model(x), y)`` (a loss from :func:`fedlt.losses.make_loss`)
+    plus FedProx's ``prox_mu / 2 * ||w - w_start||^2`` with
     :func:`fedlt.training.sequential.train_local`'s SGD, from the message's weights, replying all
-    weights."""
+    weights.
 
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ``loss`` is a plain function or a ``partial`` whose tensor keywords (a log-prior, margins)
+    differ per client and whose other keywords are the same for every client of a round."""
+
+    loss: Callable[..., torch.Tensor]
     prox_mu: float = 0.0
     #: what the reply carries besides the weights, computed before training (CReFF's gradients)
     payload: dict[str, Any] = field(default_factory=dict)
+    #: the loss reads more than the logits (features, a projector, extra heads): it is called as
+    #: ``loss(model, x, y, **extra)``; only the graphed backend takes such a step
+    on_model: bool = False
+    #: trainable tensors outside the model (a personal head), passed to an ``on_model`` loss as
+    #: keywords and stepped with the model's SGD; as in ``train_local``, clipping sees the model only
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the reply's weights from the trained state dict and extras (keeping what stays on the client
+    #: in ``ctx.state``); None: the whole state dict
+    finish: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -262,6 +274,9 @@ class Client:
 
     #: True when the client keeps a personal model; evaluation then uses :meth:`personalize`.
     personalized: ClassVar[bool] = False
+    #: the backends that can train this client's :meth:`local_objective` (the vectorized one takes
+    #: only losses of the logits)
+    objective_backends: ClassVar[tuple[str, ...]] = ("vectorized", "graphed")
 
     def __init__(self, args: MethodArgs):
         self.args = args

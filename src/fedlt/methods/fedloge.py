@@ -69,9 +69,12 @@ from torch import nn
 from fedlt.config import Config
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, clone_state, parse_args,
+    Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, clone_state,
+    parse_args,
 )
-from fedlt.methods.personal import fresh_linear, load_personal, personal_module, store_module, train_on_features
+from fedlt.methods.personal import (
+    fresh_linear, load_personal, personal_module, store_module, store_personal, train_on_features,
+)
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
 from fedlt.training.sequential import train_local
@@ -279,8 +282,24 @@ def mean_feature_norm(ctx: ClientContext) -> float:
     return total / max(len(data), 1)
 
 
+def fedloge_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, phi_weight: torch.Tensor,
+                 phi_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One batch of Algorithm 1: the features ``h`` once, cross-entropy through the fixed SSE-C (the
+    only term that reaches the backbone), of psi and of phi_k on ``h.detach()``."""
+    h = model.forward_features(x)
+    detached = h.detach()
+    return F.cross_entropy(model.head.fixed(h), y) + F.cross_entropy(model.head.aux(detached), y) \
+        + F.cross_entropy(F.linear(detached, phi_weight, phi_bias), y)
+
+
+def upload(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a client sends: the backbone and psi; the SSE-C is the server's and never changes."""
+    return {k: v for k, v in state.items() if not k.startswith("head.fixed.")}
+
+
 class FedLoGeClient(Client):
     personalized = True
+    objective_backends = ("graphed",)
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         if name != NORM_QUERY:
@@ -295,17 +314,25 @@ class FedLoGeClient(Client):
         phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
         heads = {"params": [*head.aux.parameters(), *phi.parameters()], **head_sgd(self.args, ctx.train)}
         params = [{"params": list(model.encoder.parameters())}, heads]
-
-        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            h = model.forward_features(x)
-            detached = h.detach()  # psi and phi_k learn on the features; only the SSE-C trains the backbone
-            return F.cross_entropy(head.fixed(h), y) + F.cross_entropy(head.aux(detached), y) \
-                + F.cross_entropy(phi(detached), y)
-
-        metrics = train_local(ctx, loss, params=params)
+        metrics = train_local(ctx, lambda x, y: fedloge_loss(model, x, y, phi.weight, phi.bias), params=params)
         store_module(ctx, "phi", phi)
-        upload = {k: v for k, v in clone_state(model).items() if not k.startswith("head.fixed.")}
-        return Reply(weights=upload, num_samples=len(ctx.data), metrics=metrics)
+        return Reply(weights=upload(clone_state(model)), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """Algorithm 1's step as a loss of the model, with phi_k an extra trainable tensor; None when
+        psi and phi_k step with other SGD settings than the backbone (``head_optimizer=released``,
+        ``head_lr_scale``): one step applies one setting."""
+        if self.args.head_optimizer != "run" or self.args.head_lr_scale != 1.0:
+            return None
+        phi = personal_module(ctx, "phi", fresh_linear(ctx.model.head.aux, ctx.generator(PHI_INIT_PURPOSE)))
+        extra = {"phi_weight": phi.weight.detach(), **({"phi_bias": phi.bias.detach()} if phi.bias is not None else {})}
+
+        def finish(state: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            store_personal(ctx, "phi", {"weight": trained["phi_weight"],
+                                        **({"bias": trained["phi_bias"]} if "phi_bias" in trained else {})})
+            return upload(state)
+
+        return LocalObjective(fedloge_loss, on_model=True, extra=extra, finish=finish)
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         model = ctx.model

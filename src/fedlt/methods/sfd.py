@@ -21,6 +21,7 @@ model averaging (by samples) follow ``fl.*``.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from pydantic import Field
@@ -28,7 +29,7 @@ from torch import nn
 
 from fedlt.config import Config
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, clone_state, parse_args
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, clone_state, parse_args
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.models import FedModel, create_model
 from fedlt.training.sequential import train_local
@@ -92,28 +93,42 @@ class SFDServer(Server):
         return Message(weights=clone_state(self.model), payload={"sfd/scl_weight": weight})
 
 
+def abbl_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, *, offset: torch.Tensor, contrast: bool,
+              scl_weight: torch.Tensor, temperature: float, log_counts: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 8 on one batch: A-CE plus ``scl_weight`` times A-SCL on the projections (skipped when the
+    round's weight is 0, ``contrast=False``, or the batch holds one sample)."""
+    features = model.forward_features(x)
+    loss = adaptive_ce(model.forward_head(features), y, offset)
+    if contrast and y.shape[0] > 1:
+        h = model.encoder.project(features)
+        loss = loss + scl_weight * adaptive_supcon(h, y, temperature, log_counts)
+    return loss
+
+
 class SFDClient(Client):
     """ABBL local training (Eq. 8)."""
+
+    objective_backends = ("graphed",)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         ctx.model.load_state_dict(msg.weights, strict=False)
         if len(ctx.data) == 0:
             return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
+        loss = self.local_objective(ctx, msg).loss
+        metrics = train_local(ctx, lambda x, y: loss(ctx.model, x, y))
+        return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """ABBL as a loss of the model; the round's weight is a tensor, so captured steps outlive
+        its annealing. None for a client without data (it has no prior)."""
+        if len(ctx.data) == 0:
+            return None
         args: SFDArgs = self.args
         counts = ctx.data.class_counts()
         device = ctx.data.labels.device
-        offset = adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma).to(device)
-        log_counts = torch.log(counts.to(torch.float32)).to(device) if args.scl_delta else None
-        scl_weight = float(msg.payload["sfd/scl_weight"])
-        model = ctx.model
-
-        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            features = model.forward_features(x)
-            loss = adaptive_ce(model.forward_head(features), y, offset)
-            if scl_weight > 0 and y.shape[0] > 1:
-                h = model.encoder.project(features)
-                loss = loss + scl_weight * adaptive_supcon(h, y, args.scl_temperature, log_counts)
-            return loss
-
-        metrics = train_local(ctx, batch_loss)
-        return Reply(weights=clone_state(model), num_samples=len(ctx.data), metrics=metrics)
+        weight = float(msg.payload["sfd/scl_weight"])
+        loss = partial(abbl_loss, offset=adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma).to(device),
+                       contrast=weight > 0, scl_weight=torch.tensor(weight, device=device),
+                       temperature=args.scl_temperature,
+                       log_counts=torch.log(counts.to(torch.float32)).to(device) if args.scl_delta else None)
+        return LocalObjective(loss, on_model=True)

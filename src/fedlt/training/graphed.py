@@ -8,10 +8,11 @@ device busy while the host prepares the next batches.
 
 Everything a step touches lives at fixed addresses: the lane's model (its parameters and BatchNorm
 buffers, loaded in place from each client's start), the momentum buffers, the FedProx anchor, the
-loss's per-client tensors (log-prior, margins), the loss sum and one input buffer per batch size. A
-step reads its batch from the input buffer, computes the loss and its gradient with
-``torch.autograd.grad``, clips and applies SGD with foreach operations in ``torch.optim.SGD``'s order
-(dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
+loss's per-client tensors (log-prior, margins), the trainable tensors outside the model (FedLoGe's
+personal head), the loss sum and one input buffer per batch size. A step reads its batch from the
+input buffer, computes the loss (of the logits, or of the model for methods whose loss reads
+features: SFD, FedLoGe) and its gradient with ``torch.autograd.grad``, clips the model's gradient
+and applies SGD with foreach operations in ``torch.optim.SGD``'s order (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
 own) and made again when the loss or an SGD setting changes; the learning rate is read from a tensor,
 so a schedule needs no new graphs.
 
@@ -51,6 +52,8 @@ class Lane:
     total: torch.Tensor = field(init=False)
     neg_lr: torch.Tensor = field(init=False)  # minus the round's rate: graphs read it, a schedule needs none new
     loss_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # trainable tensors outside the model
+    extra_momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size
 
@@ -76,9 +79,10 @@ class GraphedTrainer:
         self.lanes = [Lane(copy.deepcopy(template), streams(), streams()) for _ in range(count)]
         self.signature = None  # what the graphs baked in: loss function, its fixed settings, prox, SGD settings
 
-    def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]],
-              objectives: list[LocalObjective]) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
-        """Per client its final state dict and ``train_local``'s metrics, in the order given."""
+    def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]], objectives: list[LocalObjective]
+              ) -> list[tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]]:
+        """Per client its final state dict, ``train_local``'s metrics and its trained extras
+        (:attr:`LocalObjective.extra`), in the order given."""
         if not contexts:
             return []
         train = contexts[0].train
@@ -91,19 +95,23 @@ class GraphedTrainer:
         mus = {o.prox_mu for o in objectives}
         if len(mus) > 1:
             raise ValueError("graphed clients must share FedProx's mu")
+        forms = {(o.on_model, tuple(o.extra)) for o in objectives}
+        if len(forms) > 1:
+            raise ValueError("graphed clients must share the form of their loss and its extra tensors")
+        on_model = objectives[0].on_model
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
-        signature = (fn, tuple(sorted(fixed.items())), mus.pop(), None if self.capture else train.lr,
+        signature = (fn, tuple(sorted(fixed.items())), on_model, tuple(objectives[0].extra), mus.pop(), None if self.capture else train.lr,
                      train.momentum, train.weight_decay, train.grad_clip)
         if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
                 lane.graphs.clear()
-                lane.loss_tensors = {}
+                lane.loss_tensors, lane.extra, lane.extra_momentum = {}, {}, {}
             self.signature = signature
-        step = _step_function(fn, fixed, signature[2], train, self.capture)  # its constants are the signature's
+        step = _step_function(fn, fixed, signature[4], train, self.capture, on_model)  # its constants: the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
-        runs = [self._client_runs(lane, queue, contexts, starts, parts, step, results)
+        runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results)
                 for lane, queue in zip(self.lanes, queues)]
         current = torch.cuda.current_stream(self.device) if self.capture else None
         for lane in self.lanes:
@@ -116,17 +124,17 @@ class GraphedTrainer:
             if lane.stream is not None:
                 current.wait_stream(lane.stream)
         seed_as_sequential_training(contexts)
-        return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)})
-                for state, total, steps in (results[i] for i in range(len(contexts)))]
+        return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)}, extra)
+                for state, total, steps, extra in (results[i] for i in range(len(contexts)))]
 
-    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, step, results):
+    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, objectives, step, results):
         """A generator that trains the lane's clients one batch per ``next``."""
         with torch.cuda.stream(lane.stream):
             lane.model.train()
         for i in queue:
             ctx = contexts[i]
             with torch.cuda.stream(lane.stream):
-                _load(lane, starts[i], parts[i][2])
+                _load(lane, starts[i], parts[i][2], objectives[i].extra)
                 plan = client_plan(ctx, ctx.train.epochs)
                 augment = ctx.generator(purpose=1)
             for rows in plan:
@@ -138,9 +146,9 @@ class GraphedTrainer:
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
-                              lane.total.clone(), len(plan))
+                              lane.total.clone(), len(plan), {k: v.detach().clone() for k, v in lane.extra.items()})
                 if lane.stream is not None:  # made on the lane's stream, used on the device's current one
-                    for t in (*results[i][0].values(), results[i][1]):
+                    for t in (*results[i][0].values(), results[i][1], *results[i][3].values()):
                         t.record_stream(torch.cuda.current_stream(self.device))
 
     def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, train: TrainSettings, step) -> None:
@@ -158,36 +166,43 @@ class GraphedTrainer:
         lane.graphs[size].replay()
 
 
-def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings,
-                   captured: bool) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
+def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, captured: bool,
+                   on_model: bool = False) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
     """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum."""
 
     def step(lane: Lane, x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
+        if on_model:
+            loss = fn(lane.model, x, y, **fixed, **lane.loss_tensors, **lane.extra)
+        else:
+            loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
         if mu > 0:
             loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(lane.params, lane.anchor))
-        grads = list(torch.autograd.grad(loss, lane.params))
+        params = [*lane.params, *lane.extra.values()]
+        grads = list(torch.autograd.grad(loss, params))
         with torch.no_grad():
-            if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-                torch._foreach_mul_(grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
-            d = torch._foreach_add(grads, lane.params, alpha=train.weight_decay) if train.weight_decay else grads
+            if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic, on the model's gradient only
+                model_grads = grads[:len(lane.params)]
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(model_grads)))
+                torch._foreach_mul_(model_grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+            d = torch._foreach_add(grads, params, alpha=train.weight_decay) if train.weight_decay else grads
             if train.momentum:
-                torch._foreach_mul_(lane.momentum, train.momentum)
-                torch._foreach_add_(lane.momentum, d)
-                d = lane.momentum
+                momentum = [*lane.momentum, *lane.extra_momentum.values()]
+                torch._foreach_mul_(momentum, train.momentum)
+                torch._foreach_add_(momentum, d)
+                d = momentum
             if captured:
-                torch._foreach_add_(lane.params, torch._foreach_mul(d, lane.neg_lr))
+                torch._foreach_add_(params, torch._foreach_mul(d, lane.neg_lr))
             else:
-                torch._foreach_add_(lane.params, d, alpha=-train.lr)
+                torch._foreach_add_(params, d, alpha=-train.lr)
             lane.total.add_(loss.detach())
 
     return step
 
 
-def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, torch.Tensor]) -> None:
+def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, torch.Tensor],
+          extra: dict[str, torch.Tensor]) -> None:
     """A client's start in the lane's fixed tensors: weights and buffers, zero momentum and loss sum,
-    the FedProx anchor, the loss's tensors."""
+    the FedProx anchor, the loss's tensors, the extra trainable tensors."""
     with torch.no_grad():
         lane.model.load_state_dict(start)  # copies in place: captured graphs see the new values
         torch._foreach_zero_(lane.momentum)
@@ -198,13 +213,21 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
                 lane.loss_tensors[k] = torch.empty_like(v)
                 lane.graphs.clear()  # they read the tensor this one replaces
             lane.loss_tensors[k].copy_(v)
+        for k, v in extra.items():
+            if k not in lane.extra or lane.extra[k].shape != v.shape:
+                lane.extra[k] = torch.empty_like(v).requires_grad_(True)
+                lane.extra_momentum[k] = torch.empty_like(v)
+                lane.graphs.clear()
+            lane.extra[k].copy_(v)
+            lane.extra_momentum[k].zero_()
 
 
 def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
     """Capture ``step`` on the lane's fixed tensors. The warm-up steps change the lane's state (a
     client may be mid-way through its batches), so that state is put back afterwards."""
     with torch.no_grad():
-        saved = ({k: v.clone() for k, v in lane.model.state_dict().items()}, [m.clone() for m in lane.momentum],
+        saved = ({k: v.clone() for k, v in lane.model.state_dict().items()},
+                 [m.clone() for m in (*lane.momentum, *lane.extra.values(), *lane.extra_momentum.values())],
                  lane.total.clone())
     side = lane.capture_stream
     side.wait_stream(torch.cuda.current_stream())
@@ -217,6 +240,6 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
         step(lane, x_in, y_in)
     with torch.no_grad():
         lane.model.load_state_dict(saved[0])
-        torch._foreach_copy_(lane.momentum, saved[1])
+        torch._foreach_copy_([*lane.momentum, *lane.extra.values(), *lane.extra_momentum.values()], saved[1])
         lane.total.copy_(saved[2])
     return graph
