@@ -140,6 +140,28 @@ def test_different_seed_different_partition_and_metrics(tmp_path):
     assert a.metrics[-1]["loss"] != pytest.approx(b.metrics[-1]["loss"])
 
 
+def test_clipping_sees_only_the_gradient_of_what_is_trained(tmp_path):
+    """A gradient left on a parameter the loop does not train (an expert another client trained, a
+    head outside ``params``) must not enter the clipping norm: training is then the same with or
+    without it, whatever ran on the shared model before."""
+    from fedlt.api import prepare
+    from fedlt.methods.base import clone_state
+    from fedlt.training.sequential import train_local
+
+    sim = prepare(fedlt.load_config(None, ["data.dataset=synthetic", "fl.grad_clip=0.5", f"run.out_dir={tmp_path}"]))
+    start = clone_state(sim.worker)
+    trained = {}
+    for stale in (None, 1e6):
+        ctx = sim._context(0, 1)
+        ctx.model.load_state_dict(start)
+        ctx.model.head.weight.grad = None if stale is None else torch.full_like(ctx.model.head.weight, stale)
+        train_local(ctx, lambda x, y: torch.nn.functional.cross_entropy(ctx.model(x), y),
+                    params=ctx.model.encoder.parameters())
+        trained[stale] = clone_state(ctx.model)
+    assert all(torch.equal(trained[1e6][k], v) for k, v in trained[None].items())
+    assert not torch.equal(trained[None]["encoder.0.weight"], start["encoder.0.weight"])  # it trained
+
+
 def test_fedprox_with_zero_mu_equals_fedavg(tmp_path):
     avg = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="avg"), quiet=True)
     prox = fedlt.run(tiny(tmp_path, fl__rounds=2, method="fedprox", method_args={"mu": 0.0}, run__name="prox"),

@@ -62,6 +62,8 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
     # losses of the model: SFD's projector (its annealed weight a tensor), FedLoGe's phi_k outside the model
     ("sfd", ["model.name=resnet8", "data.image_size=8", "data.augment=weak", "calibration_args.safs_steps=5"]),
     ("fedloge", ["method_args.head_bias=true", "fl.grad_clip=0.5", "method_args.sse_steps=50"]),
+    # experts frozen per client (a graph per set of trained parameters), the warm-up's rate per step
+    ("gbme", ["loss.name=bsm", "model.name=resnet8", "data.image_size=8"]),
 ])
 def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, method, extra):
     runs = {}

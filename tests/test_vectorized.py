@@ -145,11 +145,15 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
                  "method_args.sse_steps=50"]),
     # psi's own SGD settings: no one step for all parameters, so these clients train one after another
     ("fedloge", ["method_args.head_optimizer=released", "method_args.sse_steps=50"]),
+    # round 1 trains every expert, round 2 one expert per client (the others frozen); the lr warms up per step
+    ("gbme", ["loss.name=bsm", "fl.grad_clip=0.5", "fl.weight_decay=0.01"]),
+    ("gbme", ["loss.name=bsm", "method_args.expert_loss=per_expert"]),  # one after another
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
-    """SFD's projector and FedLoGe's three heads (phi_k a tensor outside the model, kept on the client)
-    in the graphed step: on a CPU the very kernels of sequential training in the same order, so every
-    weight, personal head and metric (personalized accuracy included) is equal to the last bit."""
+    """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client) and
+    GBME's experts (frozen per client) in the graphed step: on a CPU the very kernels of sequential
+    training in the same order, so every weight, personal head and metric (personalized accuracy
+    included) is equal to the last bit."""
     runs = {}
     for backend in ("sequential", "graphed"):
         sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
@@ -184,13 +188,14 @@ def test_backend_choice_and_fallback(tmp_path):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
         with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method scaffold"):
             prepare(config(tmp_path, "method=scaffold", f"run.backend={backend}"))
-    # a loss of the model (SFD, FedLoGe): graphed only; auto falls back where it would pick vectorized
+    # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where it would pick vectorized
     from fedlt.methods.sfd import SFDClient
     assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"
     assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "sequential"
-    with pytest.raises(ConfigError, match="vectorized does not support method fedloge .its loss reads more than the "
-                                          "logits.; use run.backend=graphed"):
-        prepare(config(tmp_path, "method=fedloge", "run.backend=vectorized"))
+    for method, loss in (("fedloge", "ce"), ("gbme", "bsm")):
+        with pytest.raises(ConfigError, match=f"vectorized does not support method {method} .its step is more than a "
+                                              "loss of the logits.; use run.backend=graphed"):
+            prepare(config(tmp_path, f"method={method}", f"loss.name={loss}", "run.backend=vectorized"))
     assert prepare(config(tmp_path, "method=sfd", "run.backend=graphed")).backend == "graphed"  # with SAFS calibration
 
 

@@ -137,7 +137,8 @@ class FLConfig(_Section):
         "fl.lr_decay)")
     lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
     lr_decay: float = Field(0.1, description="step schedule: factor applied at each fl.lr_decay_at")
-    grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm during local training")
+    grad_clip: float | None = Field(None, gt=0, description="clip the norm of the gradient of what local training updates "
+                                   "(a frozen part, such as an expert the client does not train, is not counted)")
 
 
 

@@ -87,8 +87,8 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
     if not trains_together(client_cls, wanted):
         if declares_local_objective(client_cls):
             others = ", ".join(f"run.backend={b}" for b in client_cls.objective_backends)
-            raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its loss reads more than "
-                              f"the logits); use {others}, run.backend=auto or run.backend=sequential")
+            raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its step is more than a loss "
+                              f"of the logits); use {others}, run.backend=auto or run.backend=sequential")
         raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
                           "use run.backend=auto or run.backend=sequential")
     return wanted

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fedlt.messages import Reply
 from fedlt.training.batched import shared_loss, train_clients
-from fedlt.training.graphed import GraphedTrainer
+from fedlt.training.graphed import GraphedTrainer, step_form
 
 if TYPE_CHECKING:
     from fedlt.engine.simulation import Simulation
@@ -33,13 +33,13 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
     for cid, msg in messages.items():
         ctx = sim._context(cid, rnd)
         objective = sim.client.local_objective(ctx, msg)
-        if objective is not None and (sim.backend == "graphed" or not (objective.on_model or objective.extra)):
+        if objective is not None and (sim.backend == "graphed" or objective.of_logits_only()):
             contexts[cid], objectives[cid] = ctx, objective
             starts[cid] = {**sim.clients._worker_init, **{k: v.to(sim.device) for k, v in msg.weights.items()}}
     together = list(contexts)
     if together and shared_loss([objectives[c].loss for c in together]) is None:
         together = []  # clients with different kinds of loss: nothing to share a step
-    forms = {(objectives[c].prox_mu, objectives[c].on_model, tuple(objectives[c].extra)) for c in together}
+    forms = {(objectives[c].prox_mu, *step_form(objectives[c])) for c in together}
     if sim.backend == "graphed" and len(forms) > 1:
         together = []  # a captured step bakes FedProx's mu and the loss's form in
     trained = {}

@@ -124,11 +124,20 @@ class LocalObjective:
     #: ``loss(model, x, y, **extra)``; only the graphed backend takes such a step
     on_model: bool = False
     #: trainable tensors outside the model (a personal head), passed to an ``on_model`` loss as
-    #: keywords and stepped with the model's SGD; as in ``train_local``, clipping sees the model only
+    #: keywords and stepped (and clipped) with the model's parameters
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the reply's weights from the trained state dict and extras (keeping what stays on the client
     #: in ``ctx.state``); None: the whole state dict
     finish: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    #: puts the model in this client's mode before its first step (GBME: freezes the experts it does
+    #: not train); the parameters that then require a gradient are the ones trained
+    prepare: Callable[[nn.Module], None] | None = None
+    #: the factor on the round's learning rate at the client's i-th step (from 1; GBME's warm-up)
+    lr_scale: Callable[[int], float] | None = None
+
+    def of_logits_only(self) -> bool:
+        """Whether the step is a loss of the logits and nothing more (what the vectorized backend takes)."""
+        return not (self.on_model or self.extra or self.prepare or self.lr_scale)
 
 
 @dataclass

@@ -96,7 +96,7 @@ Choices where the paper is silent (also in the README):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Literal
@@ -111,7 +111,7 @@ from fedlt.errors import ConfigError
 from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    LINEAR_HEAD, Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, Stage, clone_state,
+    LINEAR_HEAD, Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, Stage, clone_state,
 )
 from fedlt.methods.proxy_prior import (
     cosine_scores, count_proxy, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
@@ -246,11 +246,19 @@ def fc_weights(model: FedModel) -> list[torch.nn.Parameter]:
 
 
 # ---- client -------------------------------------------------------------------------------
+def warmup_factor(rnd: int, steps: int, rounds: float) -> Callable[[int], float] | None:
+    """The lr factor ``min(1, (rnd - 1 + i / steps) / rounds)`` of the i-th local step (i = 1..steps):
+    a linear warm-up over the first ``rounds`` rounds of ``steps`` local steps; None after them."""
+    if rounds <= 0 or rnd - 1 >= rounds:
+        return None
+    return lambda i: min(1.0, (rnd - 1 + i / steps) / rounds)
+
+
 @contextmanager
 def lr_warmup(rnd: int, steps: int, rounds: float) -> Iterator[None]:
-    """Scale every optimiser's lr by ``min(1, (rnd - 1 + i / steps) / rounds)`` at its i-th step
-    (i = 1..steps): a linear warm-up over the first ``rounds`` rounds of ``steps`` local steps."""
-    if rounds <= 0 or rnd - 1 >= rounds:
+    """Scale every optimiser's lr by :func:`warmup_factor` at its i-th step."""
+    factor_at = warmup_factor(rnd, steps, rounds)
+    if factor_at is None:
         yield
         return
     count = 0
@@ -258,7 +266,7 @@ def lr_warmup(rnd: int, steps: int, rounds: float) -> Iterator[None]:
     def scale(optimizer, args, kwargs) -> None:
         nonlocal count
         count += 1
-        factor = min(1.0, (rnd - 1 + count / steps) / rounds)
+        factor = factor_at(count)
         for group in optimizer.param_groups:
             group["lr"] = group.setdefault("warmup_base_lr", group["lr"]) * factor
 
@@ -368,8 +376,17 @@ def per_expert_loss(model: MultiExpertModel, loss, experts: list[int], per_exper
     return batch_loss
 
 
+def trained_part(model: FedModel, state: dict[str, torch.Tensor], experts: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """What a client uploads: with experts, the backbone and the experts it trained; else everything."""
+    if not isinstance(model, MultiExpertModel):
+        return state
+    keep = set(model.shared_keys()).union(*(model.expert_keys(int(e)) for e in experts))
+    return {k: v for k, v in state.items() if k in keep}
+
+
 class GBMEClient(Client):
     args: GBMEArgs
+    objective_backends = ("graphed",)
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         if name == COUNTS_QUERY:
@@ -411,11 +428,25 @@ class GBMEClient(Client):
         finally:
             if multi:
                 model.set_trainable_experts(None)
-        state = clone_state(model)
-        if multi:  # upload what was trained: the backbone and the selected experts
-            keep = set(model.shared_keys()).union(*(model.expert_keys(int(e)) for e in experts))
-            state = {k: v for k, v in state.items() if k in keep}
-        return Reply(weights=state, num_samples=len(ctx.data), metrics=metrics)
+        return Reply(weights=trained_part(model, clone_state(model), experts), num_samples=len(ctx.data),
+                     metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """Eq. 7's loss of the mean logits, the client's experts the only ones trained (``prepare``)
+        and the warm-up's rate per step; None for the released code's per-expert loss (its graph
+        depends on the client's experts) and for a client without data."""
+        if self.args.expert_loss == "per_expert" or len(ctx.data) == 0:
+            return None
+        prior = msg.payload.get("prior")
+        loss = prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
+        experts = msg.payload.get("experts")
+        prepare = None
+        if isinstance(ctx.model, MultiExpertModel):
+            chosen = [int(e) for e in experts]
+            prepare = lambda model: model.set_trainable_experts(chosen)  # noqa: E731
+        steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
+        return LocalObjective(loss, prepare=prepare, lr_scale=warmup_factor(ctx.round, steps, self.args.warmup()),
+                              finish=lambda state, _: trained_part(ctx.model, state, experts))
 
 
 def gpi_diagnostics(gpi: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:

@@ -11,8 +11,8 @@ buffers, loaded in place from each client's start), the momentum buffers, the Fe
 loss's per-client tensors (log-prior, margins), the trainable tensors outside the model (FedLoGe's
 personal head), the loss sum and one input buffer per batch size. A step reads its batch from the
 input buffer, computes the loss (of the logits, or of the model for methods whose loss reads
-features: SFD, FedLoGe) and its gradient with ``torch.autograd.grad``, clips the model's gradient
-and applies SGD with foreach operations in ``torch.optim.SGD``'s order (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
+features: SFD, FedLoGe) and the gradient of what the client trains (GBME: its experts) with
+``torch.autograd.grad``, clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s order (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
 own) and made again when the loss or an SGD setting changes; the learning rate is read from a tensor,
 so a schedule needs no new graphs.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -55,7 +56,7 @@ class Lane:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # trainable tensors outside the model
     extra_momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size
+    graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size and trained set
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters()]
@@ -95,9 +96,8 @@ class GraphedTrainer:
         mus = {o.prox_mu for o in objectives}
         if len(mus) > 1:
             raise ValueError("graphed clients must share FedProx's mu")
-        forms = {(o.on_model, tuple(o.extra)) for o in objectives}
-        if len(forms) > 1:
-            raise ValueError("graphed clients must share the form of their loss and its extra tensors")
+        if len({step_form(o) for o in objectives}) > 1:
+            raise ValueError("graphed clients must share the form of their step (loss, extra tensors, hooks)")
         on_model = objectives[0].on_model
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
@@ -132,17 +132,23 @@ class GraphedTrainer:
         with torch.cuda.stream(lane.stream):
             lane.model.train()
         for i in queue:
-            ctx = contexts[i]
+            ctx, objective = contexts[i], objectives[i]
             with torch.cuda.stream(lane.stream):
-                _load(lane, starts[i], parts[i][2], objectives[i].extra)
+                _load(lane, starts[i], parts[i][2], objective.extra)
+                for p in lane.params:
+                    p.requires_grad_(True)
+                if objective.prepare is not None:
+                    objective.prepare(lane.model)
+                trained = tuple(k for k, p in enumerate(lane.params) if p.requires_grad)
                 plan = client_plan(ctx, ctx.train.epochs)
                 augment = ctx.generator(purpose=1)
-            for rows in plan:
+            for t, rows in enumerate(plan, start=1):
+                lr = ctx.train.lr * objective.lr_scale(t) if objective.lr_scale else None
                 with torch.cuda.stream(lane.stream):
                     with scope(BATCH):
                         x, y = ctx.data.batch(rows, augment)
                     with scope(GRADIENT):
-                        self._run_step(lane, x, y, ctx.train, step)
+                        self._run_step(lane, x, y, partial(step, trained=trained, lr=lr), trained, lr)
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
@@ -151,7 +157,10 @@ class GraphedTrainer:
                     for t in (*results[i][0].values(), results[i][1], *results[i][3].values()):
                         t.record_stream(torch.cuda.current_stream(self.device))
 
-    def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, train: TrainSettings, step) -> None:
+    def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, step, trained: tuple[int, ...],
+                  lr: float | None) -> None:
+        """One step: uncaptured on a CPU; else the graph for this batch size and set of trained
+        parameters (captured on first use), with this step's learning rate when it has its own."""
         size = x.shape[0]
         if size not in lane.inputs:
             lane.inputs[size] = (torch.empty_like(x), torch.empty_like(y))
@@ -161,39 +170,52 @@ class GraphedTrainer:
         if not self.capture:
             step(lane, x_in, y_in)
             return
-        if size not in lane.graphs:
-            lane.graphs[size] = _capture(lane, step, x_in, y_in)
-        lane.graphs[size].replay()
+        if lr is not None:
+            lane.neg_lr.fill_(-lr)
+        key = (size, trained)
+        if key not in lane.graphs:
+            lane.graphs[key] = _capture(lane, step, x_in, y_in)
+        lane.graphs[key].replay()
+
+
+def step_form(objective: LocalObjective) -> tuple:
+    """What a captured step bakes in of a client's objective besides its loss: clients train together
+    only when these are equal."""
+    return objective.on_model, tuple(objective.extra), objective.prepare is not None, objective.lr_scale is not None
 
 
 def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, captured: bool,
-                   on_model: bool = False) -> Callable[[Lane, torch.Tensor, torch.Tensor], None]:
-    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum."""
+                   on_model: bool = False) -> Callable[..., None]:
+    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum. ``trained``: the
+    positions of the parameters it trains (None: all); ``lr``: this step's rate when it is not the
+    round's (uncaptured; a captured step reads ``lane.neg_lr``)."""
 
-    def step(lane: Lane, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(lane: Lane, x: torch.Tensor, y: torch.Tensor, trained: tuple[int, ...] | None = None,
+             lr: float | None = None) -> None:
+        model_params = lane.params if trained is None else [lane.params[k] for k in trained]
         if on_model:
             loss = fn(lane.model, x, y, **fixed, **lane.loss_tensors, **lane.extra)
         else:
             loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
         if mu > 0:
             loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(lane.params, lane.anchor))
-        params = [*lane.params, *lane.extra.values()]
+        params = [*model_params, *lane.extra.values()]
         grads = list(torch.autograd.grad(loss, params))
         with torch.no_grad():
-            if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic, on the model's gradient only
-                model_grads = grads[:len(lane.params)]
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(model_grads)))
-                torch._foreach_mul_(model_grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+            if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic over everything trained
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                torch._foreach_mul_(grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
             d = torch._foreach_add(grads, params, alpha=train.weight_decay) if train.weight_decay else grads
             if train.momentum:
-                momentum = [*lane.momentum, *lane.extra_momentum.values()]
+                own = lane.momentum if trained is None else [lane.momentum[k] for k in trained]
+                momentum = [*own, *lane.extra_momentum.values()]
                 torch._foreach_mul_(momentum, train.momentum)
                 torch._foreach_add_(momentum, d)
                 d = momentum
             if captured:
                 torch._foreach_add_(params, torch._foreach_mul(d, lane.neg_lr))
             else:
-                torch._foreach_add_(params, d, alpha=-train.lr)
+                torch._foreach_add_(params, d, alpha=-(train.lr if lr is None else lr))
             lane.total.add_(loss.detach())
 
     return step

@@ -54,7 +54,8 @@ def train_local(
     params: Iterable[torch.nn.Parameter] | None = None,
     epochs: int | None = None,
 ) -> dict[str, float]:
-    """Run ``epochs`` (default: the round's) of SGD on ``ctx.model`` minimising ``batch_loss(x, y)``.
+    """Run ``epochs`` (default: the round's) of SGD on ``params`` (default: ``ctx.model``'s) minimising
+    ``batch_loss(x, y)``, the gradient of ``params`` clipped to ``fl.grad_clip``.
 
     Returns training metrics: mean loss over batches and the number of optimisation steps.
     """
@@ -63,6 +64,9 @@ def train_local(
         return {"train_loss": float("nan"), "steps": 0.0}
     torch.manual_seed(seed_for(ctx.seed, "train", ctx.round, ctx.cid, 99))  # for modules that use the global RNG
     optimizer = make_sgd(params if params is not None else model.parameters(), train)
+    # clipping sees the gradient of what this loop trains, never a gradient left on a parameter it does
+    # not train (a frozen expert trained by the client before, a head outside ``params``)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     generator = ctx.generator()
     augment_generator = ctx.generator(purpose=1)
     model.train()
@@ -78,7 +82,7 @@ def train_local(
                 loss.backward()
             with scope(OPTIMIZER):
                 if train.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+                    torch.nn.utils.clip_grad_norm_(trained, train.grad_clip)
                 optimizer.step()
                 total += loss.detach()
             steps += 1
