@@ -141,6 +141,8 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
 
 @pytest.mark.parametrize("method,extra", [
     ("sfd", ["data.augment=weak", "fl.grad_clip=0.5", "calibration_args.safs_steps=5"]),  # a projector with BatchNorm
+    # no contrastive branch: the projector is in the model but not in the loss, and has no gradient
+    ("sfd", ["method_args.scl_weight=0", "calibration_args.safs_steps=5", "fl.momentum=0.9"]),
     ("fedloge", ["method_args.head_bias=true", "fl.grad_clip=0.5", "fl.weight_decay=0.01", "fl.lr_schedule=cosine",
                  "method_args.sse_steps=50"]),
     # psi's own SGD settings: no one step for all parameters, so these clients train one after another

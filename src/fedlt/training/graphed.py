@@ -199,16 +199,19 @@ def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, c
             loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
         if mu > 0:
             loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(lane.params, lane.anchor))
-        params = [*model_params, *lane.extra.values()]
-        grads = list(torch.autograd.grad(loss, params))
+        own = lane.momentum if trained is None else [lane.momentum[k] for k in trained]
+        params, momentum = [*model_params, *lane.extra.values()], [*own, *lane.extra_momentum.values()]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # a parameter the loss did not use this step (SFD's projector on a batch of one) has no
+        # gradient, and torch.optim.SGD leaves it and its momentum as they are
+        used = [k for k, g in enumerate(grads) if g is not None]
+        params, momentum, grads = ([seq[k] for k in used] for seq in (params, momentum, grads))
         with torch.no_grad():
             if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic over everything trained
                 norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
                 torch._foreach_mul_(grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
             d = torch._foreach_add(grads, params, alpha=train.weight_decay) if train.weight_decay else grads
             if train.momentum:
-                own = lane.momentum if trained is None else [lane.momentum[k] for k in trained]
-                momentum = [*own, *lane.extra_momentum.values()]
                 torch._foreach_mul_(momentum, train.momentum)
                 torch._foreach_add_(momentum, d)
                 d = momentum
