@@ -12,9 +12,11 @@ loss's per-client tensors (log-prior, margins), the trainable tensors outside th
 personal head), the loss sum and one input buffer per batch size. A step reads its batch from the
 input buffer, computes the loss (of the logits, or of the model for methods whose loss reads
 features: SFD, FedLoGe) and the gradient of what the client trains (GBME: its experts) with
-``torch.autograd.grad``, clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s order (dampening 0, no Nesterov). Graphs are kept per batch size (a client's last, shorter batch gets its
-own) and made again when the loss or an SGD setting changes; the learning rate is read from a tensor,
-so a schedule needs no new graphs.
+``torch.autograd.grad``, clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s
+order (dampening 0, no Nesterov). Graphs are kept per step shape (batch size, trained parameters),
+captured on a shape's second use (a client's last, shorter batch is often a size no other client of
+the lane has: it runs uncaptured), share one memory pool per lane, and are made again when the loss
+or an SGD setting changes; the learning rate is read from a tensor, so a schedule needs no new graphs.
 
 Equal to the sequential loop, client by client, to float rounding: the same batches from each
 client's own generators, the same loss and the same SGD arithmetic. On a CPU the same step runs
@@ -35,6 +37,10 @@ from fedlt.training.batched import client_plan, seed_as_sequential_training, sha
 from fedlt.training.scopes import BATCH, GRADIENT, scope
 
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS set-up, autograd's threads)
+#: a step shape (batch size, trained parameters) is captured on its second use; until then it runs
+#: uncaptured on the lane's stream. A client's last, shorter batch is often a size no other client
+#: of the lane has, and a capture costs a device-wide synchronisation and two warm-up steps
+CAPTURE_AT_USE = 2
 
 
 @dataclass
@@ -57,6 +63,11 @@ class Lane:
     extra_momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size and trained set
+    uses: dict[tuple, int] = field(default_factory=dict)  # uncaptured steps per shape
+    #: one memory pool for the lane's graphs: a lane replays them one after another on its stream, and
+    #: nothing a step allocates outlives it (all it keeps is in the lane's fixed tensors), so their
+    #: intermediates can share memory instead of one pool per graph (batch sizes x trained sets)
+    pool: tuple | None = None
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters()]
@@ -106,6 +117,7 @@ class GraphedTrainer:
         if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
                 lane.graphs.clear()
+                lane.uses.clear()
                 lane.loss_tensors, lane.extra, lane.extra_momentum = {}, {}, {}
             self.signature = signature
         step = _step_function(fn, fixed, signature[4], train, self.capture, on_model)  # its constants: the signature's
@@ -174,6 +186,10 @@ class GraphedTrainer:
             lane.neg_lr.fill_(-lr)
         key = (size, trained)
         if key not in lane.graphs:
+            lane.uses[key] = lane.uses.get(key, 0) + 1
+            if lane.uses[key] < CAPTURE_AT_USE:
+                step(lane, x_in, y_in)  # the captured step's arithmetic (it reads neg_lr), launched kernel by kernel
+                return
             lane.graphs[key] = _capture(lane, step, x_in, y_in)
         lane.graphs[key].replay()
 
@@ -261,7 +277,9 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
             step(lane, x_in, y_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    if lane.pool is None:
+        lane.pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(graph, pool=lane.pool, stream=side):
         step(lane, x_in, y_in)
     with torch.no_grad():
         lane.model.load_state_dict(saved[0])
