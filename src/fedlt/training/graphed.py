@@ -250,17 +250,22 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
         lane.total.zero_()
         torch._foreach_copy_(lane.anchor, lane.params)
         for k, v in loss_tensors.items():
-            if k not in lane.loss_tensors or lane.loss_tensors[k].shape != v.shape:
+            if not _fits(lane.loss_tensors.get(k), v):
                 lane.loss_tensors[k] = torch.empty_like(v)
                 lane.graphs.clear()  # they read the tensor this one replaces
             lane.loss_tensors[k].copy_(v)
         for k, v in extra.items():
-            if k not in lane.extra or lane.extra[k].shape != v.shape:
+            if not _fits(lane.extra.get(k), v):
                 lane.extra[k] = torch.empty_like(v).requires_grad_(True)
                 lane.extra_momentum[k] = torch.empty_like(v)
                 lane.graphs.clear()
             lane.extra[k].copy_(v)
             lane.extra_momentum[k].zero_()
+
+
+def _fits(held: torch.Tensor | None, value: torch.Tensor) -> bool:
+    """Whether a lane's fixed tensor can take ``value`` in place (graphs read it where it is)."""
+    return held is not None and held.shape == value.shape and held.dtype == value.dtype
 
 
 def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
