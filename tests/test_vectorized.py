@@ -173,6 +173,62 @@ def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit
     assert json.loads((graphed.run_dir / "summary.json").read_text())["backend"] == "graphed"
 
 
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("gbme", ["loss.name=bsm", "fl.rounds=3", "fl.grad_clip=0.5"]),  # trained sets per client, the rate per step
+    ("fedloge", ["method_args.sse_steps=50", "fl.lr_schedule=cosine"]),  # phi_k outside the model
+])
+def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_in(tmp_path, float64, monkeypatch,
+                                                                                    method, extra):
+    """What only CUDA runs, short of the device: lanes on streams, a shape captured on its second use
+    (warm-up steps and the capture itself undone, the state put back), a graph per batch size and
+    trained set in one pool per lane, the rate read from a tensor and written per step. CUDA's calls
+    are replaced by stand-ins and a replay by the step it captured, so the run must equal sequential
+    training to float64 rounding (the captured update rounds p + d * (-lr), not p - lr * d)."""
+    import contextlib
+
+    from fedlt.training import graphed as module
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", type("FakeGraph", (), {}))
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    captured, capture = [], module._capture
+
+    def capture_and_replay(lane, step, x_in, y_in):
+        graph = capture(lane, step, x_in, y_in)  # runs the warm-up and the "captured" step, then restores
+        graph.replay = lambda: step(lane, x_in, y_in)
+        captured.append((lane, x_in.shape[0]))
+        return graph
+
+    monkeypatch.setattr(module, "_capture", capture_and_replay)
+    runs = {}
+    for backend in ("sequential", "graphed"):
+        sim = prepare(config(tmp_path, f"method={method}", *extra, f"run.backend={backend}"))
+        if backend == "graphed":
+            sim.graphed = trainer = GraphedTrainer(sim.worker, lanes=1)
+            trainer.capture = True
+            trainer.lanes = [module.Lane(copy.deepcopy(sim.worker), _FakeStream(), _FakeStream()) for _ in range(3)]
+        (tmp_path / backend).mkdir()
+        runs[backend] = (sim.run(tmp_path / backend, quiet=True), clone_state(sim.server_model))
+    (seq, seq_state), (graphed, graphed_state) = runs.values()
+    for name, value in seq_state.items():
+        assert torch.allclose(graphed_state[name], value, rtol=0, atol=1e-10), name
+    assert [r["acc"] for r in graphed.metrics] == [r["acc"] for r in seq.metrics]
+    lanes = [lane for lane in trainer.lanes if lane.graphs]
+    assert len(lanes) == 3 and len({id(lane.pool) for lane in lanes}) == 3  # every lane captured, one pool each
+    assert len(captured) == sum(len(lane.graphs) for lane in lanes)  # each shape captured once, then replayed
+    assert all(uses == 1 for lane in lanes for key, uses in lane.uses.items() if key not in lane.graphs)
+    if method == "gbme":  # the joint round trains every parameter, a per-expert round a part of them
+        assert len({len(trained) for lane in lanes for _, trained in lane.graphs}) > 1
+
+
 def test_backend_choice_and_fallback(tmp_path):
     from fedlt.methods.feddecorr import FedDecorrClient
     from fedlt.methods.fedavg import FedAvgClient
