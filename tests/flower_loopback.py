@@ -100,13 +100,6 @@ def server_identity() -> Iterator[None]:
 
 def deployment_pids(workdir: Path) -> list[int]:
     """Every live process of the deployment in ``workdir``: all inherit its FLWR_HOME."""
-    mark = f"FLWR_HOME={workdir / 'flwr-home'}".encode()
-    pids = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            live = Path(env.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            if live and mark in env.read_bytes().split(b"\0"):
-                pids.append(int(env.parent.name))
-        except OSError:
-            continue
-    return pids
+    from fedlt.deploy import _inheritors
+
+    return _inheritors(f"FLWR_HOME={workdir / 'flwr-home'}".encode())

@@ -385,6 +385,26 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
     assert (tmp_path / "deployed" / "partition.json").read_text() == (local.run_dir / "partition.json").read_text()
 
 
+def test_the_closing_sweep_stops_a_helper_that_escaped_the_process_groups(tmp_path):
+    """A process of the federation that is in none of the noted groups (started in a session of its
+    own as the signal arrived) and ignores SIGTERM still goes: found by the FLWR_HOME it inherited."""
+    import subprocess
+    import sys
+
+    from fedlt.deploy import _stop_inheritors
+
+    home = str(tmp_path / "flwr-home")
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    helper = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "FLWR_HOME": home},
+                              start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert helper.stdout.readline().strip() == "up" and deployment_pids(tmp_path) == [helper.pid]
+        _stop_inheritors(home)
+        assert helper.wait(5) == -9 and deployment_pids(tmp_path) == []  # SIGKILL after the ignored SIGTERM
+    finally:
+        helper.kill()
+
+
 @pytest.mark.parametrize("signum", [15, 2])
 def test_a_signalled_deploy_stops_every_process_and_says_so(tmp_path, signum):
     """SIGTERM or SIGINT (Ctrl-C) once the SuperLink, its superexec and the SuperNodes run: one

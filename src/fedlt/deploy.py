@@ -389,6 +389,36 @@ def _stop_groups(groups: set[int]) -> None:
             return
 
 
+def _inheritors(mark: bytes) -> list[int]:
+    """Live processes (not this one) whose environment holds ``mark``: every process the federation
+    started, and everything they started, inherits its FLWR_HOME, also one that opened a session of
+    its own or lost its parent after the groups were noted."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        pid = int(environ.parent.name)
+        try:
+            live = Path(environ.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if pid != os.getpid() and live and mark in environ.read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _stop_inheritors(flwr_home: str, seconds: float = 4.0) -> None:
+    """Stop what the process groups missed (a helper started while the signal arrived): SIGTERM, then
+    SIGKILL, until no process carries the federation's FLWR_HOME or ``seconds`` have passed."""
+    mark, deadline, sig = f"FLWR_HOME={flwr_home}".encode(), time.monotonic() + seconds, signal.SIGTERM
+    while (left := _inheritors(mark)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.2)
+        sig = signal.SIGKILL  # a straggler gets one polite request
+
+
 @contextmanager
 def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False, startup_s: float = 60, *,
                      sites: list[Site] | None = None, auth: bool = False) -> Iterator[Federation]:
@@ -432,6 +462,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
         try:
             fed.track()
             _stop_groups(set().union(*fed.groups.values()) - {os.getpgrp()} if fed.groups else set())
+            _stop_inheritors(env["FLWR_HOME"])
             for proc in [*fed.nodes, *fed.workers, *([fed.superlink] if fed.superlink else [])]:
                 proc.poll()
         finally:
