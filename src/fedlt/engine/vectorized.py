@@ -39,9 +39,8 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
     together = list(contexts)
     if together and shared_loss([objectives[c].loss for c in together]) is None:
         together = []  # clients with different kinds of loss: nothing to share a step
-    forms = {(objectives[c].prox_mu, *step_form(objectives[c])) for c in together}
-    if sim.backend == "graphed" and len(forms) > 1:
-        together = []  # a captured step bakes FedProx's mu and the loss's form in
+    if sim.backend == "graphed" and len({step_form(objectives[c]) for c in together}) > 1:
+        together = []  # a captured step bakes FedProx's mu and the step's form in
     trained = {}
     if together:
         args = ([contexts[c] for c in together], [starts[c] for c in together], [objectives[c] for c in together])

@@ -292,6 +292,12 @@ def fedloge_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, phi_weight: 
         + F.cross_entropy(F.linear(detached, phi_weight, phi_bias), y)
 
 
+def personal_phi(ctx: ClientContext) -> nn.Linear:
+    """This client's phi_k: its stored one, or (first participation) a fresh ``nn.Linear``-style
+    initialisation seeded per client."""
+    return personal_module(ctx, "phi", fresh_linear(ctx.model.head.aux, ctx.generator(PHI_INIT_PURPOSE)))
+
+
 def upload(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a client sends: the backbone and psi; the SSE-C is the server's and never changes."""
     return {k: v for k, v in state.items() if not k.startswith("head.fixed.")}
@@ -310,9 +316,8 @@ class FedLoGeClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
-        head = model.head
-        phi = personal_module(ctx, "phi", fresh_linear(head.aux, ctx.generator(PHI_INIT_PURPOSE)))
-        heads = {"params": [*head.aux.parameters(), *phi.parameters()], **head_sgd(self.args, ctx.train)}
+        phi = personal_phi(ctx)
+        heads = {"params": [*model.head.aux.parameters(), *phi.parameters()], **head_sgd(self.args, ctx.train)}
         params = [{"params": list(model.encoder.parameters())}, heads]
         metrics = train_local(ctx, lambda x, y: fedloge_loss(model, x, y, phi.weight, phi.bias), params=params)
         store_module(ctx, "phi", phi)
@@ -324,12 +329,11 @@ class FedLoGeClient(Client):
         ``head_lr_scale``): one step applies one setting."""
         if self.args.head_optimizer != "run" or self.args.head_lr_scale != 1.0:
             return None
-        phi = personal_module(ctx, "phi", fresh_linear(ctx.model.head.aux, ctx.generator(PHI_INIT_PURPOSE)))
-        extra = {"phi_weight": phi.weight.detach(), **({"phi_bias": phi.bias.detach()} if phi.bias is not None else {})}
+        phi = personal_phi(ctx)
+        extra = {f"phi_{k}": v.detach() for k, v in phi.named_parameters()}  # phi_weight (and phi_bias)
 
         def finish(state: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            store_personal(ctx, "phi", {"weight": trained["phi_weight"],
-                                        **({"bias": trained["phi_bias"]} if "phi_bias" in trained else {})})
+            store_personal(ctx, "phi", {k.removeprefix("phi_"): v for k, v in trained.items()})
             return upload(state)
 
         return LocalObjective(fedloge_loss, on_model=True, extra=extra, finish=finish)

@@ -376,6 +376,17 @@ def per_expert_loss(model: MultiExpertModel, loss, experts: list[int], per_exper
     return batch_loss
 
 
+def round_loss(ctx: ClientContext, msg: Message):
+    """The round's loss: the configured one with the server's prior (GPI, global), or the client's counts."""
+    prior = msg.payload.get("prior")
+    return prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
+
+
+def local_steps(ctx: ClientContext) -> int:
+    """The SGD steps of the client's round (what the warm-up spreads its rate over)."""
+    return ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
+
+
 def trained_part(model: FedModel, state: dict[str, torch.Tensor], experts: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """What a client uploads: with experts, the backbone and the experts it trained; else everything."""
     if not isinstance(model, MultiExpertModel):
@@ -410,8 +421,7 @@ class GBMEClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
-        prior = msg.payload.get("prior")
-        loss = prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
+        loss = round_loss(ctx, msg)
         experts = msg.payload.get("experts")
         multi = isinstance(model, MultiExpertModel)
         if multi:
@@ -422,8 +432,7 @@ class GBMEClient(Client):
             batch_loss = lambda x, y: loss(model(x), y)
         try:
             params = [p for p in model.parameters() if p.requires_grad]
-            steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
-            with lr_warmup(ctx.round, steps, self.args.warmup()):
+            with lr_warmup(ctx.round, local_steps(ctx), self.args.warmup()):
                 metrics = train_local(ctx, batch_loss, params=params)
         finally:
             if multi:
@@ -437,15 +446,13 @@ class GBMEClient(Client):
         depends on the client's experts) and for a client without data."""
         if self.args.expert_loss == "per_expert" or len(ctx.data) == 0:
             return None
-        prior = msg.payload.get("prior")
-        loss = prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
         experts = msg.payload.get("experts")
         prepare = None
         if isinstance(ctx.model, MultiExpertModel):
             chosen = [int(e) for e in experts]
             prepare = lambda model: model.set_trainable_experts(chosen)  # noqa: E731
-        steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
-        return LocalObjective(loss, prepare=prepare, lr_scale=warmup_factor(ctx.round, steps, self.args.warmup()),
+        return LocalObjective(round_loss(ctx, msg), prepare=prepare,
+                              lr_scale=warmup_factor(ctx.round, local_steps(ctx), self.args.warmup()),
                               finish=lambda state, _: trained_part(ctx.model, state, experts))
 
 

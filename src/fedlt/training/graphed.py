@@ -104,15 +104,12 @@ class GraphedTrainer:
         if parts is None:
             raise ValueError("graphed clients must use the same kind of loss")
         fn, fixed, _ = parts[0]
-        mus = {o.prox_mu for o in objectives}
-        if len(mus) > 1:
-            raise ValueError("graphed clients must share FedProx's mu")
         if len({step_form(o) for o in objectives}) > 1:
-            raise ValueError("graphed clients must share the form of their step (loss, extra tensors, hooks)")
-        on_model = objectives[0].on_model
+            raise ValueError("graphed clients must share the form of their step (FedProx's mu, loss, extras, hooks)")
+        mu, on_model = objectives[0].prox_mu, objectives[0].on_model
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
-        signature = (fn, tuple(sorted(fixed.items())), on_model, tuple(objectives[0].extra), mus.pop(), None if self.capture else train.lr,
+        signature = (fn, tuple(sorted(fixed.items())), step_form(objectives[0]), None if self.capture else train.lr,
                      train.momentum, train.weight_decay, train.grad_clip)
         if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
@@ -120,7 +117,7 @@ class GraphedTrainer:
                 lane.uses.clear()
                 lane.loss_tensors, lane.extra, lane.extra_momentum = {}, {}, {}
             self.signature = signature
-        step = _step_function(fn, fixed, signature[4], train, self.capture, on_model)  # its constants: the signature's
+        step = _step_function(fn, fixed, mu, train, self.capture, on_model)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
         runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results)
@@ -197,7 +194,8 @@ class GraphedTrainer:
 def step_form(objective: LocalObjective) -> tuple:
     """What a captured step bakes in of a client's objective besides its loss: clients train together
     only when these are equal."""
-    return objective.on_model, tuple(objective.extra), objective.prepare is not None, objective.lr_scale is not None
+    return (objective.prox_mu, objective.on_model, tuple(objective.extra), objective.prepare is not None,
+            objective.lr_scale is not None)
 
 
 def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, captured: bool,
