@@ -64,6 +64,8 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
     ("fedloge", ["method_args.head_bias=true", "fl.grad_clip=0.5", "method_args.sse_steps=50"]),
     # experts frozen per client (a graph per set of trained parameters), the warm-up's rate per step
     ("gbme", ["loss.name=bsm", "model.name=resnet8", "data.image_size=8"]),
+    # two views per image made outside the graph, the log-prior written per step, the features kept
+    ("fedyoyo", ["model.name=resnet8", "data.image_size=8"]),
 ])
 def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, method, extra):
     runs = {}

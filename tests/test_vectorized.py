@@ -150,12 +150,17 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     # round 1 trains every expert, round 2 one expert per client (the others frozen); the lr warms up per step
     ("gbme", ["loss.name=bsm", "fl.grad_clip=0.5", "fl.weight_decay=0.01"]),
     ("gbme", ["loss.name=bsm", "method_args.expert_loss=per_expert"]),  # one after another
+    # two views per image made outside the step, the log-prior re-mixed per step, the teacher features kept
+    ("fedyoyo", ["fl.grad_clip=0.5", "fl.weight_decay=0.01"]),
+    # the prior estimated before training (in eval mode), fused once; the CE of Eq. 7; teachers averaged
+    ("fedyoyo", ["method_args.prior_features=clean_eval", "method_args.prior=fused_estimate",
+                 "method_args.ce_prior_scale=null", "method_args.asd_average=correct"]),
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
-    """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client) and
-    GBME's experts (frozen per client) in the graphed step: on a CPU the very kernels of sequential
-    training in the same order, so every weight, personal head and metric (personalized accuracy
-    included) is equal to the last bit."""
+    """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client),
+    GBME's experts (frozen per client) and FedYoYo's views, per-step prior and prior estimate in the
+    graphed step: on a CPU the very kernels of sequential training in the same order, so every weight,
+    personal head, client prior and metric (personalized accuracy included) is equal to the last bit."""
     runs = {}
     for backend in ("sequential", "graphed"):
         sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))
@@ -181,6 +186,7 @@ class _FakeStream:
 @pytest.mark.parametrize("method,extra", [
     ("gbme", ["loss.name=bsm", "fl.rounds=3", "fl.grad_clip=0.5"]),  # trained sets per client, the rate per step
     ("fedloge", ["method_args.sse_steps=50", "fl.lr_schedule=cosine"]),  # phi_k outside the model
+    ("fedyoyo", ["fl.rounds=3"]),  # the log-prior written per step, the teacher features read per step
 ])
 def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_in(tmp_path, float64, monkeypatch,
                                                                                     method, extra):
@@ -250,7 +256,7 @@ def test_backend_choice_and_fallback(tmp_path):
     from fedlt.methods.sfd import SFDClient
     assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"
     assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "sequential"
-    for method, loss in (("fedloge", "ce"), ("gbme", "bsm")):
+    for method, loss in (("fedloge", "ce"), ("gbme", "bsm"), ("fedyoyo", "ce")):
         with pytest.raises(ConfigError, match=f"vectorized does not support method {method} .its step is more than a "
                                               "loss of the logits.; use run.backend=graphed"):
             prepare(config(tmp_path, f"method={method}", f"loss.name={loss}", "run.backend=vectorized"))

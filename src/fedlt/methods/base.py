@@ -118,7 +118,8 @@ class LocalObjective:
 
     loss: Callable[..., torch.Tensor]
     prox_mu: float = 0.0
-    #: what the reply carries besides the weights, computed before training (CReFF's gradients)
+    #: what the reply carries besides the weights: computed before training (CReFF's gradients), or
+    #: added by ``finish`` (FedYoYo's prior estimate)
     payload: dict[str, Any] = field(default_factory=dict)
     #: the loss reads more than the logits (features, a projector, extra heads): it is called as
     #: ``loss(model, x, y, **extra)``; only the graphed backend takes such a step
@@ -134,10 +135,20 @@ class LocalObjective:
     prepare: Callable[[nn.Module], None] | None = None
     #: the factor on the round's learning rate at the client's i-th step (from 1; GBME's warm-up)
     lr_scale: Callable[[int], float] | None = None
+    #: the step's input and labels from a batch's rows (positions in the client's data), in place of
+    #: ``ctx.data.batch`` with ``data.augment`` (FedYoYo: the weak and strong views of each image)
+    batch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: the loss's per-client tensors at the client's i-th step (from 1), when they change within a
+    #: round (FedYoYo's re-mixed log-prior); the same names and shapes as the loss's own
+    step_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None
+    #: receives, after each step, what an ``on_model`` loss returned besides its value (it then
+    #: returns ``(value, tensor)``; FedYoYo: the teacher view's features) and the batch's labels
+    keep: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def of_logits_only(self) -> bool:
         """Whether the step is a loss of the logits and nothing more (what the vectorized backend takes)."""
-        return not (self.on_model or self.extra or self.prepare or self.lr_scale)
+        return not (self.on_model or self.extra or self.prepare or self.lr_scale or self.batch or self.step_tensors
+                    or self.keep)
 
 
 @dataclass

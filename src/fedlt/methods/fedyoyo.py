@@ -100,7 +100,7 @@ from fedlt.data.augment import strong_view, weak_view
 from fedlt.errors import ConfigError
 from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext, MethodArgs, ServerContext, clone_state
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.training.sequential import epoch_batches, steps_per_epoch, train_local
 
@@ -197,6 +197,22 @@ def asd_loss(
     kl = (log_t.exp() * (log_t - log_s)).sum(dim=1)
     count = correct.sum().clamp_min(1) if average == "correct" else targets.shape[0]
     return (kl * correct).sum() / count
+
+
+def yoyo_loss(
+    model, x: torch.Tensor, y: torch.Tensor, *, log_pi: torch.Tensor, asd_weight: torch.Tensor, distill: bool,
+    keep_features: bool, temperature: float, prior_scale: float | None, teacher_filter: str, average: str,
+):
+    """Eq. 9 on a batch whose first half is the teacher view and second half the student view of the
+    ``y.shape[0]`` images: DLA on both, plus ``asd_weight`` x ASD when ``distill``. With
+    ``keep_features``, also the teacher view's features (float32, detached) for the prior estimate."""
+    n = y.shape[0]
+    features = model.forward_features(x)
+    logits = model.forward_head(features)
+    loss = dla_loss(logits, torch.cat([y, y]), log_pi, temperature, prior_scale)
+    if distill:
+        loss = loss + asd_weight * asd_loss(logits[:n], logits[n:], y, log_pi, temperature, teacher_filter, average)
+    return (loss, features[:n].detach().float()) if keep_features else loss
 
 
 def effective_numbers(features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -329,6 +345,8 @@ def clean_features(ctx: ClientContext, generator: torch.Generator) -> list[tuple
 
 
 class FedYoYoClient(FedAvgClient):
+    objective_backends = ("graphed",)  # its loss reads features and two views of each image
+
     def round_prior(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
         """``pi_mix`` for this round, fused once before training (uniform when DLA is off)."""
         num_classes = ctx.data.num_classes
@@ -365,43 +383,62 @@ class FedYoYoClient(FedAvgClient):
                        interpolation=a.view_interpolation)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        a = self.args
         ctx.model.load_state_dict(msg.weights, strict=False)
-        estimate = a.dla and a.prior_source == "estimated"
-        fresh = None
-        if estimate and a.prior_features == "clean_eval":  # before training: also this round's pi_k
-            fresh = estimate_prior(clean_features(ctx, ctx.generator(purpose=3)), ctx.data.num_classes)
-            if fresh is not None:
-                ctx.state["prior"] = fresh.cpu()
-        log_prior_at = self.prior_schedule(ctx, msg)
-        weight = float(msg.payload["asd_weight"])
-        teacher, student = (self.view(name) for name in (a.teacher_view, a.student_view))
-        standardize, hflip = ctx.data.standardize, ctx.data.hflip
-        views_gen = ctx.generator(purpose=2)
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        objective = self.local_objective(ctx, msg)
+        if objective is None:
+            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
         step = 0
 
         def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             nonlocal step
             step += 1
-            log_pi = log_prior_at(step)
-            n = y.shape[0]
-            both = torch.cat([teacher(x, views_gen, hflip), student(x, views_gen, hflip)])
-            features = ctx.model.forward_features(standardize(both))
-            logits = ctx.model.forward_head(features)
-            loss = dla_loss(logits, torch.cat([y, y]), log_pi, a.temperature, a.ce_prior_scale)
-            if weight > 0:
-                loss = loss + weight * asd_loss(logits[:n], logits[n:], y, log_pi, a.temperature,
-                                                a.teacher_filter, a.asd_average)
-            if estimate and a.prior_features == "train":
-                kept.append((features[:n].detach().float(), y))
+            loss = objective.loss(ctx.model, x, y, **(objective.step_tensors(step) if objective.step_tensors else {}))
+            if objective.keep is None:
+                return loss
+            loss, features = loss
+            objective.keep(features, y)
             return loss
 
-        # the views are built here from [0, 1] images, so the shared loop must not augment or standardise
-        raw = replace(ctx, data=replace(ctx.data, augment=None, standardize=lambda x: x))
-        metrics = train_local(raw, batch_loss)
-        if kept:
-            fresh = estimate_prior(kept, ctx.data.num_classes)
-            ctx.state["prior"] = fresh.cpu()
-        payload = {"prior": fresh.cpu()} if fresh is not None else {}
-        return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), payload=payload, metrics=metrics)
+        metrics = train_local(ctx, batch_loss, batch=objective.batch)
+        weights = objective.finish(clone_state(ctx.model), {})
+        return Reply(weights=weights, num_samples=len(ctx.data), payload=objective.payload, metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
+        """Eq. 9 as a loss of the model on both views of a batch: the views are the step's input (made
+        outside it from the client's own generator), the re-mixed log-prior a tensor written per step,
+        the teacher view's features kept for the round's prior estimate; lambda_r is a tensor, so
+        captured steps outlive its warm-up. None for a client without data."""
+        if len(ctx.data) == 0:
+            return None
+        a, num_classes = self.args, ctx.data.num_classes
+        estimate = a.dla and a.prior_source == "estimated"
+        payload: dict[str, Any] = {}
+        if estimate and a.prior_features == "clean_eval":  # before training: also this round's pi_k
+            ctx.model.load_state_dict(msg.weights, strict=False)
+            fresh = estimate_prior(clean_features(ctx, ctx.generator(purpose=3)), num_classes)
+            ctx.state["prior"] = payload["prior"] = fresh.cpu()
+        log_prior_at = self.prior_schedule(ctx, msg)
+        weight = float(msg.payload["asd_weight"])
+        keep_features = estimate and a.prior_features == "train"
+        loss = partial(yoyo_loss, log_pi=log_prior_at(1), asd_weight=torch.tensor(weight, device=ctx.data.images.device),
+                       distill=weight > 0, keep_features=keep_features, temperature=a.temperature,
+                       prior_scale=a.ce_prior_scale, teacher_filter=a.teacher_filter, average=a.asd_average)
+        teacher, student = (self.view(name) for name in (a.teacher_view, a.student_view))
+        views_gen, data = ctx.generator(purpose=2), ctx.data
+        unscaled = replace(data, augment=None, standardize=lambda x: x)  # the views start from [0, 1] images
+
+        def views(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = unscaled.batch(rows)
+            return data.standardize(torch.cat([teacher(x, views_gen, data.hflip), student(x, views_gen, data.hflip)])), y
+
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def finish(state: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if kept:
+                ctx.state["prior"] = payload["prior"] = estimate_prior(kept, num_classes).cpu()
+            return state
+
+        remix = a.dla and a.prior == "local_remix"
+        return LocalObjective(loss, on_model=True, payload=payload, finish=finish, batch=views,
+                              step_tensors=(lambda t: {"log_pi": log_prior_at(t)}) if remix else None,
+                              keep=(lambda features, y: kept.append((features, y))) if keep_features else None)

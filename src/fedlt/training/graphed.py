@@ -8,10 +8,12 @@ device busy while the host prepares the next batches.
 
 Everything a step touches lives at fixed addresses: the lane's model (its parameters and BatchNorm
 buffers, loaded in place from each client's start), the momentum buffers, the FedProx anchor, the
-loss's per-client tensors (log-prior, margins), the trainable tensors outside the model (FedLoGe's
-personal head), the loss sum and one input buffer per batch size. A step reads its batch from the
-input buffer, computes the loss (of the logits, or of the model for methods whose loss reads
-features: SFD, FedLoGe) and the gradient of what the client trains (GBME: its experts) with
+loss's per-client tensors (log-prior, margins; FedYoYo's re-mixed prior, written before each
+step), the trainable tensors outside the model (FedLoGe's personal head), the loss sum, one input
+buffer per batch size and one buffer for what the loss keeps (FedYoYo's teacher features). A step
+reads its batch (made outside the graph: augmented, or FedYoYo's two views) from the input buffer,
+computes the loss (of the logits, or of the model for methods whose loss reads features: SFD,
+FedLoGe, FedYoYo) and the gradient of what the client trains (GBME: its experts) with
 ``torch.autograd.grad``, clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s
 order (dampening 0, no Nesterov). Graphs are kept per step shape (batch size, trained parameters),
 captured on a shape's second use (a client's last, shorter batch is often a size no other client of
@@ -62,6 +64,7 @@ class Lane:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # trainable tensors outside the model
     extra_momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per batch size: what the loss kept this step
     graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size and trained set
     uses: dict[tuple, int] = field(default_factory=dict)  # uncaptured steps per shape
     #: one memory pool for the lane's graphs: a lane replays them one after another on its stream, and
@@ -106,7 +109,7 @@ class GraphedTrainer:
         fn, fixed, _ = parts[0]
         if len({step_form(o) for o in objectives}) > 1:
             raise ValueError("graphed clients must share the form of their step (FedProx's mu, loss, extras, hooks)")
-        mu, on_model = objectives[0].prox_mu, objectives[0].on_model
+        mu, on_model, keeps = objectives[0].prox_mu, objectives[0].on_model, objectives[0].keep is not None
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
         signature = (fn, tuple(sorted(fixed.items())), step_form(objectives[0]), None if self.capture else train.lr,
@@ -115,9 +118,9 @@ class GraphedTrainer:
             for lane in self.lanes:
                 lane.graphs.clear()
                 lane.uses.clear()
-                lane.loss_tensors, lane.extra, lane.extra_momentum = {}, {}, {}
+                lane.loss_tensors, lane.extra, lane.extra_momentum, lane.inputs, lane.kept = {}, {}, {}, {}, {}
             self.signature = signature
-        step = _step_function(fn, fixed, mu, train, self.capture, on_model)  # its constants are the signature's
+        step = _step_function(fn, fixed, mu, train, self.capture, on_model, keeps)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
         runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results)
@@ -155,9 +158,13 @@ class GraphedTrainer:
                 lr = ctx.train.lr * objective.lr_scale(t) if objective.lr_scale else None
                 with torch.cuda.stream(lane.stream):
                     with scope(BATCH):
-                        x, y = ctx.data.batch(rows, augment)
+                        x, y = objective.batch(rows) if objective.batch else ctx.data.batch(rows, augment)
+                        for k, v in (objective.step_tensors(t) if objective.step_tensors else {}).items():
+                            lane.loss_tensors[k].copy_(v)
                     with scope(GRADIENT):
                         self._run_step(lane, x, y, partial(step, trained=trained, lr=lr), trained, lr)
+                    if objective.keep:
+                        objective.keep(lane.kept[x.shape[0]].clone(), y)
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
@@ -195,14 +202,16 @@ def step_form(objective: LocalObjective) -> tuple:
     """What a captured step bakes in of a client's objective besides its loss: clients train together
     only when these are equal."""
     return (objective.prox_mu, objective.on_model, tuple(objective.extra), objective.prepare is not None,
-            objective.lr_scale is not None)
+            objective.lr_scale is not None, objective.batch is not None, objective.step_tensors is not None,
+            objective.keep is not None)
 
 
 def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, captured: bool,
-                   on_model: bool = False) -> Callable[..., None]:
-    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum. ``trained``: the
-    positions of the parameters it trains (None: all); ``lr``: this step's rate when it is not the
-    round's (uncaptured; a captured step reads ``lane.neg_lr``)."""
+                   on_model: bool = False, keeps: bool = False) -> Callable[..., None]:
+    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum, and what the loss
+    keeps (``keeps``: it returns ``(value, tensor)``) in ``lane.kept``. ``trained``: the positions of
+    the parameters it trains (None: all); ``lr``: this step's rate when it is not the round's
+    (uncaptured; a captured step reads ``lane.neg_lr``)."""
 
     def step(lane: Lane, x: torch.Tensor, y: torch.Tensor, trained: tuple[int, ...] | None = None,
              lr: float | None = None) -> None:
@@ -211,6 +220,12 @@ def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, c
             loss = fn(lane.model, x, y, **fixed, **lane.loss_tensors, **lane.extra)
         else:
             loss = fn(lane.model(x), y, **fixed, **lane.loss_tensors)
+        if keeps:
+            loss, kept = loss
+            held = lane.kept.get(x.shape[0])
+            if not _fits(held, kept):  # on a shape's first, uncaptured use: a capture follows warm-up steps
+                held = lane.kept[x.shape[0]] = torch.empty_like(kept)
+            held.copy_(kept.detach())
         if mu > 0:
             loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(lane.params, lane.anchor))
         own = lane.momentum if trained is None else [lane.momentum[k] for k in trained]

@@ -53,9 +53,12 @@ def train_local(
     batch_loss: BatchLoss,
     params: Iterable[torch.nn.Parameter] | None = None,
     epochs: int | None = None,
+    batch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """Run ``epochs`` (default: the round's) of SGD on ``params`` (default: ``ctx.model``'s) minimising
-    ``batch_loss(x, y)``, the gradient of ``params`` clipped to ``fl.grad_clip``.
+    ``batch_loss(x, y)``, the gradient of ``params`` clipped to ``fl.grad_clip``. ``batch``: the input
+    and labels of a batch's rows, in place of ``ctx.data.batch`` with ``data.augment``
+    (:attr:`~fedlt.methods.base.LocalObjective.batch`).
 
     Returns training metrics: mean loss over batches and the number of optimisation steps.
     """
@@ -74,7 +77,7 @@ def train_local(
     for _ in range(train.epochs if epochs is None else epochs):
         for rows in epoch_batches(len(data), train.batch_size, generator):
             with scope(BATCH):
-                x, y = data.batch(rows, augment_generator)
+                x, y = batch(rows) if batch is not None else data.batch(rows, augment_generator)
             with scope(FORWARD):
                 loss = batch_loss(x, y)
             with scope(BACKWARD):
