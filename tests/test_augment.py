@@ -12,6 +12,7 @@ from torch import Tensor
 from fedlt.data import augment
 from fedlt.data.augment import (
     ALL_OPS,
+    SELECTIONS,
     AUGMENTATIONS,
     GEOMETRIC_OPS,
     INTERPOLATIONS,
@@ -369,12 +370,13 @@ def _record_rotations(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return angles
 
 
-def test_rand_augment_m9_rotates_by_plus_or_minus_9_degrees(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("select", SELECTIONS)
+def test_rand_augment_m9_rotates_by_plus_or_minus_9_degrees(monkeypatch: pytest.MonkeyPatch, select: str) -> None:
     angles = _record_rotations(monkeypatch)
-    rand_augment(batch((64, 1, 28, 28)), gen(), num_ops=1, magnitude=9, ops=("rotate",))
+    rand_augment(batch((64, 1, 28, 28)), gen(), num_ops=1, magnitude=9, ops=("rotate",), select=select)
     assert len(angles) == 64 and {round(a, 6) for a in angles} == {-9.0, 9.0}
     x = batch((64, 3, 8, 8)) * 0.5
-    ratio = (rand_augment(x, gen(), num_ops=1, magnitude=9, ops=("brightness",)) / x).flatten(1)[:, 0]
+    ratio = (rand_augment(x, gen(), num_ops=1, magnitude=9, ops=("brightness",), select=select) / x).flatten(1)[:, 0]
     assert torch.all(((ratio - 0.73).abs() < 1e-4) | ((ratio - 1.27).abs() < 1e-4))
 
 
@@ -395,28 +397,69 @@ def test_autoaugment_cifar10_table_is_the_published_policy() -> None:
         assert level is None or 0 <= level <= 9
 
 
-def test_auto_augment_bins_map_to_ninths_of_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("select", SELECTIONS)
+def test_auto_augment_bins_map_to_ninths_of_the_range(monkeypatch: pytest.MonkeyPatch, select: str) -> None:
     """Bin b is b/9 of the range: (rotate, bin 2) turns by 20/3 degrees, either way."""
     angles = _record_rotations(monkeypatch)
     policy = ((("rotate", 1.0, 2), ("invert", 0.0, None)),)
-    auto_augment(batch((64, 1, 8, 8)), gen(), policy=policy)
+    auto_augment(batch((64, 1, 8, 8)), gen(), policy=policy, select=select)
     assert {round(a, 5) for a in angles} == {round(-20 / 3, 5), round(20 / 3, 5)}
     x = batch((8, 3, 16, 16))
-    posterized = auto_augment(x, gen(), policy=((("posterize", 1.0, 7), ("identity", 1.0, None)),))
+    posterized = auto_augment(x, gen(), policy=((("posterize", 1.0, 7), ("identity", 1.0, None)),), select=select)
     assert torch.equal(posterized, apply_op(x, "posterize", 7 / 9, gen()))  # 8 - round(28/9) = 5 bits
     assert torch.all((posterized * 255).round() % 8 == 0)
 
 
-def test_auto_augment_steps_fire_with_their_probability_and_sub_policies_uniformly() -> None:
+@pytest.mark.parametrize("select", SELECTIONS)
+def test_auto_augment_steps_fire_with_their_probability_and_sub_policies_uniformly(select: str) -> None:
     x = torch.full((4000, 1, 2, 2), 0.25)
-    fired = auto_augment(x, gen(), policy=((("invert", 0.3, None), ("identity", 1.0, None)),))
+    fired = auto_augment(x, gen(), policy=((("invert", 0.3, None), ("identity", 1.0, None)),), select=select)
     assert ((fired == 0.75).flatten(1).all(1) | (fired == 0.25).flatten(1).all(1)).all()
     assert (fired[:, 0, 0, 0] == 0.75).float().mean().item() == pytest.approx(0.3, abs=0.03)
     half = ((("invert", 1.0, None), ("identity", 1.0, None)), (("identity", 1.0, None), ("identity", 1.0, None)))
-    assert (auto_augment(x, gen(), policy=half)[:, 0, 0, 0] == 0.75).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    halved = auto_augment(x, gen(), policy=half, select=select)
+    assert (halved[:, 0, 0, 0] == 0.75).float().mean().item() == pytest.approx(0.5, abs=0.03)
     # the second step composes with the first
     twice = ((("invert", 1.0, None), ("invert", 1.0, None)),)
-    assert torch.equal(auto_augment(x, gen(), policy=twice), x)
+    assert torch.equal(auto_augment(x, gen(), policy=twice, select=select), x)
+
+
+#: the CIFAR-10 policy without its signed ops (a sign is drawn per image under mask selection, per
+#: drawn image under index selection): both selections then draw the same random numbers
+UNSIGNED_POLICY = tuple(sub for sub in CIFAR10_POLICY if not {op for op, _, _ in sub} & SIGNED_OPS)
+UNSIGNED_OPS = tuple(op for op in OP_NAMES if op not in SIGNED_OPS)
+
+
+@pytest.mark.parametrize("policy", ["autoaugment", "randaugment"])
+def test_mask_selection_transforms_each_image_as_index_selection_does(policy: str) -> None:
+    """Per image, an op applied to the whole batch and kept where drawn is the op applied to the
+    images that drew it (sub-policies sharing an op and bin in one call included)."""
+    x = batch((64, 3, 16, 16))
+    run = ((lambda select: auto_augment(x, gen(5), policy=UNSIGNED_POLICY, select=select)) if policy == "autoaugment"
+           else (lambda select: rand_augment(x, gen(5), num_ops=2, magnitude=20, ops=UNSIGNED_OPS, select=select)))
+    assert len(UNSIGNED_POLICY) >= 8 and len(UNSIGNED_OPS) == 5
+    indexed, masked = run("index"), run("mask")
+    assert (indexed - x).abs().flatten(1).amax(dim=1).gt(1e-3).sum() >= 32  # most images changed
+    torch.testing.assert_close(masked, indexed, atol=1e-6, rtol=0)
+
+
+def test_mask_selection_never_waits_for_the_device() -> None:
+    """What a GPU runs: no host synchronisation in either policy, where index selection has one per op."""
+    from fedlt.bench.host_syncs import HostSyncs
+
+    x = batch((32, 3, 16, 16))
+    counts = {}
+    for select in SELECTIONS:
+        auto_augment(x, gen(), select=select)  # the policy's tables and constants are made once per device
+        rand_augment(x, gen(), select=select)
+        with HostSyncs() as syncs:
+            auto_augment(x, gen(), select=select)
+            rand_augment(x, gen(), select=select)
+        counts[select] = dict(syncs.calls)
+    assert counts["mask"] == {} and sum(counts["index"].values()) >= 50 + 26
+    with pytest.raises(ValueError, match="unknown selection 'gather'; use one of index, mask"):
+        auto_augment(x, gen(), select="gather")
+    assert augment.selection_for(x) == "index"  # the CPU keeps the stream committed results were drawn with
 
 
 def test_strong_view_policies(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,12 +84,15 @@ def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, metho
     assert [r["acc"] for r in graphed.metrics] == [r["acc"] for r in seq.metrics]
 
 
-@pytest.mark.parametrize("backend", ["sequential", "graphed", "vectorized"])
-def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend):
+@pytest.mark.parametrize("backend,extra", [
+    ("sequential", ["loss.name=bsm"]), ("graphed", ["loss.name=bsm"]), ("vectorized", ["loss.name=bsm"]),
+    ("graphed", ["method=fedyoyo"]),  # two views per image, the strong one AutoAugment's policy with masks
+])
+def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend, extra):
     """CUDA's own sync check: the synchronisations of a round do not grow with its local epochs."""
     counts = []
     for epochs in (1, 3):
-        sim = prepare(config(tmp_path, f"run.backend={backend}", f"fl.local_epochs={epochs}", "loss.name=bsm"))
+        sim = prepare(config(tmp_path, f"run.backend={backend}", f"fl.local_epochs={epochs}", *extra))
         sim.setup()
         sim.fit_round(1)  # captures, allocations and cuDNN set-up happen here
         torch.cuda.synchronize()

@@ -44,6 +44,20 @@ def test_a_local_epoch_never_waits_for_the_device(overrides):
     assert not grown, f"host synchronisations that grow with the local epochs: {grown}"
 
 
+@pytest.mark.parametrize("overrides", [
+    ["method=fedyoyo"],  # the strong view with AutoAugment's CIFAR-10 policy
+    ["method=fedyoyo", "method_args.strong_policy=randaugment"],
+    ["method=fedavg", "data.augment=strong"],
+], ids=lambda o: " ".join(o))
+def test_strong_views_as_a_gpu_draws_them_never_wait_for_the_device(monkeypatch, overrides):
+    """On a CPU the policies pick the images of each op by index (the host reads their count: free
+    there, and the random stream of the committed results); a GPU masks instead. Run that way here."""
+    from fedlt.data import augment
+
+    monkeypatch.setattr(augment, "selection_for", lambda x: "mask")
+    test_a_local_epoch_never_waits_for_the_device(overrides)
+
+
 def test_the_counter_sees_reads_masks_and_host_copies():
     x = torch.arange(6.0)
     with HostSyncs() as syncs:

@@ -76,6 +76,37 @@ warped image, nearest keeps edges sharp. torch's bicubic is the cubic convolutio
 
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's "L" conversion
 
+SELECTIONS = ("index", "mask")
+"""How the two policies apply an op to the images that drew it. ``index`` gathers those images and
+transforms only them: their number is a device value, so on a GPU the host waits for it (once per
+op and batch); on a CPU it costs nothing, and it is the random stream fedlt's committed results were
+drawn with. ``mask`` transforms the whole batch and keeps the result where the op was drawn: no
+wait, and every op of a policy step that shares a magnitude is one batched call, but each signed op
+draws a sign for every image, so the stream (not the distribution) differs from ``index``."""
+
+
+def selection_for(x: Tensor) -> str:
+    """The :data:`SELECTIONS` entry a batch on ``x``'s device uses: ``index`` on a CPU, ``mask`` on
+    an accelerator (whose random stream differs from the CPU's anyway)."""
+    return "index" if x.device.type == "cpu" else "mask"
+
+
+def _check_selection(select: str) -> None:
+    if select not in SELECTIONS:
+        raise ValueError(f"unknown selection {select!r}; use one of {', '.join(SELECTIONS)}")
+
+
+def _apply_to_drawn(
+    out: Tensor, drawn: Tensor, name: str, strength: float, generator: torch.Generator, interpolation: str, select: str
+) -> Tensor:
+    """``out`` with op ``name`` applied to the images where ``drawn`` (a boolean per image) is true."""
+    if select == "mask":
+        return torch.where(drawn[:, None, None, None], apply_op(out, name, strength, generator, interpolation), out)
+    idx = drawn.nonzero().squeeze(1)
+    if idx.numel():
+        out[idx] = apply_op(out[idx], name, strength, generator, interpolation)
+    return out
+
 
 def _check_batch(x: Tensor) -> None:
     if x.ndim != 4 or not x.is_floating_point():
@@ -147,8 +178,14 @@ def _grayscale(x: Tensor) -> Tensor:
     """Per-pixel luma ``(B, 1, H, W)``; the channel itself for one-channel images."""
     if x.shape[1] != 3:
         return x.mean(dim=1, keepdim=True)
-    weights = torch.tensor(_LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return (x * weights).sum(dim=1, keepdim=True)
+    return (x * _luma_weights(x.device, x.dtype)).sum(dim=1, keepdim=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _luma_weights(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:data:`_LUMA` as a ``(1, 3, 1, 1)`` tensor, copied to a device once (a copy from the host
+    makes a GPU's host wait)."""
+    return torch.tensor(_LUMA, dtype=dtype, device=device).view(1, 3, 1, 1)
 
 
 def _blend(degenerate: Tensor, x: Tensor, factor: Tensor) -> Tensor:
@@ -353,13 +390,15 @@ def rand_augment(
     magnitude: float = 9,
     ops: Sequence[str] = OP_NAMES,
     interpolation: str = "bilinear",
+    select: str | None = None,
 ) -> Tensor:
     """RandAugment (Cubuk et al., 2020): ``num_ops`` ops per image, each drawn uniformly.
 
     Every image draws its own ops from ``ops`` (default: all of :data:`OP_NAMES`) and all
     are applied at ``magnitude`` ``M`` of :data:`RANDAUGMENT_BINS` (torchvision's scale: the
     usual ``M = 9`` is 30% of each op's range, e.g. rotations of +/-9 degrees). Images that drew
-    the same op are transformed together, so the loop runs over op types, not samples.
+    the same op are transformed together (``select``, :data:`SELECTIONS`; default by device), so
+    the loop runs over op types, not samples.
     """
     _check_batch(x)
     unknown = [name for name in ops if name not in ALL_OPS]
@@ -368,38 +407,77 @@ def rand_augment(
     if not 0.0 <= magnitude <= RANDAUGMENT_BINS:
         raise ValueError(f"magnitude must be in [0, {RANDAUGMENT_BINS}], got {magnitude}")
     _check_interpolation(interpolation)
+    select = select or selection_for(x)
+    _check_selection(select)
     strength = magnitude / RANDAUGMENT_BINS
     out = x.clone()
     for _ in range(num_ops):
         choice = torch.randint(0, len(ops), (x.shape[0],), generator=generator, device=x.device)
         for k, name in enumerate(ops):
-            idx = (choice == k).nonzero().squeeze(1)
-            if idx.numel() and name != "identity":
-                out[idx] = apply_op(out[idx], name, strength, generator, interpolation)
+            if name != "identity":
+                out = _apply_to_drawn(out, choice == k, name, strength, generator, interpolation, select)
     return out.clamp(0.0, 1.0)
 
 
 @_accepts_uint8
 def auto_augment(
-    x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR10_POLICY, interpolation: str = "bilinear"
+    x: Tensor, generator: torch.Generator, policy: Sequence = CIFAR10_POLICY, interpolation: str = "bilinear",
+    select: str | None = None,
 ) -> Tensor:
     """AutoAugment (Cubuk et al., 2019): each image draws one sub-policy uniformly, and each of
     its two ``(op, probability, bin)`` steps fires with its probability at ``bin / 9`` of the
-    op's range (:mod:`fedlt.data.autoaugment`; default: the CIFAR-10 policy)."""
+    op's range (:mod:`fedlt.data.autoaugment`; default: the CIFAR-10 policy). ``select``
+    (:data:`SELECTIONS`, default by device): ``index`` applies each sub-policy's op to the images
+    that drew it; ``mask`` applies each (op, bin) of a step once, to the images of every
+    sub-policy that has it there."""
     _check_batch(x)
     _check_interpolation(interpolation)
+    select = select or selection_for(x)
+    _check_selection(select)
     n = x.shape[0]
     out = x.clone()
     choice = torch.randint(0, len(policy), (n,), generator=generator, device=x.device)
     for step in range(2):
         fire = torch.rand(n, generator=generator, device=x.device)
+        if select == "mask":
+            frozen = tuple(tuple(tuple(op) for op in sub_policy) for sub_policy in policy)
+            probability, group, names = _policy_step_tables(frozen, step, x.device)
+            fired = fire < probability[choice]
+            drawn_group = torch.where(fired, group[choice], -1)
+            for g, (name, level) in enumerate(names):
+                out = _apply_to_drawn(out, drawn_group == g, name, _bin_strength(level), generator, interpolation,
+                                      select)
+            continue
         for k, sub_policy in enumerate(policy):
             name, probability, level = sub_policy[step]
-            idx = ((choice == k) & (fire < probability)).nonzero().squeeze(1)
-            if idx.numel() and name != "identity":
-                strength = 0.0 if level is None else level / (AUTOAUGMENT_LEVELS - 1)
-                out[idx] = apply_op(out[idx], name, strength, generator, interpolation)
+            if name != "identity":
+                out = _apply_to_drawn(out, (choice == k) & (fire < probability), name, _bin_strength(level),
+                                      generator, interpolation, select)
     return out.clamp(0.0, 1.0)
+
+
+def _bin_strength(level: int | None) -> float:
+    """An AutoAugment magnitude bin as the fraction of the op's range (``None``: an op without one)."""
+    return 0.0 if level is None else level / (AUTOAUGMENT_LEVELS - 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_step_tables(policy: tuple, step: int, device: torch.device) -> tuple[Tensor, Tensor, tuple]:
+    """For one step of ``policy``: each sub-policy's probability and (op, bin) group on ``device``,
+    and the groups in order of first appearance (identity left out: its group is -1). Made once per
+    policy and device, so a batch copies nothing from the host."""
+    names: list[tuple[str, int | None]] = []
+    group = []
+    for sub_policy in policy:
+        name, _, level = sub_policy[step]
+        if name == "identity":
+            group.append(-1)
+            continue
+        if (name, level) not in names:
+            names.append((name, level))
+        group.append(names.index((name, level)))
+    probability = torch.tensor([sub_policy[step][1] for sub_policy in policy], device=device)
+    return probability, torch.tensor(group, device=device), tuple(names)
 
 
 STRONG_POLICIES = ("autoaugment", "randaugment")
