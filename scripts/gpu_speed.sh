@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 fedlt=("$py" -m fedlt.cli)
 
 "$py" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$out/device.txt"
-step tests 110 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step tests 110 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
 step profile 110 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10,40 --synthetic-size 32 \
   --backends sequential,vectorized,graphed --out "$out/profile.md" "${data[@]}"
 step backends 240 "${fedlt[@]}" bench speed --backends --rounds 1 --no-k-table --models cnn,resnet8,resnet32,resnet18 \

@@ -52,8 +52,9 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
             results = [(state, metrics, {}) for state, metrics in train_clients(sim.worker, *args)]
         for cid, (state, metrics, extra) in zip(together, results):
             finish = objectives[cid].finish
-            trained[cid] = Reply(weights=finish(state, extra) if finish else state, num_samples=len(contexts[cid].data),
-                                 metrics=metrics, payload=dict(objectives[cid].payload))
+            weights = finish(state, extra) if finish else state  # before the payload: finish may add to it
+            trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
+                                 payload=dict(objectives[cid].payload))
 
     replies = {}
     for cid, msg in messages.items():
