@@ -199,12 +199,20 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
 
     from fedlt.training import graphed as module
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    main, active, recorded = _FakeStream(), [], []
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        active.append(stream)
+        yield
+        active.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: active[-1] if active else main)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", type("FakeGraph", (), {}))
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
     captured, capture = [], module._capture
 
     def capture_and_replay(lane, step, x_in, y_in):
@@ -231,6 +239,9 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
     assert len(lanes) == 3 and len({id(lane.pool) for lane in lanes}) == 3  # every lane captured, one pool each
     assert len(captured) == sum(len(lane.graphs) for lane in lanes)  # each shape captured once, then replayed
     assert all(uses == 1 for lane in lanes for key, uses in lane.uses.items() if key not in lane.graphs)
+    # what a lane hands back (states, loss sums, extras, kept features) is marked as used on the stream
+    # that called train, so the allocator does not give its memory to the lane while that stream reads it
+    assert recorded and all(stream is main for stream in recorded)
     if method == "gbme":  # the joint round trains every parameter, a per-expert round a part of them
         assert len({len(trained) for lane in lanes for _, trained in lane.graphs}) > 1
 

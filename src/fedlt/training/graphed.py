@@ -123,9 +123,9 @@ class GraphedTrainer:
         step = _step_function(fn, fixed, mu, train, self.capture, on_model, keeps)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
-        runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results)
-                for lane, queue in zip(self.lanes, queues)]
         current = torch.cuda.current_stream(self.device) if self.capture else None
+        runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results, current)
+                for lane, queue in zip(self.lanes, queues)]
         for lane in self.lanes:
             lane.neg_lr.fill_(-train.lr)
             if lane.stream is not None:
@@ -139,8 +139,11 @@ class GraphedTrainer:
         return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)}, extra)
                 for state, total, steps, extra in (results[i] for i in range(len(contexts)))]
 
-    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, objectives, step, results):
-        """A generator that trains the lane's clients one batch per ``next``."""
+    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, objectives, step, results,
+                     consumer: torch.cuda.Stream | None):
+        """A generator that trains the lane's clients one batch per ``next``. What it hands back is made
+        on the lane's stream and used on ``consumer`` (the stream ``train`` was called on), so it is
+        recorded there: its memory is not reused before that stream is done with it."""
         with torch.cuda.stream(lane.stream):
             lane.model.train()
         for i in queue:
@@ -164,14 +167,18 @@ class GraphedTrainer:
                     with scope(GRADIENT):
                         self._run_step(lane, x, y, partial(step, trained=trained, lr=lr), trained, lr)
                     if objective.keep:
-                        objective.keep(lane.kept[x.shape[0]].clone(), y)
+                        kept = lane.kept[x.shape[0]].clone()
+                        if lane.stream is not None:  # read by finish on the consumer's stream
+                            kept.record_stream(consumer)
+                            y.record_stream(consumer)
+                        objective.keep(kept, y)
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
                               lane.total.clone(), len(plan), {k: v.detach().clone() for k, v in lane.extra.items()})
-                if lane.stream is not None:  # made on the lane's stream, used on the device's current one
-                    for t in (*results[i][0].values(), results[i][1], *results[i][3].values()):
-                        t.record_stream(torch.cuda.current_stream(self.device))
+                if lane.stream is not None:
+                    for made in (*results[i][0].values(), results[i][1], *results[i][3].values()):
+                        made.record_stream(consumer)
 
     def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, step, trained: tuple[int, ...],
                   lr: float | None) -> None:
