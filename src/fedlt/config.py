@@ -194,8 +194,9 @@ class RunConfig(_Section):
         "run.streams clients at once (graphed; the same methods; on a CPU the same step without capture); "
         "auto = the backend measured fastest for the device and model (docs/speed.md)"
     )
-    streams: int = Field(8, ge=1, description="run.backend=graphed on a GPU: clients trained at once, each on its "
-                         "own CUDA stream with its own copy of the model")
+    streams: int = Field(8, ge=1, le=16, description="run.backend=graphed on a GPU: clients trained at once, each on "
+                         "its own CUDA stream with its own copy of the model (at most 16: CUDA hands out 32 streams "
+                         "per device in turn, and each client takes two)")
     workers: int | None = Field(None, ge=1, description="run.backend=parallel: worker processes (default: one per "
                                 "CPU core, at most the clients sampled per round)")
     deterministic: bool = Field(True, description="GPU runs: cuDNN deterministic mode without autotuning, and torch's deterministic CUDA kernels (warns where one has none)")

@@ -441,7 +441,7 @@ def auto_augment(
         fire = torch.rand(n, generator=generator, device=x.device)
         if select == "mask":
             frozen = tuple(tuple(tuple(op) for op in sub_policy) for sub_policy in policy)
-            probability, group, names = _policy_step_tables(frozen, step, x.device)
+            probability, group, names = _policy_step_tables(frozen, step, x.device, fire.dtype)
             fired = fire < probability[choice]
             drawn_group = torch.where(fired, group[choice], -1)
             for g, (name, level) in enumerate(names):
@@ -462,10 +462,12 @@ def _bin_strength(level: int | None) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _policy_step_tables(policy: tuple, step: int, device: torch.device) -> tuple[Tensor, Tensor, tuple]:
-    """For one step of ``policy``: each sub-policy's probability and (op, bin) group on ``device``,
-    and the groups in order of first appearance (identity left out: its group is -1). Made once per
-    policy and device, so a batch copies nothing from the host."""
+def _policy_step_tables(policy: tuple, step: int, device: torch.device, dtype: torch.dtype
+                        ) -> tuple[Tensor, Tensor, tuple]:
+    """For one step of ``policy``: each sub-policy's probability (in ``dtype``, as the draws it is
+    compared with) and (op, bin) group on ``device``, and the groups in order of first appearance
+    (identity left out: its group is -1). Made once per policy and device, so a batch copies nothing
+    from the host."""
     names: list[tuple[str, int | None]] = []
     group = []
     for sub_policy in policy:
@@ -476,7 +478,7 @@ def _policy_step_tables(policy: tuple, step: int, device: torch.device) -> tuple
         if (name, level) not in names:
             names.append((name, level))
         group.append(names.index((name, level)))
-    probability = torch.tensor([sub_policy[step][1] for sub_policy in policy], device=device)
+    probability = torch.tensor([sub_policy[step][1] for sub_policy in policy], dtype=dtype, device=device)
     return probability, torch.tensor(group, device=device), tuple(names)
 
 

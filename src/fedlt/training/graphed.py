@@ -81,6 +81,13 @@ class Lane:
         self.total = torch.zeros((), device=self.params[0].device, dtype=self.params[0].dtype)
         self.neg_lr = torch.zeros((), device=self.params[0].device, dtype=self.params[0].dtype)
 
+    def forget_graphs(self) -> None:
+        """Drop the lane's graphs and their pool: a pool whose graphs are all gone may be released by
+        the allocator, so the next capture starts a new one. (``uses`` is kept: a shape seen before
+        is captured again at its next use.)"""
+        self.graphs.clear()
+        self.pool = None
+
 
 class GraphedTrainer:
     """Trains clients from their start states with captured steps; one per engine, so the lanes,
@@ -116,7 +123,7 @@ class GraphedTrainer:
                      train.momentum, train.weight_decay, train.grad_clip)
         if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
-                lane.graphs.clear()
+                lane.forget_graphs()
                 lane.uses.clear()
                 lane.loss_tensors, lane.extra, lane.extra_momentum, lane.inputs, lane.kept = {}, {}, {}, {}, {}
             self.signature = signature
@@ -272,13 +279,13 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
         for k, v in loss_tensors.items():
             if not _fits(lane.loss_tensors.get(k), v):
                 lane.loss_tensors[k] = torch.empty_like(v)
-                lane.graphs.clear()  # they read the tensor this one replaces
+                lane.forget_graphs()  # they read the tensor this one replaces
             lane.loss_tensors[k].copy_(v)
         for k, v in extra.items():
             if not _fits(lane.extra.get(k), v):
                 lane.extra[k] = torch.empty_like(v).requires_grad_(True)
                 lane.extra_momentum[k] = torch.empty_like(v)
-                lane.graphs.clear()
+                lane.forget_graphs()
             lane.extra[k].copy_(v)
             lane.extra_momentum[k].zero_()
 
