@@ -59,6 +59,10 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
      "vectorized"),
     ("fedavg", ["loss.name=la"], "graphed"),
     ("fedprox", ["method_args.mu=0.5", "fl.lr_schedule=cosine"], "graphed"),  # a new learning rate each round
+    ("fedlc", [], "vectorized"),  # per-client margins, infinite for the classes a client lacks
+    # the fixed ETF a buffer of every client's model, left out of the reply (its personalization adapts the
+    # ETF on float32 features: not run in this float64 test)
+    ("fedetf", ["eval.personalized=false"], "vectorized"),
 ])
 def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, together):
     runs = {}
@@ -155,12 +159,20 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     # the prior estimated before training (in eval mode), fused once; the CE of Eq. 7; teachers averaged
     ("fedyoyo", ["method_args.prior_features=clean_eval", "method_args.prior=fused_estimate",
                  "method_args.ce_prior_scale=null", "method_args.asd_average=correct"]),
+    # the baselines of the papers' tables
+    ("fedlc", ["fl.grad_clip=0.5"]),
+    ("feddecorr", ["loss.name=bsm", "fl.weight_decay=0.01"]),  # the features' decorrelation, a per-client prior
+    ("fedetf", ["fl.grad_clip=0.5", "method_args.adapt_iterations=1"]),  # the ETF not uploaded, adapted per client
+    ("fedbabu", ["model.name=resnet8", "data.image_size=8", "fl.grad_clip=0.5", "fl.weight_decay=0.01",
+                 "method_args.finetune_epochs=1"]),  # the body trained through the frozen head, uploaded alone
+    ("fedrod", ["fl.grad_clip=0.5", "fl.weight_decay=0.01"]),  # the personal head outside the model, kept
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
     """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client),
-    GBME's experts (frozen per client) and FedYoYo's views, per-step prior and prior estimate in the
-    graphed step: on a CPU the very kernels of sequential training in the same order, so every weight,
-    personal head, client prior and metric (personalized accuracy included) is equal to the last bit."""
+    GBME's experts (frozen per client), FedYoYo's views, per-step prior and prior estimate, and the
+    baselines' steps (FedRoD's personal head, FedBABU's frozen head) in the graphed step: on a CPU the
+    very kernels of sequential training in the same order, so every weight, personal head, client
+    prior and metric (personalized accuracy included) is equal to the last bit."""
     runs = {}
     for backend in ("sequential", "graphed"):
         sim = prepare(config(tmp_path, f"method={method}", f"run.backend={backend}", *extra))

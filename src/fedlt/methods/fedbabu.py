@@ -10,11 +10,13 @@ evaluation; the fine-tuned weights are not kept.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, ModelHead, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, ModelHead, clone_state
 from fedlt.methods.personal import keys_with_prefix
 from fedlt.training.sequential import train_local
 
@@ -28,15 +30,29 @@ class FedBABUArgs(MethodArgs):
                                                       "personalized models (the paper's tau_f)")
 
 
+def train_body_only(model: nn.Module) -> None:
+    """Only the body trains; the head stays as it was initialised."""
+    model.requires_grad_(False)
+    model.encoder.requires_grad_(True)
+
+
+def body(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return keys_with_prefix(state, ["encoder."])
+
+
 class FedBABUClient(Client):
     personalized = True
+    objective_backends = ("graphed",)  # a part of the model trains
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), params=model.encoder.parameters())
-        body = keys_with_prefix(clone_state(model), ["encoder."])
-        return Reply(weights=body, num_samples=len(ctx.data), metrics=metrics)
+        return Reply(weights=body(clone_state(model)), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """Cross-entropy through the frozen head, the body trained, the body uploaded."""
+        return LocalObjective(F.cross_entropy, prepare=train_body_only, finish=lambda state, extra: body(state))
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         model = ctx.model

@@ -27,11 +27,13 @@ Choices:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from pydantic import Field
 
 from fedlt.messages import Message
-from fedlt.methods.base import ClientContext, MethodArgs
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs
 from fedlt.methods.fedavg import FedAvgClient, local_loss
 from fedlt.training.sequential import BatchLoss
 
@@ -53,13 +55,25 @@ def decorrelation_loss(features: torch.Tensor) -> torch.Tensor:
     return corr.pow(2).sum() / d**2
 
 
+def decorrelated_loss(model, x: torch.Tensor, y: torch.Tensor, *, decorr_base, decorr_beta: float,
+                      **base_keywords) -> torch.Tensor:
+    """The configured loss of the logits (``decorr_base`` with its keywords) plus ``decorr_beta``
+    times the decorrelation term of the batch's features."""
+    features = model.forward_features(x)
+    return (decorr_base(model.forward_head(features), y, **base_keywords)
+            + decorr_beta * decorrelation_loss(features.float()))
+
+
 class FedDecorrClient(FedAvgClient):
+    objective_backends = ("graphed",)  # its loss reads the features
+
     def batch_loss(self, ctx: ClientContext, msg: Message) -> BatchLoss:
+        loss = self.local_objective(ctx, msg).loss
+        return lambda x, y: loss(ctx.model, x, y)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """A loss of the model; the configured loss's keywords (a per-client log-prior) are its own."""
         loss = local_loss(ctx, msg)
-        beta = self.args.beta
-
-        def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            features = ctx.model.forward_features(x)
-            return loss(ctx.model.forward_head(features), y) + beta * decorrelation_loss(features.float())
-
-        return objective
+        base, keywords = (loss.func, loss.keywords) if isinstance(loss, partial) else (loss, {})
+        return LocalObjective(partial(decorrelated_loss, decorr_base=base, decorr_beta=self.args.beta, **keywords),
+                              on_model=True)

@@ -24,7 +24,9 @@ from fedlt.calibration.wrapper import client_features
 from fedlt.config import Config
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, ModelHead, Server, ServerContext, clone_state
+from fedlt.methods.base import (
+    Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, clone_state,
+)
 from fedlt.methods.personal import train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
@@ -75,6 +77,10 @@ class FedETFServer(Server):
             self.model.head.temperature.fill_(self.args.temperature_init)
 
 
+def without_etf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k != "head.etf"}
+
+
 def _balanced_loss(ctx: ClientContext):
     counts = ctx.data.class_counts().float()
     return make_loss("bsm", prior=counts / counts.sum().clamp_min(1))
@@ -86,10 +92,13 @@ class FedETFClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
-        loss = _balanced_loss(ctx)
-        metrics = train_local(ctx, lambda x, y: loss(model(x), y))
-        upload = {k: v for k, v in clone_state(model).items() if k != "head.etf"}
-        return Reply(weights=upload, num_samples=len(ctx.data), metrics=metrics)
+        objective = self.local_objective(ctx, msg)
+        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
+        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """Balanced softmax of the logits; the reply leaves out the ETF, which is the server's and fixed."""
+        return LocalObjective(_balanced_loss(ctx), finish=lambda state, extra: without_etf(state))
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         model = ctx.model

@@ -26,12 +26,14 @@ FedLC fixes its own objective, so ``loss.*`` is not used.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message
-from fedlt.methods.base import ClientContext, MethodArgs
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs
 from fedlt.methods.fedavg import FedAvgClient
 from fedlt.training.sequential import BatchLoss
 
@@ -58,5 +60,9 @@ def calibrated_ce(logits: torch.Tensor, targets: torch.Tensor, margins: torch.Te
 
 class FedLCClient(FedAvgClient):
     def batch_loss(self, ctx: ClientContext, msg: Message) -> BatchLoss:
-        margins = calibration_margins(ctx.data.class_counts(), self.args.tau)
-        return lambda x, y: calibrated_ce(ctx.model(x), y, margins)
+        loss = self.local_objective(ctx, msg).loss
+        return lambda x, y: loss(ctx.model(x), y)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """The calibrated cross-entropy as a loss of the logits, its margins a per-client tensor."""
+        return LocalObjective(partial(calibrated_ce, margins=calibration_margins(ctx.data.class_counts(), self.args.tau)))
