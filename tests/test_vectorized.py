@@ -63,6 +63,9 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
     # the fixed ETF a buffer of every client's model, left out of the reply (its personalization adapts the
     # ETF on float32 features: not run in this float64 test)
     ("fedetf", ["eval.personalized=false"], "vectorized"),
+    # each client starts from its own BatchNorm (kept on the client, loaded over the received weights)
+    ("fedbn", ["model.name=resnet8", "data.image_size=8", "data.train_fraction=0.5", "eval.every=2",
+               "eval.personalized=false"], "vectorized"),
 ])
 def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, together):
     runs = {}
@@ -166,11 +169,15 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     ("fedbabu", ["model.name=resnet8", "data.image_size=8", "fl.grad_clip=0.5", "fl.weight_decay=0.01",
                  "method_args.finetune_epochs=1"]),  # the body trained through the frozen head, uploaded alone
     ("fedrod", ["fl.grad_clip=0.5", "fl.weight_decay=0.01"]),  # the personal head outside the model, kept
+    # the client's own part loaded over the received weights before training, kept after it
+    ("fedbn", ["model.name=resnet8", "data.image_size=8", "method_args.global_bn=false"]),  # its BatchNorm
+    ("fedper", ["fl.grad_clip=0.5"]),  # its head
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
     """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client),
     GBME's experts (frozen per client), FedYoYo's views, per-step prior and prior estimate, and the
-    baselines' steps (FedRoD's personal head, FedBABU's frozen head) in the graphed step: on a CPU the
+    baselines' steps (FedRoD's personal head, FedBABU's frozen head, FedBN's and FedPer's own BatchNorm
+    and head) in the graphed step: on a CPU the
     very kernels of sequential training in the same order, so every weight, personal head, client
     prior and metric (personalized accuracy included) is equal to the last bit."""
     runs = {}

@@ -35,7 +35,8 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
         objective = sim.client.local_objective(ctx, msg)
         if objective is not None and (sim.backend == "graphed" or objective.of_logits_only()):
             contexts[cid], objectives[cid] = ctx, objective
-            starts[cid] = {**sim.clients._worker_init, **{k: v.to(sim.device) for k, v in msg.weights.items()}}
+            starts[cid] = {**sim.clients._worker_init,
+                           **{k: v.to(sim.device) for k, v in (*msg.weights.items(), *objective.start.items())}}
     together = list(contexts)
     if together and shared_loss([objectives[c].loss for c in together]) is None:
         together = []  # clients with different kinds of loss: nothing to share a step

@@ -118,6 +118,9 @@ class LocalObjective:
 
     loss: Callable[..., torch.Tensor]
     prox_mu: float = 0.0
+    #: the client's own tensors, loaded over the message's weights before training (FedBN's BatchNorm,
+    #: FedPer's head: what it keeps and never receives)
+    start: dict[str, torch.Tensor] = field(default_factory=dict)
     #: what the reply carries besides the weights: computed before training (CReFF's gradients), or
     #: added by ``finish`` (FedYoYo's prior estimate)
     payload: dict[str, Any] = field(default_factory=dict)

@@ -12,11 +12,12 @@ BatchNorm (the small CNN) FedBN is exactly FedAvg.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, ServerContext, clone_state
 from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
 from fedlt.models import FedModel
 from fedlt.training.sequential import train_local
@@ -53,14 +54,22 @@ class FedBNClient(Client):
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
-        self._load(ctx, msg)
-        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y))
-        state = clone_state(model)
-        bn = set(batchnorm_keys(model))
-        if bn:
-            store_personal(ctx, "bn", {k: state[k] for k in bn})
-        upload = state if self.args.global_bn else {k: v for k, v in state.items() if k not in bn}
-        return Reply(weights=upload, num_samples=len(ctx.data), metrics=metrics)
+        objective = self.local_objective(ctx, msg)
+        model.load_state_dict({**msg.weights, **objective.start}, strict=False)
+        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
+        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """Cross-entropy from the received weights and the client's own BatchNorm; the BatchNorm after
+        training stays on the client (and is uploaded with ``global_bn``)."""
+        bn = set(batchnorm_keys(ctx.model))
+
+        def finish(state: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if bn:
+                store_personal(ctx, "bn", {k: state[k] for k in bn})
+            return state if self.args.global_bn else {k: v for k, v in state.items() if k not in bn}
+
+        return LocalObjective(F.cross_entropy, start=load_personal(ctx, "bn") or {}, finish=finish)
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         self._load(ctx, msg)

@@ -9,11 +9,12 @@ the global body with head k.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, ModelHead, Server, clone_state
-from fedlt.methods.personal import keys_with_prefix, personal_module, store_module
+from fedlt.methods.base import Client, ClientContext, LocalObjective, ModelHead, Server, clone_state
+from fedlt.methods.personal import keys_with_prefix, load_personal, personal_module, store_personal
 from fedlt.models import FedModel
 from fedlt.training.sequential import train_local
 
@@ -38,12 +39,21 @@ class FedPerClient(Client):
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model
-        model.load_state_dict(msg.weights, strict=False)
-        personal_module(ctx, "head", model.head)
-        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y))
-        store_module(ctx, "head", model.head)
-        return Reply(weights=keys_with_prefix(clone_state(model), ["encoder."]), num_samples=len(ctx.data),
-                     metrics=metrics)
+        objective = self.local_objective(ctx, msg)
+        model.load_state_dict({**msg.weights, **objective.start}, strict=False)
+        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
+        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """Cross-entropy from the received body and the client's own head (the received one at its
+        first participation); the head stays on the client, the body is uploaded."""
+        head = {f"head.{k}": v for k, v in (load_personal(ctx, "head") or {}).items()}
+
+        def finish(state: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            store_personal(ctx, "head", {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+            return keys_with_prefix(state, ["encoder."])
+
+        return LocalObjective(F.cross_entropy, start=head, finish=finish)
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         ctx.model.load_state_dict(msg.weights, strict=False)
