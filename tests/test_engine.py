@@ -162,6 +162,39 @@ def test_clipping_sees_only_the_gradient_of_what_is_trained(tmp_path):
     assert not torch.equal(trained[None]["encoder.0.weight"], start["encoder.0.weight"])  # it trained
 
 
+def test_a_local_objective_fit_one_by_one_loads_the_clients_own_part_and_refuses_what_it_cannot_train(tmp_path):
+    """``fit_objective``: the client's ``start`` over the received weights, the reply from ``finish``
+    with what it added to the payload; an objective whose extras, prepared part or per-step rate need
+    the method's own loop is refused, not trained without them."""
+    from fedlt.api import prepare
+    from fedlt.messages import Message
+    from fedlt.methods.base import LocalObjective, clone_state
+    from fedlt.training.sequential import fit_objective
+
+    sim = prepare(fedlt.load_config(None, ["data.dataset=synthetic", f"run.out_dir={tmp_path}"]))
+    ctx, received = sim._context(0, 1), clone_state(sim.worker)
+    own = {"head.bias": torch.full_like(received["head.bias"], 7.0)}
+    seen = {}
+
+    def finish(state, extra):
+        objective.payload["note"] = torch.ones(1)
+        return {k: v for k, v in state.items() if k != "head.bias"}
+
+    objective = LocalObjective(torch.nn.functional.cross_entropy, start=own, finish=finish)
+    def first_bias(module, args):  # the head's bias when the first step's forward reaches it
+        seen.setdefault("bias", module.bias.detach().clone())
+
+    ctx.model.head.register_forward_pre_hook(first_bias)
+    reply = fit_objective(ctx, Message(weights=received), objective)
+    assert torch.equal(seen["bias"], own["head.bias"])  # the first step ran from the client's own bias
+    assert "head.bias" not in reply.weights and "note" in reply.payload and reply.metrics["steps"] > 0
+    untrained = fit_objective(ctx, Message(weights=received), None)  # a client without data
+    assert untrained.num_samples == 0 and torch.equal(untrained.weights["head.weight"], received["head.weight"])
+    for hooked in ({"prepare": lambda m: None}, {"lr_scale": lambda i: 1.0}, {"extra": {"p": torch.zeros(2)}}):
+        with pytest.raises(ValueError, match="fit_objective trains neither extra tensors"):
+            fit_objective(ctx, Message(weights=received), LocalObjective(torch.nn.functional.cross_entropy, **hooked))
+
+
 def test_fedprox_with_zero_mu_equals_fedavg(tmp_path):
     avg = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="avg"), quiet=True)
     prox = fedlt.run(tiny(tmp_path, fl__rounds=2, method="fedprox", method_args={"mu": 0.0}, run__name="prox"),

@@ -20,7 +20,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, ServerContext, clone_state
 from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
 from fedlt.models import FedModel
-from fedlt.training.sequential import train_local
+from fedlt.training.sequential import fit_objective
 
 
 class FedBNArgs(MethodArgs):
@@ -53,11 +53,7 @@ class FedBNClient(Client):
             ctx.model.load_state_dict(own, strict=False)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        model = ctx.model
-        objective = self.local_objective(ctx, msg)
-        model.load_state_dict({**msg.weights, **objective.start}, strict=False)
-        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
-        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Cross-entropy from the received weights and the client's own BatchNorm; the BatchNorm after

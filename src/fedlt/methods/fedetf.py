@@ -24,13 +24,11 @@ from fedlt.calibration.wrapper import client_features
 from fedlt.config import Config
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import (
-    Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, clone_state,
-)
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext
 from fedlt.methods.personal import train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
-from fedlt.training.sequential import train_local
+from fedlt.training.sequential import fit_objective
 
 ETF_PURPOSE = 73
 
@@ -90,11 +88,7 @@ class FedETFClient(Client):
     personalized = True
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        model = ctx.model
-        model.load_state_dict(msg.weights, strict=False)
-        objective = self.local_objective(ctx, msg)
-        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
-        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Balanced softmax of the logits; the reply leaves out the ETF, which is the server's and fixed."""

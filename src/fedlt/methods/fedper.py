@@ -16,7 +16,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, ModelHead, Server, clone_state
 from fedlt.methods.personal import keys_with_prefix, load_personal, personal_module, store_personal
 from fedlt.models import FedModel
-from fedlt.training.sequential import train_local
+from fedlt.training.sequential import fit_objective
 
 
 #: the server's head is the initial one: the trained heads stay with the clients
@@ -38,11 +38,7 @@ class FedPerClient(Client):
     personalized = True
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        model = ctx.model
-        objective = self.local_objective(ctx, msg)
-        model.load_state_dict({**msg.weights, **objective.start}, strict=False)
-        metrics = train_local(ctx, lambda x, y: objective.loss(model(x), y))
-        return Reply(weights=objective.finish(clone_state(model), {}), num_samples=len(ctx.data), metrics=metrics)
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Cross-entropy from the received body and the client's own head (the received one at its

@@ -102,7 +102,7 @@ from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
-from fedlt.training.sequential import epoch_batches, steps_per_epoch, train_local
+from fedlt.training.sequential import epoch_batches, fit_objective, steps_per_epoch
 
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")
@@ -383,25 +383,7 @@ class FedYoYoClient(FedAvgClient):
                        interpolation=a.view_interpolation)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        ctx.model.load_state_dict(msg.weights, strict=False)
-        objective = self.local_objective(ctx, msg)
-        if objective is None:
-            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
-        step = 0
-
-        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            nonlocal step
-            step += 1
-            loss = objective.loss(ctx.model, x, y, **(objective.step_tensors(step) if objective.step_tensors else {}))
-            if objective.keep is None:
-                return loss
-            loss, features = loss
-            objective.keep(features, y)
-            return loss
-
-        metrics = train_local(ctx, batch_loss, batch=objective.batch)
-        weights = objective.finish(clone_state(ctx.model), {})
-        return Reply(weights=weights, num_samples=len(ctx.data), payload=objective.payload, metrics=metrics)
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
         """Eq. 9 as a loss of the model on both views of a batch: the views are the step's input (made

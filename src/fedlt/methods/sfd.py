@@ -32,7 +32,7 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, clone_state, parse_args
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.models import FedModel, create_model
-from fedlt.training.sequential import train_local
+from fedlt.training.sequential import fit_objective
 
 
 class SFDArgs(MethodArgs):
@@ -111,12 +111,7 @@ class SFDClient(Client):
     objective_backends = ("graphed",)
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        ctx.model.load_state_dict(msg.weights, strict=False)
-        if len(ctx.data) == 0:
-            return Reply(weights=clone_state(ctx.model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
-        loss = self.local_objective(ctx, msg).loss
-        metrics = train_local(ctx, lambda x, y: loss(ctx.model, x, y))
-        return Reply(weights=clone_state(ctx.model), num_samples=len(ctx.data), metrics=metrics)
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
         """ABBL as a loss of the model; the round's weight is a tensor, so captured steps outlive

@@ -10,7 +10,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from fedlt.methods.base import ClientContext, TrainSettings
+from fedlt.messages import Message, Reply
+from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings, clone_state
 from fedlt.seeding import seed_for
 from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, OPTIMIZER, scope
 
@@ -90,3 +91,35 @@ def train_local(
                 total += loss.detach()
             steps += 1
     return {"train_loss": float(total) / max(steps, 1), "steps": float(steps)}
+
+
+def fit_objective(ctx: ClientContext, msg: Message, objective: LocalObjective | None) -> Reply:
+    """A client's fit as its :class:`LocalObjective` says, one step after another: the received weights
+    with ``start`` over them, the step's input from ``batch``, ``step_tensors`` per step, ``keep``
+    after each, the reply from ``finish`` and ``payload``. The methods whose ``fit`` is this cannot
+    train differently one by one than together. ``objective`` None: a client without data, which
+    replies the received weights untrained. (Extras, ``prepare`` and ``lr_scale`` need their
+    method's own loop.)"""
+    if objective is not None and (objective.extra or objective.prepare or objective.lr_scale):
+        raise ValueError("fit_objective trains neither extra tensors, a prepared part of the model nor a per-step rate")
+    model = ctx.model
+    model.load_state_dict({**msg.weights, **(objective.start if objective else {})}, strict=False)
+    if objective is None:
+        return Reply(weights=clone_state(model), num_samples=0, metrics={"train_loss": float("nan"), "steps": 0.0})
+    step = 0
+
+    def batch_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal step
+        step += 1
+        tensors = objective.step_tensors(step) if objective.step_tensors else {}
+        loss = objective.loss(model, x, y, **tensors) if objective.on_model else objective.loss(model(x), y, **tensors)
+        if objective.keep is None:
+            return loss
+        loss, kept = loss
+        objective.keep(kept, y)
+        return loss
+
+    metrics = train_local(ctx, batch_loss, batch=objective.batch)
+    state = clone_state(model)
+    weights = objective.finish(state, {}) if objective.finish else state  # before the payload: finish may add to it
+    return Reply(weights=weights, num_samples=len(ctx.data), payload=dict(objective.payload), metrics=metrics)
