@@ -167,9 +167,13 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     ("fedetf", ["fl.grad_clip=0.5", "method_args.adapt_iterations=1"]),  # the ETF not uploaded, adapted per client
     ("fedbabu", ["fl.grad_clip=0.5", "fl.weight_decay=0.01", "method_args.finetune_epochs=1"]),  # the body alone
     ("fedrod", ["fl.grad_clip=0.5", "fl.weight_decay=0.01"]),  # the personal head outside the model, kept
+    # the personal head fitted client by client first, then the body through it; the head kept
+    ("fedrep", ["fl.grad_clip=0.5", "fl.weight_decay=0.01", "method_args.head_epochs=2"]),
     # the client's own part loaded over the received weights before training, kept after it
     ("fedbn", ["model.name=resnet8", "data.image_size=8", "method_args.global_bn=false"]),  # its BatchNorm
     ("fedper", ["fl.grad_clip=0.5"]),  # its head
+    # the gradient corrected by the control variates, the new variate from the steps' own gradients
+    ("scaffold", ["fl.rounds=3", "fl.grad_clip=0.5", "fl.weight_decay=0.01", "fl.momentum=0.9"]),
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
     """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client),
@@ -204,6 +208,7 @@ class _FakeStream:
     ("gbme", ["loss.name=bsm", "fl.rounds=3", "fl.grad_clip=0.5"]),  # trained sets per client, the rate per step
     ("fedloge", ["method_args.sse_steps=50", "fl.lr_schedule=cosine"]),  # phi_k outside the model
     ("fedyoyo", []),  # the log-prior written per step, the teacher features read per step (round 2 uses them)
+    ("scaffold", ["fl.rounds=3", "fl.weight_decay=0.01"]),  # the offset per client, the gradient sums per step
 ])
 def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_in(tmp_path, float64, monkeypatch,
                                                                                     method, extra):
@@ -278,8 +283,8 @@ def test_backend_choice_and_fallback(tmp_path):
     for backend in ("vectorized", "graphed"):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, cpu) == backend
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
-        with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method scaffold"):
-            prepare(config(tmp_path, "method=scaffold", f"run.backend={backend}"))
+        with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method ditto"):
+            prepare(config(tmp_path, "method=ditto", f"run.backend={backend}"))
     # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where it would pick vectorized
     from fedlt.methods.sfd import SFDClient
     assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"

@@ -106,6 +106,19 @@ class TrainSettings:
 
 
 @dataclass
+class GradientCorrection:
+    """A step on a corrected gradient (SCAFFOLD's ``g - c_i + c``): ``offset`` (a tensor per model
+    parameter, in ``model.parameters()`` order) is added to each parameter's gradient before clipping
+    and SGD, so the loss, and the reported training loss, stay the task's. ``done`` receives, after the
+    client's last step, the sum over its steps of each parameter's own gradient plus weight decay (as
+    SGD adds it; before the offset), and the number of steps. The sums may still be being computed on
+    the device: read them in ``finish``, not in ``done``."""
+
+    offset: list[torch.Tensor]
+    done: Callable[[list[torch.Tensor], int], None]
+
+
+@dataclass
 class LocalObjective:
     """A client's local step written as data, so the vectorized and graphed backends can train many
     clients together: minimise ``loss(model(x), y)`` (a loss from :func:`fedlt.losses.make_loss`)
@@ -147,11 +160,14 @@ class LocalObjective:
     #: receives, after each step, what an ``on_model`` loss returned besides its value (it then
     #: returns ``(value, tensor)``; FedYoYo: the teacher view's features) and the batch's labels
     keep: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    #: the gradient corrected by a per-client offset before the SGD step (SCAFFOLD's control variates);
+    #: covers the model's parameters, so it takes no ``extra``
+    correction: GradientCorrection | None = None
 
     def of_logits_only(self) -> bool:
         """Whether the step is a loss of the logits and nothing more (what the vectorized backend takes)."""
         return not (self.on_model or self.extra or self.prepare or self.lr_scale or self.batch or self.step_tensors
-                    or self.keep)
+                    or self.keep or self.correction)
 
 
 @dataclass

@@ -13,17 +13,22 @@ local (no upload) and then the method has no GM.
 
 The head epochs run on the client's features under the frozen body (computed once, eval mode,
 without augmentation): the same optimisation as a forward pass per step for models without
-BatchNorm, and far cheaper.
+BatchNorm, and far cheaper. They run client by client when the local objective is made; the body
+epochs, the costly part, train together with other clients' on the graphed backend.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import LINEAR_HEAD, Client, ClientContext, MethodArgs, ModelHead, Server, clone_state
-from fedlt.methods.personal import keys_with_prefix, personal_module, store_module, train_on_features
+from fedlt.methods.base import (
+    LINEAR_HEAD, Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, clone_state,
+)
+from fedlt.methods.fedbabu import train_body_only
+from fedlt.methods.personal import keys_with_prefix, personal_module, store_personal, train_on_features
 from fedlt.models import FedModel
 from fedlt.training.sequential import train_local
 
@@ -49,16 +54,34 @@ class FedRepServer(Server):
 
 class FedRepClient(Client):
     personalized = True
+    objective_backends = ("graphed",)  # the body trains, the head is frozen
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        model = ctx.model
+        self._fit_head(ctx, msg)
+        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), params=model.encoder.parameters())
+        return Reply(weights=self._reply(ctx, clone_state(model)), num_samples=len(ctx.data), metrics=metrics)
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """The head fitted first (here, client by client), then cross-entropy through it with the
+        body trained: the fitted head is the client's ``start``, kept by ``finish``."""
+        head = {f"head.{k}": v for k, v in self._fit_head(ctx, msg).items()}
+        return LocalObjective(F.cross_entropy, start=head, prepare=train_body_only,
+                              finish=lambda state, extra: self._reply(ctx, state))
+
+    def _fit_head(self, ctx: ClientContext, msg: Message) -> dict[str, torch.Tensor]:
+        """The received weights with the client's own head over them, the head then fitted on the
+        frozen body's features; returns the fitted head."""
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         personal_module(ctx, "head", model.head)  # own head over the received one, if any
         train_on_features(ctx, list(model.head.parameters()), model.forward_head, self.args.head_epochs)
-        metrics = train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), params=model.encoder.parameters())
-        store_module(ctx, "head", model.head)
-        shared = ["encoder.", "head."] if self.args.global_head else ["encoder."]
-        return Reply(weights=keys_with_prefix(clone_state(model), shared), num_samples=len(ctx.data), metrics=metrics)
+        return {k: v.detach().clone() for k, v in model.head.state_dict().items()}
+
+    def _reply(self, ctx: ClientContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keeps the (unchanged) head on the client; the body, and the head when heads are averaged, go up."""
+        store_personal(ctx, "head", {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+        return keys_with_prefix(state, ["encoder.", "head."] if self.args.global_head else ["encoder."])
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         ctx.model.load_state_dict(msg.weights, strict=False)

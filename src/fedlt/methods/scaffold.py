@@ -15,7 +15,8 @@ by samples, as in FedAvg: with zero variates SCAFFOLD is FedAvg) and ``delta_c =
 The server sets ``c <- c + (1/N) * sum_S delta_c`` (N = all clients; global step size 1).
 
 Choices: variates cover parameters only (BatchNorm running statistics are averaged as in
-FedAvg).
+FedAvg). The corrected step is a :class:`~fedlt.methods.base.GradientCorrection`, so the graphed
+backend trains SCAFFOLD's clients together.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext
-from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlt.methods.base import ClientContext, GradientCorrection, LocalObjective
+from fedlt.methods.fedavg import FedAvgClient, FedAvgServer, local_loss
+from fedlt.training.sequential import fit_objective
 
 STATE_KEY = "scaffold_c"
 
@@ -59,35 +61,30 @@ class ScaffoldServer(FedAvgServer):
 
 
 class ScaffoldClient(FedAvgClient):
+    objective_backends = ("graphed",)  # a corrected gradient: more than a loss of the logits
+
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        ctx.model.load_state_dict(msg.weights, strict=False)
-        x = param_vector(ctx.model)
-        c = msg.payload["c_global"].to(x)
-        c_i = ctx.state.get(STATE_KEY, torch.zeros_like(x)).to(x)
-        correction = c - c_i
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
+
+    def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
+        """FedAvg's loss on the gradient corrected by ``c - c_i``; ``finish`` sets ``c_i+`` (the mean
+        of the steps' own gradients) and puts ``delta_c`` into the reply."""
         params = list(ctx.model.parameters())
-        sizes = [p.numel() for p in params]
-        corrections = [d.view(p.shape) for p, d in zip(params, correction.split(sizes))]
-        sums = [torch.zeros_like(p) for p in params]
-        wd = ctx.train.weight_decay
+        c = msg.payload["c_global"].to(params[0])
+        c_i = ctx.state.get(STATE_KEY, torch.zeros_like(c)).to(c)
+        offset = [d.view(p.shape) for p, d in zip(params, (c - c_i).split([p.numel() for p in params]))]
+        summed = {}
+        objective = LocalObjective(local_loss(ctx, msg), correction=GradientCorrection(
+            offset, done=lambda sums, steps: summed.update(sums=sums, steps=steps)))
 
-        def accumulate(i: int, p: torch.nn.Parameter):
-            def hook(grad: torch.Tensor) -> torch.Tensor:  # sum the step's own gradient, then correct it
-                sums[i].add_(grad + wd * p.detach())
-                return grad + corrections[i]
-            return hook
+        def finish(state: dict[str, torch.Tensor], extra: dict) -> dict[str, torch.Tensor]:
+            if summed["steps"] > 0:
+                c_new = torch.cat([s.reshape(-1) for s in summed["sums"]]) / summed["steps"]
+                ctx.state[STATE_KEY] = c_new.cpu()
+                objective.payload["delta_c"] = (c_new - c_i).cpu()
+            else:
+                objective.payload["delta_c"] = torch.zeros_like(c).cpu()
+            return state
 
-        handles = [p.register_hook(accumulate(i, p)) for i, p in enumerate(params)]
-        try:
-            reply = super().fit(ctx, msg)
-        finally:
-            for handle in handles:
-                handle.remove()
-        steps = reply.metrics.get("steps", 0.0)
-        if steps > 0:
-            c_new = torch.cat([s.reshape(-1) for s in sums]) / steps
-            ctx.state[STATE_KEY] = c_new.cpu()
-            reply.payload["delta_c"] = (c_new - c_i).cpu()
-        else:
-            reply.payload["delta_c"] = torch.zeros_like(x).cpu()
-        return reply
+        objective.finish = finish
+        return objective

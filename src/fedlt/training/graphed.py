@@ -9,12 +9,13 @@ device busy while the host prepares the next batches.
 Everything a step touches lives at fixed addresses: the lane's model (its parameters and BatchNorm
 buffers, loaded in place from each client's start), the momentum buffers, the FedProx anchor, the
 loss's per-client tensors (log-prior, margins; FedYoYo's re-mixed prior, written before each
-step), the trainable tensors outside the model (FedLoGe's personal head), the loss sum, one input
-buffer per batch size and one buffer for what the loss keeps (FedYoYo's teacher features). A step
+step), the trainable tensors outside the model (FedLoGe's personal head), SCAFFOLD's gradient offset
+and gradient sums, the loss sum, one input buffer per batch size and one buffer for what the loss
+keeps (FedYoYo's teacher features). A step
 reads its batch (made outside the graph: augmented, or FedYoYo's two views) from the input buffer,
 computes the loss (of the logits, or of the model for methods whose loss reads features: SFD,
 FedLoGe, FedYoYo) and the gradient of what the client trains (GBME: its experts) with
-``torch.autograd.grad``, clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s
+``torch.autograd.grad``, corrects it (SCAFFOLD), clips it and applies SGD with foreach operations in ``torch.optim.SGD``'s
 order (dampening 0, no Nesterov). Graphs are kept per step shape (batch size, trained parameters),
 captured on a shape's second use (a client's last, shorter batch is often a size no other client of
 the lane has: it runs uncaptured), share one memory pool per lane, and are made again when the loss
@@ -65,6 +66,10 @@ class Lane:
     extra_momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # per batch size: what the loss kept this step
+    #: per parameter, the client's gradient offset and the sum of its own gradients (made at the first
+    #: client with a :class:`~fedlt.methods.base.GradientCorrection`)
+    offset: list[torch.Tensor] = field(default_factory=list)
+    gradient_sums: list[torch.Tensor] = field(default_factory=list)
     graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)  # per batch size and trained set
     uses: dict[tuple, int] = field(default_factory=dict)  # uncaptured steps per shape
     #: one memory pool for the lane's graphs: a lane replays them one after another on its stream, and
@@ -117,6 +122,9 @@ class GraphedTrainer:
         if len({step_form(o) for o in objectives}) > 1:
             raise ValueError("graphed clients must share the form of their step (FedProx's mu, loss, extras, hooks)")
         mu, on_model, keeps = objectives[0].prox_mu, objectives[0].on_model, objectives[0].keep is not None
+        corrected = objectives[0].correction is not None
+        if corrected and objectives[0].extra:
+            raise ValueError("a gradient correction covers the model's parameters only, not extra tensors")
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
         signature = (fn, tuple(sorted(fixed.items())), step_form(objectives[0]), None if self.capture else train.lr,
@@ -127,7 +135,7 @@ class GraphedTrainer:
                 lane.uses.clear()
                 lane.loss_tensors, lane.extra, lane.extra_momentum, lane.inputs, lane.kept = {}, {}, {}, {}, {}
             self.signature = signature
-        step = _step_function(fn, fixed, mu, train, self.capture, on_model, keeps)  # its constants are the signature's
+        step = _step_function(fn, fixed, mu, train, self.capture, on_model, keeps, corrected)  # its constants are the signature's
         queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
         results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
         current = torch.cuda.current_stream(self.device) if self.capture else None
@@ -157,6 +165,8 @@ class GraphedTrainer:
             ctx, objective = contexts[i], objectives[i]
             with torch.cuda.stream(lane.stream):
                 _load(lane, starts[i], parts[i][2], objective.extra)
+                if objective.correction is not None:
+                    _load_correction(lane, objective.correction.offset)
                 for p in lane.params:
                     p.requires_grad_(True)
                 if objective.prepare is not None:
@@ -183,9 +193,12 @@ class GraphedTrainer:
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
                 results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
                               lane.total.clone(), len(plan), {k: v.detach().clone() for k, v in lane.extra.items()})
+                sums = [s.clone() for s in lane.gradient_sums] if objective.correction is not None else []
                 if lane.stream is not None:
-                    for made in (*results[i][0].values(), results[i][1], *results[i][3].values()):
+                    for made in (*results[i][0].values(), results[i][1], *results[i][3].values(), *sums):
                         made.record_stream(consumer)
+                if objective.correction is not None:
+                    objective.correction.done(sums, len(plan))
 
     def _run_step(self, lane: Lane, x: torch.Tensor, y: torch.Tensor, step, trained: tuple[int, ...],
                   lr: float | None) -> None:
@@ -217,13 +230,14 @@ def step_form(objective: LocalObjective) -> tuple:
     only when these are equal."""
     return (objective.prox_mu, objective.on_model, tuple(objective.extra), objective.prepare is not None,
             objective.lr_scale is not None, objective.batch is not None, objective.step_tensors is not None,
-            objective.keep is not None)
+            objective.keep is not None, objective.correction is not None)
 
 
 def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, captured: bool,
-                   on_model: bool = False, keeps: bool = False) -> Callable[..., None]:
-    """The step on a lane's fixed tensors: loss, gradient, clipping, SGD, loss sum, and what the loss
-    keeps (``keeps``: it returns ``(value, tensor)``) in ``lane.kept``. ``trained``: the positions of
+                   on_model: bool = False, keeps: bool = False, corrected: bool = False) -> Callable[..., None]:
+    """The step on a lane's fixed tensors: loss, gradient, its correction (``corrected``: summed, then
+    offset, as :func:`fedlt.training.sequential.corrected_gradients` does), clipping, SGD, loss sum, and
+    what the loss keeps (``keeps``: it returns ``(value, tensor)``) in ``lane.kept``. ``trained``: the positions of
     the parameters it trains (None: all); ``lr``: this step's rate when it is not the round's
     (uncaptured; a captured step reads ``lane.neg_lr``)."""
 
@@ -250,6 +264,11 @@ def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, c
         used = [k for k, g in enumerate(grads) if g is not None]
         params, momentum, grads = ([seq[k] for k in used] for seq in (params, momentum, grads))
         with torch.no_grad():
+            if corrected:  # only model parameters (no extras): positions in ``params`` are theirs
+                at = [k if trained is None else trained[k] for k in used]
+                offsets, sums = [lane.offset[k] for k in at], [lane.gradient_sums[k] for k in at]
+                torch._foreach_add_(sums, torch._foreach_add(grads, torch._foreach_mul(params, train.weight_decay)))
+                grads = torch._foreach_add(grads, offsets)
             if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic over everything trained
                 norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
                 torch._foreach_mul_(grads, (train.grad_clip / (norm + 1e-6)).clamp(max=1.0))
@@ -290,6 +309,17 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
             lane.extra_momentum[k].zero_()
 
 
+def _load_correction(lane: Lane, offset: list[torch.Tensor]) -> None:
+    """A client's gradient offset in the lane's fixed tensors, its gradient sums zeroed."""
+    with torch.no_grad():
+        if not lane.offset:
+            lane.offset = [torch.empty_like(p) for p in lane.params]
+            lane.gradient_sums = [torch.empty_like(p) for p in lane.params]
+            lane.forget_graphs()  # they read no offset yet
+        torch._foreach_copy_(lane.offset, offset)
+        torch._foreach_zero_(lane.gradient_sums)
+
+
 def _fits(held: torch.Tensor | None, value: torch.Tensor) -> bool:
     """Whether a lane's fixed tensor can take ``value`` in place (graphs read it where it is)."""
     return held is not None and held.shape == value.shape and held.dtype == value.dtype
@@ -299,8 +329,8 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
     """Capture ``step`` on the lane's fixed tensors. The warm-up steps change the lane's state (a
     client may be mid-way through its batches), so that state is put back afterwards."""
     with torch.no_grad():
-        saved = ({k: v.clone() for k, v in lane.model.state_dict().items()},
-                 [m.clone() for m in (*lane.momentum, *lane.extra.values(), *lane.extra_momentum.values())],
+        held = [*lane.momentum, *lane.extra.values(), *lane.extra_momentum.values(), *lane.gradient_sums]
+        saved = ({k: v.clone() for k, v in lane.model.state_dict().items()}, [m.clone() for m in held],
                  lane.total.clone())
     side = lane.capture_stream
     side.wait_stream(torch.cuda.current_stream())
@@ -315,6 +345,6 @@ def _capture(lane: Lane, step, x_in, y_in) -> torch.cuda.CUDAGraph:
         step(lane, x_in, y_in)
     with torch.no_grad():
         lane.model.load_state_dict(saved[0])
-        torch._foreach_copy_([*lane.momentum, *lane.extra.values(), *lane.extra_momentum.values()], saved[1])
+        torch._foreach_copy_(held, saved[1])
         lane.total.copy_(saved[2])
     return graph

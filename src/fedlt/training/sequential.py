@@ -6,12 +6,13 @@ shared so every method trains under identical conditions.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings, clone_state
+from fedlt.methods.base import ClientContext, GradientCorrection, LocalObjective, TrainSettings, clone_state
 from fedlt.seeding import seed_for
 from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, OPTIMIZER, scope
 
@@ -119,7 +120,34 @@ def fit_objective(ctx: ClientContext, msg: Message, objective: LocalObjective | 
         objective.keep(kept, y)
         return loss
 
-    metrics = train_local(ctx, batch_loss, batch=objective.batch)
+    if objective.correction is None:
+        metrics = train_local(ctx, batch_loss, batch=objective.batch)
+    else:
+        with corrected_gradients(model, objective.correction, ctx.train.weight_decay) as sums:
+            metrics = train_local(ctx, batch_loss, batch=objective.batch)
+        objective.correction.done(sums, int(metrics["steps"]))
     state = clone_state(model)
     weights = objective.finish(state, {}) if objective.finish else state  # before the payload: finish may add to it
     return Reply(weights=weights, num_samples=len(ctx.data), payload=dict(objective.payload), metrics=metrics)
+
+
+@contextmanager
+def corrected_gradients(model: torch.nn.Module, correction: GradientCorrection, weight_decay: float):
+    """While open, backward adds ``correction.offset`` to each parameter's gradient, after adding the
+    gradient plus weight decay to that parameter's sum; yields the sums (a hook per parameter, so any
+    loss works and the loss itself is unchanged)."""
+    params = list(model.parameters())
+    sums = [torch.zeros_like(p) for p in params]
+
+    def hook_for(p: torch.nn.Parameter, offset: torch.Tensor, total: torch.Tensor):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            total.add_(grad + weight_decay * p.detach())
+            return grad + offset
+        return hook
+
+    handles = [p.register_hook(hook_for(p, o, s)) for p, o, s in zip(params, correction.offset, sums)]
+    try:
+        yield sums
+    finally:
+        for handle in handles:
+            handle.remove()
