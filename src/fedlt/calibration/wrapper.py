@@ -29,6 +29,11 @@ from fedlt.methods.base import (
 STATS_QUERY = "calibration_stats"
 
 
+def _at_least_float32(features: torch.Tensor) -> torch.Tensor:
+    """Half-precision features in float32 (statistics and head fits need it); float32 and float64 as they are."""
+    return features.to(torch.promote_types(features.dtype, torch.float32))
+
+
 @torch.no_grad()
 def client_features(model, ctx: ClientContext, batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of all the client's samples under ``model`` in eval mode (no augmentation)."""
@@ -37,7 +42,7 @@ def client_features(model, ctx: ClientContext, batch_size: int = 512) -> tuple[t
     n = len(ctx.data)
     for start in range(0, n, batch_size):
         x, y = ctx.data.batch(torch.arange(start, min(start + batch_size, n), device=ctx.data.indices.device))
-        feats.append(model.forward_features(x).float())
+        feats.append(_at_least_float32(model.forward_features(x)))
         labels.append(y)
     if not feats:
         device = ctx.data.indices.device
