@@ -3,7 +3,7 @@ their heads and losses, models the images they take, and ``check_config`` refuse
 no meaning with one line, before any data are read.
 
 The property test draws configurations (method, calibrations, loss, model, dataset, partition,
-participation, local epochs, engine, resume) and runs each at the smallest scale. Its fast profile
+participation, local epochs, engine, backend, resume) and runs each at the smallest scale. Its fast profile
 (the default) runs in CI; the long one (2,000 draws) is::
 
     FEDLT_HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_compatibility.py -k property -q -p no:cacheprovider
@@ -67,7 +67,8 @@ CHEAP_CALIBRATION_ARGS = {"creff_features_per_class": 5, "creff_feature_steps": 
 def tiny(out: Path, method: str, calibration: list[str], loss: str = "ce", partition: str = "dirichlet",
          participation: float = 1.0, classes_per_client: int = 3, *, model: str = "cnn",
          dataset: str = "synthetic", root: str | None = None, image_size: int | None = None, alpha: float = 0.5,
-         num_clients: int = 4, local_epochs: int = 1, engine: str = "inprocess", rounds: int = 1) -> dict:
+         num_clients: int = 4, local_epochs: int = 1, engine: str = "inprocess", rounds: int = 1,
+         backend: str = "sequential") -> dict:
     tree = {
         "seed": 0, "method": method, "calibration": calibration, "loss": {"name": loss},
         "method_args": CHEAP_METHOD_ARGS.get(method, {}), "model": {"name": model}, "engine": engine,
@@ -75,7 +76,7 @@ def tiny(out: Path, method: str, calibration: list[str], loss: str = "ce", parti
                  "imbalance_factor": 10, "partition": partition, "alpha": alpha,
                  "classes_per_client": classes_per_client},
         "fl": {"rounds": rounds, "participation": participation, "local_epochs": local_epochs},
-        "run": {"out_dir": str(out), "threads": 1},
+        "run": {"out_dir": str(out), "threads": 1, "backend": backend},
     }
     if calibration or METHODS[method].calibration:
         tree["calibration_args"] = CHEAP_CALIBRATION_ARGS
@@ -345,6 +346,7 @@ class Case:
     participation: float = 1.0
     local_epochs: int = 1
     engine: str = "inprocess"
+    backend: str = "sequential"  # of the in-process engine; vectorized is refused to methods it cannot train
     nodes: int = 2  # SuperNodes of the loopback grid (engine=flower)
     resume: bool = False  # cut the run after round 1, resume it, compare with the uninterrupted run
 
@@ -353,7 +355,8 @@ class Case:
         return tiny(out, self.method, list(self.calibration), loss, self.partition, self.participation,
                     self.classes_per_client, model=self.model, dataset=self.dataset, root=roots.get(self.dataset),
                     image_size=self.image_size, alpha=self.alpha, num_clients=self.num_clients,
-                    local_epochs=self.local_epochs, engine=self.engine, rounds=2 if self.resume else 1)
+                    local_epochs=self.local_epochs, engine=self.engine, rounds=2 if self.resume else 1,
+                    backend=self.backend)
 
 
 CHEAP_MODELS = ("cnn", "cnn", "cnn", "cnn", "resnet8", "resnet32", "resnet32")
@@ -384,6 +387,9 @@ def cases(draw) -> Case:
         engine=engine,
         nodes=draw(st.sampled_from([1, 2, 3])) if engine == "flower" else 2,
         resume=engine == "inprocess" and draw(st.integers(0, 5)) == 5,  # resuming is refused under Flower
+        # drawn last, so the draws before it are those of the configurations without it
+        backend=draw(st.sampled_from(["sequential", "graphed", "graphed", "vectorized"])) if engine == "inprocess"
+        else "sequential",
     )
 
 
@@ -457,6 +463,10 @@ def resumes_to_the_same_result(tree: dict, out: Path, full: RunResult) -> None:
 @example(case=Case(method="fedavg", loss="ldam", dataset="cifar10", alpha=0.1, num_clients=6))
 # SAFS's covariance of fewer resnet32 features than dimensions, indefinite when formed in float32
 @example(case=Case(method="sfd", model="resnet32", alpha=0.1, classes_per_client=2, participation=0.5))
+# clients trained together, one left without data, state over two rounds
+@example(case=Case(method="scaffold", backend="graphed", alpha=0.1, num_clients=6, participation=0.5, resume=True))
+@example(case=Case(method="fedrep", calibration=("ccvr",), backend="graphed", alpha=0.1, num_clients=6))
+@example(case=Case(method="gbme", backend="vectorized", loss="bsm"))  # refused: more than a loss of the logits
 def test_property_every_configuration_runs_or_is_refused(tmp_path_factory, file_data, case):
     out = tmp_path_factory.mktemp("property") / "out"
     tree = case.tree(out, file_data)
