@@ -66,6 +66,8 @@ def test_clients_trained_together_on_a_gpu_equal_sequential_training(tmp_path, f
     ("gbme", ["loss.name=bsm", "model.name=resnet8", "data.image_size=8"]),
     # two views per image made outside the graph, the log-prior written per step, the features kept
     ("fedyoyo", ["model.name=resnet8", "data.image_size=8"]),
+    # the gradient offset read and the gradient sums written inside the graph (round 2 uses round 1's variates)
+    ("scaffold", ["fl.rounds=3", "fl.weight_decay=0.01"]),
 ])
 def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, method, extra):
     runs = {}
