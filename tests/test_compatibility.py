@@ -463,9 +463,10 @@ def resumes_to_the_same_result(tree: dict, out: Path, full: RunResult) -> None:
 @example(case=Case(method="fedavg", loss="ldam", dataset="cifar10", alpha=0.1, num_clients=6))
 # SAFS's covariance of fewer resnet32 features than dimensions, indefinite when formed in float32
 @example(case=Case(method="sfd", model="resnet32", alpha=0.1, classes_per_client=2, participation=0.5))
-# clients trained together, one left without data, state over two rounds
-@example(case=Case(method="scaffold", backend="graphed", alpha=0.1, num_clients=6, participation=0.5, resume=True))
-@example(case=Case(method="fedrep", calibration=("ccvr",), backend="graphed", alpha=0.1, num_clients=6))
+# clients trained together, client 4 without data (as above), SCAFFOLD's state over two rounds
+@example(case=Case(method="scaffold", backend="graphed", dataset="cifar10", alpha=0.1, num_clients=6, resume=True))
+@example(case=Case(method="fedrep", calibration=("ccvr",), backend="graphed", dataset="cifar10", alpha=0.1,
+                   num_clients=6))
 @example(case=Case(method="gbme", backend="vectorized", loss="bsm"))  # refused: more than a loss of the logits
 def test_property_every_configuration_runs_or_is_refused(tmp_path_factory, file_data, case):
     out = tmp_path_factory.mktemp("property") / "out"

@@ -32,7 +32,7 @@ def round_syncs(overrides: list[str], epochs: int) -> HostSyncs:
     ["method=fedavg", "loss.name=ldam", "fl.grad_clip=1.0"],
     ["method=fedavg", "loss.name=bsm", "run.backend=vectorized"],
     ["method=fedprox"],
-    ["method=fedloge"],
+    ["method=fedloge", "method_args.sse_steps=50"],  # SSE-C runs before training: 50 of its steps will do
     ["method=sfd"],
     ["method=gbme", "loss.name=bsm"],
     ["method=creff"],

@@ -166,13 +166,17 @@ def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     ("fedetf", ["fl.grad_clip=0.5", "method_args.adapt_iterations=1"]),  # the ETF not uploaded, adapted per client
     ("fedbabu", ["fl.grad_clip=0.5", "fl.weight_decay=0.01", "method_args.finetune_epochs=1"]),  # the body alone
     ("fedrod", ["fl.grad_clip=0.5", "fl.weight_decay=0.01"]),  # the personal head outside the model, kept
-    # the personal head fitted client by client first, then the body through it; the head kept
-    ("fedrep", ["fl.grad_clip=0.5", "fl.weight_decay=0.01", "method_args.head_epochs=2"]),
+    # the personal head fitted client by client first, then the body through it; the head kept (12 clients
+    # at alpha 0.01: two without data and two with one or two samples among those sampled)
+    ("fedrep", ["fl.grad_clip=0.5", "fl.weight_decay=0.01", "method_args.head_epochs=2", "data.num_clients=12",
+                "data.alpha=0.01"]),
+    ("fedrep", ["method_args.global_head=false"]),  # the head never uploaded
     # the client's own part loaded over the received weights before training, kept after it
     ("fedbn", ["model.name=resnet8", "data.image_size=8", "method_args.global_bn=false"]),  # its BatchNorm
     ("fedper", ["fl.grad_clip=0.5"]),  # its head
     # the gradient corrected by the control variates, the new variate from the steps' own gradients
-    ("scaffold", ["fl.rounds=3", "fl.grad_clip=0.5", "fl.weight_decay=0.01", "fl.momentum=0.9"]),
+    ("scaffold", ["fl.rounds=3", "fl.grad_clip=0.5", "fl.weight_decay=0.01", "fl.momentum=0.9", "data.num_clients=12",
+                  "data.alpha=0.01"]),
 ])
 def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit(tmp_path, method, extra):
     """SFD's projector, FedLoGe's three heads (phi_k a tensor outside the model, kept on the client),
@@ -284,6 +288,8 @@ def test_backend_choice_and_fallback(tmp_path):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
         with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method ditto"):
             prepare(config(tmp_path, "method=ditto", f"run.backend={backend}"))
+    with pytest.raises(ConfigError, match="vectorized does not support method scaffold .its step is more than a loss"):
+        prepare(config(tmp_path, "method=scaffold", "run.backend=vectorized"))  # a corrected gradient: graphed only
     # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where it would pick vectorized
     from fedlt.methods.sfd import SFDClient
     assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"
