@@ -237,7 +237,7 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
     monkeypatch.setattr(torch.cuda, "CUDAGraph", type("FakeGraph", (), {}))
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)))
     captured, capture = [], module._capture
 
     def capture_and_replay(lane, step, x_in, y_in):
@@ -247,10 +247,24 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
         return graph
 
     monkeypatch.setattr(module, "_capture", capture_and_replay)
+    handed = []  # SCAFFOLD's gradient sums, as the trainer hands them to the objective
+    if method == "scaffold":
+        from fedlt.methods.scaffold import ScaffoldClient
+
+        objective_of = ScaffoldClient.local_objective
+
+        def spied(self, ctx, msg):
+            objective = objective_of(self, ctx, msg)
+            done = objective.correction.done
+            objective.correction.done = lambda sums, steps: (handed.extend(sums), done(sums, steps))
+            return objective
+
+        monkeypatch.setattr(ScaffoldClient, "local_objective", spied)
     runs = {}
     for backend in ("sequential", "graphed"):
         sim = prepare(config(tmp_path, f"method={method}", *extra, f"run.backend={backend}"))
         if backend == "graphed":
+            handed.clear()  # the sequential run's sums were never on a stream
             sim.graphed = trainer = GraphedTrainer(sim.worker, lanes=1)
             trainer.capture = True
             trainer.lanes = [module.Lane(copy.deepcopy(sim.worker), _FakeStream(), _FakeStream()) for _ in range(3)]
@@ -266,7 +280,8 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
     assert all(uses == 1 for lane in lanes for key, uses in lane.uses.items() if key not in lane.graphs)
     # what a lane hands back (states, loss sums, extras, kept features) is marked as used on the stream
     # that called train, so the allocator does not give its memory to the lane while that stream reads it
-    assert recorded and all(stream is main for stream in recorded)
+    assert recorded and all(stream is main for _, stream in recorded)
+    assert {id(t) for t in handed} <= {id(t) for t, _ in recorded} and (method != "scaffold" or handed)
     if method == "gbme":  # the joint round trains every parameter, a per-expert round a part of them
         assert len({len(trained) for lane in lanes for _, trained in lane.graphs}) > 1
 
