@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/results/speed.md in one go (its steps are limited to 590 s together): the CUDA
+# The GPU figures of docs/results/speed.md in one go (its steps are limited to 580 s together): the CUDA
 # tests, where a local step's time goes (fedlt bench profile), every backend against the peer-style
 # loop and the limit of one model at batch K x B (fedlt bench speed --backends), and what a round of
 # each paper's own method costs (fedlt bench paper-rounds). All on synthetic CIFAR-shaped data (3 x 32 x 32),
@@ -24,7 +24,7 @@ fedlt=("$py" -m fedlt.cli)
 step tests 110 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
 step profile 110 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10,40 --synthetic-size 32 \
   --backends sequential,vectorized,graphed --out "$out/profile.md" "${data[@]}"
-step backends 240 "${fedlt[@]}" bench speed --backends --rounds 1 --no-k-table --models cnn,resnet8,resnet32,resnet18 \
+step backends 230 "${fedlt[@]}" bench speed --backends --rounds 1 --no-k-table --models cnn,resnet8,resnet32,resnet18 \
   --sampled 10,40 --synthetic-size 32 --out "$out/backends.md" "${data[@]}" run.channels_last=false
 step paper-rounds 130 "${fedlt[@]}" bench paper-rounds paper-creff paper-fedloge paper-sfd paper-gbme paper-fedyoyo \
   --row paper-creff:CReFF --row paper-fedloge:FedLoGe --row paper-sfd:SFD --row paper-gbme:GBME \
