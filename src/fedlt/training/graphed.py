@@ -267,7 +267,9 @@ def _step_function(fn: Callable, fixed: dict, mu: float, train: TrainSettings, c
             if corrected:  # only model parameters (no extras): positions in ``params`` are theirs
                 at = [k if trained is None else trained[k] for k in used]
                 offsets, sums = [lane.offset[k] for k in at], [lane.gradient_sums[k] for k in at]
-                torch._foreach_add_(sums, torch._foreach_add(grads, torch._foreach_mul(params, train.weight_decay)))
+                # + 0 * p would change no bit of the sums: without weight decay, two kernels less per step
+                torch._foreach_add_(sums, torch._foreach_add(grads, torch._foreach_mul(params, train.weight_decay))
+                                    if train.weight_decay else grads)
                 grads = torch._foreach_add(grads, offsets)
             if train.grad_clip is not None:  # clip_grad_norm_'s arithmetic over everything trained
                 norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
