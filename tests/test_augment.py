@@ -20,6 +20,7 @@ from fedlt.data.augment import (
     SIGNED_OPS,
     apply_op,
     auto_augment,
+    crop_flip,
     cutout,
     get_augmentation,
     grid_mode,
@@ -45,6 +46,8 @@ FUNCTIONS: dict[str, Fn] = {
     "cutout": lambda x, g: cutout(x, 8, g),
     "rand_augment": lambda x, g: rand_augment(x, g),
     "auto_augment": lambda x, g: auto_augment(x, g),
+    "crop_flip": lambda x, g: crop_flip(x, g),
+    "crop_flip_noflip": lambda x, g: crop_flip(x, g, flip=False),
     "weak_view": lambda x, g: weak_view(x, g),
     "weak_view_noflip": lambda x, g: weak_view(x, g, flip=False),
     "strong_view": lambda x, g: strong_view(x, g),
@@ -287,6 +290,20 @@ def test_weak_view_without_flip_never_flips(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(augment, "random_flip", forbidden)
     weak_view(x, gen(), flip=False)
     strong_view(x, gen(), flip=False)
+    crop_flip(x, gen(), flip=False)
+
+
+def test_crop_flip_is_the_weak_view_without_its_rotation() -> None:
+    """crop_flip draws a window per image (an eighth of the side as padding: 3 px on 28 px) and a
+    flip; the weak view is that, then a rotation from the same generator."""
+    x = batch((16, 1, 28, 28))
+    g = gen(3)
+    expected = random_flip(random_crop(x, 3, g), g)
+    assert torch.equal(crop_flip(x, gen(3)), expected)
+    assert torch.equal(weak_view(x, gen(3)), random_rotation(expected, 15.0, g))
+    windows = {tuple(crop_flip(torch.rand(1, 1, 8, 8, generator=gen(0)).expand(64, 1, 8, 8), gen(s))[i].flatten()[:3].tolist())
+               for s in range(2) for i in range(64)}
+    assert len(windows) > 4  # not one window for the whole batch
 
 
 def test_strong_view_magnitude_and_cutout_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,7 +329,8 @@ def test_strong_view_batch_of_256_runs() -> None:
 
 
 def test_registry() -> None:
-    assert set(AUGMENTATIONS) == {"none", "weak", "strong"}
+    assert set(AUGMENTATIONS) == {"none", "crop_flip", "weak", "strong"}
+    assert get_augmentation("crop_flip") is crop_flip
     assert get_augmentation("weak") is weak_view
     assert get_augmentation("strong") is strong_view
     x = batch((2, 3, 8, 8))

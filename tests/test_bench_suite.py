@@ -470,3 +470,22 @@ def test_reference_config_commands_run_exactly_the_reference_suites_cells(tmp_pa
         command_cfg = resolved(load_config(root / "configs/reference.yaml", ["seed=0", *overrides]))
         assert config_difference(suite_cfg, command_cfg) is None, name
         assert config_difference(command_cfg, suite_cfg) is None, name
+
+
+@pytest.mark.parametrize("name, momentum, weight_decay, augment", [
+    ("paper-creff", 0.0, 0.0, "crop_flip"),    # Sec. 4.1 "SGD with a learning rate 0.1"; the released code crops and flips
+    ("paper-fedyoyo", 0.0, 0.0, "none"),       # CReFF's setting, plain SGD in the released code
+    ("paper-fedloge", 0.5, 0.0, "none"),       # the released code: momentum 0.5, no weight decay
+    ("paper-gbme", 0.9, 5e-4, "none"),
+    ("paper-sfd", 0.9, 1e-5, "none"),          # App. C.2
+])
+def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, momentum, weight_decay, augment):
+    """fedlt's own defaults (momentum 0.9, weight decay 5e-4) are not every paper's: each paper suite
+    states its local SGD, for every cell."""
+    from fedlt.bench.suite import expand
+    from fedlt.config import load_config
+
+    suite = load_suite(name)
+    for cell in expand(suite, tmp_path):
+        cfg = load_config(suite.base, cell.overrides)
+        assert (cfg.fl.momentum, cfg.fl.weight_decay, cfg.data.augment) == (momentum, weight_decay, augment), cell.label

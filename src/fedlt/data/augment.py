@@ -498,16 +498,21 @@ def no_augmentation(x: Tensor, generator: torch.Generator, flip: bool = True) ->
 
 
 @_accepts_uint8
-def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True, interpolation: str = "bilinear") -> Tensor:
-    """FedYoYo's weak view: random crop, horizontal flip (if ``flip``), rotation up to 15 deg
-    resampled by ``interpolation`` (:data:`INTERPOLATIONS`).
+def crop_flip(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
+    """The usual CIFAR training augmentation: random crop, horizontal flip (if ``flip``). CReFF's
+    released code trains its clients with it (one window for a whole batch there; one per image here).
 
     Pass ``flip=False`` for data where mirroring changes the meaning (e.g. digits).
     """
     out = random_crop(x, _crop_padding(x), generator)
-    if flip:
-        out = random_flip(out, generator)
-    return random_rotation(out, 15.0, generator, interpolation)
+    return random_flip(out, generator) if flip else out
+
+
+@_accepts_uint8
+def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True, interpolation: str = "bilinear") -> Tensor:
+    """FedYoYo's weak view: :func:`crop_flip`, then a rotation up to 15 deg resampled by
+    ``interpolation`` (:data:`INTERPOLATIONS`)."""
+    return random_rotation(crop_flip(x, generator, flip), 15.0, generator, interpolation)
 
 
 @_accepts_uint8
@@ -543,6 +548,7 @@ def strong_view(
 
 AUGMENTATIONS: dict[str, Augmentation] = {
     "none": no_augmentation,
+    "crop_flip": crop_flip,
     "weak": weak_view,
     "strong": strong_view,
 }
