@@ -263,3 +263,46 @@ def test_released_head_optimizer_ignores_the_runs_learning_rate_and_schedule(tmp
         assert torch.equal(head, other)
     with pytest.raises(ConfigError, match="head_optimizer"):
         fedlt.run(tiny(tmp_path, "bad", head_optimizer="adam"), quiet=True)
+
+
+def personalized_head(args: dict, state: dict, lr: float = 0.05, base_lr: float | None = None) -> torch.Tensor:
+    """The classifier a client's personalized model predicts with, on one sample as above (psi =
+    (1, 2) rows scaled, the received SSE-C = 3 * identity)."""
+    from fedlt.messages import Message
+    from fedlt.methods.base import ClientContext, ClientData, TrainSettings, clone_state
+    from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeHead
+    from fedlt.models import FedModel
+
+    model = FedModel(torch.nn.Flatten(), 2, 2, FedLoGeHead(2, 2))
+    with torch.no_grad():
+        model.head.aux.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+        model.head.fixed.weight.copy_(3 * torch.eye(2))
+    data = ClientData(torch.tensor([[[[255, 0]]]], dtype=torch.uint8), torch.tensor([0]), torch.tensor([0]), 2,
+                      lambda x: 2 * x)
+    ctx = ClientContext(0, 5, model, data, dict(state), TrainSettings(1, 1, lr, 0.0, 0.0, None, base_lr),
+                        torch.device("cpu"), 0)
+    FedLoGeClient(FedLoGeArgs(**args)).personalize(ctx, Message(weights=clone_state(model)))
+    return model.head.fixed.weight.detach().clone()
+
+
+def test_a_client_that_never_trained_is_evaluated_with_the_global_model():
+    """No phi_k yet: the personalized model is the GM, whichever head the GM reads (the SSE-C by
+    default, GA-FR(psi) with generic_head=psi)."""
+    assert torch.equal(personalized_head({}, {}), 3 * torch.eye(2))
+    assert torch.equal(personalized_head({"generic_head": "psi"}, {}), torch.eye(2))
+
+
+def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one():
+    """finetune_epochs after LA-FR: one SGD step on (h = (2, 0), label 0) at fl.lr, however far the
+    schedule has decayed the round's lr; finetune_lr overrides it."""
+    phi = {"personal/phi/weight": torch.ones(2, 2)}
+    tune = {"finetune_epochs": 1}
+    at_base = personalized_head(tune, phi, lr=0.05)
+    assert torch.equal(personalized_head(tune, phi, lr=1e-6, base_lr=0.05), at_base)
+    # LA-FR head: rows (sqrt 2, 0), (0, sqrt 2); gradient (p - e_0) h^T with p = softmax((2 sqrt 2, 0))
+    p0 = torch.sigmoid(torch.tensor(2 * 2 ** 0.5)).item()
+    expected = torch.tensor([[2 ** 0.5 + 0.05 * 2 * (1 - p0), 0.0], [-0.05 * 2 * (1 - p0), 2 ** 0.5]])
+    assert torch.allclose(at_base, expected, atol=1e-6, rtol=0)
+    assert torch.equal(personalized_head({**tune, "finetune_lr": 0.01}, phi, lr=1e-6, base_lr=0.05),
+                       personalized_head(tune, phi, lr=0.01))
+    assert not torch.equal(personalized_head(tune, phi, lr=1e-6), at_base)

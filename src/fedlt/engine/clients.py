@@ -77,7 +77,7 @@ class ClientRuntime:
                             self._standardizer(), self._augment, data.hflip),
             state=state,
             train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
-                                fl.grad_clip),
+                                fl.grad_clip, base_lr=fl.lr),
             device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
         )
 

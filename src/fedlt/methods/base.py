@@ -103,6 +103,9 @@ class TrainSettings:
     momentum: float
     weight_decay: float
     grad_clip: float | None
+    #: ``fl.lr`` before its schedule, for steps outside training that should not shrink with it
+    #: (fine-tuning at evaluation); None: ``lr``
+    base_lr: float | None = None
 
 
 @dataclass

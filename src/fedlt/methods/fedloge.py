@@ -7,8 +7,8 @@ through the frozen SSE-C (only this one reaches the backbone), of the global aux
 ``psi`` on ``h.detach()``, and of the client's personal head ``phi_k`` on ``h.detach()``. The
 backbone and ``psi`` are aggregated (FedAvg); ``phi_k`` stays in the client's ``ctx.state``.
 
-Stage 2, GA-FR (Eq. 6): every row of ``psi`` rescaled to unit norm; the global model is the
-backbone with this head. Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| * ||phi_kc||``,
+Stage 2, GA-FR (Eq. 6): every row of ``psi`` rescaled to unit norm; the paper's global model is
+the backbone with this head (``generic_head=psi``; the default reads the SSE-C, below). Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| * ||phi_kc||``,
 the global head's directions with the client's norms; optionally fine-tuned on the client's
 features (Appendix A.5); personalized model k is the backbone with ``phi'_k``.
 
@@ -52,8 +52,10 @@ Choices where the paper is silent (also in docs/methods/fedloge.md):
   other heads as variants (``psi_ga_fr``, ``psi_raw``, or ``sse_c``).
 - The realignment and fine-tuning are evaluation-time steps: they run on every evaluation from
   the current weights and never change what is trained.
-- The released code's personalized output ``phi_k(h) + phi'_k(h)`` with the logits of classes
-  absent from the client masked out is available as ``personal_head=realigned_plus_phi``.
+- ``personal_head=realigned_plus_phi``: ``phi_k(h) + phi'_k(h)`` with the logits of classes absent
+  from the client masked out (the released code's local test adds the raw psi, not ``phi'_k``).
+- Appendix A.5's fine-tuning steps at ``fl.lr`` without its schedule (``finetune_lr``): a decayed
+  lr at the last evaluation would leave the head as it is.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class FedLoGeArgs(MethodArgs):
                                                         "head_optimizer (1.0: Algorithm 1's one step size)")
     finetune_epochs: int = Field(0, ge=0, description="epochs of local fine-tuning of the personal head after LA-FR "
                                                       "(Appendix A.5), on the client's features, at evaluation")
+    finetune_lr: float | None = Field(None, gt=0, description="lr of that fine-tuning; null: fl.lr without its "
+                                      "schedule (a decayed lr at the last evaluation would leave the head as it is)")
 
     @model_validator(mode="after")
     def _gamma_positive(self) -> "FedLoGeArgs":
@@ -344,15 +348,17 @@ class FedLoGeClient(Client):
         a = self.args
         psi, psi_bias = psi_of(model.head)
         stored = load_personal(ctx, "phi")
-        if stored is None:  # never trained: the global model
-            set_head(model, *global_head(psi, psi_bias, a.ga_fr))
+        if stored is None:  # never trained: the global model (msg.weights hold the SSE-C)
+            if a.generic_head != "fixed":
+                set_head(model, *global_head(psi, psi_bias, a.ga_fr))
             return
         phi, phi_bias = stored["weight"], stored.get("bias")
         weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
         bias = None if phi_bias is None else phi_bias.clone()
         if a.finetune_epochs:
             params = [p.requires_grad_(True) for p in (weight, bias) if p is not None]
-            train_on_features(ctx, params, lambda h: F.linear(h, weight, bias), a.finetune_epochs)
+            lr = a.finetune_lr or ctx.train.base_lr or ctx.train.lr
+            train_on_features(ctx, params, lambda h: F.linear(h, weight, bias), a.finetune_epochs, lr=lr)
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         if a.personal_head == "realigned_plus_phi":
             absent = ctx.data.class_counts() == 0
