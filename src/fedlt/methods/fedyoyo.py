@@ -51,7 +51,8 @@ Options where the released code (which produced the paper's numbers) departs fro
 Choices where the paper is silent:
 
 - Before any estimate exists: ``pi_g`` is uniform until the first clients have reported (round
-  1 then trains with ``(1 - gamma) * uniform + gamma * pi_k``); a client that has not yet
+  1 then trains with ``(1 - gamma) * uniform + gamma * pi_k`` under ``prior=fused_estimate``, and
+  re-mixes from uniform toward the label distribution under the default ``local_remix``); a client that has not yet
   estimated its prior (first participation) uses its label distribution, which is what the
   effective number reduces to for uncorrelated features. With ``prior_features=train`` each
   estimate is made during a round's training and used from the client's next participation on.
@@ -77,8 +78,8 @@ released, or the raw logits). Early in training the adjusted-correct teachers ar
 head samples, so ASD then acts as extra head-class cross-entropy on the strong views; on
 Fashion-MNIST-LT at 10-25 rounds this collapses the model to the head (README, FedYoYo).
 
-Ablation knobs: Table 4 — ``asd=false``, ``dla=false`` (no prior: plain softmax at the same
-temperature in both losses), RandAug off = ``student_view=weak`` (two weak views); Table 5 —
+Ablation knobs: Table 4 — ``asd=false``, ``dla=false`` (no prior: the CE on the logits as ``ce_prior_scale`` reads them,
+the raw ones by default, and ASD's KL at its temperature), RandAug off = ``student_view=weak`` (two weak views); Table 5 —
 ``teacher_view`` / ``student_view``; Fig. 6 — ``prior_source=counts`` (label counts: the client's
 own, and the federation's from a setup query — NOT private) and ``gamma`` (0: no fusion, global
 prior only). ``prior_diagnostic=true`` makes the server query every client's label counts once

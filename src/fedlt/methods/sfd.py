@@ -3,7 +3,7 @@
 Learning stage: FedAvg whose clients train with ABBL (:mod:`fedlt.methods.sfd_losses`): A-CE on
 the classifier plus ``beta_SCL(r)`` times A-SCL on a projector's L2-normalised output,
 ``beta_SCL`` annealed by a cosine over the rounds (Eq. 28). The projector (Linear d -> d/2, BN,
-ReLU, Linear d/2 -> d/4; the paper's 512 -> 256 -> 128 on ResNet-18) lives inside the encoder
+ReLU, Linear d/2 -> d/4; the released code's 512 -> 256 -> 128 on ResNet-18) lives inside the encoder
 module, so the model keeps its encoder/head split, is averaged with the rest, and never touches
 the features the classifier sees.
 
