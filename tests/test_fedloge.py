@@ -8,7 +8,7 @@ import torch
 import fedlt
 from conftest import run_until_crash_in_round_3
 from fedlt.errors import ConfigError
-from fedlt.methods.fedloge import FedLoGeClient, ga_fr, global_head, la_fr
+from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeClient, ga_fr, global_head, la_fr
 from fedlt.models.etf import classifier_geometry, etf_angle
 from fedlt.results import TIMING_KEYS
 
@@ -121,7 +121,7 @@ def test_dense_etf_ablation_and_code_variant(tmp_path, monkeypatch):
     assert geo["norm_mean"] == pytest.approx(1.0, abs=1e-5)  # the default gamma, the paper's
     assert set(etf.summary["final"]["variants"]) == {"psi_ga_fr", "psi_raw"}  # the GM is the ETF itself
     assert etf.summary["final"]["pm_acc"] is not None
-    with pytest.raises(ConfigError, match="la_fr=true"):
+    with pytest.raises(ConfigError, match=r"^invalid method_args for method fedloge: .*; set la_fr=true$"):
         fedlt.run(tiny(tmp_path, "bad", la_fr=False, personal_head="realigned_plus_phi"), quiet=True)
     with pytest.raises(ConfigError, match="loss"):
         fedlt.run({**tiny(tmp_path, "bad2"), "loss": {"name": "bsm"}}, quiet=True)
@@ -265,24 +265,31 @@ def test_released_head_optimizer_ignores_the_runs_learning_rate_and_schedule(tmp
         fedlt.run(tiny(tmp_path, "bad", head_optimizer="adam"), quiet=True)
 
 
-def personalized_head(args: dict, state: dict, lr: float = 0.05, base_lr: float | None = None) -> torch.Tensor:
-    """The classifier a client's personalized model predicts with, on one sample as above (psi =
-    (1, 2) rows scaled, the received SSE-C = 3 * identity)."""
+def personalized_model(args: dict, state: dict, lr: float = 0.05, base_lr: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classifier (weight, bias) a client's personalized model predicts with; its data: one
+    sample of class 0 (class 1 absent); psi = diag(1, 2), the received SSE-C = 3 * identity."""
     from fedlt.messages import Message
     from fedlt.methods.base import ClientContext, ClientData, TrainSettings, clone_state
     from fedlt.methods.fedloge import FedLoGeArgs, FedLoGeHead
     from fedlt.models import FedModel
 
-    model = FedModel(torch.nn.Flatten(), 2, 2, FedLoGeHead(2, 2))
+    model = FedModel(torch.nn.Flatten(), 2, 2, FedLoGeHead(2, 2, args.get("head_bias", False)))
     with torch.no_grad():
         model.head.aux.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
         model.head.fixed.weight.copy_(3 * torch.eye(2))
+        if model.head.aux.bias is not None:
+            model.head.aux.bias.copy_(torch.tensor([0.3, -0.3]))
     data = ClientData(torch.tensor([[[[255, 0]]]], dtype=torch.uint8), torch.tensor([0]), torch.tensor([0]), 2,
                       lambda x: 2 * x)
     ctx = ClientContext(0, 5, model, data, dict(state), TrainSettings(1, 1, lr, 0.0, 0.0, None, base_lr),
                         torch.device("cpu"), 0)
     FedLoGeClient(FedLoGeArgs(**args)).personalize(ctx, Message(weights=clone_state(model)))
-    return model.head.fixed.weight.detach().clone()
+    return model.head.fixed.weight.detach().clone(), model.head.fixed.bias.detach().clone()
+
+
+def personalized_head(args: dict, state: dict, lr: float = 0.05, base_lr: float | None = None) -> torch.Tensor:
+    return personalized_model(args, state, lr, base_lr)[0]
 
 
 def test_a_client_that_never_trained_is_evaluated_with_the_global_model():
@@ -306,3 +313,15 @@ def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one():
     assert torch.equal(personalized_head({**tune, "finetune_lr": 0.01}, phi, lr=1e-6, base_lr=0.05),
                        personalized_head(tune, phi, lr=0.01))
     assert not torch.equal(personalized_head(tune, phi, lr=1e-6), at_base)
+
+
+def test_the_released_codes_personal_output_adds_the_raw_psi_and_phi_and_masks_absent_classes():
+    phi = {"personal/phi/weight": torch.tensor([[0.5, 0.0], [0.0, 0.25]])}
+    weight, bias = personalized_model({"personal_head": "psi_plus_phi"}, phi)
+    assert torch.equal(weight, torch.tensor([[1.5, 0.0], [0.0, 2.25]]))  # psi + phi_k: no LA-FR
+    assert bias.tolist() == [0.0, -1e9]  # class 1: no sample on this client
+    with_bias = {**phi, "personal/phi/bias": torch.tensor([0.1, 0.2])}
+    _, bias = personalized_model({"personal_head": "psi_plus_phi", "head_bias": True}, with_bias)
+    assert bias.tolist() == pytest.approx([0.3 + 0.1, -1e9 - 0.3 + 0.2])  # psi's bias + phi_k's
+    with pytest.raises(ValueError, match="finetune_epochs=0"):
+        FedLoGeArgs(personal_head="psi_plus_phi", finetune_epochs=1)

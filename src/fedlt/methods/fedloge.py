@@ -52,8 +52,10 @@ Choices where the paper is silent (also in docs/methods/fedloge.md):
   other heads as variants (``psi_ga_fr``, ``psi_raw``, or ``sse_c``).
 - The realignment and fine-tuning are evaluation-time steps: they run on every evaluation from
   the current weights and never change what is trained.
-- ``personal_head=realigned_plus_phi``: ``phi_k(h) + phi'_k(h)`` with the logits of classes absent
-  from the client masked out (the released code's local test adds the raw psi, not ``phi'_k``).
+- ``personal_head=psi_plus_phi`` is the released code's personalized output: its local test adds the
+  raw aggregated psi and phi_k, ``psi(h) + phi_k(h)`` (biases added), with the logits of classes
+  absent from the client masked out, and applies no realignment. ``realigned_plus_phi``:
+  ``phi'_k(h) + phi_k(h)`` with the same mask.
 - Appendix A.5's fine-tuning steps at ``fl.lr`` without its schedule (``finetune_lr``): a decayed
   lr at the last evaluation would leave the head as it is.
 """
@@ -104,8 +106,9 @@ class FedLoGeArgs(MethodArgs):
         "ga_fr=false); fixed = the released code's: the fixed classifier (SSE-C) the backbone trained through. "
         "Evaluation only: training is the same either way")
     la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
-    personal_head: Literal["realigned", "realigned_plus_phi"] = Field(
-        "realigned", description="PM logits: phi'_k (paper), or phi'_k + phi_k with absent classes masked (code)")
+    personal_head: Literal["realigned", "realigned_plus_phi", "psi_plus_phi"] = Field(
+        "realigned", description="PM logits: phi'_k (paper); phi'_k + phi_k with absent classes masked; or psi + phi_k "
+        "with absent classes masked (the released code's local test: the raw psi, no LA-FR)")
     head_bias: bool = Field(False, description="psi and phi_k are linear layers with a bias (the released code); "
                                                "the GM drops psi's bias, PM keeps phi_k's")
     head_optimizer: Literal["run", "released"] = Field(
@@ -128,6 +131,9 @@ class FedLoGeArgs(MethodArgs):
     def _plus_needs_realignment(self) -> "FedLoGeArgs":
         if self.personal_head == "realigned_plus_phi" and not self.la_fr:
             raise ValueError("personal_head=realigned_plus_phi adds phi_k to its LA-FR head; set la_fr=true")
+        if self.personal_head == "psi_plus_phi" and self.finetune_epochs:
+            raise ValueError("personal_head=psi_plus_phi (the released code's output) fine-tunes nothing; set "
+                             "finetune_epochs=0 or personal_head=realigned")
         return self
 
 
@@ -302,6 +308,11 @@ def personal_phi(ctx: ClientContext) -> nn.Linear:
     return personal_module(ctx, "phi", fresh_linear(ctx.model.head.aux, ctx.generator(PHI_INIT_PURPOSE)))
 
 
+def absent_classes_masked(ctx: ClientContext, like: torch.Tensor) -> torch.Tensor:
+    """A bias that rules out the classes the client holds no sample of (the released code's local test)."""
+    return torch.where(ctx.data.class_counts() == 0, MASKED_LOGIT, 0.0).to(like)
+
+
 def upload(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a client sends: the backbone and psi; the SSE-C is the server's and never changes."""
     return {k: v for k, v in state.items() if not k.startswith("head.fixed.")}
@@ -353,6 +364,10 @@ class FedLoGeClient(Client):
                 set_head(model, *global_head(psi, psi_bias, a.ga_fr))
             return
         phi, phi_bias = stored["weight"], stored.get("bias")
+        if a.personal_head == "psi_plus_phi":  # the released code's output: no realignment, no fine-tuning
+            both = None if phi_bias is None else psi_bias + phi_bias
+            set_head(model, psi + phi, absent_classes_masked(ctx, psi) + (0.0 if both is None else both))
+            return
         weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
         bias = None if phi_bias is None else phi_bias.clone()
         if a.finetune_epochs:
@@ -361,9 +376,7 @@ class FedLoGeClient(Client):
             train_on_features(ctx, params, lambda h: F.linear(h, weight, bias), a.finetune_epochs, lr=lr)
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         if a.personal_head == "realigned_plus_phi":
-            absent = ctx.data.class_counts() == 0
-            masked = torch.where(absent, MASKED_LOGIT, 0.0).to(weight)
             extra = 0.0 if bias is None else bias + phi_bias  # the two heads' biases add like their logits
-            set_head(model, weight + phi, masked + extra)
+            set_head(model, weight + phi, absent_classes_masked(ctx, weight) + extra)
         else:
             set_head(model, weight, bias)
