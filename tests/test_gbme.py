@@ -18,7 +18,8 @@ from fedlt.methods.gbme import (
     DIAG_KEY, LPI_QUERY, GBMEArgs, GBMEClient, fixed_fc_gradient, per_sample_fc_gradients,
 )
 from fedlt.methods.proxy_prior import (
-    gaussian_sigma, global_proxy, random_groups, rank_groups, select_for_experts, split_quota,
+    analytic_sigma, epsilon_achieved, gaussian_delta, gaussian_sigma, global_proxy, random_groups, rank_groups,
+    select_for_experts, split_quota,
 )
 from fedlt.models import create_model
 from fedlt.models.multi_expert import multi_expert_model
@@ -178,6 +179,96 @@ def test_gbme_p_noise_scale_and_clipping_match_theorem_2():
     raw = per_sample_fc_gradients(model, x, y).flatten(1).norm(dim=1)
     assert float(raw.min()) > 0.5  # clipping is active, so the bound below is the clip's doing
     assert float(clean.norm()) * n <= 0.5 * n + 1e-4
+
+
+def exact_delta(epsilon: float, sigma: float, sensitivity: float) -> float:
+    """Balle & Wang (2018), Theorem 8, evaluated as written at 50 digits (e^epsilon cannot overflow there)."""
+    import mpmath
+
+    with mpmath.workdps(50):
+        a, b = mpmath.mpf(sensitivity) / (2 * sigma), mpmath.mpf(epsilon) * sigma / sensitivity
+        return float(mpmath.ncdf(a - b) - mpmath.exp(epsilon) * mpmath.ncdf(-a - b))
+
+
+@pytest.mark.parametrize("epsilon, sigma, sensitivity", [
+    (0.0, 1.0, 1.0), (0.5, 1.0, 1.0), (5.0, 0.5462, 1.0), (12.0, 0.2731, 1.0), (3.0, 0.8, 2.0),
+    (722.0, 1 / 38, 1.0),  # a = b = 19: e^epsilon overflows a float, the mechanism's delta is ~0.49
+])
+def test_exact_delta_of_the_gaussian_mechanism_is_balle_and_wang_theorem_8(epsilon, sigma, sensitivity):
+    assert gaussian_delta(epsilon, sigma, sensitivity) == pytest.approx(exact_delta(epsilon, sigma, sensitivity),
+                                                                        rel=1e-9, abs=1e-15)
+
+
+def test_epsilon_achieved_and_the_analytic_sigma():
+    for epsilon in (5.0, 10.0, 100.0, 1e6):  # the classical sigma at the epsilons the docs report
+        sigma = gaussian_sigma(epsilon, 0.03, 1.0)
+        achieved = epsilon_achieved(sigma, 0.03, 1.0)
+        assert exact_delta(achieved, sigma, 1.0) == pytest.approx(0.03, abs=1e-9)
+    assert epsilon_achieved(gaussian_sigma(5, 0.03, 1.0), 0.03, 1.0) == pytest.approx(4.44, abs=0.005)
+    assert epsilon_achieved(gaussian_sigma(10, 0.03, 1.0), 0.03, 1.0) == pytest.approx(12.79, abs=0.005)
+    assert epsilon_achieved(gaussian_sigma(100, 0.03, 1.0), 0.03, 1.0) == pytest.approx(738.18, abs=0.005)
+    for epsilon in (0.1, 0.5, 0.9):  # Theorem 2's range: the classical sigma keeps its promise
+        for delta in (0.03, 1e-5):
+            classical = gaussian_sigma(epsilon, delta, 1.0)
+            assert epsilon_achieved(classical, delta, 1.0) <= epsilon
+            assert analytic_sigma(epsilon, delta, 1.0) < classical
+    for epsilon, sensitivity in ((10.0, 1.0), (10.0, 2.0), (0.5, 1.0)):
+        sigma = analytic_sigma(epsilon, 0.03, sensitivity)
+        assert epsilon_achieved(sigma, 0.03, sensitivity) == pytest.approx(epsilon, rel=1e-9)
+        assert exact_delta(epsilon, sigma, sensitivity) <= 0.03 + 1e-12
+        assert exact_delta(epsilon, sigma * (1 - 1e-6), sensitivity) > 0.03  # and it is the smallest such sigma
+    assert epsilon_achieved(100.0, 0.03, 1.0) == 0.0  # noise this large is 0-DP at delta = 0.03
+
+
+def test_gbme_p_noise_is_seeded_in_simulations_and_from_the_system_on_nodes_with_their_own_data():
+    torch.manual_seed(0)
+    model = create_model("cnn", 10, in_channels=3)
+    msg = Message(weights=clone_state(model))
+    ctx = client_ctx(model, counts=[8, 4, 2, 1, 1, 0, 0, 0, 0, 0])
+
+    def lpi(source: str, node_data: bool = False) -> torch.Tensor:
+        ctx.node_data = node_data
+        return GBMEClient(GBMEArgs(dp_epsilon=1.0, dp_noise=source)).lpi(ctx, msg)
+
+    seeded = lpi("seeded")
+    assert torch.equal(lpi("seeded"), seeded) and torch.equal(lpi("auto"), seeded)  # a simulation repeats
+    assert not torch.equal(lpi("system"), lpi("system"))  # the same seed, fresh noise each time
+    assert not torch.equal(lpi("auto", node_data=True), lpi("auto", node_data=True))
+    assert not torch.equal(lpi("auto", node_data=True), seeded)
+
+
+def test_seeded_noise_is_refused_on_nodes_that_hold_their_own_data(tmp_path):
+    from fedlt.run_parts import check_config
+
+    def node_run(**args) -> dict:
+        return tiny(tmp_path, method="gbme", loss={"name": "bsm"}, engine="flower", flower={"node_data": True},
+                    method_args={"dp_epsilon": 5, **args})
+
+    with pytest.raises(ConfigError, match=r"dp_noise=seeded .* use method_args.dp_noise=system \(or auto\)$"):
+        check_config(build_config(node_run(dp_noise="seeded")))
+    check_config(build_config(node_run(dp_noise="system")))
+    from fedlt.engine.clients import ClientRuntime
+    from fedlt.run_parts import setup_parts
+
+    cfg = build_config(node_run())  # auto: a node's client context says where it runs, so its noise is the system's
+    assert ClientRuntime(cfg, *setup_parts(cfg)).context(0, 1, {}).node_data
+    cfg = build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"dp_epsilon": 5}))
+    assert not ClientRuntime(cfg, *setup_parts(cfg)).context(0, 1, {}).node_data
+
+
+def test_gbme_p_records_the_epsilon_its_sigma_achieves(tmp_path):
+    def run(**args):
+        cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"dp_epsilon": 10, **args})
+        cfg["data"]["num_clients"], cfg["fl"]["rounds"] = 4, 1
+        return fedlt.run(cfg, quiet=True).metrics[-1]
+
+    classical = run()
+    assert classical["dp_epsilon_achieved"] == pytest.approx(epsilon_achieved(gaussian_sigma(10, 0.03, 1.0), 0.03, 1.0))
+    assert classical["dp_theorem_applies"] == 0.0 and classical["dp_sensitivity"] == 1.0
+    replace_one = run(dp_calibration="analytic", dp_adjacency="replace")
+    assert replace_one["dp_sensitivity"] == 2.0 and replace_one["dp_sigma"] == analytic_sigma(10, 0.03, 2.0)
+    assert replace_one["dp_epsilon_achieved"] == pytest.approx(10.0, rel=1e-9)
+    assert "dp_theorem_applies" not in replace_one  # Theorem 2 is not what calibrated it
 
 
 def test_config_errors():

@@ -184,6 +184,9 @@ def _check_node_data(cfg: Config, spec: MethodSpec, method_args: MethodArgs) -> 
     if cfg.data.val_per_class:
         raise ConfigError("data.val_per_class draws a validation set from the dataset, which the server of a real "
                           "federation does not hold; set data.val_per_class=0")
+    refusal = spec.server.node_data_refusal(cfg, method_args)
+    if refusal:
+        raise ConfigError(refusal)
     leaks = spec.server.clear_uploads(cfg, method_args)
     if leaks and not cfg.privacy.allow_leaks:
         raise ConfigError(f"flower.node_data: {leaks[0]} shows the server a node's label histogram or features in "

@@ -78,7 +78,7 @@ class ClientRuntime:
             state=state,
             train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
                                 fl.grad_clip, base_lr=fl.lr),
-            device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss,
+            device=self.device, seed=self.cfg.seed, loss_config=self.cfg.loss, node_data=self.cfg.flower.node_data,
         )
 
     def _standardizer(self):

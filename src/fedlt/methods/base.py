@@ -56,7 +56,8 @@ def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) 
         if first["type"] == "extra_forbidden":
             valid = ", ".join(args_cls.model_fields) or "none"
             raise ConfigError(f"{owner} has no knob {section}.{key}; its knobs: {valid}") from None
-        raise ConfigError(f"invalid {section}.{key} for {owner}: {first['msg'].removeprefix('Value error, ')}") from None
+        where = f"{section}.{key}" if key else section  # a check across knobs has no single key
+        raise ConfigError(f"invalid {where} for {owner}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 @dataclass
@@ -186,6 +187,9 @@ class ClientContext:
     device: torch.device
     seed: int
     loss_config: Any = None
+    #: the client runs on a node that holds its own data (``flower.node_data``), whose server knows
+    #: the config: randomness drawn from the seed is no secret from it
+    node_data: bool = False
 
     def generator(self, purpose: int = 0) -> torch.Generator:
         """Training randomness for this (round, client): independent of the order clients run in."""
@@ -237,6 +241,12 @@ class Server:
     def model_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
         """Why this method cannot build ``config.model`` (checked before any data are read); None
         when it can. Default: every registered model."""
+        return None
+
+    @classmethod
+    def node_data_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
+        """Why this run's options cannot hold on nodes that hold their own data (``flower.node_data``),
+        as a one-line refusal naming the fix; None when they can. Default: None."""
         return None
 
     @classmethod

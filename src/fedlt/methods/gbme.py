@@ -36,11 +36,20 @@ Choices where the paper is silent (also in the README):
   none (one sample changes every later step), so GBME-p uses the fixed pass, whose
   per-sample gradients do not depend on one another; each per-sample FC-weight gradient is
   clipped to L2 norm ``dp_clip`` before the sum, so adding or removing one sample moves the sum
-  by at most ``dp_clip`` in L2 (Delta = dp_clip, add/remove adjacency). Gaussian noise
-  N(0, sigma^2), sigma = sqrt(2 ln(1.25/delta)) * Delta / epsilon, is added to every entry of
-  the summed gradient, then it is divided by n_k (post-processing; FedAvg sends n_k anyway).
-  Theorem 2 is stated for epsilon < 1; the paper's epsilons (5..100) are outside it, and the
-  run records ``dp_theorem_applies = 0`` for them rather than claiming the guarantee.
+  by at most ``dp_clip`` in L2 (Delta = dp_clip, add/remove adjacency, the paper's), replacing
+  one by at most 2 dp_clip (``dp_adjacency=replace``). Gaussian noise N(0, sigma^2) is added to
+  every entry of the summed gradient, then it is divided by n_k (post-processing).
+  What the guarantee covers: the one LPI upload (the paper's "single query"); the fit uploads
+  after it are noiseless model updates whose classifier carries the label distribution. Every
+  reply also sends n_k exactly, which add/remove adjacency would have to keep secret, so with n_k
+  released the guarantee that holds is replace-one (Delta = 2 dp_clip).
+  Calibration (``dp_calibration``): ``classical``, sigma = sqrt(2 ln(1.25/delta)) * Delta /
+  epsilon (Theorem 2, the paper's), is (epsilon, delta)-DP for epsilon < 1 only, and the paper's
+  epsilons (5..100) are outside it; ``analytic`` is the smallest sigma that is (epsilon, delta)-DP
+  by the Gaussian mechanism's exact privacy profile. The run records the epsilon its sigma
+  achieves at delta (``dp_epsilon_achieved``) beside ``dp_theorem_applies``.
+  Noise source (``dp_noise``): drawn from the run's seed in simulations, so they repeat; on nodes
+  that hold their own data from the operating system's entropy, since the server knows the seed.
 * Eq. 5 gives 0 to a class whose LPI is non-positive on every client (a rare class: its share of
   each client stays below what the initial model predicts for it). As a balanced-softmax prior,
   0 means log 0: the loss's 1e-8 floor then shifts that class's logit by ~18 and the model
@@ -96,6 +105,7 @@ Choices where the paper is silent (also in the README):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -114,8 +124,8 @@ from fedlt.methods.base import (
     LINEAR_HEAD, Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, Stage, clone_state,
 )
 from fedlt.methods.proxy_prior import (
-    cosine_scores, count_proxy, gaussian_sigma, global_proxy, local_proxy, pearson, random_groups, rank_groups,
-    select_for_experts,
+    analytic_sigma, cosine_scores, count_proxy, epsilon_achieved, gaussian_sigma, global_proxy, local_proxy, pearson,
+    random_groups, rank_groups, select_for_experts,
 )
 from fedlt.models import FedModel, create_model
 from fedlt.models.multi_expert import SUPPORTED, MultiExpertModel, multi_expert_model
@@ -176,7 +186,21 @@ class GBMEArgs(MethodArgs):
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
     dp_epsilon: float | None = Field(None, gt=0, description="GBME-p: privacy budget epsilon; None = GBME (no noise)")
     dp_delta: float = Field(0.03, gt=0, lt=1, description="GBME-p: failure probability delta (paper: 0.03)")
-    dp_clip: float = Field(1.0, gt=0, description="GBME-p: per-sample L2 clip of the FC gradient = sensitivity Delta")
+    dp_clip: float = Field(1.0, gt=0, description="GBME-p: per-sample L2 clip of the FC gradient")
+    dp_adjacency: Literal["add_remove", "replace"] = Field(
+        "add_remove", description="GBME-p: neighbouring datasets differ by one sample added or removed "
+        "(sensitivity Delta = dp_clip, the paper's) or replaced (Delta = 2 dp_clip: the guarantee that holds "
+        "while the client also sends its sample count n_k)")
+    dp_calibration: Literal["classical", "analytic"] = Field(
+        "classical", description="GBME-p: sigma = sqrt(2 ln(1.25/delta)) Delta / epsilon (classical, Theorem 2 "
+        "and the paper's runs; (epsilon, delta)-DP only for epsilon < 1), or the smallest sigma that is "
+        "(epsilon, delta)-DP at any epsilon (analytic, Balle & Wang 2018); every run records the epsilon "
+        "its sigma achieves as dp_epsilon_achieved")
+    dp_noise: Literal["auto", "seeded", "system"] = Field(
+        "auto", description="GBME-p: source of the noise. seeded: the run's seed, round and client id, so a "
+        "run repeats exactly, but anyone who knows the config can regenerate and subtract the noise; system: "
+        "the operating system's entropy, not reproducible; auto: seeded in simulations, system on nodes that "
+        "hold their own data (flower.node_data), which refuse seeded")
     diagnose_gpi: bool = Field(False, description="report the GPI against the true global prior (Pearson, TV "
                                "distance, tail ratio, largest log-prior error of the GPI prior); NON-PRIVATE "
                                "diagnostic (uploads label histograms)")
@@ -197,6 +221,16 @@ class GBMEArgs(MethodArgs):
         if self.lpi_pass != "auto":
             return self.lpi_pass
         return "fixed" if self.dp_epsilon is not None else "epoch"
+
+    def dp_sensitivity(self) -> float:
+        """Delta of the clipped per-sample sum: one sample added or removed moves it by at most
+        ``dp_clip`` in L2, one sample replaced by at most twice that."""
+        return self.dp_clip * (2.0 if self.dp_adjacency == "replace" else 1.0)
+
+    def dp_sigma(self) -> float:
+        """GBME-p's noise scale under ``dp_calibration``."""
+        calibrate = gaussian_sigma if self.dp_calibration == "classical" else analytic_sigma
+        return calibrate(self.dp_epsilon, self.dp_delta, self.dp_sensitivity())
 
     def needs_lpi(self) -> bool:
         return self.prior == "gpi" or (self.ensemble and self.grouping == "gpi")
@@ -333,9 +367,23 @@ def per_sample_fc_gradients(model: FedModel, x: torch.Tensor, y: torch.Tensor) -
     return torch.cat([grads[n] for n in names], dim=2)
 
 
-def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float) -> torch.Tensor:
+def noise_generator(ctx: ClientContext, source: str) -> torch.Generator:
+    """Where GBME-p's noise comes from (``dp_noise``): the run's (seed, round, client) stream, so a
+    simulation repeats exactly; or, on a node that holds its own data (``auto``) or by request
+    (``system``), a generator seeded from the operating system's entropy, which nobody who knows
+    the config can regenerate to subtract the noise."""
+    if source == "seeded" or (source == "auto" and not ctx.node_data):
+        return ctx.generator(purpose=8)
+    generator = torch.Generator(device=ctx.data.images.device)
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return generator
+
+
+def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
     """Sum over the client's samples of the (clipped) per-sample FC gradient at the received model,
-    plus N(0, sigma^2) noise per entry when sigma > 0, divided by n_k."""
+    plus N(0, sigma^2) noise per entry when sigma > 0 (from ``generator``; default the seeded
+    stream), divided by n_k."""
     model, data = ctx.model, ctx.data
     model.eval()
     device = data.indices.device
@@ -348,7 +396,7 @@ def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float) -> t
             g = g * (clip / norms).clamp(max=1.0)[:, None, None]
         total += g.sum(0)
     if sigma > 0:
-        noise = torch.randn(total.shape, generator=ctx.generator(purpose=8), device=device)
+        noise = torch.randn(total.shape, generator=generator or ctx.generator(purpose=8), device=device)
         total = total + sigma * noise
     return total / max(len(data), 1)
 
@@ -414,8 +462,9 @@ class GBMEClient(Client):
             grad = epoch_fc_gradient(ctx, a.warmup(), a.lpi_steps)
         else:
             private = a.dp_epsilon is not None
-            sigma = gaussian_sigma(a.dp_epsilon, a.dp_delta, a.dp_clip) if private else 0.0
-            grad = fixed_fc_gradient(ctx, a.dp_clip if private else None, sigma)
+            sigma = a.dp_sigma() if private else 0.0
+            noise = noise_generator(ctx, a.dp_noise) if private else None
+            grad = fixed_fc_gradient(ctx, a.dp_clip if private else None, sigma, noise)
         return local_proxy(grad.float())
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
@@ -487,6 +536,15 @@ class GBMEServer(Server):
         if args.ensemble and config.model.name not in SUPPORTED:
             return (f"GBME's multi-expert network has no version of model {config.model.name!r}; use "
                     f"model.name=<one of {', '.join(SUPPORTED)}> or method_args.ensemble=false")
+        return None
+
+    @classmethod
+    def node_data_refusal(cls, config, args):
+        """Seeded noise on nodes that hold their own data: the server knows the seed, so it could
+        regenerate the noise and subtract it from the LPI."""
+        if args.dp_epsilon is not None and args.dp_noise == "seeded":
+            return ("flower.node_data: method_args.dp_noise=seeded lets the server, which knows the seed, "
+                    "regenerate GBME-p's noise and subtract it; use method_args.dp_noise=system (or auto)")
         return None
 
     @classmethod
@@ -606,11 +664,13 @@ class GBMEServer(Server):
         out = dict(self._round_metrics)
         a = self.args
         if a.dp_epsilon is not None:
+            sigma = a.dp_sigma()
             out.update({
-                "dp_epsilon": a.dp_epsilon, "dp_delta": a.dp_delta, "dp_sensitivity": a.dp_clip,
-                "dp_sigma": gaussian_sigma(a.dp_epsilon, a.dp_delta, a.dp_clip),
-                "dp_theorem_applies": float(a.dp_epsilon < 1),
+                "dp_epsilon": a.dp_epsilon, "dp_delta": a.dp_delta, "dp_sensitivity": a.dp_sensitivity(),
+                "dp_sigma": sigma, "dp_epsilon_achieved": epsilon_achieved(sigma, a.dp_delta, a.dp_sensitivity()),
             })
+            if a.dp_calibration == "classical":
+                out["dp_theorem_applies"] = float(a.dp_epsilon < 1)
         if a.diagnose_gpi and self.gpi is not None:
             out.update(gpi_diagnostics(self.gpi, self.global_counts()))
             out[DIAG_LOG_KEY] = prior_log_error(self.gpi_prior(), self.global_counts())

@@ -10,7 +10,12 @@
 * Selection (Sec. 3.3, Fig. 2(b)): expert i is trained by ``round(alpha*R)`` clients drawn from
   its group and ``R - round(alpha*R)`` drawn from the clients outside it.
 * GBME-p (Sec. 3.4, Theorem 2): Gaussian mechanism ``sigma = c * Delta / epsilon`` with
-  ``c = sqrt(2 ln(1.25/delta))`` (the smallest c the theorem allows).
+  ``c = sqrt(2 ln(1.25/delta))`` (the theorem asks c^2 > 2 ln(1.25/delta); the bound is taken). It holds for
+  epsilon < 1 only; above it that sigma can be too small for the stated epsilon.
+* Accounting (Balle & Wang 2018, "Improving the Gaussian mechanism for differential privacy",
+  Theorem 8): the exact delta of Gaussian noise sigma at epsilon, for every epsilon; from it the
+  epsilon a sigma actually achieves at a delta, and the smallest sigma that achieves a stated
+  (epsilon, delta) (their analytic calibration).
 """
 
 from __future__ import annotations
@@ -121,6 +126,75 @@ def gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
     if epsilon <= 0 or not 0 < delta < 1 or sensitivity <= 0:
         raise ValueError(f"need epsilon > 0, 0 < delta < 1, sensitivity > 0; got {epsilon}, {delta}, {sensitivity}")
     return math.sqrt(2.0 * math.log(1.25 / delta)) * sensitivity / epsilon
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _normal_pdf(x: float) -> float:
+    return math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _mills_ratio(z: float) -> float:
+    """``Phi(-z) / phi(z)`` for z >= 0. Directly while both are far from underflow; beyond, by
+    Laplace's continued fraction ``1 / (z + 1 / (z + 2 / (z + 3 / ...)))``, which converges fast there."""
+    if z < 20.0:
+        return _normal_cdf(-z) / _normal_pdf(z)
+    t = z
+    for k in range(60, 0, -1):
+        t = z + k / t
+    return 1.0 / t
+
+
+def gaussian_delta(epsilon: float, sigma: float, sensitivity: float) -> float:
+    """Balle & Wang (2018), Theorem 8: the smallest delta for which N(0, sigma^2) noise on a query of
+    L2 sensitivity Delta is (epsilon, delta)-DP: ``Phi(a - b) - e^epsilon Phi(-a - b)`` with
+    ``a = Delta / (2 sigma)``, ``b = epsilon sigma / Delta``. As ``e^epsilon phi(a + b) = phi(a - b)``,
+    the second term is ``phi(a - b) * Phi(-a - b) / phi(a + b)``: no e^epsilon to overflow at large epsilon."""
+    a, b = sensitivity / (2.0 * sigma), epsilon * sigma / sensitivity
+    return max(_normal_cdf(a - b) - _normal_pdf(a - b) * _mills_ratio(a + b), 0.0)
+
+
+def _check_privacy(delta: float, *positive: float) -> None:
+    if not 0 < delta < 1 or min(positive) <= 0:
+        raise ValueError(f"need 0 < delta < 1 and positive epsilon, sigma, sensitivity; got delta={delta}, {positive}")
+
+
+def epsilon_achieved(sigma: float, delta: float, sensitivity: float) -> float:
+    """The smallest epsilon for which N(0, sigma^2) noise is (epsilon, delta)-DP: the root of
+    :func:`gaussian_delta` = delta (it falls as epsilon grows), by bisection; 0 if even epsilon=0 holds."""
+    _check_privacy(delta, sigma, sensitivity)
+    if gaussian_delta(0.0, sigma, sensitivity) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while gaussian_delta(hi, sigma, sensitivity) > delta:
+        lo, hi = hi, 2.0 * hi
+    return _bisect(lambda eps: gaussian_delta(eps, sigma, sensitivity) > delta, lo, hi, lambda x, y: (x + y) / 2)
+
+
+def analytic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """Balle & Wang's analytic calibration: the smallest sigma whose exact delta at epsilon
+    (:func:`gaussian_delta`, falling as sigma grows) is at most delta, by bisection on log sigma."""
+    _check_privacy(delta, epsilon, sensitivity)
+    hi = gaussian_sigma(epsilon, delta, sensitivity)
+    while gaussian_delta(epsilon, hi, sensitivity) > delta:
+        hi *= 2.0
+    lo = hi / 2.0
+    while gaussian_delta(epsilon, lo, sensitivity) <= delta:
+        lo, hi = lo / 2.0, lo
+    return _bisect(lambda s: gaussian_delta(epsilon, s, sensitivity) > delta, lo, hi, lambda x, y: math.sqrt(x * y))
+
+
+def _bisect(too_small, lo: float, hi: float, middle) -> float:
+    """The boundary between ``lo`` (too_small) and ``hi`` (not), to the float resolution; returns
+    the side that is not too small, so the guarantee it stands for holds."""
+    for _ in range(2000):
+        mid = middle(lo, hi)
+        if not lo < mid < hi:
+            break
+        lo, hi = (mid, hi) if too_small(mid) else (lo, mid)
+    return hi
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
