@@ -33,7 +33,7 @@ from fedlt.data.augment import (
     strong_view,
     weak_view,
 )
-from fedlt.data.autoaugment import CIFAR10_POLICY
+from fedlt.data.autoaugment import AUTOAUGMENT_POLICIES, CIFAR10_POLICY, SVHN_POLICY
 from fedlt.errors import ConfigError
 
 SHAPES = [(4, 1, 28, 28), (4, 3, 32, 32)]
@@ -415,6 +415,35 @@ def test_autoaugment_cifar10_table_is_the_published_policy() -> None:
         assert level is None or 0 <= level <= 9
 
 
+def test_autoaugment_svhn_table_is_the_published_policy() -> None:
+    """The policy found on reduced SVHN (Cubuk et al., CVPR 2019, Appendix), spot-checked entry by entry."""
+    assert len(SVHN_POLICY) == 25 and all(len(sub) == 2 for sub in SVHN_POLICY)
+    assert SVHN_POLICY[:3] == (
+        (("shear_x", 0.9, 4), ("invert", 0.2, None)),
+        (("shear_y", 0.9, 8), ("invert", 0.7, None)),
+        (("equalize", 0.6, None), ("solarize", 0.6, 6)),
+    )
+    assert SVHN_POLICY[14] == (("contrast", 0.3, 3), ("rotate", 0.8, 4))
+    assert SVHN_POLICY[15] == (("invert", 0.8, None), ("translate_y", 0.0, 2))
+    assert SVHN_POLICY[20] == (("solarize", 0.7, 2), ("translate_y", 0.6, 7))
+    assert SVHN_POLICY[24] == (("shear_x", 0.7, 2), ("invert", 0.1, None))
+    ops = {name for sub in SVHN_POLICY for name, _, _ in sub}
+    assert ops == {"shear_x", "shear_y", "translate_x", "translate_y", "rotate", "invert", "equalize",
+                   "autocontrast", "solarize", "contrast"}  # no colour, brightness, sharpness or posterize
+    assert AUTOAUGMENT_POLICIES == {"cifar10": CIFAR10_POLICY, "svhn": SVHN_POLICY}
+
+
+@pytest.mark.parametrize("name", ["cifar10", "svhn"])
+def test_every_autoaugment_policy_is_25_pairs_of_valid_steps(name: str) -> None:
+    policy = AUTOAUGMENT_POLICIES[name]
+    assert len(policy) == 25 and all(len(sub) == 2 for sub in policy)
+    for op, probability, level in (step for sub in policy for step in sub):
+        assert op in ALL_OPS and 0.0 <= probability <= 1.0
+        assert (level is None) == (op in ("invert", "autocontrast", "equalize"))  # the ops without a magnitude
+        assert level is None or (isinstance(level, int) and 0 <= level <= 9)
+        op_parameter(op, augment._bin_strength(level))  # every bin is a valid strength of its op
+
+
 @pytest.mark.parametrize("select", SELECTIONS)
 def test_auto_augment_bins_map_to_ninths_of_the_range(monkeypatch: pytest.MonkeyPatch, select: str) -> None:
     """Bin b is b/9 of the range: (rotate, bin 2) turns by 20/3 degrees, either way."""
@@ -490,6 +519,22 @@ def test_strong_view_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     strong_view(x, gen(), policy="autoaugment", magnitude=20)
     strong_view(x, gen(), policy="randaugment", magnitude=20)
     assert calls == ["auto", "rand20"]
+
+
+def test_strong_view_applies_the_named_autoaugment_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``autoaugment_policy`` picks the table auto_augment receives: CIFAR-10's by default, SVHN's by name."""
+    policies: list = []
+    real = augment.auto_augment
+    monkeypatch.setattr(augment, "auto_augment", lambda x, g, policy, **kw: policies.append(policy) or real(x, g, policy, **kw))
+    x = batch((8, 3, 32, 32))
+    strong_view(x, gen(), policy="autoaugment")
+    svhn = strong_view(x, gen(), policy="autoaugment", autoaugment_policy="svhn")
+    cifar = strong_view(x, gen(), policy="autoaugment", autoaugment_policy="cifar10")
+    strong_view(x, gen(), policy="randaugment", autoaugment_policy="svhn")  # unused under RandAugment
+    assert policies == [CIFAR10_POLICY, SVHN_POLICY, CIFAR10_POLICY]
+    assert svhn.shape == x.shape and not torch.equal(svhn, cifar)
+    with pytest.raises(ValueError, match="unknown AutoAugment policy 'imagenet'; use one of cifar10, svhn"):
+        strong_view(x, gen(), policy="autoaugment", autoaugment_policy="imagenet")
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fedlt
 from fedlt.config import build_config
+from fedlt.data import augment
+from fedlt.data.autoaugment import CIFAR10_POLICY, SVHN_POLICY
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Reply
 from fedlt.methods import fedyoyo
@@ -17,8 +20,8 @@ from fedlt.methods.base import ClientContext, ClientData, ServerContext, TrainSe
 from fedlt.methods.feddecorr import decorrelation_loss
 from fedlt.methods.fedlc import calibrated_ce, calibration_margins
 from fedlt.methods.fedyoyo import (
-    FedYoYoArgs, FedYoYoClient, FedYoYoServer, asd_loss, dla_loss, effective_numbers, estimate_prior, fuse_priors,
-    remixed_prior,
+    FedYoYoArgs, FedYoYoClient, FedYoYoServer, asd_loss, autoaugment_policy_for, dla_loss, effective_numbers,
+    estimate_prior, fuse_priors, remixed_prior,
 )
 from fedlt.models import create_model
 from fedlt.models.base import FedModel
@@ -204,8 +207,8 @@ def test_prior_estimator_orders_classes_by_samples_and_by_diversity():
 
 
 # ---- server -----------------------------------------------------------------------------------
-def _server(**args) -> FedYoYoServer:
-    cfg = build_config({"data": {"dataset": "synthetic"}, "method": "fedyoyo", "fl": {"rounds": 12}})
+def _server(dataset: str = "synthetic", **args) -> FedYoYoServer:
+    cfg = build_config({"data": {"dataset": dataset}, "method": "fedyoyo", "fl": {"rounds": 12}})
     model = create_model("cnn", C, in_channels=1)
     return FedYoYoServer(ServerContext(model=model, config=cfg, num_classes=C, num_clients=5,
                                        device=torch.device("cpu"), args=FedYoYoArgs(**args),
@@ -261,6 +264,26 @@ def test_asd_weight_warms_up_linearly():
     assert _server(warmup=0.0).asd_weight(1) == 4.0
 
 
+@pytest.mark.parametrize("dataset, choice, expected", [
+    ("svhn", "auto", "svhn"),  # the released code's policy on SVHN
+    ("synthetic", "auto", "cifar10"),
+    ("cifar10", "auto", "cifar10"),
+    ("svhn", "cifar10", "cifar10"),  # a named policy overrides auto
+    ("cifar100", "svhn", "svhn"),
+])
+def test_server_resolves_the_autoaugment_policy_from_the_dataset_and_sends_it(dataset, choice, expected):
+    assert autoaugment_policy_for(choice, dataset) == expected
+    assert _server(dataset, autoaugment_policy=choice).fit_message(1, 0).payload["autoaugment_policy"] == expected
+
+
+def test_no_autoaugment_policy_is_sent_when_no_view_uses_autoaugment():
+    assert "autoaugment_policy" not in _server("svhn", strong_policy="randaugment").fit_message(1, 0).payload
+    assert "autoaugment_policy" not in _server("svhn", student_view="weak").fit_message(1, 0).payload
+    assert _server("svhn", teacher_view="strong", student_view="weak").fit_message(1, 0).payload[
+        "autoaugment_policy"] == "svhn"
+    assert autoaugment_policy_for("auto", None) == "cifar10"  # a client that was not told
+
+
 # ---- client -----------------------------------------------------------------------------------
 def _client_ctx(state: dict, rnd: int = 1, cid: int = 3, model: torch.nn.Module | None = None) -> ClientContext:
     g = gen(7)
@@ -312,10 +335,18 @@ def test_client_views_use_the_configured_policy_magnitude_cutout_and_interpolati
     default = FedYoYoClient(FedYoYoArgs())
     default.view("strong")(x, gen(), False)
     default.view("weak")(x, gen(), False)
-    assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25, "interpolation": "released"},
+    default.view("strong", "svhn")(x, gen(), False)  # the policy the server sent
+    FedYoYoClient(FedYoYoArgs(autoaugment_policy="svhn")).view("strong")(x, gen(), False)
+    assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25, "interpolation": "released",
+                     "autoaugment_policy": "cifar10"},
                     {"interpolation": "released"},
-                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear"},
-                    {"interpolation": "bilinear"}]
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                     "autoaugment_policy": "cifar10"},
+                    {"interpolation": "bilinear"},
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                     "autoaugment_policy": "svhn"},
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                     "autoaugment_policy": "svhn"}]
 
 
 def test_default_views_are_the_bilinear_ones():
@@ -509,10 +540,43 @@ def test_two_round_runs(tmp_path, method):
     if method == "fedyoyo":
         assert set(fit["from_client"]["payload"]) == {"prior"}
         # the diagnostic's true counts stay on the server
-        assert set(fit["to_client"]["payload"]) == {"asd_weight", "global_prior"}
+        assert set(fit["to_client"]["payload"]) == {"asd_weight", "global_prior", "autoaugment_policy"}
         assert all(0.0 <= r["prior_tv"] <= 1.0 for r in res.metrics)
     else:
         assert fit["from_client"]["payload"] == {} and fit["to_client"]["payload"] == {}
+
+
+def _write_svhn(root, per_class: int) -> None:
+    """SVHN's format-2 files (MATLAB v5, digit 0 stored as label 10), random pixels, every digit in both splits."""
+    scipy_io = pytest.importorskip("scipy.io")
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", per_class), ("test", 2)):
+        labels = np.repeat(np.arange(1, 11), n).astype(np.float64)[:, None]
+        images = rng.integers(0, 256, (32, 32, 3, labels.shape[0]), dtype=np.uint8)
+        scipy_io.savemat(root / f"{split}_32x32.mat", {"X": images, "y": labels})
+
+
+@pytest.mark.parametrize("dataset, choice, expected", [
+    ("synthetic", {}, "cifar10"),
+    ("svhn", {}, "svhn"),
+    ("svhn", {"autoaugment_policy": "cifar10"}, "cifar10"),
+])
+def test_the_strong_view_uses_svhns_policy_on_svhn(tmp_path, monkeypatch, dataset, choice, expected):
+    """A whole run: the strong views of SVHN apply AutoAugment's SVHN policy unless a policy is named."""
+    policies: list = []
+    real = augment.auto_augment
+    monkeypatch.setattr(augment, "auto_augment", lambda x, g, policy, **kw: policies.append(policy) or real(x, g, policy, **kw))
+    data = {"dataset": dataset, "imbalance_factor": 1, "alpha": 0.5, "num_clients": 2}
+    if dataset == "svhn":
+        _write_svhn(tmp_path / "svhn", per_class=6)
+        data["root"] = str(tmp_path / "svhn")
+    else:
+        data["image_size"] = 8
+    cfg = tiny(tmp_path, dataset, method="fedyoyo", method_args=choice, data=data, eval={"every": 1, "personalized": False})
+    cfg["fl"] = {**cfg["fl"], "rounds": 1, "participation": 1.0}
+    fedlt.run(cfg, quiet=True)
+    assert policies and all(p is {"cifar10": CIFAR10_POLICY, "svhn": SVHN_POLICY}[expected] for p in policies)
 
 
 def test_config_errors():
@@ -524,4 +588,11 @@ def test_config_errors():
         fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"beta": 0.1}))
     with pytest.raises(ConfigError, match="strong_magnitude.*randaugment"):
         fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"strong_magnitude": 5}))
+    with pytest.raises(ConfigError, match="autoaugment_policy.*strong_policy=autoaugment only"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedyoyo",
+                       method_args={"strong_policy": "randaugment", "autoaugment_policy": "svhn"}))
+    with pytest.raises(ConfigError, match="autoaugment_policy"):
+        fedlt.run(tiny("/nonexistent", "x", method="fedyoyo", method_args={"autoaugment_policy": "imagenet"}))
+    fedlt.config.build_config({"method": "fedyoyo", "method_args": {"strong_policy": "randaugment",
+                                                                    "autoaugment_policy": "auto"}})
     fedlt.config.build_config({"method": "fedyoyo", "method_args": {"strong_policy": "randaugment", "strong_magnitude": 27}})

@@ -11,7 +11,7 @@ device, is clamped to ``[0, 1]``, and the input is never modified in place. Labe
 not touched. The views and the two policies also take uint8 batches and return uint8.
 
 The two views follow FedYoYo: a weak view (crop, flip, small rotation) and a strong view
-(crop, flip, RandAugment or AutoAugment's CIFAR-10 policy, Cutout). Op ranges follow
+(crop, flip, RandAugment or AutoAugment's CIFAR-10 or SVHN policy, Cutout). Op ranges follow
 torchvision's RandAugment/AutoAugment (:func:`op_parameter`); how the geometric ops resample
 is chosen by name (:data:`INTERPOLATIONS`).
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedlt.data.autoaugment import AUTOAUGMENT_LEVELS, CIFAR10_POLICY
+from fedlt.data.autoaugment import AUTOAUGMENT_LEVELS, AUTOAUGMENT_POLICIES, CIFAR10_POLICY
 from fedlt.errors import ConfigError
 
 Augmentation = Callable[[Tensor, torch.Generator, bool], Tensor]
@@ -524,23 +524,29 @@ def strong_view(
     magnitude: float = 9,
     cutout_frac: float = 0.5,
     interpolation: str = "bilinear",
+    autoaugment_policy: str = "cifar10",
 ) -> Tensor:
     """FedYoYo's strong view: crop, flip (if ``flip``), a policy, Cutout.
 
-    ``policy`` is ``randaugment`` (2 ops at ``magnitude`` of 30; 0: none) or ``autoaugment``
-    (the CIFAR-10 policy; ``magnitude`` unused); its geometric ops resample by ``interpolation``
-    (:data:`INTERPOLATIONS`). The cutout square's side is ``round(cutout_frac * H)``: 16px on
-    32px images at the default 0.5, as in FedYoYo and AutoAugment's CIFAR pipeline; 0 turns
-    Cutout off.
+    ``policy`` is ``randaugment`` (2 ops at ``magnitude`` of 30; 0: none; ``autoaugment_policy``
+    unused) or ``autoaugment`` (the policy named ``autoaugment_policy`` in
+    :data:`~fedlt.data.autoaugment.AUTOAUGMENT_POLICIES`: ``cifar10`` or ``svhn``; ``magnitude``
+    unused); its geometric ops resample by ``interpolation`` (:data:`INTERPOLATIONS`). The cutout
+    square's side is ``round(cutout_frac * H)``: 16px on 32px images at the default 0.5, as in
+    FedYoYo and AutoAugment's CIFAR pipeline; 0 turns Cutout off.
     """
     if policy not in STRONG_POLICIES:
         raise ValueError(f"unknown strong policy {policy!r}; use one of {', '.join(STRONG_POLICIES)}")
+    if autoaugment_policy not in AUTOAUGMENT_POLICIES:
+        raise ValueError(f"unknown AutoAugment policy {autoaugment_policy!r}; use one of "
+                         f"{', '.join(AUTOAUGMENT_POLICIES)}")
     _check_interpolation(interpolation)
     out = random_crop(x, _crop_padding(x), generator)
     if flip:
         out = random_flip(out, generator)
     if policy == "autoaugment":
-        out = auto_augment(out, generator, interpolation=interpolation)
+        out = auto_augment(out, generator, policy=AUTOAUGMENT_POLICIES[autoaugment_policy],
+                           interpolation=interpolation)
     elif magnitude > 0:
         out = rand_augment(out, generator, num_ops=2, magnitude=magnitude, interpolation=interpolation)
     return cutout(out, round(cutout_frac * x.shape[-1]), generator)

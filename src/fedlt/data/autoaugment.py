@@ -1,10 +1,12 @@
-"""AutoAugment's policy learned on reduced CIFAR-10 (Cubuk et al., CVPR 2019, Appendix), as data.
+"""AutoAugment's policies learned on reduced CIFAR-10 and on reduced SVHN (Cubuk et al., CVPR 2019,
+Appendix), as data.
 
-Each of the 25 sub-policies is two ``(op, probability, magnitude bin)`` steps; the bin (0..9,
-``None`` for ops without a magnitude) indexes 10 evenly spaced values from 0 to the op's full
-range, so bin ``b`` is ``b / 9`` of it: torchvision's ``AutoAugmentPolicy.CIFAR10`` convention,
-also the common PyTorch ports' (the original TensorFlow code used ``b / 10`` and unsigned
-enhance factors). :func:`fedlt.data.augment.auto_augment` applies it; op names are
+Each of a policy's 25 sub-policies is two ``(op, probability, magnitude bin)`` steps; the bin (0..9,
+``None`` for ops without a magnitude: invert, autocontrast, equalize, whose bins the paper's tables
+list although they are unused) indexes 10 evenly spaced values from 0 to the op's full range, so
+bin ``b`` is ``b / 9`` of it: torchvision's ``AutoAugmentPolicy`` convention, also the common
+PyTorch ports' (the original TensorFlow code used ``b / 10`` and unsigned enhance factors).
+:func:`fedlt.data.augment.auto_augment` applies them; op names are
 :data:`fedlt.data.augment.OP_NAMES` plus ``invert``.
 """
 
@@ -42,4 +44,40 @@ CIFAR10_POLICY: tuple[tuple[Step, Step], ...] = (
     (("equalize", 0.8, None), ("invert", 0.1, None)),
     (("translate_y", 0.7, 9), ("autocontrast", 0.9, None)),
 )
-"""The 25 sub-policies, in the paper's order."""
+"""The 25 sub-policies of the policy found on reduced CIFAR-10, in the paper's order."""
+
+SVHN_POLICY: tuple[tuple[Step, Step], ...] = (
+    (("shear_x", 0.9, 4), ("invert", 0.2, None)),
+    (("shear_y", 0.9, 8), ("invert", 0.7, None)),
+    (("equalize", 0.6, None), ("solarize", 0.6, 6)),
+    (("invert", 0.9, None), ("equalize", 0.6, None)),
+    (("equalize", 0.6, None), ("rotate", 0.9, 3)),
+    (("shear_x", 0.9, 4), ("autocontrast", 0.8, None)),
+    (("shear_y", 0.9, 8), ("invert", 0.4, None)),
+    (("shear_y", 0.9, 5), ("solarize", 0.2, 6)),
+    (("invert", 0.9, None), ("autocontrast", 0.8, None)),
+    (("equalize", 0.6, None), ("rotate", 0.9, 3)),
+    (("shear_x", 0.9, 4), ("solarize", 0.3, 3)),
+    (("shear_y", 0.8, 8), ("invert", 0.7, None)),
+    (("equalize", 0.9, None), ("translate_y", 0.6, 6)),
+    (("invert", 0.9, None), ("equalize", 0.6, None)),
+    (("contrast", 0.3, 3), ("rotate", 0.8, 4)),
+    (("invert", 0.8, None), ("translate_y", 0.0, 2)),
+    (("shear_y", 0.7, 6), ("solarize", 0.4, 8)),
+    (("invert", 0.6, None), ("rotate", 0.8, 4)),
+    (("shear_y", 0.3, 7), ("translate_x", 0.9, 3)),
+    (("shear_x", 0.1, 6), ("invert", 0.6, None)),
+    (("solarize", 0.7, 2), ("translate_y", 0.6, 7)),
+    (("shear_y", 0.8, 4), ("invert", 0.8, None)),
+    (("shear_x", 0.7, 9), ("translate_y", 0.8, 3)),
+    (("shear_y", 0.8, 5), ("autocontrast", 0.7, None)),
+    (("shear_x", 0.7, 2), ("invert", 0.1, None)),
+)
+"""The 25 sub-policies of the policy found on reduced SVHN (Cubuk et al., "AutoAugment: Learning
+Augmentation Strategies from Data", CVPR 2019, Appendix: its table of the policy found on reduced
+SVHN), in the paper's order. The paper's bins of invert, equalize and autocontrast are dropped (``None``),
+as in :data:`CIFAR10_POLICY`; sub-policy 15's ``translate_y`` has probability 0.0 in the table, so
+it never fires."""
+
+AUTOAUGMENT_POLICIES: dict[str, tuple[tuple[Step, Step], ...]] = {"cifar10": CIFAR10_POLICY, "svhn": SVHN_POLICY}
+"""Every policy here by name, as ``strong_view``'s ``autoaugment_policy`` and FedYoYo's knob name them."""

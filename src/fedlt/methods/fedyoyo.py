@@ -2,10 +2,10 @@
 adjustment (DLA), aggregated with FedAvg.
 
 Every local batch is seen twice, as a weak view (crop, flip, rotation) and a strong view (crop,
-flip, AutoAugment's CIFAR-10 policy as the paper's reference [4] and the released code, or
-RandAugment; then Cutout); both go through the model in one forward pass. Crops pad an eighth
-of the image side (4 px on 32 px, as released); flips follow ``data.hflip``. The local loss is
-(Eq. 9)
+flip, AutoAugment as the paper's reference [4] and the released code: its SVHN policy on SVHN, its
+CIFAR-10 policy elsewhere; or RandAugment; then Cutout); both go through the model in one forward
+pass. Crops pad an eighth of the image side (4 px on 32 px, as released); flips follow
+``data.hflip``. The local loss is (Eq. 9)
 
     L = L_DLA + lambda_r * L_ASD.
 
@@ -69,11 +69,13 @@ Choices where the paper is silent:
 - ``gamma`` (default 0.1, the released script) weights the LOCAL prior, as in Eq. 6 (the text of
   Sec. 3.4 says the opposite; Eq. 6 and the code agree).
 
-Strong view: ``strong_policy`` ``autoaugment`` (default: AutoAugment's CIFAR-10 policy, the
-paper's [4] and the released code) or ``randaugment`` (2 ops at ``strong_magnitude`` M of 30
-bins, torchvision's scale: 9 = 30% of each op's range; fedlt's earlier strong view, 90%, is
-about M=27); ``cutout`` (side as a fraction of the image side, 0.5 = 16px on CIFAR as
-released). ``teacher_filter`` (which argmax decides that a teacher is correct: the adjusted softmax, as
+Strong view: ``strong_policy`` ``autoaugment`` (default: the paper's [4] and the released code)
+with ``autoaugment_policy`` (``auto``, default: AutoAugment's SVHN policy on ``data.dataset=svhn``,
+as the released code, its CIFAR-10 policy on every other dataset; or ``cifar10``, ``svhn``; the
+server resolves ``auto`` from the dataset's name and sends the policy's name with the model), or
+``randaugment`` (2 ops at ``strong_magnitude`` M of 30 bins, torchvision's scale: 9 = 30% of each
+op's range; fedlt's earlier strong view, 90%, is about M=27); ``cutout`` (side as a fraction of
+the image side, 0.5 = 16px on CIFAR as released). ``teacher_filter`` (which argmax decides that a teacher is correct: the adjusted softmax, as
 released, or the raw logits). Early in training the adjusted-correct teachers are almost all
 head samples, so ASD then acts as extra head-class cross-entropy on the strong views; on
 Fashion-MNIST-LT at 10-25 rounds this collapses the model to the head (README, FedYoYo).
@@ -117,7 +119,12 @@ class FedYoYoArgs(MethodArgs):
         "strong", description="view that learns in ASD; weak = RandAug off (Tables 4, 5)"
     )
     strong_policy: Literal["autoaugment", "randaugment"] = Field(
-        "autoaugment", description="strong view: AutoAugment's CIFAR-10 policy (paper, released code) or RandAugment"
+        "autoaugment", description="strong view: AutoAugment (paper, released code; its policy: autoaugment_policy) "
+        "or RandAugment"
+    )
+    autoaugment_policy: Literal["auto", "cifar10", "svhn"] = Field(
+        "auto", description="AutoAugment policy of the strong view (strong_policy=autoaugment): the one found on "
+        "CIFAR-10 or on SVHN; auto = svhn on data.dataset=svhn (the released code), cifar10 on every other dataset"
     )
     strong_magnitude: float = Field(
         9.0, ge=0, le=30, description="RandAugment magnitude M of 30 bins (strong_policy=randaugment); 0: none"
@@ -157,6 +164,27 @@ class FedYoYoArgs(MethodArgs):
         if info.data.get("strong_policy") == "autoaugment":
             raise ValueError("applies to strong_policy=randaugment only (AutoAugment has its own magnitudes)")
         return value
+
+    @field_validator("autoaugment_policy")
+    @classmethod
+    def _policy_needs_autoaugment(cls, value: str, info: ValidationInfo) -> str:
+        """Runs only when set: a named AutoAugment policy under RandAugment is a mistake."""
+        if value != "auto" and info.data.get("strong_policy") == "randaugment":
+            raise ValueError("applies to strong_policy=autoaugment only")
+        return value
+
+    def uses_autoaugment(self) -> bool:
+        """Whether a view of ASD's pair is the strong one and it applies AutoAugment."""
+        return self.strong_policy == "autoaugment" and "strong" in (self.teacher_view, self.student_view)
+
+
+def autoaugment_policy_for(choice: str, dataset: str | None) -> str:
+    """The AutoAugment policy (a key of :data:`fedlt.data.autoaugment.AUTOAUGMENT_POLICIES`) of the
+    strong view: ``choice``, or under ``auto`` SVHN's on ``dataset`` ``svhn`` (the released code) and
+    CIFAR-10's on any other (``None``: not known)."""
+    if choice != "auto":
+        return choice
+    return "svhn" if dataset == "svhn" else "cifar10"
 
 
 # ---- the math -------------------------------------------------------------------------------
@@ -273,6 +301,8 @@ class FedYoYoServer(FedAvgServer):
                 f"fedyoyo builds its own weak and strong views; remove data.augment={ctx.config.data.augment}"
             )
         self.global_prior = torch.full((ctx.num_classes,), 1.0 / ctx.num_classes)
+        #: the strong view's AutoAugment policy, resolved from the run's dataset and sent to the clients
+        self.autoaugment_policy = autoaugment_policy_for(self.args.autoaugment_policy, ctx.config.data.dataset)
         #: client id -> (latest uploaded prior, its sample count)
         self.client_priors: dict[int, tuple[torch.Tensor, int]] = {}
 
@@ -297,6 +327,8 @@ class FedYoYoServer(FedAvgServer):
         payload: dict[str, Any] = {"asd_weight": self.asd_weight(rnd)}
         if self.args.dla:
             payload["global_prior"] = self.global_prior.clone()
+        if self.args.uses_autoaugment():  # the clients do not know the dataset's name
+            payload["autoaugment_policy"] = self.autoaugment_policy
         return Message(weights=clone_state(self.model), payload=payload)
 
     def aggregate(self, rnd, replies):
@@ -374,14 +406,17 @@ class FedYoYoClient(FedAvgClient):
         fixed = log_prior(self.round_prior(ctx, msg)).to(device)
         return lambda t: fixed
 
-    def view(self, name: str):
+    def view(self, name: str, autoaugment_policy: str | None = None):
         """The weak view, or the strong view with the configured policy, magnitude and Cutout; both
-        resample by ``view_interpolation``."""
+        resample by ``view_interpolation``. AutoAugment's policy is ``autoaugment_policy`` (the
+        server's, resolved from the dataset) or, without it, ``method_args.autoaugment_policy`` with
+        ``auto`` read as ``cifar10``."""
         a = self.args
         if name == "weak":
             return partial(weak_view, interpolation=a.view_interpolation)
         return partial(strong_view, policy=a.strong_policy, magnitude=a.strong_magnitude, cutout_frac=a.cutout,
-                       interpolation=a.view_interpolation)
+                       interpolation=a.view_interpolation,
+                       autoaugment_policy=autoaugment_policy or autoaugment_policy_for(a.autoaugment_policy, None))
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         return fit_objective(ctx, msg, self.local_objective(ctx, msg))
@@ -406,7 +441,8 @@ class FedYoYoClient(FedAvgClient):
         loss = partial(yoyo_loss, log_pi=log_prior_at(1), asd_weight=torch.tensor(weight, device=ctx.data.images.device),
                        distill=weight > 0, keep_features=keep_features, temperature=a.temperature,
                        prior_scale=a.ce_prior_scale, teacher_filter=a.teacher_filter, average=a.asd_average)
-        teacher, student = (self.view(name) for name in (a.teacher_view, a.student_view))
+        teacher, student = (self.view(name, msg.payload.get("autoaugment_policy"))
+                            for name in (a.teacher_view, a.student_view))
         views_gen, data = ctx.generator(purpose=2), ctx.data
         unscaled = replace(data, augment=None, standardize=lambda x: x)  # the views start from [0, 1] images
 
