@@ -474,18 +474,25 @@ def test_reference_config_commands_run_exactly_the_reference_suites_cells(tmp_pa
 
 @pytest.mark.parametrize("name, momentum, weight_decay, augment", [
     ("paper-creff", 0.0, 0.0, "crop_flip"),    # Sec. 4.1 "SGD with a learning rate 0.1"; the released code crops and flips
-    ("paper-fedyoyo", 0.0, 0.0, "none"),       # CReFF's setting, plain SGD in the released code
-    ("paper-fedloge", 0.5, 0.0, "none"),       # the released code: momentum 0.5, no weight decay
-    ("paper-gbme", 0.9, 5e-4, "none"),
+    ("paper-fedyoyo", 0.0, 0.0, "crop_flip"),  # CReFF's setting and code (FedYoYo's own views aside)
+    ("paper-fedloge", 0.5, 0.0, "crop_flip"),  # the released code: momentum 0.5, no weight decay, crop and flip
+    ("paper-gbme", 0.9, 5e-4, "crop_flip"),
     ("paper-sfd", 0.9, 1e-5, "none"),          # App. C.2
 ])
 def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, momentum, weight_decay, augment):
-    """fedlt's own defaults (momentum 0.9, weight decay 5e-4) are not every paper's: each paper suite
-    states its local SGD, for every cell."""
+    """fedlt's own defaults (momentum 0.9, weight decay 5e-4, no augmentation, CReFF's feature momentum
+    0.5) are not every paper's: each paper suite states its local SGD and augmentation, for every cell."""
     from fedlt.bench.suite import expand
     from fedlt.config import load_config
 
     suite = load_suite(name)
     for cell in expand(suite, tmp_path):
         cfg = load_config(suite.base, cell.overrides)
-        assert (cfg.fl.momentum, cfg.fl.weight_decay, cfg.data.augment) == (momentum, weight_decay, augment), cell.label
+        views = "none" if cfg.method == "fedyoyo" else augment  # FedYoYo draws its own weak and strong views
+        assert (cfg.fl.momentum, cfg.fl.weight_decay, cfg.data.augment) == (momentum, weight_decay, views), cell.label
+        if cfg.method == "creff" and name in ("paper-creff", "paper-fedyoyo"):
+            assert cfg.calibration_args["creff_feature_momentum"] == 0, cell.label
+        if cfg.data.dataset == "svhn":
+            assert cfg.data.hflip is True, cell.label  # the paper's weak view flips, digits too
+    if name == "paper-gbme":
+        assert {load_config(suite.base, c.overrides).fl.rounds for c in expand(suite, tmp_path)} == {2000}

@@ -179,15 +179,15 @@ def ldam_loss(
     targets: torch.Tensor,
     class_counts: torch.Tensor | Sequence[float],
     max_margin: float = 0.5,
-    scale: float = 30.0,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """LDAM loss (Cao et al. 2019): CE on ``scale * (logits - m_y * onehot(y))``.
 
     Rare classes get larger margins ``m_c ~ n_c^(-1/4)`` (see :func:`ldam_margins`), which
     tightens their generalisation bound. The paper applies it to cosine logits in ``[-1, 1]``
-    (normalised features and weights), which is why they need ``scale``; with a plain linear
-    head the scale is still applied, as in the common implementations, and is then just a
-    temperature knob to tune.
+    (normalised features and weights), which is why they need ``scale`` (30); on a plain linear
+    head the logits are not bounded, so the default is 1 (``loss.ldam_scale``'s), and the scale is
+    a temperature knob to tune. The paper's deferred re-weighting is not part of it.
     """
     if scale <= 0:
         raise ValueError(f"LDAM scale must be > 0, got {scale}")
@@ -202,7 +202,7 @@ def make_loss(
     tau: float = 1.0,
     focal_gamma: float = 2.0,
     ldam_max_margin: float = 0.5,
-    ldam_scale: float = 30.0,
+    ldam_scale: float = 1.0,
 ) -> LossFn:
     """Build ``loss(logits, targets)`` for a name in :data:`LOSSES`.
 
