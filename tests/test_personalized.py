@@ -137,6 +137,18 @@ def test_fedbn_personalized_model_uses_its_own_batchnorm(tmp_path, fedbn_small):
     sim.client.personalize(ctx, sim.server.eval_message(0))
     state = ctx.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in stored.items())
+    # a client that never trained: the GM's averaged BatchNorm (global_bn), or the initial one without it
+    server_bn = {k: v for k, v in sim.server.model.state_dict().items() if k in stored}
+    with torch.no_grad():
+        for k, v in server_bn.items():
+            v.fill_(0.5) if v.is_floating_point() else v.fill_(7)
+    initial = {k: v.clone() for k, v in sim._context(1, 1).model.state_dict().items() if k in stored}
+    for global_bn, expected in ((True, server_bn), (False, initial)):
+        sim.server.args = sim.server.args.model_copy(update={"global_bn": global_bn})
+        ctx = sim._context(1, 1)
+        sim.client.personalize(ctx, sim.server.eval_message(1))
+        state = ctx.model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in expected.items()), global_bn
 
 
 def test_ditto_personal_model_moves_towards_the_global_with_larger_mu(tmp_path):
@@ -184,3 +196,33 @@ def test_a_calibrated_personalized_method_is_evaluated_on_its_personal_models(tm
     assert calibrated.summary["final"]["pm_acc"] == plain.summary["final"]["pm_acc"]
     assert calibrated.summary["final"]["loss"] != plain.summary["final"]["loss"]  # the global head did change
     assert calibrated.summary["final"]["variants"]["uncalibrated"]["loss"] == plain.summary["final"]["loss"]
+
+
+def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one(tmp_path, monkeypatch):
+    """FedBABU's fine-tuning and FedETF's local training before its adaptation step at fl.lr, not at
+    the round's scheduled lr (near 0 at the last evaluation under a decaying schedule)."""
+    from dataclasses import replace
+
+    import fedlt.methods.fedetf as fedetf
+
+    sim = prepare(build_config(tiny(tmp_path, "fedbabu", rounds=1)))
+    msg = sim.server.eval_message(0)
+    tuned = []
+    for lr, base_lr in ((0.05, None), (1e-6, 0.05), (1e-6, None)):
+        ctx = sim._context(0, 1)
+        ctx.train = replace(ctx.train, lr=lr, base_lr=base_lr)
+        sim.client.personalize(ctx, msg)
+        tuned.append(ctx.model.state_dict()["head.weight"].clone())
+    assert torch.equal(tuned[0], tuned[1]) and not torch.equal(tuned[0], tuned[2])
+
+    seen = []
+    real = fedetf.train_local
+    monkeypatch.setattr(fedetf, "train_local", lambda ctx, loss, epochs: seen.append((ctx.train.lr, epochs)) or
+                        real(ctx, loss, epochs=epochs))
+    for args, epochs in (({}, 1), ({"adapt_local_epochs": 2}, 2), ({"adapt_local_epochs": 0}, None)):
+        seen.clear()
+        sim = prepare(build_config(tiny(tmp_path, "fedetf", rounds=1, method_args={**FAST["fedetf"], **args})))
+        ctx = sim._context(0, 1)
+        ctx.train = replace(ctx.train, lr=1e-6, base_lr=0.05)
+        sim.client.personalize(ctx, sim.server.eval_message(0))
+        assert seen == ([] if epochs is None else [(0.05, epochs)]), args

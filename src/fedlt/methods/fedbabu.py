@@ -4,7 +4,8 @@ personalize by fine-tuning.
 The head keeps its random initialisation for the whole training (every client trains the body
 through the same fixed head, so no client can bias it); clients upload only the body. The global
 model is the body with that head. Personalized model k is the global model fine-tuned on the
-client's data — body and head, with the round's SGD settings — for ``finetune_epochs`` at every
+client's data — body and head, with the run's SGD settings at ``fl.lr`` without its schedule (a
+decayed lr at the last evaluation would fine-tune nothing) — for ``finetune_epochs`` at every
 evaluation; the fine-tuned weights are not kept.
 """
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, ModelHead, clone_state
-from fedlt.methods.personal import keys_with_prefix
+from fedlt.methods.personal import at_evaluation_lr, keys_with_prefix
 from fedlt.training.sequential import train_local
 
 
@@ -58,4 +59,4 @@ class FedBABUClient(Client):
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         if self.args.finetune_epochs:
-            train_local(ctx, lambda x, y: F.cross_entropy(model(x), y), epochs=self.args.finetune_epochs)
+            train_local(at_evaluation_lr(ctx), lambda x, y: F.cross_entropy(model(x), y), epochs=self.args.finetune_epochs)

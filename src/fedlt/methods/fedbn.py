@@ -1,13 +1,15 @@
 """FedBN (Li et al., ICLR 2021): FedAvg with local BatchNorm layers.
 
 BatchNorm weights, biases and running statistics stay in each client's ``ctx.state``: the
-server never sends any, and a client never loads anything over its own (a new client starts
-from the model's initial BatchNorm). Everything else is averaged as in FedAvg.
+server sends none for training, and a client never loads anything over its own (a new client
+trains from the model's initial BatchNorm). Everything else is averaged as in FedAvg.
 
 For a global model the server needs BatchNorm values too: with ``global_bn`` (default) clients
-upload theirs and the server averages them into its model, used only as the GM. With
-``global_bn=false`` BatchNorm never leaves a client and there is no GM. On a model without
-BatchNorm (the small CNN) FedBN is exactly FedAvg.
+upload theirs and the server averages them into its model, used as the GM and sent with the
+evaluation message, so a client that has not trained yet is evaluated with the GM (one that has
+loads its own over it). With ``global_bn=false`` BatchNorm never leaves a client, there is no GM,
+and a client that has not trained yet is evaluated with the initial BatchNorm. On a model
+without BatchNorm (the small CNN) FedBN is exactly FedAvg.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class FedBNServer(Server):
         return Message(weights={k: v for k, v in clone_state(self.model).items() if k not in self.bn_keys})
 
     def eval_message(self, cid: int) -> Message:
-        return self.fit_message(0, cid)
+        """The GM with its averaged BatchNorm (``global_bn``), for a client without its own yet."""
+        return Message(weights=clone_state(self.model)) if self.args.global_bn else self.fit_message(0, cid)
 
     def global_model(self) -> FedModel | None:
         return self.model if self.args.global_bn or not self.bn_keys else None

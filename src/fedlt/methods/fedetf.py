@@ -4,13 +4,17 @@ simplex-ETF classifier, then adapt it locally.
 Model: body -> projection layer (linear) -> L2 normalisation -> fixed ETF (unit class vectors,
 built once by the server from its seed and broadcast as buffers) -> logits scaled by a learnable
 temperature. Local training minimises the balanced softmax with the client's class counts; body,
-projection and temperature are aggregated. Personalized model k: the global model adapted on
-the client's data by alternately fine-tuning the ETF classifier and the projection layer with
+projection and temperature are aggregated. Personalized model k: the global model trained on the
+client's data as in a round (``adapt_local_epochs``, the whole model, balanced softmax), then
+adapted by alternately fine-tuning the ETF classifier and the projection layer with
 cross-entropy (``adapt_iterations`` times, ``adapt_epochs`` each) on the frozen body's features.
 
-Defaults follow the authors' released code (temperature initialised at 1, 20 alternations of 3
-epochs, ETF lr 0.1, projection lr 0.05 with the configured momentum and weight decay); the
-projection keeps the feature width.
+Defaults follow the authors' released code (its personalization first runs a round's local
+training on every client, then 20 alternations of 3 epochs, ETF lr 0.1, projection lr 0.05 with
+the configured momentum and weight decay; temperature initialised at 1, as for its ResNets: its
+CNN starts at 10); the projection keeps the feature width. Where the code adapts on augmented
+batches in train mode, the alternations here run on features computed once, in eval mode,
+without augmentation.
 """
 
 from __future__ import annotations
@@ -25,16 +29,19 @@ from fedlt.config import Config
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext
-from fedlt.methods.personal import train_on_features
+from fedlt.methods.personal import at_evaluation_lr, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
-from fedlt.training.sequential import fit_objective
+from fedlt.training.sequential import fit_objective, train_local
 
 ETF_PURPOSE = 73
 
 
 class FedETFArgs(MethodArgs):
     temperature_init: float = Field(1.0, gt=0, description="initial value of the learnable logit temperature")
+    adapt_local_epochs: int | None = Field(
+        None, ge=0, description="personalization: epochs of FedETF's own local training (balanced softmax, the whole "
+        "model, at fl.lr without its schedule) before the alternations, as the released code; null = fl.local_epochs")
     adapt_iterations: int = Field(20, ge=0, description="personalization: alternations of ETF / projection fine-tuning")
     adapt_epochs: int = Field(3, ge=1, description="personalization: epochs of each fine-tuning phase")
     adapt_etf_lr: float = Field(0.1, gt=0, description="personalization: SGD lr of the ETF classifier (no momentum)")
@@ -98,6 +105,10 @@ class FedETFClient(Client):
         model = ctx.model
         model.load_state_dict(msg.weights, strict=False)
         a = self.args
+        epochs = ctx.train.epochs if a.adapt_local_epochs is None else a.adapt_local_epochs
+        if epochs:
+            loss = _balanced_loss(ctx)
+            train_local(at_evaluation_lr(ctx), lambda x, y: loss(model(x), y), epochs=epochs)
         head: ETFHead = model.head
         etf = nn.Parameter(head.etf.clone())
         features = client_features(model, ctx)

@@ -77,7 +77,7 @@ from fedlt.methods.base import (
     parse_args,
 )
 from fedlt.methods.personal import (
-    fresh_linear, load_personal, personal_module, store_module, store_personal, train_on_features,
+    at_evaluation_lr, fresh_linear, load_personal, personal_module, store_module, store_personal, train_on_features,
 )
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
@@ -372,8 +372,8 @@ class FedLoGeClient(Client):
         bias = None if phi_bias is None else phi_bias.clone()
         if a.finetune_epochs:
             params = [p.requires_grad_(True) for p in (weight, bias) if p is not None]
-            lr = a.finetune_lr or ctx.train.base_lr or ctx.train.lr
-            train_on_features(ctx, params, lambda h: F.linear(h, weight, bias), a.finetune_epochs, lr=lr)
+            train_on_features(at_evaluation_lr(ctx), params, lambda h: F.linear(h, weight, bias), a.finetune_epochs,
+                              lr=a.finetune_lr)
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         if a.personal_head == "realigned_plus_phi":
             extra = 0.0 if bias is None else bias + phi_bias  # the two heads' biases add like their logits

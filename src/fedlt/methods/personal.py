@@ -9,6 +9,7 @@ put into a :class:`~fedlt.messages.Reply`, so they cannot reach the server.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -19,6 +20,13 @@ from fedlt.methods.base import ClientContext
 from fedlt.training.sequential import epoch_batches
 
 PREFIX = "personal/"
+
+
+def at_evaluation_lr(ctx: ClientContext) -> ClientContext:
+    """``ctx`` with its SGD at ``fl.lr`` without the schedule, for fine-tuning at evaluation: a
+    decaying schedule takes the round's lr near 0 by the last evaluation, where a personalized
+    model's fine-tuning would then leave it as it is."""
+    return replace(ctx, train=replace(ctx.train, lr=ctx.train.base_lr or ctx.train.lr))
 
 
 def load_personal(ctx: ClientContext, name: str) -> dict[str, torch.Tensor] | None:
