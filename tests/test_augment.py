@@ -21,6 +21,7 @@ from fedlt.data.augment import (
     apply_op,
     auto_augment,
     crop_flip,
+    crop_flip_cutout,
     cutout,
     get_augmentation,
     grid_mode,
@@ -28,7 +29,9 @@ from fedlt.data.augment import (
     rand_augment,
     random_crop,
     random_flip,
+    random_resized_square_crop,
     random_rotation,
+    resized_crop_flip,
     rotate,
     strong_view,
     weak_view,
@@ -48,6 +51,9 @@ FUNCTIONS: dict[str, Fn] = {
     "auto_augment": lambda x, g: auto_augment(x, g),
     "crop_flip": lambda x, g: crop_flip(x, g),
     "crop_flip_noflip": lambda x, g: crop_flip(x, g, flip=False),
+    "crop_flip_cutout": lambda x, g: crop_flip_cutout(x, g),
+    "resized_crop_flip": lambda x, g: resized_crop_flip(x, g),
+    "resized_crop_flip_noflip": lambda x, g: resized_crop_flip(x, g, flip=False),
     "weak_view": lambda x, g: weak_view(x, g),
     "weak_view_noflip": lambda x, g: weak_view(x, g, flip=False),
     "strong_view": lambda x, g: strong_view(x, g),
@@ -329,7 +335,7 @@ def test_strong_view_batch_of_256_runs() -> None:
 
 
 def test_registry() -> None:
-    assert set(AUGMENTATIONS) == {"none", "crop_flip", "weak", "strong"}
+    assert set(AUGMENTATIONS) == {"none", "crop_flip", "crop_flip_cutout", "resized_crop_flip", "weak", "strong"}
     assert get_augmentation("crop_flip") is crop_flip
     assert get_augmentation("weak") is weak_view
     assert get_augmentation("strong") is strong_view
@@ -685,3 +691,24 @@ def test_data_hflip_rejects_other_values() -> None:
         with pytest.raises(ConfigError) as info:
             build_config({"data": {"hflip": bad}})
         assert str(info.value) == f"invalid config value data.hflip: {bad!r} is not a flip setting; use auto, true or false"
+
+
+def test_crop_flip_cutout_is_crop_flip_then_a_hole_of_half_the_side():
+    x = batch((8, 3, 32, 32))
+    g = gen(4)
+    assert torch.equal(crop_flip_cutout(x, gen(4)), cutout(crop_flip(x, g), 16, g))
+
+
+def test_resized_square_crop_covers_the_drawn_share_of_the_area_and_resizes_it_back():
+    """The whole area (min_area 1) is the identity; a smaller square is a zoom: on a horizontal
+    ramp the output's range shrinks to the crop's, by the crop's side over the image's."""
+    x = batch((4, 3, 16, 16))
+    assert torch.allclose(random_resized_square_crop(x, 1.0, gen()), x, atol=1e-6)
+    ramp = torch.linspace(0, 1, 64).expand(256, 1, 64, 64).contiguous()
+    out = random_resized_square_crop(ramp, 0.64, gen(1))
+    spans = (out[..., 0, -1] - out[..., 0, 0]).flatten()  # the first row's rise: about the crop's side / 64
+    assert (spans > 0.8 * 0.99 - 0.02).all() and (spans <= 1.0 + 1e-6).all()
+    assert spans.min() < 0.85 and spans.max() > 0.97  # sides spread over sqrt(0.64) .. 1 of the image
+    assert len({round(v, 3) for v in out[:, 0, 0, 0].tolist()}) > 20  # positions differ per image
+    with pytest.raises(ValueError, match="min_area"):
+        random_resized_square_crop(x, 0.0, gen())

@@ -476,8 +476,8 @@ def test_reference_config_commands_run_exactly_the_reference_suites_cells(tmp_pa
     ("paper-creff", 0.0, 0.0, "crop_flip"),    # Sec. 4.1 "SGD with a learning rate 0.1"; the released code crops and flips
     ("paper-fedyoyo", 0.0, 0.0, "crop_flip"),  # CReFF's setting and code (FedYoYo's own views aside)
     ("paper-fedloge", 0.5, 0.0, "crop_flip"),  # the released code: momentum 0.5, no weight decay, crop and flip
-    ("paper-gbme", 0.9, 5e-4, "crop_flip"),
-    ("paper-sfd", 0.9, 1e-5, "none"),          # App. C.2
+    ("paper-gbme", 0.9, 5e-4, "crop_flip"),    # the released code's, with Cutout on CIFAR-100 (below)
+    ("paper-sfd", 0.9, 1e-5, "resized_crop_flip"),  # App. C.2; the released code's augmentation
 ])
 def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, momentum, weight_decay, augment):
     """fedlt's own defaults (momentum 0.9, weight decay 5e-4, no augmentation, CReFF's feature momentum
@@ -489,6 +489,8 @@ def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, moment
     for cell in expand(suite, tmp_path):
         cfg = load_config(suite.base, cell.overrides)
         views = "none" if cfg.method == "fedyoyo" else augment  # FedYoYo draws its own weak and strong views
+        if name == "paper-gbme" and cfg.data.dataset == "cifar100":
+            views = "crop_flip_cutout"
         assert (cfg.fl.momentum, cfg.fl.weight_decay, cfg.data.augment) == (momentum, weight_decay, views), cell.label
         if cfg.method == "creff" and name in ("paper-creff", "paper-fedyoyo"):
             assert cfg.calibration_args["creff_feature_momentum"] == 0, cell.label

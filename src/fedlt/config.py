@@ -64,9 +64,10 @@ class DataConfig(_Section):
         "ImageNet-LT), held out of the training source before the long-tail draw (train: every class's count shrinks "
         "by (n_max - N) / n_max), or split off the balanced test set (test: the federation is unchanged); auto = "
         "dataset where one exists, test for an already long-tailed source (iNaturalist), else train")
-    augment: Literal["none", "crop_flip", "weak", "strong"] = Field(
-        "none", description="training augmentation on the device: crop_flip = crop+flip (the usual CIFAR one), weak = "
-        "+ rotate, strong = crop+flip+RandAugment+Cutout")
+    augment: Literal["none", "crop_flip", "crop_flip_cutout", "resized_crop_flip", "weak", "strong"] = Field(
+        "none", description="training augmentation on the device: crop_flip = crop+flip (the usual CIFAR one), "
+        "crop_flip_cutout = + Cutout, resized_crop_flip = a square crop of 64-100% of the area resized back + flip, "
+        "weak = crop+flip+rotate, strong = crop+flip+RandAugment+Cutout")
     hflip: Literal["auto"] | bool = Field(
         "auto", description="random horizontal flips in training augmentations and methods' views: auto = per dataset "
         "(off for digits), true, or false for data whose objects face one way (Fashion-MNIST's footwear)")

@@ -509,6 +509,42 @@ def crop_flip(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tenso
 
 
 @_accepts_uint8
+def crop_flip_cutout(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
+    """:func:`crop_flip`, then :func:`cutout` of half the side (16 px on 32 px): GBME's released
+    code on CIFAR-100 (its Cutout zeroes the normalised image, i.e. fills with the mean colour;
+    this one fills with black)."""
+    return cutout(crop_flip(x, generator, flip), x.shape[-1] // 2, generator)
+
+
+def random_resized_square_crop(x: Tensor, min_area: float, generator: torch.Generator) -> Tensor:
+    """Crop a square holding a share of the image's area uniform in ``[min_area, 1]``, at a random
+    position, and resize it back to ``H x W`` bilinearly, one crop per image: torchvision's
+    ``RandomResizedCrop(scale=(min_area, 1), ratio=(1, 1))`` on square images (its side rounded
+    as there; edges replicate, as a resize of the crop alone does)."""
+    _check_batch(x)
+    if not 0 < min_area <= 1:
+        raise ValueError(f"min_area must be in (0, 1], got {min_area}")
+    b, _, h, w = x.shape
+    side = torch.round(torch.sqrt(_uniform(b, min_area, 1.0, x, generator) * (h * w))).clamp(1, min(h, w))
+    top = torch.floor(torch.rand(b, generator=generator, device=x.device, dtype=x.dtype) * (h - side + 1))
+    left = torch.floor(torch.rand(b, generator=generator, device=x.device, dtype=x.dtype) * (w - side + 1))
+    zero = torch.zeros_like(side)
+    # output [-1, 1] -> the crop's edges in the input's normalised coordinates (align_corners=False)
+    theta = torch.stack([torch.stack([side / w, zero, (2 * left + side) / w - 1], 1),
+                         torch.stack([zero, side / h, (2 * top + side) / h - 1], 1)], 1)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp(0.0, 1.0)
+
+
+@_accepts_uint8
+def resized_crop_flip(x: Tensor, generator: torch.Generator, flip: bool = True) -> Tensor:
+    """A square crop of 64-100% of the area resized back (:func:`random_resized_square_crop`), then
+    a horizontal flip (if ``flip``): SFD's released code."""
+    out = random_resized_square_crop(x, 0.64, generator)
+    return random_flip(out, generator) if flip else out
+
+
+@_accepts_uint8
 def weak_view(x: Tensor, generator: torch.Generator, flip: bool = True, interpolation: str = "bilinear") -> Tensor:
     """FedYoYo's weak view: :func:`crop_flip`, then a rotation up to 15 deg resampled by
     ``interpolation`` (:data:`INTERPOLATIONS`)."""
@@ -555,6 +591,8 @@ def strong_view(
 AUGMENTATIONS: dict[str, Augmentation] = {
     "none": no_augmentation,
     "crop_flip": crop_flip,
+    "crop_flip_cutout": crop_flip_cutout,
+    "resized_crop_flip": resized_crop_flip,
     "weak": weak_view,
     "strong": strong_view,
 }
