@@ -492,6 +492,8 @@ def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, moment
         if name == "paper-gbme" and cfg.data.dataset == "cifar100":
             views = "crop_flip_cutout"
         assert (cfg.fl.momentum, cfg.fl.weight_decay, cfg.data.augment) == (momentum, weight_decay, views), cell.label
+        if name in ("paper-creff", "paper-fedyoyo"):  # both papers' released split
+            assert (cfg.data.partition, cfg.data.equal_size) == ("grouped_dirichlet", False), cell.label
         if cfg.method == "creff" and name in ("paper-creff", "paper-fedyoyo"):
             assert cfg.calibration_args["creff_feature_momentum"] == 0, cell.label
         if cfg.data.dataset == "svhn":

@@ -125,6 +125,8 @@ def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
     (["eval.shot_rule=median"], "eval.shot_rule"),
     (["eval.every=0"], "eval.every"),
     (["run.streams=17"], "run.streams"),  # lanes past 16 would share CUDA's streams
+    (["data.partition=grouped_dirichlet", "data.equal_size=true"], "data.equal_size"),  # it re-cuts by itself
+    (["data.partition=iid", "data.equal_size=true"], "data.equal_size"),
 ])
 def test_invalid_value_is_a_one_line_error_naming_the_key(overrides: list[str], key: str) -> None:
     msg = config_error(overrides=overrides)

@@ -16,6 +16,7 @@ from fedlt.data.longtail import longtail_counts, longtail_indices
 from fedlt.data.partition import (
     Partition,
     dirichlet_partition,
+    grouped_dirichlet_partition,
     iid_partition,
     pathological_partition,
 )
@@ -114,10 +115,11 @@ LABELS = balanced_labels(10, 200)  # 2000 samples
         lambda r: dirichlet_partition(LABELS, 20, 0.5, r),
         lambda r: dirichlet_partition(LABELS, 20, 0.5, r, min_size=20),
         lambda r: dirichlet_partition(LABELS, 20, 0.1, r, equal_size=True),
+        lambda r: grouped_dirichlet_partition(LABELS, 20, 0.5, r),
         lambda r: pathological_partition(LABELS, 20, 2, r),
         lambda r: iid_partition(LABELS, 20, r),
     ],
-    ids=["dirichlet", "dirichlet-min", "dirichlet-equal", "pathological", "iid"],
+    ids=["dirichlet", "dirichlet-min", "dirichlet-equal", "grouped-dirichlet", "pathological", "iid"],
 )
 def test_partition_invariants(make):
     part = make(rng(0))
@@ -194,6 +196,27 @@ def test_dirichlet_equal_size():
 def test_dirichlet_rejects_nonpositive_alpha(alpha):
     with pytest.raises(DataError, match="alpha"):
         dirichlet_partition(LABELS, 10, alpha, rng())
+    with pytest.raises(DataError, match="alpha"):
+        grouped_dirichlet_partition(LABELS, 10, alpha, rng())
+
+
+def test_grouped_dirichlet_splits_each_group_of_ten_clients_its_own_share_then_recuts_to_equal_sizes():
+    """CReFF's and FedYoYo's released split: 20 clients = 2 groups, each drawing over its own half of
+    the shuffled samples, so clients 0-9 hold exactly the first half of the permutation."""
+    labels = longtail_labels = np.repeat(np.arange(10), [500, 300, 180, 110, 70, 40, 25, 15, 10, 10])
+    for seed in range(3):
+        part = grouped_dirichlet_partition(labels, 20, 0.5, rng(seed))
+        assert part.sizes.tolist() == [63] * 20  # 1260 samples re-cut into 20
+        first_half = set(rng(seed).permutation(labels.size)[:630].tolist())
+        assert set(np.concatenate(part.client_indices[:10]).tolist()) == first_half
+    # fuller clients take no more: fewer classes per client than one Dirichlet draw re-cut (equal_size)
+    classes = [[(p.counts > 0).sum(axis=1).mean() for p in (
+        grouped_dirichlet_partition(longtail_labels, 20, 0.5, rng(s)),
+        dirichlet_partition(longtail_labels, 20, 0.5, rng(s), equal_size=True))] for s in range(5)]
+    grouped, recut = np.mean(classes, axis=0)
+    assert grouped < recut, (grouped, recut)
+    with pytest.raises(DataError, match="half the group's mean"):  # one class, alpha tiny: someone stays empty
+        grouped_dirichlet_partition(np.zeros(100, dtype=np.int64), 10, 0.001, rng(), max_retries=3)
 
 
 @pytest.mark.parametrize("make", [dirichlet_partition, pathological_partition])

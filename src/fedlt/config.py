@@ -45,9 +45,11 @@ class DataConfig(_Section):
         "drawn per seed from its own stream) or an explicit list of every class, head first")
     train_fraction: UnitFraction = Field(1.0, description="keep this fraction of every class of the long-tailed training set "
                                   "(at least one sample each): quick runs and scaling studies")
-    partition: Literal["dirichlet", "pathological", "iid"] = Field(
+    partition: Literal["dirichlet", "grouped_dirichlet", "pathological", "iid"] = Field(
         "dirichlet", description="how the training set is split over clients: per-class Dirichlet proportions "
-        "(data.alpha), a fixed number of classes per client (data.classes_per_client), or uniformly at random")
+        "(data.alpha); CReFF's and FedYoYo's released split (Dirichlet in groups of 10 clients, a client at the "
+        "mean size takes no more, re-cut to equal sizes); a fixed number of classes per client "
+        "(data.classes_per_client); or uniformly at random")
     alpha: float = Field(0.5, description="Dirichlet concentration (smaller = more heterogeneous)")
     classes_per_client: int = Field(2, ge=1, description="pathological partition: classes held by each client")
     num_clients: int = Field(20, ge=1, description="clients in the federation (K)")
@@ -55,7 +57,8 @@ class DataConfig(_Section):
                                  "at least this many")
     max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an "
                              "error")
-    equal_size: bool = Field(False, description="Dirichlet: re-cut into equal-size clients (CReFF/FedYoYo code)")
+    equal_size: bool = Field(False, description="Dirichlet: re-cut the one draw into equal-size clients "
+                             "(data.partition=grouped_dirichlet is the CReFF/FedYoYo code's whole split)")
     val_per_class: int = Field(0, ge=0, description="a balanced validation set of this many images per class, "
                                "disjoint from the training federation and the test set, evaluated beside the test set "
                                "(val_acc): make choices on it, read the test set once; 0 = none")
@@ -74,6 +77,14 @@ class DataConfig(_Section):
     classes: list[str] | None = Field(
         None, description="class names in label order; a node's image folders map to labels through them "
         "(default: the dataset's own names)")
+
+    @model_validator(mode="after")
+    def _equal_size_is_dirichlets(self) -> "DataConfig":
+        if self.equal_size and self.partition != "dirichlet":
+            raise ValueError(f"data.equal_size re-cuts a Dirichlet split, not data.partition={self.partition}"
+                             + (" (which re-cuts by itself)" if self.partition == "grouped_dirichlet" else "")
+                             + "; remove data.equal_size=true")
+        return self
 
     @field_validator("imbalance_factor")
     @classmethod

@@ -12,7 +12,9 @@ from fedlt.config import DataConfig
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_indices, resolve_class_order
-from fedlt.data.partition import Partition, dirichlet_partition, iid_partition, pathological_partition
+from fedlt.data.partition import (
+    Partition, dirichlet_partition, grouped_dirichlet_partition, iid_partition, pathological_partition,
+)
 from fedlt.data.registry import DATASETS, load_dataset
 from fedlt.data.validation import balanced_indices, complement, resolve_source
 from fedlt.errors import DataError
@@ -85,6 +87,8 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
             labels, cfg.num_clients, cfg.alpha, rng,
             min_size=cfg.min_client_size, max_retries=cfg.max_retries, equal_size=cfg.equal_size,
         )
+    if cfg.partition == "grouped_dirichlet":
+        return grouped_dirichlet_partition(labels, cfg.num_clients, cfg.alpha, rng, max_retries=cfg.max_retries)
     if cfg.partition == "pathological":
         return pathological_partition(
             labels, cfg.num_clients, cfg.classes_per_client, rng,

@@ -74,8 +74,7 @@ def dirichlet_partition(
     labels = _check_labels(labels)
     n = labels.size
     _check_num_clients(num_clients, n)
-    if not alpha > 0:
-        raise DataError(f"data.alpha={alpha} must be > 0 (Dirichlet concentration); use e.g. data.alpha=0.5")
+    _check_alpha(alpha)
     _check_min_size("Dirichlet", min_size, num_clients, n)
     if max_retries < 1:
         raise ValueError(f"max_retries must be >= 1, got {max_retries}")
@@ -100,6 +99,60 @@ def dirichlet_partition(
     if equal_size:
         parts = np.array_split(np.concatenate(parts), num_clients)
     return _make_partition(labels, parts)
+
+
+def grouped_dirichlet_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    group_size: int = 10,
+    max_retries: int = 1000,
+) -> Partition:
+    """CReFF's and FedYoYo's released split, which their papers' numbers come from: the shuffled
+    samples are cut into one contiguous share per group of ``group_size`` clients; within a group
+    each class in turn is split by proportions ~ Dir(alpha) among the group's clients still below
+    the group's mean size (a client at the mean gets no more), the group redrawn until its smallest
+    client holds half the mean; then the clients' lists, concatenated in client order, are re-cut
+    into K equal parts (the remainder to the first). More skewed than ``dirichlet`` with
+    ``equal_size``: clients fill up and stop taking classes."""
+    labels = _check_labels(labels)
+    n = labels.size
+    _check_num_clients(num_clients, n)
+    _check_alpha(alpha)
+    order = rng.permutation(n)
+    num_groups = -(-num_clients // group_size)
+    per_client: list[np.ndarray] = []
+    start = 0
+    for g in range(num_groups):
+        members = min(group_size, num_clients - g * group_size)
+        end = n if g == num_groups - 1 else start + int(group_size / num_clients * n)
+        per_client += _balanced_group(order[start:end], labels, members, alpha, rng, max_retries)
+        start = end
+    return _make_partition(labels, np.array_split(np.concatenate(per_client), num_clients))
+
+
+def _balanced_group(rows: np.ndarray, labels: np.ndarray, num_clients: int, alpha: float,
+                    rng: np.random.Generator, max_retries: int) -> list[np.ndarray]:
+    """One group of :func:`grouped_dirichlet_partition`: its clients' rows, in draw order."""
+    mean, least = rows.size / num_clients, int(0.5 * rows.size / num_clients)
+    by_class = [rows[labels[rows] == c] for c in range(int(labels.max()) + 1)]
+    for _ in range(max_retries):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for members in by_class:
+            share = rng.dirichlet(np.full(num_clients, float(alpha))) * (sizes < mean)
+            share = share / share.sum() if share.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+            cuts = (np.cumsum(share) * members.size).astype(np.int64)[:-1]
+            for k, piece in enumerate(np.split(members, cuts)):
+                parts[k].append(piece)
+                sizes[k] += piece.size
+        if sizes.min() >= least:
+            return [np.concatenate(p) for p in parts]
+    raise DataError(
+        f"grouped Dirichlet partition: no split of a group of {num_clients} clients with each holding half the "
+        f"group's mean ({least} samples) after {max_retries} draws (alpha={alpha}); raise data.alpha or data.max_retries"
+    )
 
 
 def pathological_partition(
@@ -179,6 +232,11 @@ def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator
     labels = _check_labels(labels)
     _check_num_clients(num_clients, labels.size)
     return _make_partition(labels, np.array_split(rng.permutation(labels.size), num_clients))
+
+
+def _check_alpha(alpha: float) -> None:
+    if not alpha > 0:
+        raise DataError(f"data.alpha={alpha} must be > 0 (Dirichlet concentration); use e.g. data.alpha=0.5")
 
 
 def _check_labels(labels: np.ndarray) -> np.ndarray:
