@@ -322,6 +322,7 @@ def test_the_released_codes_personal_output_adds_the_raw_psi_and_phi_and_masks_a
     assert bias.tolist() == [0.0, -1e9]  # class 1: no sample on this client
     with_bias = {**phi, "personal/phi/bias": torch.tensor([0.1, 0.2])}
     _, bias = personalized_model({"personal_head": "psi_plus_phi", "head_bias": True}, with_bias)
-    assert bias.tolist() == pytest.approx([0.3 + 0.1, -1e9 - 0.3 + 0.2])  # psi's bias + phi_k's
+    assert bias[0].item() == pytest.approx(0.3 + 0.1)  # psi's bias + phi_k's
+    assert bias[1].item() <= -1e9 + 1e3  # still masked (float32 cannot show the -0.1 added to -1e9)
     with pytest.raises(ValueError, match="finetune_epochs=0"):
         FedLoGeArgs(personal_head="psi_plus_phi", finetune_epochs=1)

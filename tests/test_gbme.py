@@ -244,8 +244,9 @@ def test_seeded_noise_is_refused_on_nodes_that_hold_their_own_data(tmp_path):
         return tiny(tmp_path, method="gbme", loss={"name": "bsm"}, engine="flower", flower={"node_data": True},
                     method_args={"dp_epsilon": 5, **args})
 
-    with pytest.raises(ConfigError, match=r"dp_noise=seeded .* use method_args.dp_noise=system \(or auto\)$"):
-        check_config(build_config(node_run(dp_noise="seeded")))
+    for calibration in ([], ["ccvr"]):  # a calibration's wrapper asks the method too
+        with pytest.raises(ConfigError, match=r"dp_noise=seeded .* use method_args.dp_noise=system \(or auto\)$"):
+            check_config(build_config({**node_run(dp_noise="seeded"), "calibration": calibration}))
     check_config(build_config(node_run(dp_noise="system")))
     from fedlt.engine.clients import ClientRuntime
     from fedlt.run_parts import setup_parts

@@ -117,6 +117,11 @@ def test_data_describe_prints_the_partition_and_draws_it(tmp_path):
     assert [int(line.split()[2]) for line in clients] == (counts > 0).sum(1).tolist()
     assert "many" in text and "medium" in text and "few" in text
     assert_readable_png(next(tmp_path.glob("partition-*.png")))
+    grouped = CliRunner().invoke(app, [*args[:-2], "data.num_clients=10", "data.partition=grouped_dirichlet",
+                                       "data.alpha=0.3", "--out", str(tmp_path / "grouped")])
+    assert "Dirichlet alpha=0.3" in grouped.stdout and grouped.exit_code == 0  # the alpha it was drawn with
+    record = json.loads(next((tmp_path / "grouped").glob("partition-*-a0.3-*.json")).read_text())
+    assert record["alpha"] == 0.3 and record["partition"] == "grouped_dirichlet"
 
 
 def test_tensorboard_mirrors_the_evaluated_rounds(tmp_path):

@@ -127,6 +127,21 @@ class DataConfig(_Section):
 
 
 
+#: the partitions that draw Dirichlet proportions, so data.alpha describes them
+DIRICHLET_PARTITIONS = ("dirichlet", "grouped_dirichlet")
+
+
+def partition_label(partition: str, alpha: float, classes_per_client: int | None = None) -> str:
+    """How reports name a partition: with its alpha where one applies."""
+    if partition == "dirichlet":
+        return f"Dirichlet alpha={alpha:g}"
+    if partition == "grouped_dirichlet":
+        return f"grouped Dirichlet alpha={alpha:g}"
+    if partition == "pathological" and classes_per_client is not None:
+        return f"pathological, {classes_per_client} classes per client"
+    return "IID" if partition == "iid" else partition
+
+
 class ModelConfig(_Section):
     """The network every client trains (methods with special heads or experts build on it)."""
 

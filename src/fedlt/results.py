@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from fedlt.config import Config
+from fedlt.config import DIRICHLET_PARTITIONS, Config
 from fedlt.errors import ConfigError, FedltError
 
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
@@ -64,7 +64,7 @@ def partition_record(cfg: Config, counts: Any, class_names: list[str]) -> dict[s
     d = cfg.data
     return {
         "dataset": d.dataset, "imbalance_factor": d.imbalance_factor, "partition": d.partition,
-        "alpha": d.alpha if d.partition == "dirichlet" else None, "num_clients": d.num_clients, "seed": cfg.seed,
+        "alpha": d.alpha if d.partition in DIRICHLET_PARTITIONS else None, "num_clients": d.num_clients, "seed": cfg.seed,
         "class_names": list(class_names), "counts": [[int(n) for n in row] for row in counts],
     }
 
@@ -210,7 +210,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"# {cfg.method} on {d.dataset}-LT",
         "",
         f"IF={d.imbalance_factor:g}, {d.partition} partition"
-        + (f" (alpha={d.alpha:g})" if d.partition == "dirichlet" else "")
+        + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "")
         + f", {d.num_clients} clients, participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
         f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {cfg.loss.name}"
         f" (prior {cfg.loss.prior}), seed {cfg.seed}.",

@@ -77,6 +77,10 @@ class CalibratedServer(Server):
         return cls.inner_cls.model_refusal(config, args)
 
     @classmethod
+    def node_data_refusal(cls, config, args):
+        return cls.inner_cls.node_data_refusal(config, args)
+
+    @classmethod
     def clear_uploads(cls, config, args):
         """The inner method's, plus calibrations that upload real features (the oracle) or per-class
         replies that name the classes a client holds (CReFF's gradients)."""

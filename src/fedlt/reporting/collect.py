@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from fedlt.bench.selection import Selection, candidate_label, candidates, select
+from fedlt.config import DIRICHLET_PARTITIONS, partition_label
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
@@ -156,7 +157,7 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return summary.get("dataset", "run")
     d = cfg["data"]
-    part = f"Dirichlet alpha={d['alpha']:g}" if d["partition"] == "dirichlet" else d["partition"]
+    part = partition_label(d["partition"], d["alpha"]) if d["partition"] in DIRICHLET_PARTITIONS else d["partition"]
     return (f"{d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {d['num_clients']} clients, "
             f"{cfg['fl']['rounds']} rounds")
 

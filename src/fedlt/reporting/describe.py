@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedlt.config import load_config
+from fedlt.config import DIRICHLET_PARTITIONS, load_config, partition_label
 from fedlt.data.federated import build_federated_data
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
@@ -22,8 +22,7 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     groups = shot_groups(totals, cfg.eval)
     names = data.train.classes
     d = cfg.data
-    part = f"Dirichlet alpha={d.alpha:g}" if d.partition == "dirichlet" else (
-        f"pathological, {d.classes_per_client} classes per client" if d.partition == "pathological" else "IID")
+    part = partition_label(d.partition, d.alpha, d.classes_per_client)
     lines = [f"{d.dataset}-LT: IF={d.imbalance_factor:g}, {part}, {d.num_clients} clients, seed {cfg.seed}",
              data.describe(), "", f"Shot groups ({groups.rule}):"]
     for g, classes in groups.classes.items():
@@ -39,7 +38,7 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
         lines.append(f"{k:6d}  {n:7d}  {int((row > 0).sum()):7d}  {share}")
     record = partition_record(cfg, counts, names)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{d.dataset}-if{d.imbalance_factor:g}-{d.partition}" + (f"-a{d.alpha:g}" if d.partition == "dirichlet" else "") \
+    stem = f"{d.dataset}-if{d.imbalance_factor:g}-{d.partition}" + (f"-a{d.alpha:g}" if d.partition in DIRICHLET_PARTITIONS else "") \
         + f"-k{d.num_clients}-seed{cfg.seed}"
     json_path = out / f"partition-{stem}.json"
     write_atomic(json_path, json.dumps(record) + "\n")
