@@ -562,7 +562,7 @@ def strong_view(
     interpolation: str = "bilinear",
     autoaugment_policy: str = "cifar10",
 ) -> Tensor:
-    """FedYoYo's strong view: crop, flip (if ``flip``), a policy, Cutout.
+    """FedYoYo's strong view: :func:`crop_flip`, a policy, Cutout.
 
     ``policy`` is ``randaugment`` (2 ops at ``magnitude`` of 30; 0: none; ``autoaugment_policy``
     unused) or ``autoaugment`` (the policy named ``autoaugment_policy`` in
@@ -577,9 +577,7 @@ def strong_view(
         raise ValueError(f"unknown AutoAugment policy {autoaugment_policy!r}; use one of "
                          f"{', '.join(AUTOAUGMENT_POLICIES)}")
     _check_interpolation(interpolation)
-    out = random_crop(x, _crop_padding(x), generator)
-    if flip:
-        out = random_flip(out, generator)
+    out = crop_flip(x, generator, flip)
     if policy == "autoaugment":
         out = auto_augment(out, generator, policy=AUTOAUGMENT_POLICIES[autoaugment_policy],
                            interpolation=interpolation)
