@@ -64,6 +64,8 @@ def test_the_counter_sees_reads_masks_and_host_copies():
         float(x.sum())
         x[x > 2]
         torch.tensor([1.0, 2.0], device=x.device)
+        x[0] = 5.0  # the number is copied from the host
         x[1:3] + torch.as_tensor(x)[:2]  # a slice and a tensor passed through: no synchronisation
-    assert sorted(name for name, _ in syncs.calls) == ["__float__", "__getitem__", "tensor"]
+        x[2] = x[3]
+    assert sorted(name for name, _ in syncs.calls) == ["__float__", "__getitem__", "__setitem__", "tensor"]
     assert all(site.startswith("outside") for _, site in syncs.calls)

@@ -52,6 +52,8 @@ def _synchronises(name: str, args: tuple, kwargs: dict) -> bool:
         return True
     if name in COPIES:
         return kwargs.get("device") is not None and bool(args) and not isinstance(args[0], torch.Tensor)
+    if name == "__setitem__" and len(args) > 2 and isinstance(args[2], (bool, int, float)):
+        return True  # t[i] = 5.0: the number becomes a host tensor, copied to t's device
     if name in ("__getitem__", "__setitem__") and len(args) > 1:
         return _boolean_mask(args[1])  # t[mask]: the result's size is the mask's count
     return False

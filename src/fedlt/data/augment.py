@@ -231,13 +231,20 @@ def _equalize(x: Tensor) -> Tensor:
     return torch.where(step > 0, equalised, flat).reshape(b, c, h, w)
 
 
+@functools.lru_cache(maxsize=8)
+def _smooth_kernel(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """PIL's 3x3 ``SMOOTH`` kernel (1s around a 5, over 13) as a ``(1, 1, 3, 3)`` tensor, made on a
+    device once: writing its centre from a Python number is a copy from the host, which makes a
+    GPU's host wait at every sharpness op."""
+    kernel = torch.ones(3, 3, dtype=dtype)
+    kernel[1, 1] = 5.0
+    return (kernel / kernel.sum()).view(1, 1, 3, 3).to(device)
+
+
 def _sharpness_degenerate(x: Tensor) -> Tensor:
     """The image smoothed by PIL's 3x3 ``SMOOTH`` kernel, border pixels kept as they are."""
     b, c, h, w = x.shape
-    kernel = torch.ones(3, 3, dtype=x.dtype, device=x.device)
-    kernel[1, 1] = 5.0
-    kernel = (kernel / kernel.sum()).view(1, 1, 3, 3)
-    smoothed = F.conv2d(x.reshape(b * c, 1, h, w), kernel).reshape(b, c, h - 2, w - 2)
+    smoothed = F.conv2d(x.reshape(b * c, 1, h, w), _smooth_kernel(x.device, x.dtype)).reshape(b, c, h - 2, w - 2)
     degenerate = x.clone()
     degenerate[:, :, 1:-1, 1:-1] = smoothed
     return degenerate
