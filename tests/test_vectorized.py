@@ -469,3 +469,23 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
     text = run_paper_rounds([str(suite)], ("sequential", "vectorized"), extra=extra)
     assert "| SCAFFOLD | | vectorized | refused: run.backend=vectorized does not support method scaffold" in text
     assert re.search(r"\| SCAFFOLD \| cnn \| sequential \| [\d.]+ \|", text)
+
+
+def test_backend_bench_times_the_backends_it_is_asked_for_beside_the_reference_and_the_limit(tmp_path):
+    """`fedlt bench speed --backends --compare sequential`: the reference loop, that backend and the
+    limit, nothing else; vs reference and of limit are the rows' s/round ratios."""
+    import re
+
+    from fedlt.bench.speed import run_backend_bench
+
+    text = run_backend_bench(None, ["data.dataset=synthetic", "data.num_clients=4", "fl.local_epochs=1",
+                                    "run.threads=1", "run.checkpoint_every=0", f"run.out_dir={tmp_path}"],
+                             rounds=1, models=("cnn",), sampled_counts=(2,), k_table=False, compare=("sequential",))
+    rows = {r[3].strip(): r for r in (line.strip("|").split("|") for line in text.splitlines()
+                                       if re.match(r"\| cnn \| synthetic \| 2 \|", line))}
+    assert list(rows) == ["reference", "sequential", "limit"]
+    seconds = {b: float(r[4]) for b, r in rows.items()}
+    assert rows["limit"][7].strip() == "100%" and rows["reference"][6].strip() == "1.00x"
+    # printed to 3 decimals: the ratio of the printed figures, within what that rounding allows
+    ratio = float(rows["sequential"][6].strip().rstrip("x"))
+    assert ratio == pytest.approx(seconds["reference"] / seconds["sequential"], rel=0.02, abs=0.01)

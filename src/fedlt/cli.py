@@ -207,6 +207,9 @@ def bench_speed_cmd(
     sampled: str = typer.Option("10,20", help="--backends: sampled clients per round to measure"),
     synthetic_size: int = typer.Option(16, help="--backends: image side of the ResNets' synthetic data (32: CIFAR-shaped)"),
     k_table: bool = typer.Option(True, "--k-table/--no-k-table", help="--backends: also K=10 vs K=1,000 clients"),
+    compare: Optional[str] = typer.Option(None, help="--backends: the run.backend values timed beside the reference "
+                                          "loop and the limit, e.g. sequential,graphed (default: every one that "
+                                          "applies on the device)"),
 ) -> None:
     """Images/s of local training, seconds per round and achieved GFLOP/s vs. a measured matmul peak."""
     args = list(args or [])
@@ -217,12 +220,13 @@ def bench_speed_cmd(
 
         _check_at_least_one(rounds, "--rounds", "rounds to time")
         _check_out(out, folder=False)
+        chosen = _backend_list(compare, auto=False, option="--compare") if compare is not None else None
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)  # as given: the bench's own fl.rounds would hide a bad one
         if backends:
             text = run_backend_bench(config, args, rounds=rounds, echo=lambda line: typer.echo(line, err=True),
                                      models=_model_list(models), sampled_counts=_client_counts(sampled),
-                                     synthetic_size=synthetic_size, k_table=k_table)
+                                     synthetic_size=synthetic_size, k_table=k_table, compare=chosen)
         else:
             text = run_speed_bench(config, args, rounds=rounds)
         _print_and_save(text, out)
@@ -281,14 +285,14 @@ def bench_profile_cmd(
     _guard(go)
 
 
-def _backend_list(backends: str, auto: bool) -> tuple[str, ...]:
+def _backend_list(backends: str, auto: bool, option: str = "--backends") -> tuple[str, ...]:
     from fedlt.config import RunConfig
     from fedlt.errors import ConfigError
 
     allowed = [b for b in RunConfig.model_fields["backend"].annotation.__args__ if auto or b != "auto"]
     chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
     if not chosen or any(b not in allowed for b in chosen):
-        raise ConfigError(f"--backends {backends}: give a comma-separated list of {', '.join(allowed)}")
+        raise ConfigError(f"{option} {backends}: give a comma-separated list of {', '.join(allowed)}")
     return chosen
 
 

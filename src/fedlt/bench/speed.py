@@ -206,18 +206,20 @@ def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
 
 def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
                       echo: Callable[[str], None] = lambda line: None, models: tuple[str, ...] = BACKEND_MODELS,
-                      sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16, k_table: bool = True) -> str:
+                      sampled_counts: tuple[int, ...] = SAMPLED, synthetic_size: int = 16, k_table: bool = True,
+                      compare: tuple[str, ...] | None = None) -> str:
     """Sequential vs parallel vs vectorized (vs graphed on a GPU) vs the peer-style reference loop and
     the limit (one model, batch K x B), for the CNN and ResNet-8 with 10 and 20 sampled clients; then
     (``k_table``) K=10 vs K=1,000 clients at 10 sampled per round with equal data
-    per client (K=10 keeps 1% of the training set). ``echo`` gets
-    each table row as it is measured (the whole bench takes minutes on a CPU)."""
+    per client (K=10 keeps 1% of the training set). ``compare``: the backends timed (default: every
+    one that applies on the device). ``echo`` gets each table row as it is measured (the whole bench
+    takes minutes on a CPU)."""
     base = load_config(config, [*overrides, f"fl.rounds={rounds + 1}"])
     device = prepare(base).device
     peak = matmul_peak_gflops(device)
     cuda = device.type == "cuda"
     # parallel: CPU processes; graphed without a GPU is its step without capture, no faster than sequential
-    backends = [b for b in BACKENDS if b != ("graphed" if device.type == "cpu" else "parallel")]
+    backends = list(compare or (b for b in BACKENDS if b != ("graphed" if device.type == "cpu" else "parallel")))
     lines = [
         f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
         f"{rounds} timed round(s) after one warm-up",
