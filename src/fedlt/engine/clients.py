@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fedlt import fused
 from fedlt.config import Config
 from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
@@ -68,7 +69,8 @@ class ClientRuntime:
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         """A client's view; the worker model starts from the initial weights, so entries a message
         does not carry never leak from the previous client (or depend on resume)."""
-        self.worker.load_state_dict(self._worker_init)
+        worker = self.worker.state_dict(keep_vars=True)
+        fused.copy_([worker[k] for k in self._worker_init], list(self._worker_init.values()))
         fl = self.cfg.fl
         data = self.train_data
         return ClientContext(

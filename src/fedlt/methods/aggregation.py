@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fedlt import fused
 from fedlt.messages import Reply
 
 
@@ -22,15 +23,14 @@ def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -
         reply = replies[cid]
         if reply.num_samples <= 0:
             continue
-        for name, value in reply.weights.items():
-            if keys is not None and name not in keys:
-                continue
-            weighted = value.detach().to(torch.float64 if not value.is_floating_point() else value.dtype) * reply.num_samples
-            if name in sums:
-                sums[name] += weighted
-            else:
-                sums[name] = weighted.clone()
-                dtypes[name] = value.dtype
+        names = [name for name in reply.weights if keys is None or name in keys]
+        values = [reply.weights[name].detach() for name in names]
+        weighted = fused.scaled([v if v.is_floating_point() else v.to(torch.float64) for v in values], reply.num_samples)
+        seen = [i for i, name in enumerate(names) if name in sums]
+        fused.add_([sums[names[i]] for i in seen], [weighted[i] for i in seen])
+        for name, value, term in zip(names, values, weighted):
+            if name not in sums:
+                sums[name], dtypes[name] = term, value.dtype
             totals[name] = totals.get(name, 0.0) + reply.num_samples
     out = {}
     for name, total in sums.items():

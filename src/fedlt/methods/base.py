@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
+from fedlt import fused
 from fedlt.config import Config
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
@@ -217,7 +218,8 @@ class ServerContext:
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of a model's state dict (what a client sends or a server broadcasts)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    return dict(zip(state, fused.clones(list(state.values()))))
 
 
 class Server:

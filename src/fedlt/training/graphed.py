@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from fedlt import fused
 from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings
 from fedlt.training.batched import client_plan, seed_as_sequential_training, shared_loss
 from fedlt.training.scopes import BATCH, GRADIENT, scope
@@ -56,6 +57,8 @@ class Lane:
     #: where the lane's graphs are captured and warmed up: cuBLAS keeps a workspace per stream, and
     #: graphs captured on one stream would share it while lanes replay them at the same time
     capture_stream: torch.cuda.Stream | None = None
+    #: the model's parameters and buffers by state-dict key: what a client's start is loaded into
+    state: dict[str, torch.Tensor] = field(init=False)
     params: list[torch.Tensor] = field(init=False)
     momentum: list[torch.Tensor] = field(init=False)
     anchor: list[torch.Tensor] = field(init=False)
@@ -78,6 +81,7 @@ class Lane:
     pool: tuple | None = None
 
     def __post_init__(self) -> None:
+        self.state = self.model.state_dict(keep_vars=True)
         self.params = [p for p in self.model.parameters()]
         for p in self.params:
             p.requires_grad_(True)
@@ -191,7 +195,7 @@ class GraphedTrainer:
                         objective.keep(kept, y)
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
-                results[i] = ({k: v.detach().clone() for k, v in lane.model.state_dict().items()},
+                results[i] = (dict(zip(lane.state, fused.clones(list(lane.state.values())))),
                               lane.total.clone(), len(plan), {k: v.detach().clone() for k, v in lane.extra.items()})
                 sums = [s.clone() for s in lane.gradient_sums] if objective.correction is not None else []
                 if lane.stream is not None:
@@ -292,8 +296,8 @@ def _load(lane: Lane, start: dict[str, torch.Tensor], loss_tensors: dict[str, to
           extra: dict[str, torch.Tensor]) -> None:
     """A client's start in the lane's fixed tensors: weights and buffers, zero momentum and loss sum,
     the FedProx anchor, the loss's tensors, the extra trainable tensors."""
+    fused.copy_(list(lane.state.values()), [start[k] for k in lane.state])  # in place: graphs see the new values
     with torch.no_grad():
-        lane.model.load_state_dict(start)  # copies in place: captured graphs see the new values
         torch._foreach_zero_(lane.momentum)
         lane.total.zero_()
         torch._foreach_copy_(lane.anchor, lane.params)
