@@ -79,7 +79,7 @@ def test_readme_is_short_and_its_links_resolve():
 
 #: abbreviations of general computing, which the glossary does not define
 COMMON_ABBREVIATIONS = {"AES-256", "AI", "AMD", "API", "CA", "CI", "CLI", "CONTRIBUTING", "CPU", "CSV", "CTR", "CUDA", "DNS",
-                        "EC", "ECDH", "EPYC", "ETA", "GPU", "H100", "HKDF", "II", "IP", "JSON", "NIST", "NOT", "PIL", "PORT",
+                        "EC", "ECDH", "EPYC", "ETA", "GPU", "H100", "H200", "HKDF", "II", "IP", "JSON", "NIST", "NOT", "PIL", "PORT",
                         "PRIVATE", "README", "RNG", "SHA-256", "SIGINT", "SIGTERM", "TOML", "YAML"}
 
 

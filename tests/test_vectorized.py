@@ -294,9 +294,10 @@ def test_backend_choice_and_fallback(tmp_path):
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     # auto: the backend measured fastest for the device and model, where the method supports it
     assert prepare(config(tmp_path, "method=fedavgm", "run.backend=auto")).backend == "sequential"
-    assert choose_backend(config(tmp_path, "run.backend=auto"), FedAvgClient, gpu) == "vectorized"  # the CNN
-    assert choose_backend(config(tmp_path, "run.backend=auto", "model.name=resnet8"), FedAvgClient, gpu) == "sequential"
-    assert choose_backend(config(tmp_path, "run.backend=auto"), FedDecorrClient, gpu) == "sequential"
+    for model in ("cnn", "resnet8"):  # graphed on a GPU, for every model
+        assert choose_backend(config(tmp_path, "run.backend=auto", f"model.name={model}"), FedAvgClient, gpu) == "graphed"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), FedDecorrClient, gpu) == "graphed"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), FedDecorrClient, cpu) == "sequential"
     assert prepare(config(tmp_path)).backend == "sequential"  # the default: measured faster on CPU
     for backend in ("vectorized", "graphed"):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, cpu) == backend
@@ -305,10 +306,13 @@ def test_backend_choice_and_fallback(tmp_path):
             prepare(config(tmp_path, "method=ditto", f"run.backend={backend}"))
     with pytest.raises(ConfigError, match="vectorized does not support method scaffold .its step is more than a loss"):
         prepare(config(tmp_path, "method=scaffold", "run.backend=vectorized"))  # a corrected gradient: graphed only
-    # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where it would pick vectorized
+    # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where the
+    # method has no local objective (Ditto)
+    from fedlt.methods.ditto import DittoClient
     from fedlt.methods.sfd import SFDClient
     assert choose_backend(config(tmp_path, "run.backend=graphed"), SFDClient, gpu) == "graphed"
-    assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "sequential"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "graphed"
+    assert choose_backend(config(tmp_path, "run.backend=auto"), DittoClient, gpu) == "sequential"
     for method, loss in (("fedloge", "ce"), ("gbme", "bsm"), ("fedyoyo", "ce")):
         with pytest.raises(ConfigError, match=f"vectorized does not support method {method} .its step is more than a "
                                               "loss of the logits.; use run.backend=graphed"):
