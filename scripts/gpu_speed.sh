@@ -7,13 +7,21 @@
 # sampled clients (300 images, 20 steps of batch 32 a round with 10 clients; 75 images, 6 steps with 40),
 # 2 local epochs. Each step writes its table to OUT_DIR as soon as it ends.
 #
-#   scripts/gpu_speed.sh OUT_DIR [STEP ...]   STEP: tests, backends, profile, paper-rounds (default: all,
-#                                             about 10 minutes on one H200); run from the repository root;
-#                                             PYTHON=... picks the interpreter
+#   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
+#       STEP: tests, backends, profile, paper-rounds (default: all, at most 580 s together); =SECONDS
+#       replaces a step's time limit (e.g. paper-rounds=500 for every paper's row in one call). Run from
+#       the repository root; PYTHON=... picks the interpreter.
 set -uo pipefail
-out="${1:?usage: scripts/gpu_speed.sh OUT_DIR [STEP ...]}"
+out="${1:?usage: scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]}"
 shift
-steps=" ${*:-tests backends profile paper-rounds} "
+declare -A limits=()
+for arg in "${@:-tests backends profile paper-rounds}"; do
+  for asked in $arg; do
+    name=${asked%%=*}
+    case $name in tests|backends|profile|paper-rounds) ;; *) echo "unknown step '$name': use tests, backends, profile or paper-rounds" >&2; exit 2;; esac
+    limits[$name]=$([[ $asked == *=* ]] && echo "${asked#*=}" || echo default)
+  done
+done
 mkdir -p "$out"
 export FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 py="${PYTHON:-python3}"
@@ -21,7 +29,8 @@ clients=(data.dataset=synthetic data.image_size=32 data.partition=iid data.imbal
          fl.local_epochs=2 run.device=cuda run.channels_last=false)
 step() {  # step NAME SECONDS COMMAND...: run when asked for, with a time limit, log to OUT_DIR/NAME.log
   local name=$1 limit=$2; shift 2
-  [[ $steps == *" $name "* ]] || return 0
+  [[ -n ${limits[$name]:-} ]] || return 0
+  [[ ${limits[$name]} == default ]] || limit=${limits[$name]}
   echo "== $name (at most ${limit}s)"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
   echo "== $name: exit ${PIPESTATUS[0]}"
