@@ -1,0 +1,50 @@
+"""The fused state copies and sums (fedlt.fused) are the one-by-one loops' arithmetic, bit for bit,
+whatever mix of dtypes and memory formats a model's state holds."""
+
+from __future__ import annotations
+
+import torch
+
+from fedlt import fused
+
+
+def state() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    conv = torch.randn(4, 3, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+    return [conv, torch.randn(7, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g),
+            torch.tensor(3), torch.randn(2, 2, generator=g).t()]  # an int buffer, a transposed view
+
+
+def test_clones_are_detached_copies_in_each_tensors_dtype_and_memory_format():
+    tensors = state()
+    tensors[2].requires_grad_(True)
+    copies = fused.clones(tensors)
+    for t, c in zip(tensors, copies):
+        assert torch.equal(c, t.detach()) and c.dtype == t.dtype and c.stride() == t.detach().clone().stride()
+        assert c.data_ptr() != t.data_ptr() and not c.requires_grad
+    copies[0].zero_()
+    assert tensors[0].abs().sum() > 0  # a copy, not a view
+
+
+def test_copy_writes_in_place_into_parameters_without_history():
+    destinations = [torch.nn.Parameter(torch.zeros(5, 2)), torch.zeros(7, dtype=torch.float64)]
+    sources = [state()[2], state()[1]]
+    pointers = [d.data_ptr() for d in destinations]
+    fused.copy_(destinations, sources)
+    assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
+    assert [d.data_ptr() for d in destinations] == pointers and destinations[0].grad_fn is None
+
+
+def test_scaled_and_add_equal_the_loop_to_the_last_bit():
+    tensors = [t.double() if not t.is_floating_point() else t for t in state()]
+    products = fused.scaled(tensors, 37)
+    assert all(torch.equal(p, t * 37) and p.dtype == t.dtype for p, t in zip(products, tensors))
+    totals, expected = [p.clone() for p in products], [p.clone() for p in products]
+    fused.add_(totals, tensors)
+    for e, t in zip(expected, tensors):
+        e += t
+    assert all(torch.equal(a, b) for a, b in zip(totals, expected))
+    # one fused call per dtype (and device), in order of first appearance; pairs group by both
+    assert fused.groups(tensors) == [[0, 2, 4], [1, 3]]
+    assert fused.groups(tensors, [t.float() for t in tensors]) == [[0, 2, 4], [1, 3]]
+    assert fused.groups(tensors[:2], [tensors[0], tensors[0]]) == [[0], [1]]
