@@ -109,3 +109,18 @@ def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend, extr
         sim.close()
     # equal up to set-up the first round left (one fewer was seen with 3 epochs): none per step
     assert counts[1] <= counts[0], f"synchronisations with 1 and 3 local epochs: {counts}"
+
+
+def test_the_captured_limit_on_a_gpu_equals_the_eager_limit(tmp_path, float64):
+    """`fedlt bench speed --backends`' captured limit row replays the eager limit's step as a graph."""
+    from fedlt.bench.speed import captured_limit_round, limit_round
+
+    sim = prepare(config(tmp_path, "model.name=resnet8", "data.image_size=8", "fl.local_epochs=2"))
+    trainer = GraphedTrainer(sim.worker, lanes=1)
+    captured = captured_limit_round(sim, trainer, 1)
+    assert trainer.capture and trainer.lanes[0].graphs  # the full batch's shape ran twice: captured
+    lane = clone_state(trainer.lanes[0].model)
+    eager = limit_round(sim, 1)
+    assert captured["steps"] == eager["steps"]
+    for name, value in clone_state(sim.worker).items():
+        assert torch.allclose(lane[name], value, rtol=0, atol=1e-9), name

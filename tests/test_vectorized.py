@@ -362,6 +362,16 @@ def test_limit_of_the_speed_bench_trains_the_round_as_one_model(tmp_path):
     metrics = limit_round(sim, 1)
     assert metrics["steps"] == 2 * steps_per_epoch(images, 4 * 8)
     assert not torch.equal(sim.worker.head.weight, before["head.weight"])
+    eager = clone_state(sim.worker)
+    # the captured limit (GPU row) is the same step through the graphed trainer: on a CPU, uncaptured,
+    # the same weights to the last bit
+    from fedlt.bench.speed import captured_limit_round
+    from fedlt.training.graphed import GraphedTrainer
+
+    trainer = GraphedTrainer(sim.worker, lanes=1)
+    assert captured_limit_round(sim, trainer, 1)["steps"] == metrics["steps"]
+    lane = trainer.lanes[0].model.state_dict()
+    assert all(torch.equal(lane[k], v) for k, v in eager.items())
 
 
 def test_channels_last_applies_on_the_cpu_only(tmp_path):

@@ -24,7 +24,9 @@ from fedlt.api import prepare
 from fedlt.config import Config, load_config
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.environment import collect, describe
+from fedlt.methods.base import LocalObjective, clone_state
 from fedlt.run_parts import resolve_device
+from fedlt.training.graphed import GraphedTrainer
 from fedlt.training.sequential import train_local
 
 
@@ -124,6 +126,7 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
 BACKEND_MODELS = ("cnn", "resnet8")  # the CNN on the config's data; ResNets on synthetic data (16 px: CPU-sized)
 SAMPLED = (10, 20)
 BACKENDS = ("sequential", "parallel", "vectorized", "graphed")  # run.backend values measured (where they apply)
+CAPTURED_LIMIT = "captured limit"  # the limit's step as a CUDA graph: a GPU row only
 
 
 def model_data(model: str, synthetic_size: int) -> list[str]:
@@ -166,22 +169,40 @@ def reference_round(sim, rnd: int) -> None:
     sim.server_model.load_state_dict(weighted_average(replies))
 
 
-def limit_round(sim, rnd: int) -> dict[str, float]:
-    """The round's work as one model: all the sampled clients' images in batches of K x B (K clients,
-    batch B) through the training loop (same batch pipeline, cross-entropy, SGD). Clients with their
-    own weights cannot train faster than this: it is the device's limit for the round."""
+def limit_context(sim, rnd: int):
+    """One client holding every image of round ``rnd``'s sampled clients, with batch K x B (K
+    clients, batch B), starting from the worker's initial weights."""
     sampled = sim.schedule[rnd - 1]
     ctx = sim.clients.context(sampled[0], rnd, {})
     rows = torch.cat([sim.train_data.client_indices(c) for c in sampled])
-    ctx = replace(ctx, data=replace(ctx.data, indices=rows),
-                  train=replace(ctx.train, batch_size=len(sampled) * ctx.train.batch_size))
+    return replace(ctx, data=replace(ctx.data, indices=rows),
+                   train=replace(ctx.train, batch_size=len(sampled) * ctx.train.batch_size))
+
+
+def limit_round(sim, rnd: int) -> dict[str, float]:
+    """The round's work as one model: all the sampled clients' images in batches of K x B through
+    the training loop (same batch pipeline, cross-entropy, SGD). Clients with their own weights
+    cannot train faster than this in the same loop: it is the device's limit for eager training."""
+    ctx = limit_context(sim, rnd)
     return train_local(ctx, lambda x, y: torch.nn.functional.cross_entropy(ctx.model(x), y))
+
+
+def captured_limit_round(sim, trainer: GraphedTrainer, rnd: int) -> dict[str, float]:
+    """:func:`limit_round` with its step captured as a CUDA graph (``trainer``: one lane, kept
+    across rounds). Eager training launches every kernel from Python, so a small model's eager
+    limit is the host's; captured clients are bounded by this one instead."""
+    ctx = limit_context(sim, rnd)
+    objective = LocalObjective(torch.nn.functional.cross_entropy)
+    return trainer.train([ctx], [clone_state(ctx.model)], [objective])[0][1]
 
 
 def time_backend(sim, backend: str, rounds: int) -> dict[str, float]:
     """s/round and images/s of training (local training + aggregation) after one warm-up round,
     and on a GPU the peak memory allocated in the timed rounds."""
     steps = {"reference": lambda r: reference_round(sim, r), "limit": lambda r: limit_round(sim, r)}
+    if backend == CAPTURED_LIMIT:
+        trainer = GraphedTrainer(sim.worker, lanes=1)
+        steps[backend] = lambda r: captured_limit_round(sim, trainer, r)
     step = steps.get(backend, sim.fit_round)
     cuda = sim.device.type == "cuda"
     try:
@@ -229,7 +250,10 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
         "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / parallel / "
         f"vectorized / graphed = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here; "
         "graphed, GPU only). limit = the same images trained as one model in batches of K x B (K sampled clients, "
-        "batch B): what clients with their own weights cannot beat; of limit = its s/round over the row's. "
+        "batch B): what clients with their own weights cannot beat in the same loop"
+        + ("; captured limit = the same with its step captured as a CUDA graph (eager training launches every "
+           "kernel from Python, which can bound a small model's limit by the host)" if cuda else "")
+        + "; of limit = the faster limit's s/round over the row's. "
         "GFLOP/s = images/s x the model's forward+backward FLOPs per image."
         + (" peak MiB = GPU memory allocated at most during the timed rounds." if cuda else ""),
         "",
@@ -242,13 +266,15 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
         for sampled in sampled_counts:
             common = measured_setting(base, overrides, model, sampled, synthetic_size, rounds + 1)
             results, flops = {}, None
-            for backend in ("reference", *backends, "limit"):
-                pick = {"reference": ["run.channels_last=false"], "limit": []}.get(backend, [f"run.backend={backend}"])
+            for backend in ("reference", *backends, "limit", *([CAPTURED_LIMIT] if cuda else [])):
+                pick = {"reference": ["run.channels_last=false"], "limit": [], CAPTURED_LIMIT: []}.get(
+                    backend, [f"run.backend={backend}"])
                 cfg = load_config(config, [*common, *pick])
                 sim = prepare(cfg)
                 flops = flops or train_flops_per_image(sim)
                 results[backend] = time_backend(sim, backend, rounds)
-            ref, limit = results["reference"]["s_per_round"], results["limit"]["s_per_round"]
+            ref = results["reference"]["s_per_round"]
+            limit = min(results[b]["s_per_round"] for b in ("limit", CAPTURED_LIMIT) if b in results)
             for backend, r in results.items():
                 gflops = r["images_per_s"] * flops / 1e9
                 lines.append(f"| {model} | {cfg.data.dataset} | {sampled} | {backend} | {r['s_per_round']:.3f} "
