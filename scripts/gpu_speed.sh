@@ -5,7 +5,8 @@
 # All on synthetic CIFAR-shaped data (3 x 32 x 32), so no dataset files are needed. The backends and the
 # profile train clients of the papers' size: the 3,000 balanced synthetic images split IID over the
 # sampled clients (300 images, 20 steps of batch 32 a round with 10 clients; 75 images, 6 steps with 40),
-# 2 local epochs. Each step writes its table to OUT_DIR as soon as it ends.
+# 2 local epochs; 2 timed rounds a row (one round on a fresh machine moved sequential training by up to
+# 1.6x between runs). Each step writes its table to OUT_DIR as soon as it ends.
 #
 #   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
 #       STEP: tests, backends, profile, paper-rounds (default: all, at most 580 s together); =SECONDS
@@ -39,7 +40,7 @@ fedlt=("$py" -m fedlt.cli)
 
 "$py" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$out/device.txt"
 step tests 110 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
-step backends 230 "${fedlt[@]}" bench speed --backends --rounds 1 --no-k-table --models resnet8,resnet32,cnn \
+step backends 230 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models resnet8,resnet32,cnn \
   --sampled 10,40 --synthetic-size 32 --compare sequential,graphed --out "$out/backends.md" "${clients[@]}"
 step profile 110 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10 --synthetic-size 32 \
   --backends sequential,graphed --out "$out/profile.md" "${clients[@]}"
