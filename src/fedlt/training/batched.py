@@ -19,8 +19,10 @@ Models must be deterministic functions of their input in training mode (no dropo
 global RNG is not split per client.
 
 On this project's 2-core CPU it measured no faster than the sequential loop (each client's batch already
-keeps the cores busy, and grouped convolutions run slower than the same work as separate ones:
-docs/results/speed.md), so ``run.backend`` defaults to sequential; it is meant for GPUs.
+keeps the cores busy, and grouped convolutions run slower than the same work as separate ones), and on
+an H200 it was the slowest backend for every model, where the graphed backend
+(:mod:`fedlt.training.graphed`) was the fastest (docs/results/speed.md); it is kept for its
+equality tests and for devices where grouped convolutions are fast.
 """
 
 from __future__ import annotations
