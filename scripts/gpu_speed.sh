@@ -21,6 +21,8 @@ for arg in "${@:-tests backends profile paper-rounds}"; do
     name=${asked%%=*}
     case $name in tests|backends|profile|paper-rounds) ;; *) echo "unknown step '$name': use tests, backends, profile or paper-rounds" >&2; exit 2;; esac
     limits[$name]=$([[ $asked == *=* ]] && echo "${asked#*=}" || echo default)
+    [[ ${limits[$name]} == default || ${limits[$name]} =~ ^[1-9][0-9]*$ ]] \
+      || { echo "step $asked: give its time limit in whole seconds, e.g. $name=300" >&2; exit 2; }
   done
 done
 mkdir -p "$out"

@@ -182,6 +182,8 @@ def error_cases(data: Path) -> dict[str, Case]:
         "speed_zero_rounds": Case(["bench", "speed", *SYN, "--rounds", "0"], "--rounds 0", "1 or more", out_dir=False),
         "speed_bad_compare": Case(["bench", "speed", *SYN, "--backends", "--compare", "sequential,warp"],
                                   "--compare sequential,warp", "sequential, parallel, vectorized", out_dir=False),
+        "speed_compare_without_backends": Case(["bench", "speed", *SYN, "--compare", "graphed"], "--compare graphed",
+                                               "add --backends", out_dir=False),
         "profile_bad_backend": Case(["bench", "profile", *SYN, "--backends", "sequential,fast"], "--backends sequential,fast",
                                     "sequential, parallel, vectorized", out_dir=False),
         "profile_bad_model": Case(["bench", "profile", *SYN, "--models", "resnet9"], "unknown model 'resnet9'",

@@ -217,9 +217,12 @@ def bench_speed_cmd(
     def go() -> None:
         from fedlt.bench.speed import run_backend_bench, run_speed_bench
         from fedlt.config import load_config
+        from fedlt.errors import ConfigError
 
         _check_at_least_one(rounds, "--rounds", "rounds to time")
         _check_out(out, folder=False)
+        if compare is not None and not backends:
+            raise ConfigError(f"--compare {compare} picks the rows of the backends table; add --backends")
         chosen = _backend_list(compare, auto=False, option="--compare") if compare is not None else None
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)  # as given: the bench's own fl.rounds would hide a bad one
