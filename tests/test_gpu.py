@@ -92,23 +92,33 @@ def test_a_graphed_run_on_a_gpu_equals_a_sequential_run(tmp_path, float64, metho
 ])
 def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend, extra):
     """CUDA's own sync check: the synchronisations of a round do not grow with its local epochs."""
-    counts = []
-    for epochs in (1, 3):
-        sim = prepare(config(tmp_path, f"run.backend={backend}", f"fl.local_epochs={epochs}", *extra))
-        sim.setup()
-        sim.fit_round(1)  # captures, allocations and cuDNN set-up happen here
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                sim.fit_round(2)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
-        sim.close()
+    counts = [round_syncs(tmp_path, f"run.backend={backend}", f"fl.local_epochs={epochs}", *extra) for epochs in (1, 3)]
     # equal up to set-up the first round left (one fewer was seen with 3 epochs): none per step
     assert counts[1] <= counts[0], f"synchronisations with 1 and 3 local epochs: {counts}"
+
+
+def test_a_graphed_round_on_a_gpu_waits_no_more_often_with_more_clients(tmp_path):
+    """A client's start (rows, class counts) and its reply make no synchronisation: the host makes the
+    next clients while the lanes train, and a wait per client would stall it."""
+    counts = [round_syncs(tmp_path, "run.backend=graphed", f"data.num_clients={clients}") for clients in (3, 6)]
+    assert counts[1] <= counts[0], f"synchronisations with 3 and 6 clients: {counts}"
+
+
+def round_syncs(tmp_path, *overrides: str) -> int:
+    """CUDA's synchronisation warnings in a run's second round (the first one captures and allocates)."""
+    sim = prepare(config(tmp_path, *overrides))
+    sim.setup()
+    sim.fit_round(1)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sim.fit_round(2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sim.close()
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def test_the_captured_limit_on_a_gpu_equals_the_eager_limit(tmp_path, float64):

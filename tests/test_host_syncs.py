@@ -69,3 +69,43 @@ def test_the_counter_sees_reads_masks_and_host_copies():
         x[2] = x[3]
     assert sorted(name for name, _ in syncs.calls) == ["__float__", "__getitem__", "__setitem__", "tensor"]
     assert all(site.startswith("outside") for _, site in syncs.calls)
+
+
+@pytest.mark.parametrize("partition", ["dirichlet", "pathological", "iid"])
+def test_a_clients_rows_and_class_counts_come_without_waiting_for_the_device(partition):
+    """All clients' rows go to the device in one copy, the first time; a client's class counts come
+    from the partition's host counts (a copy queued like a kernel on a GPU) and equal its labels' count."""
+    sim = prepare(load_config(None, [*SMALL, f"data.partition={partition}", "data.classes_per_client=3"]))
+    runtime, data = sim.clients, sim.clients.train_data
+    with HostSyncs() as first:
+        data.client_indices(0)
+    assert first.total == 1  # the one copy of every client's rows
+    for cid in range(data.num_clients):
+        with HostSyncs() as syncs:
+            ctx = runtime.context(cid, 1, {})
+            counts = ctx.data.class_counts()
+        assert syncs.total == 0, syncs.calls
+        assert counts.dtype == torch.int64 and counts.device == ctx.data.labels.device
+        assert torch.equal(counts, torch.bincount(ctx.data.labels[ctx.data.indices], minlength=ctx.data.num_classes))
+        assert torch.equal(ctx.data.indices.cpu(), torch.as_tensor(data.partition.client_indices[cid]))
+    counts = runtime.context(0, 1, {}).data.class_counts()
+    counts += 1  # the caller's own tensor: the partition's counts stay as they were
+    assert torch.equal(runtime.context(0, 1, {}).data.class_counts() + 1, counts)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+def test_a_graphed_round_waits_for_the_device_no_more_often_with_more_clients(method):
+    """The graphed backend reads every client's training loss in one copy after the lanes are done,
+    and a client's start (rows, class counts, prior) never waits: on a GPU the host makes the next
+    clients while the lanes train, and a wait per client would stall it."""
+    counts = []
+    for clients in (2, 4):
+        sim = prepare(load_config(None, [*SMALL, f"data.num_clients={clients}", "fl.participation=1.0",
+                                         f"method={method}", "run.backend=graphed"]))
+        sim.setup()
+        sim.fit_round(1)  # the rows' one copy
+        with HostSyncs() as syncs:
+            sim.fit_round(2)
+        sim.close()
+        counts.append(syncs.total)
+    assert counts[0] == counts[1], counts

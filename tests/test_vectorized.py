@@ -118,6 +118,47 @@ def test_the_captured_sgd_update_equals_the_uncaptured_one_to_rounding(tmp_path,
     assert not all(torch.equal(p, q) for p, q in zip(sim.worker.parameters(), plain.params))  # it trained
 
 
+def test_the_graphed_trainer_makes_each_client_only_when_a_lane_is_free(tmp_path, monkeypatch):
+    """On a GPU the host makes the next clients' messages, contexts and objectives while the lanes
+    train the first ones: the trainer takes a job from its iterator only when a lane needs one (here
+    one lane: after the previous client's last step). A job whose step differs from the first one's is
+    handed back untrained, and the others are trained exactly as the eager ``train`` trains them."""
+    from dataclasses import replace
+
+    sim = prepare(config(tmp_path, "fl.batch_size=16", "fl.participation=1.0"))
+    msg = Message(weights=clone_state(sim.worker))
+    cids = sim.schedule[0]
+    contexts = [sim._context(c, 1) for c in cids]
+    objectives = [sim.client.local_objective(ctx, msg) for ctx in contexts]
+    objectives[1] = replace(objectives[1], prox_mu=0.5)  # another form of step: not in the first one's graphs
+    events = []
+    trainer = GraphedTrainer(sim.worker, lanes=1)
+    run_step = trainer._run_step
+    monkeypatch.setattr(trainer, "_run_step", lambda *args: (events.append("step"), run_step(*args))[1])
+
+    def jobs():
+        for k, (ctx, objective) in enumerate(zip(contexts, objectives)):
+            events.append(k)
+            yield ctx, dict(msg.weights), objective
+
+    lazily = trainer.train_as_made(jobs())
+    steps = [-(-len(ctx.data) // 16) for ctx in contexts]
+    assert len(set(steps)) > 1 and all(steps)
+    # job 0, its steps, jobs 1 (declined) and 2, the steps of 2, job 3, ...
+    expected = [0]
+    for k in range(1, len(cids)):
+        expected += ["step"] * steps[k - 1] * (k - 1 != 1) + [k]
+    assert events == expected + ["step"] * steps[-1]
+    assert lazily[1] is None and len(lazily) == len(cids)
+    fitting = [k for k in range(len(cids)) if k != 1]
+    eager = GraphedTrainer(sim.worker, lanes=1).train([contexts[k] for k in fitting], [dict(msg.weights)] * len(fitting),
+                                                       [objectives[k] for k in fitting])
+    for k, (state, metrics, _) in zip(fitting, eager):
+        assert lazily[k][1] == metrics and all(torch.equal(lazily[k][0][n], v) for n, v in state.items())
+    with pytest.raises(ValueError, match="share the form of their step"):
+        trainer.train(contexts, [dict(msg.weights)] * len(cids), objectives)
+
+
 def test_a_calibrated_method_trains_together_and_its_payload_arrives(tmp_path):
     """CReFF (FedAvg calibrated by federated features): its clients' gradients, computed from the
     received model before training, ride on the fit replies of clients trained together. Without a
@@ -203,8 +244,11 @@ def test_a_seed_method_whose_loss_reads_the_model_trains_graphed_to_the_last_bit
 
 
 class _FakeStream:
+    def __init__(self):
+        self.waited = []  # the streams this one was told to wait for
+
     def wait_stream(self, other):
-        pass
+        self.waited.append(other)
 
 
 @pytest.mark.parametrize("method,extra", [
@@ -247,6 +291,14 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
         return graph
 
     monkeypatch.setattr(module, "_capture", capture_and_replay)
+    load = module._load
+
+    def load_after_waiting(lane, *args):  # a client's start is made on the calling stream while lanes train
+        assert lane.stream.waited[-1:] == [main], "a lane loaded a start before waiting for the stream that made it"
+        lane.stream.waited.clear()
+        load(lane, *args)
+
+    monkeypatch.setattr(module, "_load", load_after_waiting)
     handed = []  # SCAFFOLD's gradient sums, as the trainer hands them to the objective
     if method == "scaffold":
         from fedlt.methods.scaffold import ScaffoldClient

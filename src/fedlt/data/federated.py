@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class FederatedData:
     val: ImageDataset | None = None
     #: where ``val`` came from (``dataset``, ``train`` or ``test``; see :mod:`fedlt.data.validation`)
     val_source: str | None = None
+    #: every client's rows on the training device, made by the first :meth:`client_indices`
+    _rows: list[torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_clients(self) -> int:
@@ -52,7 +54,19 @@ class FederatedData:
         return self.partition.counts.sum(axis=0)
 
     def client_indices(self, cid: int) -> torch.Tensor:
-        return torch.as_tensor(self.partition.client_indices[cid], dtype=torch.int64, device=self.train.images.device)
+        """Client ``cid``'s rows of ``train`` (int64, on its device; shared, not to be written to).
+        Every client's rows go to the device in one copy, the first time: a copy from host memory per
+        client would make the host wait for the device at each client's start."""
+        if self._rows is None:
+            rows = self.partition.client_indices
+            flat = torch.as_tensor(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if rows else
+                                   np.zeros(0, dtype=np.int64), device=self.train.images.device)
+            self._rows = list(flat.split([len(r) for r in rows]))
+        return self._rows[cid]
+
+    def client_counts(self, cid: int) -> np.ndarray:
+        """Client ``cid``'s training samples per class (int64, on the host)."""
+        return self.partition.counts[cid]
 
     def pooled(self) -> "FederatedData":
         """Every training sample in one client: the centralized oracle's view (local tests kept)."""

@@ -64,19 +64,22 @@ class ClientRuntime:
         self.client = spec.client(parse_method_args(spec, cfg.method_args))
         self.worker = new_model(cfg, spec, data, device)
         self._worker_init = clone_state(self.worker)
+        # the worker's tensors in _worker_init's order: a module's tensors stay the same objects
+        # (load_state_dict copies in place), so each client's reset needs no state-dict traversal
+        worker = self.worker.state_dict(keep_vars=True)
+        self._worker_tensors = [worker[k] for k in self._worker_init]
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         """A client's view; the worker model starts from the initial weights, so entries a message
         does not carry never leak from the previous client (or depend on resume)."""
-        worker = self.worker.state_dict(keep_vars=True)
-        fused.copy_([worker[k] for k in self._worker_init], list(self._worker_init.values()))
+        fused.copy_(self._worker_tensors, list(self._worker_init.values()))
         fl = self.cfg.fl
         data = self.train_data
         return ClientContext(
             cid=cid, round=rnd, model=self.worker,
             data=ClientData(data.train.images, data.train.labels, data.client_indices(cid), data.num_classes,
-                            self._standardizer(), self._augment, data.hflip),
+                            self._standardizer(), self._augment, data.hflip, data.client_counts(cid)),
             state=state,
             train=TrainSettings(fl.local_epochs, fl.batch_size, lr_at(fl, rnd), fl.momentum, fl.weight_decay,
                                 fl.grad_clip, base_lr=fl.lr),

@@ -41,6 +41,9 @@ class NodeFederation(FederatedData):
     def client_indices(self, cid: int) -> torch.Tensor:
         return torch.arange(len(self.train), dtype=torch.int64, device=self.train.images.device)
 
+    def client_counts(self, cid: int) -> np.ndarray:
+        return self.partition.counts[0]
+
 
 def node_federation(train: ImageDataset, test: ImageDataset | None, hflip: bool) -> NodeFederation:
     """The client runtime's view of a node that holds ``train`` (and ``test``, its own test split)."""

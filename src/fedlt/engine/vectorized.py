@@ -14,11 +14,11 @@ accounting are unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
-from fedlt.messages import Reply
+from fedlt.messages import Message, Reply
 from fedlt.training.batched import shared_loss, train_clients
-from fedlt.training.graphed import GraphedTrainer, step_form
+from fedlt.training.graphed import GraphedTrainer, Job
 
 if TYPE_CHECKING:
     from fedlt.engine.simulation import Simulation
@@ -27,42 +27,46 @@ if TYPE_CHECKING:
 def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Reply]:
     """The fit step of ``sim.fit_round`` with the sampled clients trained by ``sim.backend``
     (vectorized or graphed). Clients whose objective does not fit (``local_objective`` returned
-    None) train sequentially."""
-    messages = {cid: msg for cid in sampled if (msg := sim.server.fit_message(rnd, cid)) is not None}
-    contexts, objectives, starts = {}, {}, {}
-    for cid, msg in messages.items():
-        ctx = sim._context(cid, rnd)
-        objective = sim.client.local_objective(ctx, msg)
-        if objective is not None and (sim.backend == "graphed" or objective.of_logits_only()):
-            contexts[cid], objectives[cid] = ctx, objective
-            starts[cid] = {**sim.clients._worker_init,
-                           **{k: v.to(sim.device) for k, v in (*msg.weights.items(), *objective.start.items())}}
-    together = list(contexts)
-    if together and shared_loss([objectives[c].loss for c in together]) is None:
-        together = []  # clients with different kinds of loss: nothing to share a step
-    if sim.backend == "graphed" and len({step_form(objectives[c]) for c in together}) > 1:
-        together = []  # a captured step bakes FedProx's mu and the step's form in
-    trained = {}
-    if together:
-        args = ([contexts[c] for c in together], [starts[c] for c in together], [objectives[c] for c in together])
-        if sim.backend == "graphed":
-            if sim.graphed is None:
-                sim.graphed = GraphedTrainer(sim.worker, sim.cfg.run.streams)
-            results = sim.graphed.train(*args)
-        else:
-            results = [(state, metrics, {}) for state, metrics in train_clients(sim.worker, *args)]
-        for cid, (state, metrics, extra) in zip(together, results):
-            finish = objectives[cid].finish
-            weights = finish(state, extra) if finish else state  # before the payload: finish may add to it
-            trained[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
-                                 payload=dict(objectives[cid].payload))
+    None, or a step that cannot be shared) train sequentially."""
+    messages: dict[int, Message] = {}
+    contexts, objectives = {}, {}  # of the clients handed to the backend, in the order they were made
 
+    def jobs() -> Iterator[Job]:
+        """The sampled clients with a message and an objective, made one at a time: the graphed
+        trainer takes the next only when a lane is free for it."""
+        for cid in sampled:
+            if (msg := sim.server.fit_message(rnd, cid)) is None:
+                continue
+            messages[cid] = msg
+            ctx = sim._context(cid, rnd)
+            objective = sim.client.local_objective(ctx, msg)
+            if objective is not None and (sim.backend == "graphed" or objective.of_logits_only()):
+                contexts[cid], objectives[cid] = ctx, objective
+                start = {**sim.clients._worker_init,
+                         **{k: v.to(sim.device) for k, v in (*msg.weights.items(), *objective.start.items())}}
+                yield ctx, start, objective
+
+    if sim.backend == "graphed":
+        if sim.graphed is None:
+            sim.graphed = GraphedTrainer(sim.worker, sim.cfg.run.streams)
+        results = sim.graphed.train_as_made(jobs())
+        done = {cid: result for cid, result in zip(contexts, results) if result is not None}
+    else:
+        together = list(jobs())
+        done = {}
+        if together and shared_loss([objectives[c].loss for c in contexts]) is not None:  # else nothing shares a step
+            trained = train_clients(sim.worker, *([job[k] for job in together] for k in range(3)))
+            done = {cid: (state, metrics, {}) for cid, (state, metrics) in zip(contexts, trained)}
     replies = {}
     for cid, msg in messages.items():
-        if cid in trained:
-            replies[cid] = trained[cid]
+        if cid in done:
+            state, metrics, extra = done[cid]
+            finish = objectives[cid].finish
+            weights = finish(state, extra) if finish else state  # before the payload: finish may add to it
+            replies[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
+                                 payload=dict(objectives[cid].payload))
             sim._forget_empty_state(cid)
-            sim._account("fit", msg, trained[cid])
+            sim._account("fit", msg, replies[cid])
         else:
             replies.update(sim._exchange("fit", rnd, [(cid, msg)]))
     return replies

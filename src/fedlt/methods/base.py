@@ -37,6 +37,7 @@ from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.models import FedModel, create_model
 from fedlt.seeding import numpy_rng, torch_generator
+from fedlt.transfer import to_device
 
 Stage = Literal["setup", "before_fit", "after_fit", "final"]
 
@@ -72,11 +73,17 @@ class ClientData:
     standardize: Callable[[torch.Tensor], torch.Tensor]  # float [0, 1] batch -> model input
     augment: Callable[[torch.Tensor, torch.Generator, bool], torch.Tensor] | None = None
     hflip: bool = True  # whether flips keep labels (not for digits)
+    #: samples per class, when the federation knows them on the host (its partition does)
+    counts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.indices.numel())
 
     def class_counts(self) -> torch.Tensor:
+        """int64 samples per class on the data's device; from the host's counts when given, so the
+        host does not wait for the device to count them."""
+        if self.counts is not None:
+            return to_device(self.counts, self.labels.device)
         return torch.bincount(self.labels[self.indices], minlength=self.num_classes)
 
     def raw(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,8 +73,9 @@ def local_loss(ctx: ClientContext, msg: Message):
         counts = msg.payload["class_counts"].to(counts.device).double()
     elif cfg.prior == "uniform":
         counts = torch.ones_like(counts)
-    if counts.sum() <= 0:  # a client the partition left without samples trains on nothing: any prior will do
-        counts = torch.ones_like(counts)
+    # a client the partition left without samples trains on nothing: any prior will do (chosen on the
+    # device: the host does not wait for the sum)
+    counts = torch.where(counts.sum() > 0, counts, torch.ones_like(counts))
     return make_loss(
         cfg.name, prior=(counts / counts.sum()).float(), class_counts=counts,
         tau=cfg.tau, focal_gamma=cfg.focal_gamma, ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale,

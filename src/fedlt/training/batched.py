@@ -36,6 +36,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedlt.losses import LossFn
 from fedlt.methods.base import ClientContext, LocalObjective
 from fedlt.seeding import seed_for
+from fedlt.transfer import to_device
 from fedlt.training.scopes import BATCH, GRADIENT, OPTIMIZER, scope
 from fedlt.training.sequential import epoch_batches
 
@@ -123,7 +124,7 @@ def train_clients(
     schedule = step_groups([[len(rows) for rows in plan] for plan in plans])
     # the client positions of every partial group, on the device before the first step, in one copy
     partial = sorted({m for groups in schedule for m in groups if len(m) < n})
-    flat = upload([k for m in partial for k in m], device)
+    flat = to_device([k for m in partial for k in m], device)
     ends = [sum(len(m) for m in partial[:i + 1]) for i in range(len(partial))]
     positions = {m: flat[end - len(m):end] for m, end in zip(partial, ends)}
     for t, groups in enumerate(schedule):
@@ -165,15 +166,6 @@ def seed_as_sequential_training(contexts: list[ClientContext]) -> None:
     if trained:
         last = trained[-1]
         torch.manual_seed(seed_for(last.seed, "train", last.round, last.cid, 99))
-
-
-def upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device``; to a GPU from pinned memory without waiting (a copy from
-    ordinary host memory makes the host wait for the device)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def step_groups(batch_sizes: list[list[int]]) -> list[list[tuple[int, ...]]]:

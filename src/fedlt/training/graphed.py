@@ -4,7 +4,9 @@ on their own CUDA streams (``run.backend=graphed``).
 A BatchNorm ResNet's step at batch 32 is a few hundred small kernels. Launched one by one from
 Python, the GPU waits for the host between them; a CUDA graph launches them all with one call, and
 clients on separate streams (``run.streams`` lanes, each with its own copy of the model) keep the
-device busy while the host prepares the next batches.
+device busy while the host prepares the next batches. A lane takes its next client only when it is
+free (:meth:`GraphedTrainer.train_as_made`), so the host makes later clients' messages, contexts and
+objectives while the lanes train the first ones.
 
 Everything a step touches lives at fixed addresses: the lane's model (its parameters and BatchNorm
 buffers, loaded in place from each client's start), the momentum buffers, the FedProx anchor, the
@@ -29,16 +31,22 @@ without capture, one client after another: what CUDA replays is what the CPU tes
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from fedlt import fused
 from fedlt.methods.base import ClientContext, LocalObjective, TrainSettings
-from fedlt.training.batched import client_plan, seed_as_sequential_training, shared_loss
+from fedlt.training.batched import client_plan, seed_as_sequential_training, shared_loss, split_loss
 from fedlt.training.scopes import BATCH, GRADIENT, scope
+
+#: a client to train: its context, the state it starts from, its local objective
+Job = tuple[ClientContext, dict[str, torch.Tensor], LocalObjective]
+#: a trained client: its final state dict, ``train_local``'s metrics, its trained extras
+Trained = tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]
 
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS set-up, autograd's threads)
 #: a step shape (batch size, trained parameters) is captured on its second use; until then it runs
@@ -111,27 +119,38 @@ class GraphedTrainer:
         self.signature = None  # what the graphs baked in: loss function, its fixed settings, prox, SGD settings
 
     def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]], objectives: list[LocalObjective]
-              ) -> list[tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]]:
+              ) -> list[Trained]:
         """Per client its final state dict, ``train_local``'s metrics and its trained extras
-        (:attr:`LocalObjective.extra`), in the order given."""
+        (:attr:`LocalObjective.extra`), in the order given; every client must share one step."""
         if not contexts:
             return []
-        train = contexts[0].train
-        if any(ctx.train != train for ctx in contexts):
+        if any(ctx.train != contexts[0].train for ctx in contexts):
             raise ValueError("graphed clients must share the round's training settings")
-        parts = shared_loss([o.loss for o in objectives])
-        if parts is None:
+        if shared_loss([o.loss for o in objectives]) is None:
             raise ValueError("graphed clients must use the same kind of loss")
-        fn, fixed, _ = parts[0]
         if len({step_form(o) for o in objectives}) > 1:
             raise ValueError("graphed clients must share the form of their step (FedProx's mu, loss, extras, hooks)")
-        mu, on_model, keeps = objectives[0].prox_mu, objectives[0].on_model, objectives[0].keep is not None
-        corrected = objectives[0].correction is not None
-        if corrected and objectives[0].extra:
+        return self.train_as_made(zip(contexts, starts, objectives))  # type: ignore[return-value]
+
+    def train_as_made(self, jobs: Iterable[Job]) -> list[Trained | None]:
+        """Train the clients ``jobs`` yields, ``(context, start state, objective)``, taking the next one
+        only when a lane is free for it: on a GPU the host makes a client's message, context and
+        objective while the lanes train the clients before it, instead of the device idling until every
+        client of the round is made. The first job fixes the step (the loss's kind and fixed settings,
+        the step's form, the training settings); a later job whose step differs is not trained (None in
+        its place in the result, which follows ``jobs``' order), for the caller to train another way."""
+        jobs = iter(jobs)
+        first = next(jobs, None)
+        if first is None:
+            return []
+        train, objective = first[0].train, first[2]
+        fn, fixed, tensors = split_loss(objective.loss)
+        form = step_form(objective)
+        if objective.correction is not None and objective.extra:
             raise ValueError("a gradient correction covers the model's parameters only, not extra tensors")
         # captured steps read the learning rate from a tensor; the uncaptured one (CPU) takes it as
         # torch.optim.SGD does, so that it is the same arithmetic to the bit
-        signature = (fn, tuple(sorted(fixed.items())), step_form(objectives[0]), None if self.capture else train.lr,
+        signature = (fn, tuple(sorted(fixed.items())), form, None if self.capture else train.lr,
                      train.momentum, train.weight_decay, train.grad_clip)
         if signature != self.signature:  # another loss or SGD setting: capture again
             for lane in self.lanes:
@@ -139,36 +158,53 @@ class GraphedTrainer:
                 lane.uses.clear()
                 lane.loss_tensors, lane.extra, lane.extra_momentum, lane.inputs, lane.kept = {}, {}, {}, {}, {}
             self.signature = signature
-        step = _step_function(fn, fixed, mu, train, self.capture, on_model, keeps, corrected)  # its constants are the signature's
-        queues = [list(range(i, len(contexts), len(self.lanes))) for i in range(len(self.lanes))]
-        results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        step = _step_function(fn, fixed, objective.prox_mu, train, self.capture, objective.on_model,
+                              objective.keep is not None, objective.correction is not None)
+        made: list[Job] = []  # every job taken, held until the lanes are done: they read its tensors
+        results: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, int, dict[str, torch.Tensor]]] = {}
+        pending = itertools.chain([first], jobs)
+
+        def take() -> tuple[int, Job, dict[str, torch.Tensor]] | None:
+            """The next job that shares the first one's step, its position and its loss's tensors."""
+            for job in pending:
+                made.append(job)
+                f, x, t = split_loss(job[2].loss)
+                if job[0].train == train and f is fn and x == fixed and t.keys() == tensors.keys() \
+                        and step_form(job[2]) == form:
+                    return len(made) - 1, job, t
+            return None
+
         current = torch.cuda.current_stream(self.device) if self.capture else None
-        runs = [self._client_runs(lane, queue, contexts, starts, parts, objectives, step, results, current)
-                for lane, queue in zip(self.lanes, queues)]
         for lane in self.lanes:
             lane.neg_lr.fill_(-train.lr)
-            if lane.stream is not None:
-                lane.stream.wait_stream(current)  # the start states (and the rate) were made on this stream
+        runs = [self._client_runs(lane, take, step, results, current) for lane in self.lanes]
         while runs:  # one step of every lane in turn, so their streams overlap on the device
             runs = [run for run in runs if next(run, StopIteration) is not StopIteration]
         for lane in self.lanes:
             if lane.stream is not None:
                 current.wait_stream(lane.stream)
-        seed_as_sequential_training(contexts)
-        return [(state, {"train_loss": float(total) / steps if steps else float("nan"), "steps": float(steps)}, extra)
-                for state, total, steps, extra in (results[i] for i in range(len(contexts)))]
+        seed_as_sequential_training([made[i][0] for i in sorted(results)])
+        order = sorted(results)
+        losses = torch.stack([results[i][1] for i in order]).tolist() if order else []  # one wait for the device
+        trained: list[Trained | None] = [None] * len(made)
+        for i, loss in zip(order, losses):
+            state, _, steps, extra = results[i]
+            trained[i] = (state, {"train_loss": loss / steps if steps else float("nan"), "steps": float(steps)}, extra)
+        return trained
 
-    def _client_runs(self, lane: Lane, queue: list[int], contexts, starts, parts, objectives, step, results,
-                     consumer: torch.cuda.Stream | None):
-        """A generator that trains the lane's clients one batch per ``next``. What it hands back is made
-        on the lane's stream and used on ``consumer`` (the stream ``train`` was called on), so it is
-        recorded there: its memory is not reused before that stream is done with it."""
+    def _client_runs(self, lane: Lane, take, step, results, consumer: torch.cuda.Stream | None):
+        """A generator that trains clients from ``take`` on the lane, one batch per ``next``. A client's
+        start is made on ``consumer`` (the stream ``train`` was called on), so the lane waits for that
+        stream before loading it; what it hands back is made on the lane's stream and used on
+        ``consumer``, so it is recorded there: its memory is not reused before that stream is done with it."""
         with torch.cuda.stream(lane.stream):
             lane.model.train()
-        for i in queue:
-            ctx, objective = contexts[i], objectives[i]
+        while (taken := take()) is not None:  # made on the consumer's stream, outside the lane's
+            i, (ctx, start, objective), loss_tensors = taken
+            if lane.stream is not None:
+                lane.stream.wait_stream(consumer)
             with torch.cuda.stream(lane.stream):
-                _load(lane, starts[i], parts[i][2], objective.extra)
+                _load(lane, start, loss_tensors, objective.extra)
                 if objective.correction is not None:
                     _load_correction(lane, objective.correction.offset)
                 for p in lane.params:

@@ -1,0 +1,52 @@
+"""What the host does per graphed client besides its captured step, counted on any device: the host
+synchronisations of a round (fedlt.bench.host_syncs.HostSyncs) and the torch operations it
+dispatches per client (batch making, the client's start and reply, the aggregation), with the step
+itself replaced by nothing. On a GPU each operation is host time (a kernel launch or an allocation)
+and each synchronisation stalls the host until the device catches up.
+
+    python scripts/client_host_work.py [CLIENTS] [override ...]    e.g. 40 model.name=resnet32
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fedlt.api import prepare
+from fedlt.bench.host_syncs import HostSyncs
+from fedlt.config import load_config
+from fedlt.training import graphed
+
+
+class Operations(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main(clients: int, overrides: list[str]) -> None:
+    cfg = load_config(None, ["data.dataset=synthetic", "data.image_size=32", "data.partition=iid",
+                             "data.imbalance_factor=1", f"data.num_clients={clients}", "fl.participation=1.0",
+                             "fl.local_epochs=2", "model.name=resnet8", "run.backend=graphed", "run.threads=1",
+                             *overrides])
+    sim = prepare(cfg)
+    sim.setup()
+    graphed.GraphedTrainer._run_step = lambda *args: None  # everything but the step itself
+    sim.fit_round(1)
+    with HostSyncs() as syncs:
+        sim.fit_round(2)
+    with Operations() as ops:
+        sim.fit_round(3)
+    print(f"{cfg.model.name}, {clients} clients, {cfg.method}, {sim.device}: "
+          f"{syncs.total} host synchronisations a round {dict(syncs.calls)}; "
+          f"{sum(ops.count.values()) / clients:.1f} operations per client; most frequent: {ops.count.most_common(5)}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 40, sys.argv[2:])
