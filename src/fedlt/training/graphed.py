@@ -183,8 +183,8 @@ class GraphedTrainer:
         for lane in self.lanes:
             if lane.stream is not None:
                 current.wait_stream(lane.stream)
-        seed_as_sequential_training([made[i][0] for i in sorted(results)])
         order = sorted(results)
+        seed_as_sequential_training([made[i][0] for i in order])
         losses = torch.stack([results[i][1] for i in order]).tolist() if order else []  # one wait for the device
         trained: list[Trained | None] = [None] * len(made)
         for i, loss in zip(order, losses):
