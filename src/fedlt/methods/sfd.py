@@ -123,7 +123,7 @@ class SFDClient(Client):
         device = ctx.data.labels.device
         weight = float(msg.payload["sfd/scl_weight"])
         loss = partial(abbl_loss, offset=adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma).to(device),
-                       contrast=weight > 0, scl_weight=torch.tensor(weight, device=device),
+                       contrast=weight > 0, scl_weight=torch.full((), weight, device=device),
                        temperature=args.scl_temperature,
                        log_counts=torch.log(counts.to(torch.float32)).to(device) if args.scl_delta else None)
         return LocalObjective(loss, on_model=True)

@@ -30,7 +30,7 @@ def adaptive_prior(class_counts: torch.Tensor, beta_pi: float = 1.0) -> torch.Te
     present = n > 0
     if not bool(present.any()):
         raise ValueError("a client without samples has no prior")
-    return torch.where(present, n, beta_pi * n[present].min())
+    return torch.where(present, n, beta_pi * torch.where(present, n, torch.inf).min())  # no mask: no wait
 
 
 def adaptive_logit_offset(class_counts: torch.Tensor, beta_pi: float = 1.0, gamma: float = 0.1) -> torch.Tensor:
