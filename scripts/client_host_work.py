@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedlt.api import prepare
 from fedlt.bench.host_syncs import HostSyncs
 from fedlt.config import load_config
+from fedlt.errors import FedltError
 from fedlt.training import graphed
 
 
@@ -49,4 +50,11 @@ def main(clients: int, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 40, sys.argv[2:])
+    count = sys.argv[1] if len(sys.argv) > 1 else "40"
+    try:
+        if not count.isdigit() or int(count) < 1:
+            raise FedltError(f"CLIENTS must be a whole number of at least 1, got '{count}'")
+        main(int(count), sys.argv[2:])
+    except FedltError as error:
+        print(f"client_host_work: error: {error}", file=sys.stderr)
+        sys.exit(2)
