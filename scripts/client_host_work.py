@@ -37,6 +37,10 @@ def main(clients: int, overrides: list[str]) -> None:
                              "fl.local_epochs=2", "model.name=resnet8", "run.backend=graphed", "run.threads=1",
                              *overrides])
     sim = prepare(cfg)
+    a = getattr(sim.client, "args", None)
+    if cfg.method == "fedyoyo" and a.dla and a.prior_source == "estimated" and a.prior_features == "train":
+        raise FedltError("FedYoYo's estimated prior reads the features of the step this script leaves out; "
+                         "add method_args.prior_source=counts")
     sim.setup()
     graphed.GraphedTrainer._run_step = lambda *args: None  # everything but the step itself
     sim.fit_round(1)

@@ -97,10 +97,12 @@ def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend, extr
     assert counts[1] <= counts[0], f"synchronisations with 1 and 3 local epochs: {counts}"
 
 
-def test_a_graphed_round_on_a_gpu_waits_no_more_often_with_more_clients(tmp_path):
-    """A client's start (rows, class counts) and its reply make no synchronisation: the host makes the
-    next clients while the lanes train, and a wait per client would stall it."""
-    counts = [round_syncs(tmp_path, "run.backend=graphed", f"data.num_clients={clients}") for clients in (3, 6)]
+@pytest.mark.parametrize("extra", [[], ["loss.name=bsm"], ["method=sfd"]], ids=lambda e: " ".join(e) or "ce")
+def test_a_graphed_round_on_a_gpu_waits_no_more_often_with_more_clients(tmp_path, extra):
+    """A client's start (rows, class counts, its loss's per-class terms) and its reply make no
+    synchronisation: the host makes the next clients while the lanes train, and a wait per client
+    would stall it."""
+    counts = [round_syncs(tmp_path, "run.backend=graphed", f"data.num_clients={clients}", *extra) for clients in (3, 6)]
     assert counts[1] <= counts[0], f"synchronisations with 3 and 6 clients: {counts}"
 
 

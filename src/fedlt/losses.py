@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedlt.errors import ConfigError
+from fedlt.transfer import to_device
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,28 +61,39 @@ def _check_class_vector(vec: torch.Tensor, logits: torch.Tensor, what: str) -> N
         raise ValueError(f"{what} has shape {tuple(vec.shape)}, expected ({logits.shape[1]},) to match the logits")
 
 
-def _as_vector(values: torch.Tensor | Sequence[float], what: str, check: bool = True) -> tuple[torch.Tensor, torch.device]:
+def _as_vector(
+    values: torch.Tensor | np.ndarray | Sequence[float], what: str, check: bool = True
+) -> tuple[torch.Tensor, torch.device | None]:
     """Validated (unless ``check`` is false) float64 CPU copy of a per-class vector, and the device
-    it came from.
+    of the tensor it came from (None for host data: an array or a list).
 
-    Validation syncs with the device; float64 on CPU also works for backends without it (MPS).
+    A tensor is read back, which waits for its device; host data never waits. float64 on CPU also
+    works for backends without it (MPS).
     """
-    vec = torch.as_tensor(values)
+    if isinstance(values, torch.Tensor):
+        device, vec = values.device, values.detach().cpu().to(torch.float64)
+    else:
+        device, vec = None, torch.tensor(np.asarray(values, dtype=np.float64))
     if vec.dim() != 1 or vec.numel() == 0:
         raise ValueError(f"{what} must be a non-empty 1-D vector, got shape {tuple(vec.shape)}")
-    device = vec.device
-    vec = vec.detach().to("cpu", torch.float64)
     if not check:
         return vec, device
-    if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
+    host = vec.numpy()
+    if not np.isfinite(host).all() or (host < 0).any():
         raise ValueError(f"{what} must be finite and non-negative")
-    if float(vec.sum()) <= 0:
+    if host.sum() <= 0:
         raise ValueError(f"{what} must have a positive entry")
     return vec, device
 
 
-def log_prior(prior: torch.Tensor | Sequence[float], check: bool = True) -> torch.Tensor:
-    """``log(max(prior / sum(prior), PRIOR_FLOOR))`` as float32 on the prior's device.
+def _on(term: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A float32 host ``term`` on ``device`` (host data's terms stay on the host)."""
+    return term.to(torch.float32) if device is None else term.to(device, torch.float32)
+
+
+def log_prior(prior: torch.Tensor | np.ndarray | Sequence[float], check: bool = True) -> torch.Tensor:
+    """``log(max(prior / sum(prior), PRIOR_FLOOR))`` as float32 on the prior's device (the host
+    for an array or a list).
 
     The prior is normalised first, so raw class counts are accepted too; the logit-adjusted
     losses are unchanged by a constant shift of the log-prior, so only the floor cares.
@@ -88,7 +101,7 @@ def log_prior(prior: torch.Tensor | Sequence[float], check: bool = True) -> torc
     that has validated what the prior is made of.
     """
     p, device = _as_vector(prior, "prior", check)
-    return torch.log((p / p.sum()).clamp_min(PRIOR_FLOOR)).to(device, torch.float32)
+    return _on(torch.log((p / p.sum()).clamp_min(PRIOR_FLOOR)), device)
 
 
 def _offset_ce(logits: torch.Tensor, targets: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -146,21 +159,19 @@ def focal_loss(logits: torch.Tensor, targets: torch.Tensor, gamma: float = 2.0) 
     return -(one_minus_p.pow(gamma) * logp_t).mean()
 
 
-def ldam_margins(class_counts: torch.Tensor | Sequence[float], max_margin: float = 0.5) -> torch.Tensor:
+def ldam_margins(class_counts: torch.Tensor | np.ndarray | Sequence[float], max_margin: float = 0.5) -> torch.Tensor:
     """Per-class LDAM margins ``m_c ~ n_c^(-1/4)``, scaled so the largest equals ``max_margin``.
 
-    Float32 on the counts' device. A class with zero count gets ``max_margin`` (the limit of
-    ``n^(-1/4)`` as ``n -> 0``, capped): a margin only shifts the target logit, so it is used
-    only if samples of that class reach the loss anyway.
+    Float32 on the counts' device (the host for an array or a list). A class with zero count gets
+    ``max_margin`` (the limit of ``n^(-1/4)`` as ``n -> 0``, capped): a margin only shifts the
+    target logit, so it is used only if samples of that class reach the loss anyway.
     """
     if max_margin <= 0:
         raise ValueError(f"LDAM max_margin must be > 0, got {max_margin}")
     n, device = _as_vector(class_counts, "class_counts")
     present = n > 0
-    raw = n[present].pow(-0.25)
-    margins = torch.full_like(n, max_margin)
-    margins[present] = max_margin * (raw / raw.max())
-    return margins.to(device, torch.float32)
+    raw = torch.where(present, n.pow(-0.25), 0.0)  # the largest is a present class's: counts are validated
+    return _on(torch.where(present, max_margin * (raw / raw.max()), max_margin), device)
 
 
 def _ldam_from_margins(
@@ -203,11 +214,15 @@ def make_loss(
     focal_gamma: float = 2.0,
     ldam_max_margin: float = 0.5,
     ldam_scale: float = 1.0,
+    device: torch.device | None = None,
 ) -> LossFn:
     """Build ``loss(logits, targets)`` for a name in :data:`LOSSES`.
 
     The log-prior (``la``, ``bsm``) and margins (``ldam``) are computed once here, on the
-    device of ``prior`` / ``class_counts``; pass them on the training device. ``tau`` applies
+    host, and placed on ``device`` (default: the device of ``prior`` / ``class_counts``, the
+    host for arrays). Pass host data (arrays) and the training device: the terms are then
+    copied without making the host wait, where a tensor is read back (on a GPU, a wait per
+    client). ``tau`` applies
     to ``la`` only (``bsm`` is ``tau = 1``). A missing
     ``prior`` or ``class_counts`` is a programming error (``ValueError``); an unknown name is
     a config error.
@@ -220,7 +235,7 @@ def make_loss(
         if prior is None:
             raise ValueError(f"loss {name!r} needs a class prior")
         offset = log_prior(prior)
-        return partial(_offset_ce, offset=tau * offset if name == "la" else offset)
+        return partial(_offset_ce, offset=_placed(tau * offset if name == "la" else offset, device))
     if name == "focal":
         if focal_gamma < 0:
             raise ValueError(f"focal gamma must be >= 0, got {focal_gamma}")
@@ -230,4 +245,11 @@ def make_loss(
     if ldam_scale <= 0:
         raise ValueError(f"LDAM scale must be > 0, got {ldam_scale}")
     margins = ldam_margins(class_counts, ldam_max_margin)
-    return partial(_ldam_from_margins, margins=margins, scale=ldam_scale)
+    return partial(_ldam_from_margins, margins=_placed(margins, device), scale=ldam_scale)
+
+
+def _placed(term: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``term`` on ``device``: a host term is copied without making the host wait."""
+    if device is None or term.device == torch.device(device):
+        return term
+    return to_device(term, device, term.dtype) if term.device.type == "cpu" else term.to(device)

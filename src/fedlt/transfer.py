@@ -11,9 +11,24 @@ import numpy as np
 import torch
 
 
-def to_device(values: np.ndarray | list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A new ``dtype`` tensor of ``values`` on ``device`` (never sharing memory with ``values``)."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values: np.ndarray | list[int] | torch.Tensor, device: torch.device | str,
+              dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A new ``dtype`` tensor of ``values`` (host data: a list, an array or a CPU tensor) on ``device``,
+    never sharing memory with ``values``."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"to_device copies host data; got a tensor on {values.device}")
+        host = values.detach().to(dtype, copy=True)
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def to_host(values: torch.Tensor) -> np.ndarray:
+    """A NumPy copy of ``values`` on the host: free for a host tensor (a payload sent by an in-process
+    server); one that arrived on a device (a Flower node's decoded message, a resumed state) is read
+    back, which waits for it."""
+    return values.detach().to("cpu", copy=True).numpy()

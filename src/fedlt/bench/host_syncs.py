@@ -18,7 +18,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 #: calls that read a device value on the host, or whose output size depends on device values
-READS = frozenset({"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "cpu", "numpy", "nonzero",
+#: (not ``numpy``: it refuses a device tensor, so it only ever reads the host's own data)
+READS = frozenset({"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "cpu", "nonzero",
                    "bincount", "unique", "unique_consecutive", "masked_select", "argwhere"})
 #: factories that copy host data (a Python list, a NumPy array) to the ``device=`` they are given
 COPIES = frozenset({"tensor", "as_tensor"})

@@ -86,6 +86,14 @@ class ClientData:
             return to_device(self.counts, self.labels.device)
         return torch.bincount(self.labels[self.indices], minlength=self.num_classes)
 
+    def host_counts(self) -> np.ndarray:
+        """int64 samples per class on the host, for per-class terms made there (a loss's prior) and
+        copied to the device without a wait: the host's counts when given, else counted on the
+        device (a wait)."""
+        if self.counts is not None:
+            return np.array(self.counts, dtype=np.int64)
+        return self.class_counts().cpu().numpy()
+
     def raw(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 images and labels of ``rows`` (positions within this client), for methods that
         build their own views."""

@@ -8,12 +8,14 @@ the class distribution behind the re-balancing losses: the client's own label co
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedlt.losses import make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, clone_state
 from fedlt.training.sequential import BatchLoss, train_local
+from fedlt.transfer import to_host
 
 PRIOR_LOSSES = {"la", "bsm", "ldam"}
 
@@ -66,18 +68,18 @@ class FedAvgServer(Server):
 def local_loss(ctx: ClientContext, msg: Message):
     """The configured classification loss, with its prior resolved for this client."""
     cfg = ctx.loss_config
-    counts = ctx.data.class_counts().double()
+    # on the host: the loss's terms are made there and copied to the device without a wait
+    counts = ctx.data.host_counts().astype(np.float64)
     if cfg.prior == "global":
         if "class_counts" not in msg.payload:
             raise RuntimeError("loss.prior=global but the server sent no class counts (setup stage not run)")
-        counts = msg.payload["class_counts"].to(counts.device).double()
+        counts = to_host(msg.payload["class_counts"]).astype(np.float64)
     elif cfg.prior == "uniform":
-        counts = torch.ones_like(counts)
-    # a client the partition left without samples trains on nothing: any prior will do (chosen on the
-    # device: the host does not wait for the sum)
-    counts = torch.where(counts.sum() > 0, counts, torch.ones_like(counts))
+        counts = np.ones_like(counts)
+    if counts.sum() <= 0:  # a client the partition left without samples trains on nothing: any prior will do
+        counts = np.ones_like(counts)
     return make_loss(
-        cfg.name, prior=(counts / counts.sum()).float(), class_counts=counts,
+        cfg.name, prior=(counts / counts.sum()).astype(np.float32), class_counts=counts, device=ctx.data.labels.device,
         tau=cfg.tau, focal_gamma=cfg.focal_gamma, ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale,
     )
 

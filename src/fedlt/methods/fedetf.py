@@ -19,6 +19,7 @@ without augmentation.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -87,8 +88,8 @@ def without_etf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _balanced_loss(ctx: ClientContext):
-    counts = ctx.data.class_counts().float()
-    return make_loss("bsm", prior=counts / counts.sum().clamp_min(1))
+    counts = ctx.data.host_counts().astype(np.float32)
+    return make_loss("bsm", prior=counts / max(counts.sum(), 1), device=ctx.data.labels.device)
 
 
 class FedETFClient(Client):

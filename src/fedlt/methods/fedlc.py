@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -36,21 +37,18 @@ from fedlt.messages import Message
 from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs
 from fedlt.methods.fedavg import FedAvgClient
 from fedlt.training.sequential import BatchLoss
+from fedlt.transfer import to_device
 
 
 class FedLCArgs(MethodArgs):
     tau: float = Field(1.0, ge=0, description="calibration strength: logits minus tau * n_{k,y}^(-1/4)")
 
 
-def calibration_margins(class_counts: torch.Tensor, tau: float) -> torch.Tensor:
-    """``tau * n^(-1/4)`` per class (float32); ``inf`` for absent classes when ``tau > 0``."""
-    counts = class_counts.to(torch.float32)
-    margins = torch.zeros_like(counts)
-    present = counts > 0
-    margins[present] = tau * counts[present].pow(-0.25)
-    if tau > 0:
-        margins[~present] = float("inf")
-    return margins
+def calibration_margins(class_counts: np.ndarray | torch.Tensor, tau: float) -> torch.Tensor:
+    """``tau * n^(-1/4)`` per class (float32, where the counts are: the host for an array); ``inf``
+    for absent classes when ``tau > 0``."""
+    counts = torch.as_tensor(class_counts).to(torch.float32)
+    return torch.where(counts > 0, tau * counts.pow(-0.25), float("inf") if tau > 0 else 0.0)
 
 
 def calibrated_ce(logits: torch.Tensor, targets: torch.Tensor, margins: torch.Tensor) -> torch.Tensor:
@@ -65,4 +63,5 @@ class FedLCClient(FedAvgClient):
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """The calibrated cross-entropy as a loss of the logits, its margins a per-client tensor."""
-        return LocalObjective(partial(calibrated_ce, margins=calibration_margins(ctx.data.class_counts(), self.args.tau)))
+        margins = calibration_margins(ctx.data.host_counts(), self.args.tau)  # made on the host, then copied
+        return LocalObjective(partial(calibrated_ce, margins=to_device(margins, ctx.data.labels.device, margins.dtype)))

@@ -106,6 +106,8 @@ from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, clone_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.training.sequential import epoch_batches, fit_objective, steps_per_epoch
+from fedlt.transfer import to_device
+
 
 class FedYoYoArgs(MethodArgs):
     lam: float = Field(4.0, ge=0, description="weight lambda of the ASD loss after warm-up (paper: 3-5.5)")
@@ -266,7 +268,8 @@ def estimate_prior(batches: list[tuple[torch.Tensor, torch.Tensor]], num_classes
         return None
     features = torch.cat([f for f, _ in batches]).double()
     labels = torch.cat([y for _, y in batches])
-    counts = torch.bincount(labels, minlength=num_classes).double()
+    counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(
+        0, labels, torch.ones_like(labels, dtype=torch.float64))  # bincount's size would wait for the device
     prototypes = torch.zeros(num_classes, features.shape[1], dtype=features.dtype, device=features.device)
     prototypes.index_add_(0, labels, features).div_(counts.clamp_min(1)[:, None])
     effective = sum(effective_numbers(f.double(), y, prototypes) for f, y in batches)
@@ -360,7 +363,7 @@ def weighted_mean_prior(entries) -> torch.Tensor:
     """Sample-weighted mean of ``(prior, num_samples)`` pairs, the server's ``pi_g``."""
     entries = list(entries)
     total = sum(n for _, n in entries)
-    return sum(p.double().cpu() * n for p, n in entries).div(total).float()
+    return sum(p.to("cpu", torch.float64) * n for p, n in entries).div(total).float()
 
 
 # ---- client -----------------------------------------------------------------------------------
@@ -387,8 +390,8 @@ class FedYoYoClient(FedAvgClient):
             return torch.full((num_classes,), 1.0 / num_classes)
         local = ctx.state.get("prior") if self.args.prior_source == "estimated" else None
         if local is None:
-            local = label_distribution(ctx.data.class_counts().cpu())
-        return fuse_priors(msg.payload["global_prior"].cpu(), local.cpu(), self.args.gamma)
+            local = label_distribution(torch.from_numpy(ctx.data.host_counts()))
+        return fuse_priors(msg.payload["global_prior"].to("cpu"), local.to("cpu"), self.args.gamma)
 
     def prior_schedule(self, ctx: ClientContext, msg: Message):
         """``t -> log prior`` of the round's batch ``t`` (1, 2, ...) on the device: the per-batch
@@ -396,14 +399,16 @@ class FedYoYoClient(FedAvgClient):
         priors of every batch are made before training, so no batch waits for the host."""
         a, device = self.args, ctx.data.images.device
         if a.dla and a.prior == "local_remix":
-            start = msg.payload["global_prior"].float().cpu()
-            local = label_distribution(ctx.data.class_counts().cpu())
+            start = msg.payload["global_prior"].to("cpu", torch.float32)
+            local = label_distribution(torch.from_numpy(ctx.data.host_counts()))
             steps = ctx.train.epochs * steps_per_epoch(len(ctx.data), ctx.train.batch_size)
             # every re-mix is a convex combination of the first and the label distribution: checked once
-            table = torch.stack([log_prior(remixed_prior(start, local, a.gamma, t), check=t == 1)
-                                 for t in range(1, max(steps, 1) + 1)]).to(device)
+            table = torch.stack([log_prior(remixed_prior(start, local, a.gamma, t).numpy(), check=t == 1)
+                                 for t in range(1, max(steps, 1) + 1)])
+            table = to_device(table, device, table.dtype)  # made on the host: copied without a wait
             return lambda t: table[t - 1]
-        fixed = log_prior(self.round_prior(ctx, msg)).to(device)
+        fixed = log_prior(self.round_prior(ctx, msg).numpy())  # host data: log_prior reads no device
+        fixed = to_device(fixed, device, fixed.dtype)
         return lambda t: fixed
 
     def view(self, name: str, autoaugment_policy: str | None = None):
@@ -438,7 +443,7 @@ class FedYoYoClient(FedAvgClient):
         log_prior_at = self.prior_schedule(ctx, msg)
         weight = float(msg.payload["asd_weight"])
         keep_features = estimate and a.prior_features == "train"
-        loss = partial(yoyo_loss, log_pi=log_prior_at(1), asd_weight=torch.tensor(weight, device=ctx.data.images.device),
+        loss = partial(yoyo_loss, log_pi=log_prior_at(1), asd_weight=torch.full((), weight, device=ctx.data.images.device),
                        distill=weight > 0, keep_features=keep_features, temperature=a.temperature,
                        prior_scale=a.ce_prior_scale, teacher_filter=a.teacher_filter, average=a.asd_average)
         teacher, student = (self.view(name, msg.payload.get("autoaugment_policy"))

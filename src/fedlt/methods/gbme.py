@@ -130,6 +130,7 @@ from fedlt.methods.proxy_prior import (
 from fedlt.models import FedModel, create_model
 from fedlt.models.multi_expert import SUPPORTED, MultiExpertModel, multi_expert_model
 from fedlt.training.sequential import steps_per_epoch, train_local
+from fedlt.transfer import to_host
 
 LPI_QUERY = "gbme_lpi"
 COUNTS_QUERY = "class_counts"
@@ -404,11 +405,12 @@ def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float,
 def prior_loss(ctx: ClientContext, prior: torch.Tensor):
     """The configured re-balancing loss (bsm, la, ldam) with ``prior`` as its class distribution."""
     cfg = ctx.loss_config
-    prior = prior.to(ctx.data.labels.device).double()
-    if float(prior.sum()) <= 0:
+    # the loss's terms are made on the host (the server's tensor or the host's counts) and copied
+    prior = torch.from_numpy(to_host(prior) if isinstance(prior, torch.Tensor) else prior).to(torch.float64)
+    if prior.numpy().sum() <= 0:
         raise RuntimeError("GBME's class prior has no positive entry; every client's proxy was non-positive")
-    return make_loss(cfg.name, prior=(prior / prior.sum()).float(), class_counts=prior, tau=cfg.tau,
-                     ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale)
+    return make_loss(cfg.name, prior=(prior / prior.sum()).float().numpy(), class_counts=prior.numpy(), tau=cfg.tau,
+                     ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale, device=ctx.data.labels.device)
 
 
 def per_expert_loss(model: MultiExpertModel, loss, experts: list[int], per_expert_phase: bool):
@@ -427,7 +429,7 @@ def per_expert_loss(model: MultiExpertModel, loss, experts: list[int], per_exper
 def round_loss(ctx: ClientContext, msg: Message):
     """The round's loss: the configured one with the server's prior (GPI, global), or the client's counts."""
     prior = msg.payload.get("prior")
-    return prior_loss(ctx, ctx.data.class_counts() if prior is None else prior)
+    return prior_loss(ctx, ctx.data.host_counts() if prior is None else prior)
 
 
 def local_steps(ctx: ClientContext) -> int:
@@ -439,7 +441,7 @@ def trained_part(model: FedModel, state: dict[str, torch.Tensor], experts: torch
     """What a client uploads: with experts, the backbone and the experts it trained; else everything."""
     if not isinstance(model, MultiExpertModel):
         return state
-    keep = set(model.shared_keys()).union(*(model.expert_keys(int(e)) for e in experts))
+    keep = set(model.shared_keys()).union(*(model.expert_keys(e) for e in to_host(experts).tolist()))
     return {k: v for k, v in state.items() if k in keep}
 
 
@@ -498,7 +500,7 @@ class GBMEClient(Client):
         experts = msg.payload.get("experts")
         prepare = None
         if isinstance(ctx.model, MultiExpertModel):
-            chosen = [int(e) for e in experts]
+            chosen = to_host(experts).tolist()
             prepare = lambda model: model.set_trainable_experts(chosen)  # noqa: E731
         return LocalObjective(round_loss(ctx, msg), prepare=prepare,
                               lr_scale=warmup_factor(ctx.round, local_steps(ctx), self.args.warmup()),
@@ -611,8 +613,9 @@ class GBMEServer(Server):
 
     def gpi_prior(self) -> torch.Tensor:
         """The GPI as a class prior: zero entries raised to ``gpi_floor`` x the smallest positive one."""
-        positive = self.gpi[self.gpi > 0]
-        if positive.numel() == 0 or self.args.gpi_floor == 0:
+        gpi = to_host(self.gpi)
+        positive = gpi[gpi > 0]
+        if positive.size == 0 or self.args.gpi_floor == 0:
             return self.gpi
         return self.gpi.clamp_min(self.args.gpi_floor * float(positive.min()))
 

@@ -33,6 +33,7 @@ from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 from fedlt.models import FedModel, create_model
 from fedlt.training.sequential import fit_objective
+from fedlt.transfer import to_device
 
 
 class SFDArgs(MethodArgs):
@@ -119,11 +120,13 @@ class SFDClient(Client):
         if len(ctx.data) == 0:
             return None
         args: SFDArgs = self.args
-        counts = ctx.data.class_counts()
+        counts = ctx.data.host_counts()  # the per-class terms are made on the host, then copied
         device = ctx.data.labels.device
         weight = float(msg.payload["sfd/scl_weight"])
-        loss = partial(abbl_loss, offset=adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma).to(device),
+        offset = adaptive_logit_offset(counts, args.beta_pi, args.ce_gamma)
+        loss = partial(abbl_loss, offset=to_device(offset, device, offset.dtype),
                        contrast=weight > 0, scl_weight=torch.full((), weight, device=device),
                        temperature=args.scl_temperature,
-                       log_counts=torch.log(counts.to(torch.float32)).to(device) if args.scl_delta else None)
+                       log_counts=to_device(torch.log(torch.from_numpy(counts).float()), device, torch.float32)
+                       if args.scl_delta else None)
         return LocalObjective(loss, on_model=True)

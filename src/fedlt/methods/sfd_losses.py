@@ -18,22 +18,24 @@ the gradients are Eq. 7's, and A-SCL is then exactly the standard SCL when all c
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
-def adaptive_prior(class_counts: torch.Tensor, beta_pi: float = 1.0) -> torch.Tensor:
-    """Eq. 6: ``pi_c = n_c`` for present classes, ``beta_pi * min_{n>0} n`` for missing ones (float)."""
+def adaptive_prior(class_counts: np.ndarray | torch.Tensor, beta_pi: float = 1.0) -> torch.Tensor:
+    """Eq. 6: ``pi_c = n_c`` for present classes, ``beta_pi * min_{n>0} n`` for missing ones (float64,
+    on the host for host counts: an array never makes the host wait for a device)."""
     if not 0 <= beta_pi <= 1:
         raise ValueError(f"beta_pi must lie in [0, 1], got {beta_pi}")
     n = torch.as_tensor(class_counts).to(torch.float64)
     present = n > 0
-    if not bool(present.any()):
+    if not (class_counts > 0).any() if isinstance(class_counts, np.ndarray) else not bool(present.any()):
         raise ValueError("a client without samples has no prior")
     return torch.where(present, n, beta_pi * torch.where(present, n, torch.inf).min())  # no mask: no wait
 
 
-def adaptive_logit_offset(class_counts: torch.Tensor, beta_pi: float = 1.0, gamma: float = 0.1) -> torch.Tensor:
+def adaptive_logit_offset(class_counts: np.ndarray | torch.Tensor, beta_pi: float = 1.0, gamma: float = 0.1) -> torch.Tensor:
     """``gamma * log pi`` (float32), the offset A-CE adds to the logits; ``-inf`` for a class with
     ``pi = 0`` (``beta_pi = 0``: plain logit adjustment), 0 everywhere when ``gamma = 0`` (plain CE)."""
     pi = adaptive_prior(class_counts, beta_pi)
