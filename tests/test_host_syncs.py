@@ -127,12 +127,17 @@ PER_CLASS_TERMS = [
 
 
 @pytest.mark.parametrize("overrides", PER_CLASS_TERMS, ids=lambda o: " ".join(o))
-def test_a_clients_start_never_waits_for_the_device(monkeypatch, overrides):
+def test_a_clients_start_never_waits_and_its_per_class_terms_land_on_its_device(monkeypatch, overrides):
     """What the host makes for a client before its first step (its context, and its objective with
     the loss's per-class terms: priors, margins, offsets) never waits: the terms are made from the
     host's counts and the server's host tensors, then copied like a kernel. On a GPU the host makes
-    the next clients while the lanes train; a wait per client would stall it."""
-    sim = prepare(load_config(None, [*SMALL, "fl.participation=1.0", "run.backend=graphed", *overrides]))
+    the next clients while the lanes train; a wait per client would stall it. And the copies go to
+    the client's device: with its data on another one (``meta`` stands in for a GPU), every tensor
+    the objective's loss holds is there, not on the host."""
+    from dataclasses import replace
+    from functools import partial
+
+    sim = prepare(load_config(None, [*SMALL, "fl.rounds=3", "fl.participation=1.0", "run.backend=graphed", *overrides]))
     sim.setup()
     sim.fit_round(1)  # the rows' one copy, the server's priors
     syncs, made = HostSyncs(), []
@@ -144,32 +149,17 @@ def test_a_clients_start_never_waits_for_the_device(monkeypatch, overrides):
             return made[-1]
         return counted_make
 
-    monkeypatch.setattr(sim, "_context", counted(sim._context))
-    monkeypatch.setattr(sim.client, "local_objective", counted(sim.client.local_objective))
-    sim.fit_round(2)
-    sim.close()
+    with monkeypatch.context() as patch:
+        patch.setattr(sim, "_context", counted(sim._context))
+        patch.setattr(sim.client, "local_objective", counted(sim.client.local_objective))
+        sim.fit_round(2)
     objectives = [m for m in made if not hasattr(m, "data")]
     assert len(objectives) == 4 and all(o is not None for o in objectives)  # every client trained graphed
     assert syncs.total == 0, syncs.calls
 
-
-@pytest.mark.parametrize("overrides", PER_CLASS_TERMS, ids=lambda o: " ".join(o))
-def test_a_clients_per_class_terms_are_made_on_the_host_and_land_on_its_device(monkeypatch, overrides):
-    """The loss's per-class terms are made on the host and copied to the client's training device:
-    with the client's data on another device (``meta`` stands in for a GPU), every tensor the
-    objective's loss holds is there, not on the host."""
-    from dataclasses import replace
-    from functools import partial
-
-    sim = prepare(load_config(None, [*SMALL, "fl.participation=1.0", *overrides]))
-    sim.setup()
-    sim.fit_round(1)
-    sampled = sim.server.select_clients(2, sim.schedule[1])
-    msg = sim.server.fit_message(2, sampled[0])
-    ctx = sim._context(sampled[0], 2)
-    data = ctx.data
-    ctx.data = replace(data, images=data.images.to("meta"), labels=data.labels.to("meta"),
-                       indices=data.indices.to("meta"))
+    cid = sim.server.select_clients(3, sim.schedule[2])[0]
+    msg, ctx = sim.server.fit_message(3, cid), sim._context(cid, 3)
+    ctx.data = replace(ctx.data, **{k: getattr(ctx.data, k).to("meta") for k in ("images", "labels", "indices")})
     monkeypatch.setattr(ctx, "generator", lambda purpose: torch.Generator())  # meta has no generator
     objective = sim.client.local_objective(ctx, msg)
     sim.close()
