@@ -509,6 +509,16 @@ def test_fedlc_drops_absent_classes_from_the_local_softmax():
     assert calibration_margins(torch.tensor([4, 0]), tau=0.0).tolist() == [0.0, 0.0]
 
 
+def test_fedlc_margins_take_the_power_of_the_present_classes_packed():
+    """A CPU rounds a vector's SIMD body and its scalar tail differently: the margins are those of the
+    present classes' counts packed (as the released results were made), not of every class at once,
+    so a missing class never moves another one's margin by a bit."""
+    counts = np.array([0] + [65] * 99)  # with the absent class, class 96 falls in a different part of the vector
+    packed = torch.from_numpy(counts[1:]).float().pow(-0.25)
+    margins = calibration_margins(counts, tau=1.0)
+    assert torch.equal(margins[1:], packed) and margins[0] == math.inf
+
+
 def test_feddecorr_term_small_for_decorrelated_and_large_for_collinear_features():
     d = 16
     white = torch.randn(4096, d, generator=gen(4))

@@ -97,7 +97,8 @@ def test_a_local_epoch_on_a_gpu_never_waits_for_the_host(tmp_path, backend, extr
     assert counts[1] <= counts[0], f"synchronisations with 1 and 3 local epochs: {counts}"
 
 
-@pytest.mark.parametrize("extra", [[], ["loss.name=bsm"], ["method=sfd"]], ids=lambda e: " ".join(e) or "ce")
+@pytest.mark.parametrize("extra", [[], ["loss.name=bsm", "loss.prior=global"], ["method=sfd"]],
+                         ids=lambda e: " ".join(e) or "ce")
 def test_a_graphed_round_on_a_gpu_waits_no_more_often_with_more_clients(tmp_path, extra):
     """A client's start (rows, class counts, its loss's per-class terms) and its reply make no
     synchronisation: the host makes the next clients while the lanes train, and a wait per client

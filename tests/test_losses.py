@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,6 +124,15 @@ def test_ldam_margins() -> None:
 
 def test_ldam_zero_count_gets_max_margin() -> None:
     assert ldam_margins((100, 0, 10), max_margin=0.4).tolist() == pytest.approx([0.4 * 0.1**0.25, 0.4, 0.4])
+
+
+def test_ldam_margins_come_from_the_present_classes_packed() -> None:
+    """The arithmetic of the present classes' counts packed, whatever the absent classes between them."""
+    counts = np.arange(100) % 7 * 13  # every seventh class absent
+    n = torch.from_numpy(counts[counts > 0]).double()
+    packed = (0.5 * (n.pow(-0.25) / n.pow(-0.25).max())).float()
+    margins = ldam_margins(counts, max_margin=0.5)
+    assert torch.equal(margins[torch.from_numpy(counts > 0)], packed) and bool((margins[counts == 0] == 0.5).all())
 
 
 def test_ldam_hand_value_and_only_target_shifted() -> None:

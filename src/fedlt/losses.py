@@ -72,8 +72,8 @@ def _as_vector(
     """
     if isinstance(values, torch.Tensor):
         device, vec = values.device, values.detach().cpu().to(torch.float64)
-    else:
-        device, vec = None, torch.tensor(np.asarray(values, dtype=np.float64))
+    else:  # a list of floats is read as float32 first, as torch reads it
+        device, vec = None, torch.as_tensor(values).to(torch.float64, copy=True)
     if vec.dim() != 1 or vec.numel() == 0:
         raise ValueError(f"{what} must be a non-empty 1-D vector, got shape {tuple(vec.shape)}")
     if not check:
@@ -169,9 +169,11 @@ def ldam_margins(class_counts: torch.Tensor | np.ndarray | Sequence[float], max_
     if max_margin <= 0:
         raise ValueError(f"LDAM max_margin must be > 0, got {max_margin}")
     n, device = _as_vector(class_counts, "class_counts")
-    present = n > 0
-    raw = torch.where(present, n.pow(-0.25), 0.0)  # the largest is a present class's: counts are validated
-    return _on(torch.where(present, max_margin * (raw / raw.max()), max_margin), device)
+    # the present classes packed (their indices found on the host copy): which classes share a SIMD
+    # vector decides the last bit of the power
+    present = torch.from_numpy(np.flatnonzero(n.numpy() > 0))
+    raw = n.index_select(0, present).pow(-0.25)
+    return _on(torch.full_like(n, max_margin).index_copy_(0, present, max_margin * (raw / raw.max())), device)
 
 
 def _ldam_from_margins(

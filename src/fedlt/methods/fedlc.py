@@ -45,10 +45,15 @@ class FedLCArgs(MethodArgs):
 
 
 def calibration_margins(class_counts: np.ndarray | torch.Tensor, tau: float) -> torch.Tensor:
-    """``tau * n^(-1/4)`` per class (float32, where the counts are: the host for an array); ``inf``
-    for absent classes when ``tau > 0``."""
+    """``tau * n^(-1/4)`` per class (float32, on the host: host counts in); ``inf`` for absent classes
+    when ``tau > 0``.
+
+    The power is taken of the present classes only, packed: on a CPU a vector's SIMD body and its
+    scalar tail round differently, so which classes are packed together decides the last bit."""
+    present = torch.from_numpy(np.flatnonzero(np.asarray(class_counts) > 0))  # host indices: no wait
     counts = torch.as_tensor(class_counts).to(torch.float32)
-    return torch.where(counts > 0, tau * counts.pow(-0.25), float("inf") if tau > 0 else 0.0)
+    margins = torch.full_like(counts, float("inf") if tau > 0 else 0.0)
+    return margins.index_copy_(0, present, tau * counts.index_select(0, present).pow(-0.25))
 
 
 def calibrated_ce(logits: torch.Tensor, targets: torch.Tensor, margins: torch.Tensor) -> torch.Tensor:
