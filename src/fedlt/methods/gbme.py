@@ -111,6 +111,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -402,14 +403,15 @@ def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float,
     return total / max(len(data), 1)
 
 
-def prior_loss(ctx: ClientContext, prior: torch.Tensor):
+def prior_loss(ctx: ClientContext, prior: torch.Tensor | np.ndarray):
     """The configured re-balancing loss (bsm, la, ldam) with ``prior`` as its class distribution."""
     cfg = ctx.loss_config
     # the loss's terms are made on the host (the server's tensor or the host's counts) and copied
-    prior = torch.from_numpy(to_host(prior) if isinstance(prior, torch.Tensor) else prior).to(torch.float64)
-    if prior.numpy().sum() <= 0:
+    host = to_host(prior) if isinstance(prior, torch.Tensor) else prior
+    if host.sum() <= 0:
         raise RuntimeError("GBME's class prior has no positive entry; every client's proxy was non-positive")
-    return make_loss(cfg.name, prior=(prior / prior.sum()).float().numpy(), class_counts=prior.numpy(), tau=cfg.tau,
+    p = torch.from_numpy(host).to(torch.float64)
+    return make_loss(cfg.name, prior=(p / p.sum()).float().numpy(), class_counts=host, tau=cfg.tau,
                      ldam_max_margin=cfg.ldam_max_margin, ldam_scale=cfg.ldam_scale, device=ctx.data.labels.device)
 
 

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 def adaptive_prior(class_counts: np.ndarray | torch.Tensor, beta_pi: float = 1.0) -> torch.Tensor:
     """Eq. 6: ``pi_c = n_c`` for present classes, ``beta_pi * min_{n>0} n`` for missing ones (float64,
-    on the host for host counts: an array never makes the host wait for a device)."""
+    on the host: the counts are the host's, an array or a CPU tensor, checked without a device wait)."""
     if not 0 <= beta_pi <= 1:
         raise ValueError(f"beta_pi must lie in [0, 1], got {beta_pi}")
+    if not (np.asarray(class_counts) > 0).any():
+        raise ValueError("a client without samples has no prior")
     n = torch.as_tensor(class_counts).to(torch.float64)
     present = n > 0
-    if not (class_counts > 0).any() if isinstance(class_counts, np.ndarray) else not bool(present.any()):
-        raise ValueError("a client without samples has no prior")
     return torch.where(present, n, beta_pi * torch.where(present, n, torch.inf).min())  # no mask: no wait
 
 
