@@ -133,6 +133,34 @@ def test_a_checkpoint_holds_only_what_a_safe_load_reads(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # the previous one, kept
 
 
+def test_a_resumed_tensor_lands_where_the_uninterrupted_run_kept_it(tmp_path, monkeypatch):
+    """Saved by a GPU run (its device tensors tagged ``cuda:0`` here), a checkpoint resumed on the
+    run's device (``meta`` standing in) keeps the host-side state on the host; a CPU run's checkpoint
+    resumed on a device puts everything there, and a GPU run's resumed on a CPU puts everything there."""
+    from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    weights, velocity, counts, control = torch.ones(4), torch.zeros(4), torch.arange(3), torch.ones(2)
+    on_device = {t.untyped_storage().data_ptr() for t in (weights, velocity)}
+    host_tag = torch.serialization.location_tag
+    state = {"server": {"model": {"w": weights}, "velocity": {"w": velocity}, "global_counts": counts},
+             "clients": {0: {"c_i": control}}}
+
+    def places(device):
+        got = load_checkpoint(tmp_path, device)
+        return {"w": got["server"]["model"]["w"].device.type, "velocity": got["server"]["velocity"]["w"].device.type,
+                "counts": got["server"]["global_counts"].device.type, "c_i": got["clients"][0]["c_i"].device.type}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag",
+                      lambda storage: "cuda:0" if storage.data_ptr() in on_device else host_tag(storage))
+        save_checkpoint(tmp_path, state)
+    assert places("meta") == {"w": "meta", "velocity": "meta", "counts": "cpu", "c_i": "cpu"}
+    assert places("cpu") == dict.fromkeys(("w", "velocity", "counts", "c_i"), "cpu")
+    save_checkpoint(tmp_path, state)  # a CPU run's
+    assert places("meta") == dict.fromkeys(("w", "velocity", "counts", "c_i"), "meta")
+    assert load_checkpoint(tmp_path, "meta")["server"]["global_counts"].dtype == torch.int64
+
+
 def test_different_seed_different_partition_and_metrics(tmp_path):
     a = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="s3"), quiet=True)
     b = fedlt.run(tiny(tmp_path, fl__rounds=2, seed=4, run__name="s4"), quiet=True)

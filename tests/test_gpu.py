@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import fedlt
-from conftest import assert_clients_equal_sequential_training
+from conftest import assert_clients_equal_sequential_training, run_until_crash_in_round_3
 from fedlt.api import prepare
 from fedlt.messages import Message
+from fedlt.engine.checkpoint import load_checkpoint
 from fedlt.methods.base import clone_state
+from fedlt.results import TIMING_KEYS
 from fedlt.training.batched import train_clients
 from fedlt.training.graphed import GraphedTrainer
 
@@ -137,3 +139,19 @@ def test_the_captured_limit_on_a_gpu_equals_the_eager_limit(tmp_path, float64):
     assert captured["steps"] == eager["steps"]
     for name, value in clone_state(sim.worker).items():
         assert torch.allclose(lane[name], value, rtol=0, atol=1e-9), name
+
+
+def test_a_resumed_gpu_run_keeps_its_host_state_on_the_host_and_ends_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """SCAFFOLD's server variate and the model live on the device, the clients' variates and the global
+    class counts (loss.prior=global) on the host; resumed, each is where the uninterrupted run kept it."""
+    over = ["method=scaffold", "loss.name=bsm", "loss.prior=global", "fl.rounds=4", "run.checkpoint_every=1"]
+    full = fedlt.run(config(tmp_path, *over, "run.name=full"), quiet=True)
+    run_dir = run_until_crash_in_round_3(config(tmp_path, *over, "run.name=cut").dump(), monkeypatch)
+    saved = load_checkpoint(run_dir, "cuda")
+    assert {t.device.type for t in saved["server"]["model"].values()} == {"cuda"}
+    assert saved["server"]["c"].device.type == "cuda" and saved["server"]["global_counts"].device.type == "cpu"
+    assert {t.device.type for state in saved["clients"].values() for t in state.values()} == {"cpu"}
+    monkeypatch.undo()
+    resumed = fedlt.resume(run_dir, quiet=True)
+    assert [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in resumed.metrics] == \
+        [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in full.metrics]

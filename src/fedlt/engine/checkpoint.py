@@ -2,7 +2,9 @@
 
 A checkpoint holds only tensors, numbers, strings, lists and dicts, and is read with
 ``torch.load(weights_only=True)``: resuming a run directory someone shared must not run code,
-which unpickling arbitrary objects would.
+which unpickling arbitrary objects would. A resumed tensor lands where the uninterrupted run kept it:
+state a method keeps on the host (per-class counts, a client's control variate) stays there, so a
+resumed GPU run neither waits to read it back nor holds every client's state in device memory.
 """
 
 from __future__ import annotations
@@ -36,14 +38,34 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
     if not path.is_file():
         raise FedltError(f"{run_dir} has no {CHECKPOINT_FILE}; resume a run directory that saved a checkpoint "
                          "(run.checkpoint_every > 0)")
-    refused = "written by an older fedlt or not a fedlt checkpoint; start the run again"
     if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never unpickled
-        raise FedltError(f"{path} is not in torch's checkpoint format: {refused}")
+        raise FedltError(f"{path} is not in torch's checkpoint format: {REFUSED}")
+    device = torch.device(device)
+    saved_on: set[str] = set()
+    state = _read(path, _where_it_was(device, saved_on))
+    if saved_on == {"cpu"} and device.type != "cpu":  # a CPU run resumed on a device: which of its host
+        state = _read(path, device)                   # tensors must move is unknown, so all of them do
+    return state
+
+
+REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
+
+
+def _read(path: Path, map_location) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:  # weights_only refused an object before building it
         raise FedltError(f"{path} holds Python objects that fedlt does not load (unpickling them could run code): "
-                         f"{refused}") from None
+                         f"{REFUSED}") from None
     except Exception as err:  # a truncated or foreign file: tell the user which one
         raise FedltError(f"{path} is not a readable fedlt checkpoint ({type(err).__name__}); "
                          "delete it and start the run again") from None
+
+
+def _where_it_was(device: torch.device, saved_on: set[str]):
+    """``torch.load``'s ``map_location``: a host storage stays on the host, a device one goes to ``device``
+    (the run's device now, whichever index or kind saved it); ``saved_on`` collects the places seen."""
+    def place(storage, location: str):
+        saved_on.add(location)
+        return storage if location == "cpu" else torch.serialization.default_restore_location(storage, str(device))
+    return place
