@@ -14,7 +14,9 @@ import fedlt
 from fedlt.config import EvalConfig
 from fedlt.data.dataset import ImageDataset
 from fedlt.errors import ConfigError
-from fedlt.evaluation import ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups
+from fedlt.evaluation import (
+    SharedEncoderFeatures, ShotGroups, encode, global_metrics, mean_local_accuracy, predict, shot_groups,
+)
 from fedlt.messages import Message, Reply, payload_nbytes
 
 
@@ -203,6 +205,45 @@ def test_predict_on_an_empty_subset() -> None:
     correct, losses = predict(PixelClassifier(3), data, batch_size=4, indices=torch.zeros(0, dtype=torch.int64))
     assert correct.shape == (0,) and correct.dtype == torch.bool
     assert losses.shape == (0,)
+
+
+def test_personalized_models_with_one_encoder_share_the_test_sets_features_and_predict_as_whole_models() -> None:
+    """The first client with an encoder predicts through the whole model; the next one with the same
+    encoder gets the test set's features (made once) and applies only its head; a changed encoder,
+    a model with its own forward and a compiled one predict through the whole model."""
+    from fedlt.models import create_model
+
+    torch.manual_seed(0)
+    data = ImageDataset(torch.randint(0, 256, (37, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 4, (37,)),
+                        list("abcd"), (0.5, 0.4, 0.3), (0.2, 0.3, 0.25))
+    model = create_model("resnet8", 4, in_channels=3, image_size=8)
+    shared = SharedEncoderFeatures()
+    rows = torch.tensor([30, 2, 7, 7, 19, 0, 36])
+    assert shared.of(model, data, batch_size=5) is None  # first seen: nothing to share yet
+    features = shared.of(model, data, batch_size=5)
+    assert features.shape == (37, model.feature_dim) and shared.of(model, data, batch_size=5) is features
+    with torch.no_grad():
+        model.head.weight.mul_(-2)  # another client's head on the same encoder
+    whole = predict(model, data, batch_size=3, indices=rows)
+    by_head = predict(model, data, batch_size=3, indices=rows, features=features)
+    assert torch.equal(by_head[0], whole[0])
+    assert torch.allclose(by_head[1], whole[1], rtol=1e-5, atol=1e-6)  # features of other batches: rounding
+    with torch.no_grad():
+        next(model.encoder.parameters()).add_(1e-3)  # a personal encoder: predict through the whole model
+    assert shared.of(model, data, batch_size=5) is None
+    assert torch.allclose(shared.of(model, data, batch_size=5), encode(model, data, 5))
+    shared.clear()
+    assert shared.of(model, data, batch_size=5) is None
+
+    class OwnForward(type(model)):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model.__class__ = OwnForward
+    assert shared.of(model, data, 5) is None and shared.of(model, data, 5) is None
+    model.__class__ = OwnForward.__mro__[1]
+    model.compile()
+    assert shared.of(model, data, 5) is None and shared.of(model, data, 5) is None
 
 
 # ---- traffic ------------------------------------------------------------------------------

@@ -226,3 +226,24 @@ def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one(tmp_
         ctx.train = replace(ctx.train, lr=1e-6, base_lr=0.05)
         sim.client.personalize(ctx, sim.server.eval_message(0))
         assert seen == ([] if epochs is None else [(0.05, epochs)]), args
+
+
+@pytest.mark.parametrize("method,shared", [("fedrep", True), ("fedloge", True), ("fedbn", False)])
+def test_personal_heads_on_one_encoder_are_evaluated_on_its_features_made_once(tmp_path, monkeypatch, method, shared):
+    """FedRep's and FedLoGe's personalized models share the global encoder: the test set goes through it
+    once an evaluation, not once per client, and PM is what the whole models give. FedBN's encoders
+    are personal (its BatchNorm in a ResNet): every client's local test set goes through its own model."""
+    from fedlt import evaluation
+
+    over = dict(data__num_clients=5, method_args={"sse_steps": 20} if method == "fedloge" else FAST[method])
+    if method == "fedbn":
+        over.update(model__name="resnet8", data__image_size=8)
+    encoded = []
+    real_encode = evaluation.encode
+    monkeypatch.setattr(evaluation, "encode", lambda *a: encoded.append(1) or real_encode(*a))
+    run = fedlt.run(tiny(tmp_path, method, "shared", **over), quiet=True)
+    assert len(encoded) == (1 if shared else 0)  # one evaluation (round 2)
+    monkeypatch.setattr(evaluation.SharedEncoderFeatures, "of", lambda self, *a: None)
+    whole = fedlt.run(tiny(tmp_path, method, "whole", **over), quiet=True)
+    assert run.summary["final"]["pm_acc"] == whole.summary["final"]["pm_acc"]
+    assert run.summary["final"]["acc"] == whole.summary["final"]["acc"]

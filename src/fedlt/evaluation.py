@@ -13,9 +13,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedlt import fused
 from fedlt.config import EvalConfig
 from fedlt.data.dataset import ImageDataset
 from fedlt.errors import ConfigError
+from fedlt.models.base import FedModel
 
 GROUPS = ("many", "medium", "few")
 #: the accuracy figures of one model on one evaluation set; on the validation set each is prefixed ``val_``
@@ -63,15 +65,20 @@ def shot_groups(train_counts: np.ndarray, cfg: EvalConfig) -> ShotGroups:
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, data: ImageDataset, batch_size: int, indices: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample (correct: bool, loss: float) of ``model`` on ``data`` (optionally a subset)."""
+def predict(model: torch.nn.Module, data: ImageDataset, batch_size: int, indices: torch.Tensor | None = None,
+            features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (correct: bool, loss: float) of ``model`` on ``data`` (optionally a subset);
+    ``features``: every image's encoder features (:class:`SharedEncoderFeatures`), to which only the
+    model's head is applied."""
     model.eval()
     rows = torch.arange(len(data), device=data.labels.device) if indices is None else indices
     correct, losses = [], []
     for start in range(0, rows.numel(), batch_size):
         idx = rows[start:start + batch_size]
-        logits = model(data.normalize(data.images[idx]))
+        if features is None:
+            logits = model(data.normalize(data.images[idx]))
+        else:
+            logits = model.forward_head(features[idx])
         y = data.labels[idx]
         correct.append(logits.argmax(1) == y)
         losses.append(F.cross_entropy(logits.float(), y, reduction="none"))
@@ -79,6 +86,53 @@ def predict(model: torch.nn.Module, data: ImageDataset, batch_size: int, indices
         empty = torch.zeros(0, device=rows.device)
         return empty.bool(), empty
     return torch.cat(correct), torch.cat(losses)
+
+
+class SharedEncoderFeatures:
+    """The test set's features under the encoder the personalized models being evaluated share.
+
+    Personalized models that differ only in their heads (FedRep, FedPer, FedRoD, FedLoGe) would each
+    push their client's local test set through the same encoder: together several times the test
+    set. Once a client's encoder equals the previous client's, the whole test set's features are made
+    once, and each client with that encoder applies only its head to its rows. An image's features do
+    not depend on the batch it is in (as ``eval.batch_size`` promises), so the predictions are the
+    ones the whole model would give. Models with their own ``forward`` or ``forward_features``, or compiled,
+    are left alone.
+    """
+
+    def __init__(self) -> None:
+        self._encoder: list[torch.Tensor] | None = None
+        self._features: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self._encoder = self._features = None
+
+    def of(self, model: torch.nn.Module, data: ImageDataset, batch_size: int) -> torch.Tensor | None:
+        """``data``'s features under ``model``'s encoder when the previous call saw the same encoder,
+        else None (predict through the whole model)."""
+        own = type(model).forward is not FedModel.forward or type(model).forward_features is not FedModel.forward_features
+        if own or getattr(model, "_compiled_call_impl", None) is not None or not len(data):
+            return None
+        encoder = list(model.encoder.state_dict(keep_vars=True).values())
+        if self._encoder is not None and _equal(encoder, self._encoder):
+            if self._features is None:
+                self._features = encode(model, data, batch_size)
+            return self._features
+        self._encoder, self._features = fused.clones(encoder), None
+        return None
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+@torch.no_grad()
+def encode(model: FedModel, data: ImageDataset, batch_size: int) -> torch.Tensor:
+    """Every image's encoder features, in eval mode, in batches of ``batch_size``."""
+    model.eval()
+    return torch.cat([model.forward_features(data.normalize(data.images[i:i + batch_size]))
+                      for i in range(0, len(data), batch_size)])
 
 
 def global_metrics(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Tensor, groups: ShotGroups,

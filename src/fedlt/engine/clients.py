@@ -18,7 +18,7 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
 from fedlt.engine import secure_aggregation as secagg
 from fedlt.engine.portable_model import decode_model
-from fedlt.evaluation import per_class_counts, predict
+from fedlt.evaluation import SharedEncoderFeatures, per_class_counts, predict
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
@@ -69,6 +69,7 @@ class ClientRuntime:
         worker = self.worker.state_dict(keep_vars=True)
         self._worker_tensors = [worker[k] for k in self._worker_init]
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
+        self._test_features = SharedEncoderFeatures()  # during an evaluation phase only
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         """A client's view; the worker model starts from the initial weights, so entries a message
@@ -106,6 +107,8 @@ class ClientRuntime:
         return secagg.mask_reply(cid, self._answer(kind, cid, rnd, msg, state), secure, state)
 
     def _answer(self, kind: str, cid: int, rnd: int, msg: Message, state: dict[str, Any]) -> Reply:
+        if kind != EVALUATE:
+            self.forget_test_features()
         ctx = self.context(cid, rnd, state)
         if kind == "fit":
             return self.client.fit(ctx, msg)
@@ -113,13 +116,19 @@ class ClientRuntime:
             return self.client.query(kind.removeprefix("query:"), ctx, msg)
         if kind == EVALUATE:
             self.client.personalize(ctx, msg)
-            return Reply(payload={"correct": predict(self.worker, self.eval_data.test, self.cfg.eval.batch_size,
-                                                     indices=self._local_test(cid))[0]})
+            test, batch_size = self.eval_data.test, self.cfg.eval.batch_size
+            features = self._test_features.of(self.worker, test, batch_size)
+            return Reply(payload={"correct": predict(self.worker, test, batch_size, indices=self._local_test(cid),
+                                                     features=features)[0]})
         if kind == COUNTS:
             return Reply(payload={"counts": ctx.data.class_counts().double()})
         if kind == EVALUATE_COUNTS:
             return self._evaluate_counts(cid, msg)
         raise ValueError(f"unknown exchange kind '{kind}'")
+
+    def forget_test_features(self) -> None:
+        """Free the test set's features kept for an evaluation phase (it has ended)."""
+        self._test_features.clear()
 
     def _local_test(self, cid: int) -> torch.Tensor:
         test = self.eval_data.test

@@ -260,6 +260,8 @@ class Simulation:
             messages = ((cid, self.server.eval_message(cid)) for cid in self.all_clients)
             per_client = [r.payload["correct"].to(test.labels.device)
                           for r in self._exchange(EVALUATE, rnd, messages).values()]
+            if self.clients is not None:
+                self.clients.forget_test_features()
             return mean_local_accuracy(per_client)
         if correct is None:
             return None
