@@ -61,7 +61,7 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
     ("fedprox", ["method_args.mu=0.5", "fl.lr_schedule=cosine"], "graphed"),  # a new learning rate each round
     ("fedlc", [], "vectorized"),  # per-client margins, infinite for the classes a client lacks
     # the fixed ETF a buffer of every client's model, left out of the reply; personalization adapts the ETF
-    ("fedetf", [], "vectorized"),
+    ("fedetf", ["method_args.adapt_iterations=2"], "vectorized"),
     ("fedper", [], "vectorized"),  # each client starts from its own head, loaded over the received weights
 ])
 def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, together):
