@@ -154,3 +154,24 @@ def test_a_client_without_data_answers_every_request(tmp_path):
                                                                                      "oracle_per_class": 5}))
     assert stats.payload["class_sums/count"].sum() == 0 and stats.payload["features/z"].shape == (0, 128)
     assert not stats.payload["ridge_sums/gram"].any()
+
+
+def test_calibrated_variants_are_evaluated_on_one_pass_through_the_encoder(tmp_path, monkeypatch):
+    """A calibration changes the head only: the global model and its six variants take their test and
+    validation predictions from one pass of each set through the encoder, with the figures the
+    whole models give."""
+    from fedlt import evaluation
+
+    over = dict(method="creff", calibration=ALL_POST_HOC, fl={**tiny(tmp_path)["fl"], "rounds": 2},
+                data={**tiny(tmp_path)["data"], "val_per_class": 5})
+    encoded = []
+    real_encode = evaluation.encode
+    monkeypatch.setattr(evaluation, "encode",
+                        lambda model, data, bs: encoded.append(len(data)) or real_encode(model, data, bs))
+    shared = fedlt.run(tiny(tmp_path / "shared", **over), quiet=True)
+    assert len(shared.metrics[-1]["variants"]) == 6
+    assert sorted(encoded) == [50, 1000]  # the validation and the test set, once each (one evaluation)
+    monkeypatch.setattr(evaluation.SharedEncoderFeatures, "of", lambda self, *a: None)
+    whole = fedlt.run(tiny(tmp_path / "whole", **over), quiet=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    assert strip(shared.metrics) == strip(whole.metrics)

@@ -234,6 +234,8 @@ def test_personalized_models_with_one_encoder_share_the_test_sets_features_and_p
     assert torch.allclose(shared.of(model, data, batch_size=5), encode(model, data, 5))
     shared.clear()
     assert shared.of(model, data, batch_size=5) is None
+    shared.clear()  # a global model whose calibrated variants follow: its features at once
+    assert torch.equal(shared.of(model, data, 5, more_follow=True), encode(model, data, 5))
 
     class OwnForward(type(model)):
         def forward(self, x):

@@ -107,19 +107,23 @@ class SharedEncoderFeatures:
     def clear(self) -> None:
         self._encoder = self._features = None
 
-    def of(self, model: torch.nn.Module, data: ImageDataset, batch_size: int) -> torch.Tensor | None:
+    def of(self, model: torch.nn.Module, data: ImageDataset, batch_size: int, more_follow: bool = False
+           ) -> torch.Tensor | None:
         """``data``'s features under ``model``'s encoder when the previous call saw the same encoder,
-        else None (predict through the whole model)."""
-        own = type(model).forward is not FedModel.forward or type(model).forward_features is not FedModel.forward_features
+        else None (predict through the whole model). ``more_follow``: models that likely share this
+        encoder come next (a global model's calibrated variants), so the features are made at once."""
+        cls = type(model)
+        own = cls.forward is not FedModel.forward or cls.forward_features is not FedModel.forward_features
         if own or getattr(model, "_compiled_call_impl", None) is not None or not len(data):
             return None
         encoder = list(model.encoder.state_dict(keep_vars=True).values())
-        if self._encoder is not None and _equal(encoder, self._encoder):
-            if self._features is None:
-                self._features = encode(model, data, batch_size)
-            return self._features
-        self._encoder, self._features = fused.clones(encoder), None
-        return None
+        if self._encoder is None or not _equal(encoder, self._encoder):
+            self._encoder, self._features = fused.clones(encoder), None
+            if not more_follow:
+                return None
+        if self._features is None:
+            self._features = encode(model, data, batch_size)
+        return self._features
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -179,10 +183,11 @@ def count_metrics(hits: torch.Tensor, totals: torch.Tensor, loss: torch.Tensor, 
     return out
 
 
-def validation_metrics(model: torch.nn.Module, val: ImageDataset, groups: ShotGroups, batch_size: int) -> dict:
+def validation_metrics(model: torch.nn.Module, val: ImageDataset, groups: ShotGroups, batch_size: int,
+                       features: torch.Tensor | None = None) -> dict:
     """``val_acc`` and the shot groups' ``val_*_acc`` of ``model`` on the validation set: what
-    choices are made on, so that the test set is read once."""
-    metrics = global_metrics(*predict(model, val, batch_size), val.labels, groups, val.num_classes)
+    choices are made on, so that the test set is read once. ``features``: as :func:`predict`'s."""
+    metrics = global_metrics(*predict(model, val, batch_size, features=features), val.labels, groups, val.num_classes)
     return {f"val_{k}": metrics[k] for k in HEADLINE_METRICS}
 
 

@@ -29,7 +29,8 @@ from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import (
-    HEADLINE_METRICS, ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups, validation_metrics,
+    HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups,
+    validation_metrics,
 )
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
@@ -237,17 +238,24 @@ class Simulation:
         out: dict[str, Any] = {}
         model = self.server.global_model()
         correct = None
+        extra = self.server.extra_models()
+        # calibrated variants differ from the global model in their heads: one pass through the encoder
+        test_features, val_features = SharedEncoderFeatures(), SharedEncoderFeatures()
+        more = bool(extra)
         if model is not None:
-            correct, losses = predict(model, test, bs)
+            correct, losses = predict(model, test, bs, features=test_features.of(model, test, bs, more))
             out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
             if val is not None:
-                out.update(validation_metrics(model, val, self.groups, bs))
+                out.update(validation_metrics(model, val, self.groups, bs, val_features.of(model, val, bs, more)))
         variants = {}
-        for name, variant in self.server.extra_models().items():
-            metrics = global_metrics(*predict(variant, test, bs), test.labels, self.groups, test.num_classes)
+        for name, variant in extra.items():
+            features = test_features.of(variant, test, bs, more)
+            metrics = global_metrics(*predict(variant, test, bs, features=features), test.labels, self.groups,
+                                     test.num_classes)
             variants[name] = {k: metrics[k] for k in HEADLINE_METRICS}
             if val is not None:
-                variants[name].update(validation_metrics(variant, val, self.groups, bs))
+                features = val_features.of(variant, val, bs, more)
+                variants[name].update(validation_metrics(variant, val, self.groups, bs, features))
         if variants:
             out["variants"] = variants
         return out, correct
