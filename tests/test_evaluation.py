@@ -207,10 +207,11 @@ def test_predict_on_an_empty_subset() -> None:
     assert losses.shape == (0,)
 
 
-def test_personalized_models_with_one_encoder_share_the_test_sets_features_and_predict_as_whole_models() -> None:
-    """The first client with an encoder predicts through the whole model; the next one with the same
-    encoder gets the test set's features (made once) and applies only its head; a changed encoder,
-    a model with its own forward and a compiled one predict through the whole model."""
+def test_models_with_one_encoder_share_its_features_and_predict_as_whole_models_to_rounding() -> None:
+    """The features are made once per encoder, in the batches a whole-set prediction uses; a head
+    applied to them gives the whole model's figures (bit for bit over the whole set, to rounding on
+    a subset); a changed encoder makes new ones; only head-of-features models qualify."""
+    from fedlt.evaluation import equal, head_of_features
     from fedlt.models import create_model
 
     torch.manual_seed(0)
@@ -218,34 +219,40 @@ def test_personalized_models_with_one_encoder_share_the_test_sets_features_and_p
                         list("abcd"), (0.5, 0.4, 0.3), (0.2, 0.3, 0.25))
     model = create_model("resnet8", 4, in_channels=3, image_size=8)
     shared = SharedEncoderFeatures()
-    rows = torch.tensor([30, 2, 7, 7, 19, 0, 36])
-    assert shared.of(model, data, batch_size=5) is None  # first seen: nothing to share yet
     features = shared.of(model, data, batch_size=5)
     assert features.shape == (37, model.feature_dim) and shared.of(model, data, batch_size=5) is features
     with torch.no_grad():
-        model.head.weight.mul_(-2)  # another client's head on the same encoder
-    whole = predict(model, data, batch_size=3, indices=rows)
-    by_head = predict(model, data, batch_size=3, indices=rows, features=features)
-    assert torch.equal(by_head[0], whole[0])
+        model.head.weight.mul_(-2)  # another model's head on the same encoder
+    whole, by_head = predict(model, data, 5), predict(model, data, 5, features=features)
+    assert torch.equal(by_head[0], whole[0]) and torch.equal(by_head[1], whole[1])  # the same batches
+    rows = torch.tensor([30, 2, 7, 7, 19, 0, 36])
+    whole, by_head = predict(model, data, 3, indices=rows), predict(model, data, 3, indices=rows, features=features)
+    assert torch.equal(by_head[0], whole[0])  # no near-tie among these logits
     assert torch.allclose(by_head[1], whole[1], rtol=1e-5, atol=1e-6)  # features of other batches: rounding
     with torch.no_grad():
-        next(model.encoder.parameters()).add_(1e-3)  # a personal encoder: predict through the whole model
-    assert shared.of(model, data, batch_size=5) is None
-    assert torch.allclose(shared.of(model, data, batch_size=5), encode(model, data, 5))
-    shared.clear()
-    assert shared.of(model, data, batch_size=5) is None
-    shared.clear()  # a global model whose calibrated variants follow: its features at once
-    assert torch.equal(shared.of(model, data, 5, more_follow=True), encode(model, data, 5))
+        next(model.encoder.parameters()).add_(1e-3)  # another encoder: new features
+    assert not torch.equal(shared.of(model, data, 5), features)
+    assert torch.equal(shared.of(model, data, 5), encode(model, data, 5))
+
+    assert head_of_features(model)
 
     class OwnForward(type(model)):
         def forward(self, x):
             return super().forward(x) * 2
 
     model.__class__ = OwnForward
-    assert shared.of(model, data, 5) is None and shared.of(model, data, 5) is None
+    assert not head_of_features(model)
     model.__class__ = OwnForward.__mro__[1]
+    model.encoder.add_module("batch_stats", nn.BatchNorm1d(4, track_running_stats=False))
+    assert not head_of_features(model)  # eval-mode outputs that depend on the batch
+    del model.encoder.batch_stats
     model.compile()
-    assert shared.of(model, data, 5) is None and shared.of(model, data, 5) is None
+    assert not head_of_features(model)
+
+    a = [torch.zeros(3), torch.ones(2, 2)]
+    assert equal(a, [t.clone() for t in a]) and not equal(a, [torch.zeros(3), torch.eye(2)])
+    assert not equal([torch.tensor([float("nan")])], [torch.tensor([float("nan")])])
+    assert not equal(a, a[:1]) and not equal(a, [torch.zeros(3), torch.ones(4)]) and equal([], [])
 
 
 # ---- traffic ------------------------------------------------------------------------------

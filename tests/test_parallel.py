@@ -31,6 +31,8 @@ def config(tmp_path, *overrides: str):
     ["method=fedavg", "loss.name=la"],
     ["method=ditto"],  # per-client state kept between rounds, personalized evaluation in the workers
     ["method=creff"],  # a query phase (gradients of real features) besides fit
+    # personal heads on the sent encoder: each worker makes the test set's features for its clients
+    ["method=fedrep", "method_args.head_epochs=1"],
 ])
 def test_parallel_run_equals_sequential_run(tmp_path, extra):
     runs = {}

@@ -230,9 +230,10 @@ def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one(tmp_
 
 @pytest.mark.parametrize("method,shared", [("fedrep", True), ("fedloge", True), ("fedbn", False)])
 def test_personal_heads_on_one_encoder_are_evaluated_on_its_features_made_once(tmp_path, monkeypatch, method, shared):
-    """FedRep's and FedLoGe's personalized models share the global encoder: the test set goes through it
-    once an evaluation, not once per client, and PM is what the whole models give. FedBN's encoders
-    are personal (its BatchNorm in a ResNet): every client's local test set goes through its own model."""
+    """FedRep's and FedLoGe's personalized models keep the encoder the server sent: the test set goes
+    through it once an evaluation, not once per client, and PM is what the whole models give (to
+    rounding; no near-tie here). FedBN's encoders are personal (its BatchNorm in a ResNet): every
+    client's local test set goes through its own model."""
     from fedlt import evaluation
 
     over = dict(data__num_clients=5, method_args={"sse_steps": 20} if method == "fedloge" else FAST[method])

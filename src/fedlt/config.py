@@ -193,7 +193,7 @@ class EvalConfig(_Section):
     many_threshold: int | None = Field(None, description="many-shot: > this many training samples (default by #classes)")
     few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
-    batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory only; results do not change)")
+    batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory; results change at most by float rounding)")
     test_data: str | None = Field(
         None, description="flower.node_data: the server's balanced test set, an image-folder tree (test/<class>/...); "
         "without it the nodes evaluate on their own test splits (federated evaluation)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fedlt import fused
 from fedlt.config import EvalConfig
@@ -89,52 +90,64 @@ def predict(model: torch.nn.Module, data: ImageDataset, batch_size: int, indices
 
 
 class SharedEncoderFeatures:
-    """The test set's features under the encoder the personalized models being evaluated share.
+    """The evaluation set's encoder features, made once for the models that share an encoder.
 
-    Personalized models that differ only in their heads (FedRep, FedPer, FedRoD, FedLoGe) would each
-    push their client's local test set through the same encoder: together several times the test
-    set. Once a client's encoder equals the previous client's, the whole test set's features are made
-    once, and each client with that encoder applies only its head to its rows. An image's features do
-    not depend on the batch it is in (as ``eval.batch_size`` promises), so the predictions are the
-    ones the whole model would give. Models with their own ``forward`` or ``forward_features``, or compiled,
-    are left alone.
+    The models an evaluation compares often differ only in their heads: a calibration changes only
+    the global model's, and FedRep, FedPer, FedRoD and FedLoGe personalize only heads. Their set goes
+    through the shared encoder once, in batches of ``eval.batch_size`` from its first image (as
+    :func:`predict` batches the whole set), and each model applies its head to its rows. Which models
+    take this path never depends on what was evaluated before (a worker process sees its own clients),
+    so a figure is the same on every backend; an image's features can differ in the last bit from
+    those of a batch of another size (a CPU's kernels for a few images round differently), so a
+    local test set's predictions equal its whole model's up to float rounding. What it holds (the
+    set's features, images x feature width, and a copy of the encoder) is freed when the evaluation
+    phase ends (in a worker process, at its next other message).
     """
 
     def __init__(self) -> None:
-        self._encoder: list[torch.Tensor] | None = None
+        self._encoder: tuple[type, list[torch.Tensor]] | None = None
         self._features: torch.Tensor | None = None
 
     def clear(self) -> None:
         self._encoder = self._features = None
 
-    def of(self, model: torch.nn.Module, data: ImageDataset, batch_size: int, more_follow: bool = False
-           ) -> torch.Tensor | None:
-        """``data``'s features under ``model``'s encoder when the previous call saw the same encoder,
-        else None (predict through the whole model). ``more_follow``: models that likely share this
-        encoder come next (a global model's calibrated variants), so the features are made at once."""
-        cls = type(model)
-        own = cls.forward is not FedModel.forward or cls.forward_features is not FedModel.forward_features
-        if own or getattr(model, "_compiled_call_impl", None) is not None or not len(data):
-            return None
-        encoder = list(model.encoder.state_dict(keep_vars=True).values())
-        if self._encoder is None or not _equal(encoder, self._encoder):
-            self._encoder, self._features = fused.clones(encoder), None
-            if not more_follow:
-                return None
+    def of(self, model: FedModel, data: ImageDataset, batch_size: int) -> torch.Tensor:
+        """``data``'s features under ``model``'s encoder (made unless the last call's encoder was equal);
+        ``model`` must be one that :func:`head_of_features` accepts."""
+        kind, encoder = type(model.encoder), list(model.encoder.state_dict(keep_vars=True).values())
+        if self._encoder is None or self._encoder[0] is not kind or not equal(encoder, self._encoder[1]):
+            self._encoder, self._features = (kind, fused.clones(encoder)), None
         if self._features is None:
             self._features = encode(model, data, batch_size)
         return self._features
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-                                    for x, y in zip(a, b))
+def head_of_features(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logits are its head applied to its encoder's features, an image's features
+    independent of the other images of its batch (no batch statistics in eval mode), uncompiled."""
+    cls = type(model)
+    return (cls.forward is FedModel.forward and cls.forward_features is FedModel.forward_features
+            and getattr(model, "_compiled_call_impl", None) is None
+            and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.track_running_stats
+                        for m in model.encoder.modules()))
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether the tensors are equal pair by pair (NaN never equals): one wait for a device, not one a pair."""
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
+        return False
+    if not a:
+        return True
+    differs = [(x != y.to(x.device)).any() for x, y in zip(a, b)]
+    return not bool(torch.stack([d.to(differs[0].device) for d in differs]).any())
 
 
 @torch.no_grad()
 def encode(model: FedModel, data: ImageDataset, batch_size: int) -> torch.Tensor:
     """Every image's encoder features, in eval mode, in batches of ``batch_size``."""
     model.eval()
+    if not len(data):
+        return torch.zeros(0, model.feature_dim, device=data.images.device)
     return torch.cat([model.forward_features(data.normalize(data.images[i:i + batch_size]))
                       for i in range(0, len(data), batch_size)])
 

@@ -18,7 +18,7 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
 from fedlt.engine import secure_aggregation as secagg
 from fedlt.engine.portable_model import decode_model
-from fedlt.evaluation import SharedEncoderFeatures, per_class_counts, predict
+from fedlt.evaluation import SharedEncoderFeatures, equal, head_of_features, per_class_counts, predict
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
@@ -47,6 +47,14 @@ def new_model(cfg: Config, spec: MethodSpec, data: FederatedData, device: torch.
     return model
 
 
+def keeps_sent_encoder(model: FedModel, msg: Message) -> bool:
+    """Whether a personalized ``model`` has the encoder the server sent, which every client that
+    personalizes only its head shares (decided per client, whatever was evaluated before)."""
+    mine = model.encoder.state_dict(keep_vars=True)
+    sent = [msg.weights.get("encoder." + key) for key in mine]
+    return all(t is not None for t in sent) and equal(list(mine.values()), sent)
+
+
 def channels_last(cfg: Config, device: torch.device) -> bool:
     """``run.channels_last`` applies on the CPU, where it was measured faster. On CUDA it was not
     (the CNN on an H100: 0.725 vs 0.695 s a round), and cuDNN's backward under ``vmap`` (the
@@ -70,6 +78,8 @@ class ClientRuntime:
         self._worker_tensors = [worker[k] for k in self._worker_init]
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
         self._test_features = SharedEncoderFeatures()  # during an evaluation phase only
+        # worth it where the clients' local test sets together outnumber the test set
+        self._share_test_features = sum(len(data.local_test[c]) for c in range(data.num_clients)) > len(data.test)
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         """A client's view; the worker model starts from the initial weights, so entries a message
@@ -117,7 +127,9 @@ class ClientRuntime:
         if kind == EVALUATE:
             self.client.personalize(ctx, msg)
             test, batch_size = self.eval_data.test, self.cfg.eval.batch_size
-            features = self._test_features.of(self.worker, test, batch_size)
+            features = None
+            if self._share_test_features and head_of_features(self.worker) and keeps_sent_encoder(self.worker, msg):
+                features = self._test_features.of(self.worker, test, batch_size)
             return Reply(payload={"correct": predict(self.worker, test, batch_size, indices=self._local_test(cid),
                                                      features=features)[0]})
         if kind == COUNTS:

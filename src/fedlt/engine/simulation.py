@@ -29,8 +29,8 @@ from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.evaluation import (
-    HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, mean_local_accuracy, predict, shot_groups,
-    validation_metrics,
+    HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, head_of_features, mean_local_accuracy,
+    predict, shot_groups, validation_metrics,
 )
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
@@ -240,22 +240,24 @@ class Simulation:
         correct = None
         extra = self.server.extra_models()
         # calibrated variants differ from the global model in their heads: one pass through the encoder
-        test_features, val_features = SharedEncoderFeatures(), SharedEncoderFeatures()
-        more = bool(extra)
+        on_test, on_val = (SharedEncoderFeatures(), SharedEncoderFeatures()) if extra else (None, None)
+
+        def features(m: torch.nn.Module, data, shared: SharedEncoderFeatures | None) -> torch.Tensor | None:
+            return shared.of(m, data, bs) if shared is not None and head_of_features(m) else None
+
         if model is not None:
-            correct, losses = predict(model, test, bs, features=test_features.of(model, test, bs, more))
+            correct, losses = predict(model, test, bs, features=features(model, test, on_test))
             out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
             if val is not None:
-                out.update(validation_metrics(model, val, self.groups, bs, val_features.of(model, val, bs, more)))
+                out.update(validation_metrics(model, val, self.groups, bs, features(model, val, on_val)))
         variants = {}
         for name, variant in extra.items():
-            features = test_features.of(variant, test, bs, more)
-            metrics = global_metrics(*predict(variant, test, bs, features=features), test.labels, self.groups,
+            on_features = features(variant, test, on_test)
+            metrics = global_metrics(*predict(variant, test, bs, features=on_features), test.labels, self.groups,
                                      test.num_classes)
             variants[name] = {k: metrics[k] for k in HEADLINE_METRICS}
             if val is not None:
-                features = val_features.of(variant, val, bs, more)
-                variants[name].update(validation_metrics(variant, val, self.groups, bs, features))
+                variants[name].update(validation_metrics(variant, val, self.groups, bs, features(variant, val, on_val)))
         if variants:
             out["variants"] = variants
         return out, correct
