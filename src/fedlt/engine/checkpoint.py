@@ -20,6 +20,7 @@ import torch
 from fedlt.errors import FedltError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
@@ -46,9 +47,6 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
     if saved_on == {"cpu"} and device.type != "cpu":  # a CPU run resumed on a device: which of its host
         state = _read(path, device)                   # tensors must move is unknown, so all of them do
     return state
-
-
-REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
 
 
 def _read(path: Path, map_location) -> dict[str, Any]:
