@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,16 @@ TINY_SUITE = {
         {"name": "FedProx", "overrides": ["method=fedprox"]},
     ],
 }
+
+
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the cores: each gets its share of torch's threads, so
+    two workers on two cores do not each spin two threads (the suite's compute stays the same)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        from fedlt.engine.process_pool import cpu_cores
+
+        torch.set_num_threads(max(1, cpu_cores() // workers))
 
 
 def run_until_crash_in_round_3(cfg: dict, monkeypatch) -> Path:
