@@ -199,6 +199,16 @@ def test_the_server_waits_for_min_nodes_and_names_who_came(tmp_path, exported, s
         node_run(node_tree(tmp_path, "few", exported, flower={"connect_timeout_s": 0.1}), NodeGrid(two))
 
 
+def test_a_node_started_for_a_simulated_partition_is_refused_with_the_node_config_to_use(tmp_path, exported,
+                                                                                        server_identity):
+    grid = NodeGrid(nodes_of(exported))
+    grid.contexts[200].node_config = {"partition-id": 0, "num-partitions": 3}
+    with pytest.raises(FedltError, match="^SuperNode 200 was started with partition-id/num-partitions, but this run "
+                                         "has flower.node_data=true; start every SuperNode with --node-config "
+                                         "'data=\"PATH\" name=\"SITE\"'$"):
+        node_run(node_tree(tmp_path, "partition", exported), grid)
+
+
 def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
     nodes = nodes_of(exported)
     grid = NodeGrid(nodes, late={"zz-late": nodes["client-0"]})

@@ -175,7 +175,8 @@ class LossConfig(_Section):
     name: str = Field("ce", description="ce (cross-entropy), la (logit adjustment), bsm (balanced softmax), focal, "
                       "ldam")
     prior: Literal["local", "global", "uniform"] = Field(
-        "local", description="class prior for la/bsm/ldam: client's own counts, or the server's aggregate of all counts"
+        "local", description="class prior for la/bsm/ldam: client's own counts, the server's aggregate of all counts, "
+        "or uniform (no prior)"
     )
     tau: float = Field(1.0, description="logit adjustment: temperature of the log-prior added to the logits")
     focal_gamma: float = Field(2.0, ge=0, description="focal loss: focusing parameter gamma")
@@ -217,8 +218,9 @@ class RunConfig(_Section):
     backend: Literal["auto", "sequential", "parallel", "vectorized", "graphed"] = Field(
         "sequential", description="local training: sampled clients one after another; at the same time in "
         "run.workers CPU processes (parallel, any method); all at once as one batched computation (vectorized; "
-        "FedAvg, FedProx and methods with their local step); each client's step captured as a CUDA graph, "
-        "run.streams clients at once (graphed; the same methods; on a CPU the same step without capture); "
+        "FedAvg, FedProx, FedAvgM, FedLC, FedETF, FedPer, FedBN, centralized and the calibration methods); each client's step captured as a "
+        "CUDA graph, run.streams clients at once (graphed; every method but Ditto; on a CPU the same step without "
+        "capture); "
         "auto = the backend measured fastest for the device and model (docs/speed.md)"
     )
     streams: int = Field(8, ge=1, le=16, description="run.backend=graphed on a GPU: clients trained at once, each on "
@@ -244,7 +246,7 @@ class FlowerConfig(_Section):
         "four clients per GPU); 0 = the simulated clients train on CPU")
     node_data: bool = Field(
         False, description="a real federation: each SuperNode is one client and trains on its own folder "
-        "(--node-config \"data=PATH name=SITE\"); the server reads no training data")
+        "(--node-config 'data=\"PATH\" name=\"SITE\"'); the server reads no training data")
     min_nodes: int = Field(2, ge=1, description="flower.node_data: SuperNodes to wait for (up to connect_timeout_s) "
                            "before the first round; the clients are the nodes found, ordered by name")
 

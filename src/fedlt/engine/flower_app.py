@@ -11,7 +11,7 @@ Client ids map to SuperNodes by ``partition-id`` (from ``--node-config``, set by
 engine too): client ``k`` lives on the node with ``partition-id == k % num-partitions``, so N
 SuperNodes can host K >= N clients. Every node builds the same seeded partition from the
 config it is sent and trains only its own clients' rows: no data moves. A SuperNode started with
-``--node-config "data=PATH name=SITE"`` is instead one client of a real federation that holds only
+``--node-config 'data="PATH" name="SITE"'`` is instead one client of a real federation that holds only
 its own folder (``flower.node_data``, :mod:`fedlt.engine.flower_nodes`).
 """
 

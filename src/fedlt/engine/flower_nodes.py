@@ -1,5 +1,5 @@
 """A real federation on Flower (``flower.node_data``): each SuperNode is one client with its own
-data folder (``--node-config "data=PATH name=SITE"``) and the server reads no training data.
+data folder (``--node-config 'data="PATH" name="SITE"'``) and the server reads no training data.
 
 The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (client ``k`` is the
 k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
@@ -133,7 +133,7 @@ class NodeDataSimulation(FlowerSimulation):
                     if not meta.get("node_data"):
                         raise FedltError(f"SuperNode {node} was started with partition-id/num-partitions, but this run "
                                          'has flower.node_data=true; start every SuperNode with --node-config '
-                                         '"data=PATH name=SITE"')
+                                         '\'data="PATH" name="SITE"\'')
                     if meta["name"] in found.values():
                         log(f"fedlt: a second SuperNode named {meta['name']!r} (node {node}) is refused; give each "
                             "node its own name")
