@@ -197,7 +197,8 @@ def test_interrupted_cell_resumes_from_its_checkpoint(tiny_suite, tmp_path, monk
     _, reference, _ = tiny_suite
     resumed = finals(tmp_path / "out", "IF=10, alpha=0.5", "FedProx", [1])[0]
     uninterrupted = finals(reference, "IF=10, alpha=0.5", "FedProx", [1])[0]
-    assert {k: resumed[k] for k in METRICS} == {k: uninterrupted[k] for k in METRICS}
+    kept = (*METRICS, "loss", "per_class_acc")  # the loss too: the tiny suite's FedProx is near chance accuracy
+    assert {k: resumed[k] for k in kept} == {k: uninterrupted[k] for k in kept}
 
 
 @pytest.mark.parametrize("corrupt", ["cut_off", "not_an_object"])

@@ -502,7 +502,8 @@ def test_repaired_pairs_run_on_the_flower_engine_as_in_process(tmp_path, method,
     local = run_or_refusal({**tree, "engine": "inprocess", "run": {**tree["run"], "out_dir": str(tmp_path / "local")}},
                            tmp_path / "local")
     assert remote.summary["engine"] == "flower" and remote.summary["dropped"] == []
-    assert remote.summary["final"]["acc"] == local.summary["final"]["acc"]
+    same = ("acc", "loss", "per_class_acc", "pm_acc", "variants")  # loss: most of these tiny runs predict one class
+    assert {k: remote.summary["final"][k] for k in same} == {k: local.summary["final"][k] for k in same}
 
 
 def test_configuration_page_shows_the_matrix_from_the_declarations(monkeypatch):

@@ -49,8 +49,10 @@ def test_no_scores_chooses_nothing():
 
 GRID_SUITE = {
     "name": "grid",
+    # 2 epochs on every client: lr 0.05 learns (above 40% here), lr 0.001 stays at chance, so a selection
+    # that read the wrong candidate or the wrong metric shows in the table
     "overrides": ["data.dataset=synthetic", "data.num_clients=4", "data.imbalance_factor=10", "fl.rounds=2",
-                  "fl.local_epochs=1", "fl.participation=0.5", "eval.every=2", "run.threads=1",
+                  "fl.local_epochs=2", "fl.participation=1.0", "eval.every=2", "run.threads=1",
                   "data.val_per_class=10"],
     "seeds": [0, 1],
     "settings": [{"name": "a", "overrides": ["data.alpha=0.5"]}, {"name": "b", "overrides": ["data.alpha=5"]}],
@@ -78,12 +80,14 @@ def test_a_grid_row_runs_every_candidate_and_reports_the_one_validation_selects(
         val[lr] = [json.loads((out / s / folder / f"seed{seed}" / "summary.json").read_text())["final"]["val_acc"]
                    for s in ("a", "b") for seed in (0, 1)]
     chosen = max(val, key=lambda lr: (sum(val[lr]), lr == "0.001"))  # mean of setting means = mean of all four here
+    assert sum(val["0.05"]) > sum(val["0.001"]) + 4 * 20  # a clear choice: the candidate that learned
     text = write_report(out, with_plots=False).markdown
     assert "## Choices made on validation data" in text and f"**`fl.lr={chosen}`**" not in text
     assert f"| `fl.lr={chosen}` |" in text and text.count("**") >= 2
-    prox = json.loads((out / "a" / ("fedprox-fl-lr-" + chosen.replace(".", "-")) / "seed0" / "summary.json")
-                      .read_text())["final"]["acc"]
-    assert f"| FedProx | {prox:.2f} ± " in text  # the table's row is the selected candidate's test accuracy
+    acc = {lr: sum(json.loads((out / "a" / ("fedprox-fl-lr-" + lr.replace(".", "-")) / f"seed{seed}" / "summary.json")
+                              .read_text())["final"]["acc"] for seed in (0, 1)) / 2 for lr in val}
+    assert f"{acc['0.05']:.2f}" != f"{acc['0.001']:.2f}"
+    assert f"| FedProx | {acc[chosen]:.2f} ± " in text  # the table's row is the selected candidate's test accuracy
     assert "val acc" in text
 
 
@@ -141,6 +145,7 @@ def test_a_row_that_joins_a_grid_rows_choice_competes_on_validation_and_can_win(
     assert selections["FedProx"].chosen == {"a": best, "b": best}
     assert set(selections["FedProx (mu=0.1)"].scores) == {"fl.lr=0.001", "fl.lr=0.05"}
     text = write_report(out, with_plots=False).markdown
+    assert len({round(final[c]["a"]["acc"], 2) for c in folders}) > 1  # the winner's figure tells it apart
     assert f"| FedProx | {final[best]['a']['acc']:.2f}" in text  # the table shows the winner's test accuracy
 
 
