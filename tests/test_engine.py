@@ -276,8 +276,29 @@ def test_centralized_oracle_trains_one_pooled_client(tmp_path):
     assert res.summary["final"]["pm_acc"] is not None
 
 
-def test_augmentation_is_seeded_and_applied_only_in_training(tmp_path):
+def test_augmentation_is_seeded_and_applied_only_in_training(tmp_path, monkeypatch):
+    from fedlt.engine.simulation import Simulation
+    from fedlt.methods.base import ClientData
+
+    batches, evaluating = [], [False]  # (inside an evaluation, augmented) per batch a client made
+    evaluate, batch = Simulation.evaluate, ClientData.batch
+
+    def marked_evaluate(self, rnd):
+        evaluating[0] = True
+        try:
+            return evaluate(self, rnd)
+        finally:
+            evaluating[0] = False
+
+    def recorded_batch(self, rows, generator=None):
+        batches.append((evaluating[0], generator is not None and self.augment is not None))
+        return batch(self, rows, generator)
+
+    monkeypatch.setattr(Simulation, "evaluate", marked_evaluate)
+    monkeypatch.setattr(ClientData, "batch", recorded_batch)
     w1 = fedlt.run(tiny(tmp_path, fl__rounds=2, data__augment="weak", run__name="w1"), quiet=True)
+    assert (False, True) in batches and not any(inside and augmented for inside, augmented in batches)
+    monkeypatch.undo()
     w2 = fedlt.run(tiny(tmp_path, fl__rounds=2, data__augment="weak", run__name="w2"), quiet=True)
     plain = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="plain"), quiet=True)
     assert without_timing(w1.metrics) == without_timing(w2.metrics)

@@ -101,7 +101,17 @@ def fedbn_small(monkeypatch):
 
 
 def test_fedbn_keeps_batchnorm_on_the_clients(tmp_path, monkeypatch, fedbn_small):
-    calls = spy_on_messages(monkeypatch)
+    from fedlt.methods.fedbn import FedBNClient
+
+    calls, starts = spy_on_messages(monkeypatch), {}
+    objective_of = FedBNClient.local_objective
+
+    def recording(self, ctx, msg):  # the BatchNorm each local training starts from
+        objective = objective_of(self, ctx, msg)
+        starts.setdefault(ctx.cid, []).append({k: v.clone() for k, v in objective.start.items()})
+        return objective
+
+    monkeypatch.setattr(FedBNClient, "local_objective", recording)
     cfg = tiny(tmp_path, "fedbn", "bn")
     res = fedlt.run(cfg, quiet=True)
     bn = set(batchnorm_keys(small_bn_model(None, 10, 3, 16)))
@@ -114,8 +124,12 @@ def test_fedbn_keeps_batchnorm_on_the_clients(tmp_path, monkeypatch, fedbn_small
     by_client = {}
     for call in fits:
         by_client.setdefault(call["cid"], []).append(call)
-    for first, second in by_client.values():
-        # round 2 trains from the client's own BatchNorm: its running mean continued from round 1's
+    for cid, (first, second) in by_client.items():
+        # the first training starts from the model's initial BatchNorm, the second from exactly what the
+        # first left on the client (not the server's average, which the fit message never carries)
+        kept = {k.removeprefix(PREFIX + "bn/"): v for k, v in first["state"].items()}
+        assert starts[cid][0] == {} and starts[cid][1].keys() == kept.keys() == bn
+        assert all(torch.equal(starts[cid][1][k], kept[k]) for k in bn)
         key = sorted(k for k in first["state"] if k.endswith("running_mean"))[0]
         assert not torch.equal(first["state"][key], second["state"][key])
     assert res.summary["final"]["acc"] is not None  # global_bn: the averaged BatchNorm makes a GM
