@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from fedlt.config import Config, apply_overrides, build_config, load_config
@@ -127,11 +129,35 @@ def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
     (["run.streams=17"], "run.streams"),  # lanes past 16 would share CUDA's streams
     (["data.partition=grouped_dirichlet", "data.equal_size=true"], "data.equal_size"),  # it re-cuts by itself
     (["data.partition=iid", "data.equal_size=true"], "data.equal_size"),
+    (["fl.lr=inf"], "fl.lr"),  # nan and inf are typos, never settings: refused before the run folder exists
+    (["data.imbalance_factor=nan"], "data.imbalance_factor"),
+    (["fl.lr_decay=-1"], "fl.lr_decay"),  # a negative factor makes the lr negative at the first step
+    (["fl.lr_decay_at=[0.5, 5.0]"], "fl.lr_decay_at"),
+    (["eval.many_threshold=-5"], "eval.many_threshold"),
 ])
 def test_invalid_value_is_a_one_line_error_naming_the_key(overrides: list[str], key: str) -> None:
     msg = config_error(overrides=overrides)
     assert key in msg
     assert msg.startswith("invalid config value")
+
+
+def test_nan_inf_and_out_of_range_knobs_and_devices_are_refused_before_training() -> None:
+    from fedlt.run_parts import check_config, resolve_device
+
+    assert "Input should be a finite number" in config_error(overrides=["fl.lr=inf"])
+    for overrides, fragment in [(["method=fedprox", "method_args.mu=nan"], "method_args.mu for method fedprox: Input "
+                                 "should be a finite number"),
+                                (["method=safs", "calibration_args.safs_eps=0"], "calibration_args.safs_eps for "
+                                 "calibration: Input should be greater than 0")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_config(load_config(None, overrides))
+    for name, fragment in [("meta", "run.device=meta: fedlt trains on cpu, cuda (cuda:N) or mps; use run.device=auto"),
+                           ("nosuch", "run.device='nosuch' is not a device")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            resolve_device(name)
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ConfigError, match="run.device=mps but this torch has no usable MPS"):
+            resolve_device("mps")
 
 
 def test_invalid_value_messages_state_the_valid_range() -> None:

@@ -26,7 +26,8 @@ UnitFraction = Annotated[float, AfterValidator(_unit_fraction)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # nan or inf in a number is a typo, never a setting: refused like any value out of range
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(_Section):
@@ -162,8 +163,9 @@ class FLConfig(_Section):
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning rate over the rounds: constant, cosine decay, or step (fl.lr_decay_at, "
         "fl.lr_decay)")
-    lr_decay_at: list[float] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr *= lr_decay")
-    lr_decay: float = Field(0.1, description="step schedule: factor applied at each fl.lr_decay_at")
+    lr_decay_at: list[UnitFraction] = Field([0.5, 0.75], description="step schedule: fractions of the rounds where lr "
+                                            "*= lr_decay, each in (0, 1]")
+    lr_decay: float = Field(0.1, gt=0, description="step schedule: factor applied at each fl.lr_decay_at")
     grad_clip: float | None = Field(None, gt=0, description="clip the norm of the gradient of what local training updates "
                                    "(a frozen part, such as an expert the client does not train, is not counted)")
 
@@ -191,8 +193,8 @@ class EvalConfig(_Section):
     shot_rule: Literal["count", "cumulative"] = Field(
         "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples"
     )
-    many_threshold: int | None = Field(None, description="many-shot: > this many training samples (default by #classes)")
-    few_threshold: int | None = Field(None, description="few-shot: < this many training samples (default by #classes)")
+    many_threshold: int | None = Field(None, ge=0, description="many-shot: > this many training samples (default by #classes)")
+    few_threshold: int | None = Field(None, ge=0, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
     batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory; results change at most by float rounding)")
     test_data: str | None = Field(

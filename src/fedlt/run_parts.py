@@ -35,6 +35,13 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"run.device='{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"run.device={name} but no CUDA GPU is available; use run.device=auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"run.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                          f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"run.device={name} but this torch has no usable MPS (Apple GPU); use run.device=auto or cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"run.device={name}: fedlt trains on cpu, cuda (cuda:N) or mps; use run.device=auto")
     return device
 
 

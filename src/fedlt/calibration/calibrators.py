@@ -62,7 +62,7 @@ class CalibrationArgs(MethodArgs):
                                            "class (default: the paper's 600 scaled to the feature dim: 150 for d=128)")
     safs_steps: int = Field(100, ge=0, description="SAFS: T, optimisation steps of each class's memory bank")
     safs_lr: float = Field(1.0, gt=0, description="SAFS: SGD lr of the memory bank (momentum 0.9, cosine to 0)")
-    safs_eps: float = Field(1e-5, ge=0, description="SAFS: diagonal added to both covariances before Cholesky")
+    safs_eps: float = Field(1e-5, gt=0, description="SAFS: diagonal added to both covariances before Cholesky")
     safs_aligner: bool = Field(True, description="SAFS: MeanCov Aligner (false: the 'w/o MeanCov Aligner' ablation)")
     safs_mmd: bool = Field(True, description="SAFS: L_MMD in the synthesis loss (false: 'w/o L_MMD')")
     safs_arr: bool = Field(True, description="SAFS: L_ARR in the synthesis loss (false: 'w/o L_ARR')")

@@ -45,7 +45,7 @@ Stage = Literal["setup", "before_fit", "after_fit", "final"]
 class MethodArgs(BaseModel):
     """Method-specific knobs (``method_args.*``); subclasses add fields with defaults from the paper."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # nan / inf: a typo, never a knob's value
 
 
 def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) -> MethodArgs:
