@@ -455,3 +455,33 @@ def test_models_one_per_line(runs) -> None:
     names = _names(runs, "models")
     assert {"cnn", "resnet18"} <= set(names)
     assert len(names) == len(set(names))
+
+
+def test_an_output_folder_the_system_will_not_write_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """A read-only file system (or a folder without write permission) is found by the output check,
+    which every command runs first; an OSError naming a path that still escapes becomes one line."""
+    import typer
+
+    from fedlt import cli
+    from fedlt.errors import ConfigError
+
+    writable = os.access
+    monkeypatch.setattr(cli.os, "access", lambda p, mode: Path(p) != tmp_path and writable(p, mode))
+    with pytest.raises(ConfigError, match=f"^--out {tmp_path / 'new' / 'report'}: {tmp_path} is not writable; choose "
+                                          "a folder you can write$"):
+        cli._check_out(tmp_path / "new" / "report", folder=True)
+    monkeypatch.undo()
+    cli._check_out(tmp_path / "new" / "report", folder=True)  # writable: no complaint, nothing made
+    assert not (tmp_path / "new").exists()
+
+    def read_only():
+        raise OSError(30, "Read-only file system", str(tmp_path / "x"))
+
+    with pytest.raises(typer.Exit) as stop:
+        cli._guard(read_only)
+    assert stop.value.exit_code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fedlt: error: Read-only file system: {tmp_path / 'x'}; choose a path fedlt can read and write (and room "
+        "on its disk)"]
+    with pytest.raises(OSError, match="no file"):  # without a path it is not the user's: the traceback stays
+        cli._guard(lambda: (_ for _ in ()).throw(OSError("no file")))

@@ -343,6 +343,16 @@ def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
                                                                        "up_payload"}
 
 
+def test_metrics_lines_that_are_no_rows_are_passed_over_when_a_run_is_read_back(tmp_path):
+    """A torn last line (a kill mid-write), bytes that are not UTF-8, or JSON that is not a round's
+    row (a list, an object without its round): what resume and the reports read is the rows alone."""
+    good = [{"round": 1, "acc": 50.0}, {"round": 2, "acc": 60.0}]
+    lines = [json.dumps(good[0]).encode(), b"\xff\xfe garbage", b"[1, 2]", b'{"acc": 3}', json.dumps(good[1]).encode(),
+             b'{"round": 3, "ac']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    assert read_metrics(tmp_path) == good and read_metrics(tmp_path, up_to_round=1) == good[:1]
+
+
 @pytest.mark.parametrize(("method", "state"), [("fedavg", "global_counts"), ("fedloge", "gamma")])
 def test_a_server_hands_queries_it_did_not_ask_up_and_stops(tmp_path, method, state):
     """In a server composed with another method's, a query the method did not ask reaches the other

@@ -48,6 +48,12 @@ def _guard(fn: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         typer.echo("fedlt: interrupted; resume with `fedlt run --resume RUN_DIR` from the last checkpoint", err=True)
         raise typer.Exit(130)
+    except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
+        if err.filename is None:
+            raise
+        typer.echo(f"fedlt: error: {err.strerror or err}: {err.filename}; choose a path fedlt can read and write "
+                   "(and room on its disk)", err=True)
+        raise typer.Exit(2)
 
 
 @app.command("run")
@@ -97,6 +103,7 @@ def deploy_cmd(
     """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
     from fedlt.deploy import deploy
 
+    _guard(lambda: _check_out(workdir, folder=True, flag="--workdir"))
     raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                             server_test=server_test, workdir=workdir, timeout=timeout))
 
@@ -178,6 +185,9 @@ def _check_out(path: Optional[Path], folder: bool, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path} is a folder; give the path of a file to write")
     if existing != path and not existing.is_dir():
         raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+    parent = existing if existing.is_dir() else existing.parent
+    if not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
+        raise ConfigError(f"{flag} {path}: {parent} is not writable; choose a folder you can write")
 
 
 def _check_at_least_one(value: int, flag: str, what: str) -> None:

@@ -92,11 +92,13 @@ def read_metrics(run_dir: Path, up_to_round: int | None = None) -> list[dict[str
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a kill mid-write: it is after the checkpoint
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):  # a line torn by a kill mid-write, after the checkpoint
             continue
+        if isinstance(row, dict) and isinstance(row.get("round"), int):  # anything else is no row of a run
+            rows.append(row)
     return [r for r in rows if up_to_round is None or r["round"] <= up_to_round]
 
 
