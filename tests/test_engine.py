@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -89,6 +90,27 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
     assert resumed.summary["final"] == full.summary["final"]
 
 
+def test_a_hand_edited_config_is_refused_at_resume_but_how_the_run_executes_may_change(tmp_path, monkeypatch):
+    import yaml
+
+    from fedlt.errors import ConfigError
+
+    run_dir = run_until_crash_in_round_3(tiny(tmp_path, fl__local_epochs=1, run__name="cut"), monkeypatch)
+    saved = (run_dir / "config.yaml").read_text()
+    for key, value, shown in [("data", "num_clients", "data.num_clients: 6 -> 5"), ("fl", "rounds", "fl.rounds: 4 -> 5"),
+                              ("", "seed", "seed: 3 -> 5")]:
+        tree = yaml.safe_load(saved)
+        (tree[key] if key else tree)[value] = 5
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(tree))
+        with pytest.raises(ConfigError, match=re.escape(f"{run_dir / 'config.yaml'} is not the config checkpoint.pt "
+                                                        f"was saved with ({shown}); restore that value")):
+            fedlt.resume(run_dir, quiet=True)
+    tree = yaml.safe_load(saved)
+    tree["run"].update(threads=2, checkpoint_every=1)  # execution only: the same run goes on
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(tree))
+    assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 4
+
+
 def cut_in_round_3_and_resume(cfg: dict, monkeypatch):
     """Run ``cfg`` until a crash in round 3 (after round 2's checkpoint), then resume it to the end."""
     run_dir = run_until_crash_in_round_3(cfg, monkeypatch)
@@ -113,6 +135,13 @@ def test_resume_refuses_a_checkpoint_that_no_longer_fits_the_edited_config(tmp_p
     config = run_dir / "config.yaml"
     config.write_text(config.read_text().replace("name: cnn", "name: resnet8"))
     metrics = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(FedltError, match=r"config.yaml is not the config checkpoint.pt was saved with \(model.name: "
+                                         r"'cnn' -> 'resnet8'\); restore that value"):
+        fedlt.resume(run_dir, quiet=True)
+    # a checkpoint saved before checkpoints kept their config: the state that no longer loads says so
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    del state["config"]
+    torch.save(state, run_dir / "checkpoint.pt")
     with pytest.raises(FedltError, match=r"checkpoint.pt does not fit the run's config.yaml \(RuntimeError: Error\(s\) in loading "
                                          r"state_dict for FedModel\); restore the config.yaml it was saved with"):
         fedlt.resume(run_dir, quiet=True)

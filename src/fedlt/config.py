@@ -403,6 +403,28 @@ def _valid_keys(section: str) -> list[str]:
     return list(kind.model_fields) if _is_model(kind) else []
 
 
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:  # method_args too: a knob a finished run did not set is compared by name
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = ()) -> str | None:
+    """The first dotted key whose value differs between two config trees, as ``key: a -> b``; keys
+    that start with one of ``ignored`` do not count. Keys the saved config lacks are ignored: they
+    were added to fedlt after that run."""
+    a, b = _flatten(saved), _flatten(wanted)
+    for key in sorted(a):
+        if not key.startswith(ignored) and a[key] != b.get(key):
+            return f"{key}: {a[key]!r} -> {b.get(key)!r}"
+    return None
+
+
 def build_config(tree: dict[str, Any] | None = None) -> Config:
     """Validate a nested dict into a :class:`Config`, turning errors into one-line ConfigErrors."""
     try:

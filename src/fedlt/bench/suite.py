@@ -33,6 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
+from fedlt.config import config_difference as difference
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -351,25 +352,10 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
     return cells
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:  # method_args too: a knob a finished run did not set is compared by name
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
-    """The first key (ignoring :data:`IGNORED_KEYS`) whose value differs, as ``key: a -> b``.
-    Keys the saved config lacks are ignored: they were added to fedlt after that run."""
-    a, b = _flatten(saved), _flatten(wanted)
-    for key in sorted(a):
-        if key not in IGNORED_KEYS and a[key] != b.get(key):
-            return f"{key}: {a[key]!r} -> {b.get(key)!r}"
-    return None
+    """:func:`fedlt.config.config_difference` ignoring :data:`IGNORED_KEYS` (where a cell's files go,
+    how many threads it had)."""
+    return difference(saved, wanted, IGNORED_KEYS)
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:

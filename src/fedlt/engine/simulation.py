@@ -9,6 +9,7 @@ the Flower engine (``engine/flower_app.py``) reuses this loop and replaces only 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from fedlt.config import Config
+from fedlt.config import Config, config_difference
 from fedlt.data.federated import FederatedData, federation_seed
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
@@ -27,7 +28,7 @@ from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
-from fedlt.errors import FedltError, TrainingDiverged
+from fedlt.errors import ConfigError, FedltError, TrainingDiverged
 from fedlt.evaluation import (
     HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, head_of_features, mean_local_accuracy,
     predict, shot_groups, validation_metrics,
@@ -48,6 +49,9 @@ from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
 STAGES = ("setup", "before_fit", "after_fit", "final")
+#: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
+#: is executed (device, backend, threads ...), where its data are read from
+RESUME_MAY_CHANGE = ("run.", "data.root", "eval.batch_size")
 
 
 @dataclass
@@ -324,7 +328,17 @@ class Simulation:
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record,
-                "in_clear": sorted(self.secure.in_clear) if self.secure else []}
+                "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump())}
+
+    def _check_resumed_config(self, run_dir: Path, ckpt: dict[str, Any]) -> None:
+        """A hand-edited ``config.yaml`` would go on with another federation or training from the saved
+        state: refused, except where the run's files go and how it is executed (``run.*``)."""
+        if "config" not in ckpt:  # saved before checkpoints kept their config
+            return
+        diff = config_difference(json.loads(ckpt["config"]), self.cfg.dump(), RESUME_MAY_CHANGE)
+        if diff is not None:
+            raise ConfigError(f"{run_dir / CONFIG_FILE} is not the config {CHECKPOINT_FILE} was saved with ({diff}); "
+                              "restore that value, or start a new run with the new config")
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;
@@ -334,6 +348,7 @@ class Simulation:
         pending: dict[str, Any] = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
+            self._check_resumed_config(run_dir, ckpt)
             try:
                 start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
                 self.message_record = ckpt["messages"]
