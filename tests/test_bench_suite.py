@@ -169,6 +169,7 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch)
     table = write_report(tmp_path / "out", with_plots=False).markdown
     assert "| FedProx (0/1 seeds) | - |" in table
     monkeypatch.undo()  # fixed: the re-run runs only the failed cell, and clears failed.json
+    (tmp_path / "out" / "failed.json").write_bytes(b'[{"run_dir": 3}, "x"\xff')  # damaged meanwhile: no matter
     again = run_suite(suite, tmp_path / "out", echo=lambda line: None)
     assert [c.method for c in again.ran] == ["FedProx"] and len(again.skipped) == 1
     assert not (tmp_path / "out" / "failed.json").exists()
@@ -425,6 +426,9 @@ def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
     log.write_text(json.dumps(ok[0]) + "\n" + json.dumps(moved) + "\n")  # the same cell, its folder named otherwise
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 3.0
     assert suite_cost(tmp_path / "absent.jsonl") is None
+    log.write_text("\n".join(json.dumps(r) for r in [{**ok[0], "time": "yesterday"}, {**ok[0], "time": 3}, [1],
+                                                     {k: v for k, v in ok[1].items() if k != "time"}, ok[2]]))
+    assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == ok[2]["cpu_s"]  # records without a time are no record
 
 
 def test_row_option_runs_only_the_named_rows_and_a_variant_names_its_runs(tmp_path):

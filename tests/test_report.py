@@ -46,6 +46,11 @@ BAD_SUMMARIES = {
     "list": ("[1, 2]", "it holds an array, not a JSON object"),
     "empty_object": ("{}", "no keys 'method', 'final', 'best_round'"),
     "final_not_object": (json.dumps({**summary(50.0), "final": None}), "'final' is null, not an object"),
+    "final_without_round": (json.dumps({**summary(50.0), "final": {}}), "'final' has no 'round'"),
+    "accuracy_not_a_number": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "acc": "n/a"}}),
+                              "'final.acc' is a string, not a number"),
+    "best_round_loss_not_a_number": (json.dumps({**summary(50.0), "best_round": {"round": 20, "loss": [1]}}),
+                                     "'best_round.loss' is an array, not a number"),
 }
 
 
@@ -76,6 +81,24 @@ def test_a_good_summary_reads_back_and_a_folder_of_runs_names_its_bad_one(tmp_pa
     (tmp_path / "b" / "summary.json").write_text("{")
     with pytest.raises(FedltError, match=r"b/summary\.json is not a readable run summary \(invalid JSON"):
         write_report(tmp_path, with_plots=False)
+
+
+def test_a_run_config_or_suite_file_that_is_not_yaml_is_one_error_naming_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary(50.0)))
+    (run / "config.yaml").write_text("seed: 0\nfl: [1\n")
+    with pytest.raises(ConfigError, match=f"^run config {re.escape(str(run / 'config.yaml'))} is not valid YAML at "
+                                          "line 3; fix the syntax$"):
+        write_report(run, with_plots=False)
+    assert not (run / "report").exists()  # nothing half-written
+    (run / "config.yaml").write_bytes(b"seed: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        write_report(run, with_plots=False)
+    out = fake_suite(tmp_path / "suite")
+    (out / "suite.yaml").write_text("name: [\n")
+    with pytest.raises(ConfigError, match=f"^suite file {re.escape(str(out / 'suite.yaml'))} is not valid YAML"):
+        write_report(out, with_plots=False)
 
 
 @pytest.mark.parametrize("bad", [[1, 2], {}, {**summary(50.0), "best_round": [20]}])

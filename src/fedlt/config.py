@@ -442,16 +442,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is a folder; pass a YAML file, e.g. {p / 'config.yaml'}")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
-        try:
-            # bytes: PyYAML detects the encoding itself, and undecodable bytes become a YAMLError
-            loaded = yaml.safe_load(p.read_bytes())
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {p} ({err.strerror or err}); check its permissions") from None
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file {p} is not valid YAML{at}; fix the syntax") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of keys (e.g. 'fl: {{rounds: 50}}')")
-        tree = loaded or {}
+        tree = read_yaml_mapping(p)
     return build_config(apply_overrides(tree, overrides or []))
+
+
+def read_yaml_mapping(p: Path, what: str = "config file") -> dict[str, Any]:
+    """The mapping a YAML file holds ({} when empty); an unreadable file, invalid YAML or another
+    type is one ConfigError naming ``what`` and the file."""
+    try:
+        # bytes: PyYAML detects the encoding itself, and undecodable bytes become a YAMLError
+        loaded = yaml.safe_load(p.read_bytes())
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {p} ({err.strerror or err}); check its permissions") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{what} {p} is not valid YAML{at}; fix the syntax") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {p} must hold a mapping of keys (e.g. 'fl: {{rounds: 50}}')")
+    return loaded or {}

@@ -158,6 +158,13 @@ def check_summary(summary: Any, run_dir: str | Path) -> dict[str, Any]:
     for key, kind in SUMMARY_KEYS.items():
         if not isinstance(summary[key], kind):
             raise _unreadable(run_dir, f"'{key}' is {_json_type(summary[key])}, not {_json_type(kind())}")
+    if "round" not in summary["final"]:
+        raise _unreadable(run_dir, "'final' has no 'round'")
+    for part in ("final", "best_round"):  # what tables, plots and statistics compute with
+        for key in (*EVAL_KEYS[:-2], *VAL_KEYS):
+            value = summary[part].get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise _unreadable(run_dir, f"'{part}.{key}' is {_json_type(value)}, not a number")
     return summary
 
 

@@ -34,6 +34,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
 from fedlt.config import config_difference as difference
+from fedlt.config import read_yaml_mapping
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -420,7 +421,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
                               "delete that folder or pass --out to a fresh one")
         cell.state = "new"
         return
-    diff = config_difference(yaml.safe_load(saved_path.read_text()) or {}, cfg.dump())
+    diff = config_difference(read_yaml_mapping(saved_path, f"cell '{cell.label}': run config"), cfg.dump())
     try:
         summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
     except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
@@ -635,8 +636,12 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
 def _load_failures(out: Path, pending: set[str]) -> dict[str, Any]:
     """Earlier failures, minus the cells about to be run again (they get a fresh verdict)."""
     path = out / FAILED_FILE
-    old = json.loads(path.read_text()) if path.is_file() else []
-    return {f["run_dir"]: f for f in old if f["run_dir"] not in pending}
+    try:
+        old = json.loads(path.read_bytes()) if path.is_file() else []
+    except (json.JSONDecodeError, UnicodeDecodeError):  # damaged: a failed cell is unfinished and runs again anyway
+        old = []
+    records = [f for f in old if isinstance(f, dict) and isinstance(f.get("run_dir"), str)] if isinstance(old, list) else []
+    return {f["run_dir"]: f for f in records if f["run_dir"] not in pending}
 
 
 def _write_failures(out: Path, failures: dict[str, Any]) -> None:

@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from fedlt.bench.selection import Selection, candidate_label, candidates, select
-from fedlt.config import DIRICHLET_PARTITIONS, partition_label
+from fedlt.config import DIRICHLET_PARTITIONS, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
@@ -113,7 +111,7 @@ def _load_run(path: Path, seed: int | None = None) -> Run | None:
     summary = read_summary(path)
     if seed is None:
         cfg_path = path / "config.yaml"
-        seed = int((yaml.safe_load(cfg_path.read_text()) or {}).get("seed", 0)) if cfg_path.is_file() else 0
+        seed = int(read_yaml_mapping(cfg_path, "run config").get("seed", 0)) if cfg_path.is_file() else 0
     return Run(path, seed, summary)
 
 
@@ -169,7 +167,7 @@ def collect(path: Path) -> Collection:
         return _collect_suite(path)
     run = _load_run(path)
     if run is not None:
-        cfg = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
+        cfg = read_yaml_mapping(path / "config.yaml", "run config") if (path / "config.yaml").is_file() else None
         rows = _run_rows(_run_label(run), run)
         return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, reference=rows[0].label)],
                           [run.seed])
@@ -182,7 +180,7 @@ def collect(path: Path) -> Collection:
     for child, run in zip(children, runs):
         rows += _run_rows(child.name, run)
     cfg_path = children[0] / "config.yaml"
-    cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else None
+    cfg = read_yaml_mapping(cfg_path, "run config") if cfg_path.is_file() else None
     return Collection(path.name, "", [Setting(setting_label(runs[0].summary, cfg), rows, reference=rows[0].label)],
                       sorted({r.seed for r in runs}))
 
@@ -190,7 +188,7 @@ def collect(path: Path) -> Collection:
 def _collect_suite(path: Path) -> Collection:
     from fedlt.bench.suite import LOG_FILE, cell_dir, parse_suite
 
-    tree = yaml.safe_load((path / "suite.yaml").read_text())
+    tree = read_yaml_mapping(path / "suite.yaml", "suite file")
     spec = parse_suite(tree, str(path / "suite.yaml"))
     selections = {m.name: _select(path, spec, m) for m in spec.methods if m.grid}
     settings = []

@@ -37,12 +37,13 @@ def finished_records(log: Path) -> list[dict]:
     if not log.is_file():
         return []
     last: dict[str, dict] = {}
-    for line in log.read_text().splitlines():
+    for line in log.read_bytes().splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a killed run
-            continue
-        if isinstance(record, dict) and record.get("status") == "ok" and "time" in record:
+            datetime.fromisoformat(record["time"])
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):  # a line cut by a
+            continue                                                                         # killed run, or no record
+        if isinstance(record, dict) and record.get("status") == "ok":
             where = record.get("run_dir")
             last["/".join(Path(where).parts[-3:]) if where else record.get("cell")] = record
     return list(last.values())
