@@ -39,6 +39,22 @@ def test_suite_report_writes_every_plot_as_a_readable_png(tiny_suite, tmp_path):
             assert_readable_png(path)
 
 
+def test_a_damaged_partition_record_stops_the_report_before_it_writes_anything(tiny_suite, tmp_path):
+    import shutil
+
+    from fedlt.errors import DataError
+
+    _, out, result = tiny_suite
+    run_dir = tmp_path / "run"
+    shutil.copytree(next(c.run_dir for c in result.cells if c.method == "FedProx"), run_dir)
+    for damage in (b'{"counts": [[1, 2], [3', b"\xff\xfe", b"[1, 2]", b'{"counts": [1, 2]}'):
+        (run_dir / "partition.json").write_bytes(damage)
+        with pytest.raises(DataError, match=f"^{run_dir / 'partition.json'} is not a partition record"):
+            write_report(run_dir, tmp_path / "r")
+        assert not (tmp_path / "r").exists()
+    assert write_report(run_dir, tmp_path / "r", with_plots=False).files  # the tables need no partition
+
+
 def test_single_run_directory_report(tiny_suite, tmp_path):
     _, out, result = tiny_suite
     run_dir = next(c.run_dir for c in result.cells if c.method == "FedAvg + CCVR")

@@ -6,8 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from fedlt.errors import DataError
 from fedlt.reporting import plots
-from fedlt.reporting.collect import Collection, collect
+from fedlt.reporting.collect import Collection, Setting, collect
 from fedlt.reporting.tables import build_table, csv_text, latex, markdown
 from fedlt.results import ARTIFACTS_FILE, PARTITION_FILE, write_atomic
 
@@ -29,6 +32,7 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
     """Write ``tables.md``, ``tables.csv``, ``tables.tex`` and the PNGs of ``path`` into ``out``
     (default ``path/report``)."""
     collection = collect(Path(path))
+    partitions = {s.name: _partition_record(s) for s in collection.settings} if with_plots else {}
     out = Path(out) if out is not None else Path(path) / "report"
     out.mkdir(parents=True, exist_ok=True)
     tables = [build_table(s) for s in collection.settings]
@@ -38,21 +42,37 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
         write_atomic(out / name, content)
         files.append(out / name)
     if with_plots:
-        files += write_plots(collection, out)
+        files += write_plots(collection, out, partitions)
     return Report(out, text, files)
 
 
-def write_plots(collection: Collection, out: Path) -> list[Path]:
+def _partition_record(setting: Setting) -> dict | None:
+    """The partition a setting's first run trained on (its heatmap), read before anything is
+    written: a damaged file is one error naming it, not a report cut off halfway."""
+    first = setting.first_run()
+    if first is None or not (first.path / PARTITION_FILE).is_file():
+        return None
+    path = first.path / PARTITION_FILE
+    try:
+        record = json.loads(path.read_bytes())
+        counts = np.asarray(record["counts"], dtype=float)
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):
+        record, counts = None, np.zeros(0)
+    if record is None or counts.ndim != 2:
+        raise DataError(f"{path} is not a partition record (a JSON object with a clients x classes 'counts' table); "
+                        "restore it from the run, or delete it to leave the heatmap out")
+    return record
+
+
+def write_plots(collection: Collection, out: Path, partitions: dict[str, dict | None]) -> list[Path]:
     files = []
     for setting in collection.settings:
         s = _slug(setting.name)
         files += [plots.plot_curves(setting, out / f"curves-{s}.png"), plots.plot_shot_bars(setting, out / f"shots-{s}.png"),
                   plots.plot_per_class(setting, out / f"per-class-{s}.png"),
                   plots.plot_diagnostics(setting, out / f"diagnostics-{s}.png")]
-        first = setting.first_run()
-        if first is not None and (first.path / PARTITION_FILE).is_file():
-            record = json.loads((first.path / PARTITION_FILE).read_text())
-            files.append(plots.plot_partition(record, out / f"partition-{s}.png"))
+        if partitions.get(setting.name) is not None:
+            files.append(plots.plot_partition(partitions[setting.name], out / f"partition-{s}.png"))
         for row in setting.rows:
             if row.variant is None and row.runs and (row.runs[0].path / ARTIFACTS_FILE).is_file():
                 import torch
