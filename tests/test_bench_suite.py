@@ -427,7 +427,9 @@ def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 3.0
     assert suite_cost(tmp_path / "absent.jsonl") is None
     log.write_text("\n".join(json.dumps(r) for r in [{**ok[0], "time": "yesterday"}, {**ok[0], "time": 3}, [1],
-                                                     {k: v for k, v in ok[1].items() if k != "time"}, ok[2]]))
+                                                     {k: v for k, v in ok[1].items() if k != "time"},
+                                                     {**ok[1], "wall_s": "long"}, {**ok[1], "run_dir": 7},
+                                                     {**ok[1], "time": ok[1]["time"] + "+00:00"}, ok[2]]))
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == ok[2]["cpu_s"]  # records without a time are no record
 
 

@@ -517,7 +517,7 @@ def test_list_file_override(tmp_path: Path) -> None:
 def test_synthetic_is_deterministic_balanced_and_fast() -> None:
     start = time.perf_counter()
     pair = load_dataset("synthetic")
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 3.0  # ~0.3 s: a guard against a slow path, with room for a busy machine
     again = make_synthetic()
     assert torch.equal(pair.train.images, again.train.images) and torch.equal(pair.test.images, again.test.images)
     assert pair.train.images.shape == (3000, 3, 16, 16) and pair.test.images.shape == (1000, 3, 16, 16)

@@ -51,6 +51,8 @@ BAD_SUMMARIES = {
                               "'final.acc' is a string, not a number"),
     "best_round_loss_not_a_number": (json.dumps({**summary(50.0), "best_round": {"round": 20, "loss": [1]}}),
                                      "'best_round.loss' is an array, not a number"),
+    "round_not_a_whole_number": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "round": 2.5}}),
+                                 "'final.round' is a number, not a whole number"),
 }
 
 

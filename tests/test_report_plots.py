@@ -47,7 +47,8 @@ def test_a_damaged_partition_record_stops_the_report_before_it_writes_anything(t
     _, out, result = tiny_suite
     run_dir = tmp_path / "run"
     shutil.copytree(next(c.run_dir for c in result.cells if c.method == "FedProx"), run_dir)
-    for damage in (b'{"counts": [[1, 2], [3', b"\xff\xfe", b"[1, 2]", b'{"counts": [1, 2]}'):
+    for damage in (b'{"counts": [[1, 2], [3', b"\xff\xfe", b"[1, 2]", b'{"counts": [1, 2]}',
+                   b'{"counts": [[1, 2], [3, 4]]}', b'{"counts": [[1]], "dataset": "x", "imbalance_factor": "big"}'):
         (run_dir / "partition.json").write_bytes(damage)
         with pytest.raises(DataError, match=f"^{run_dir / 'partition.json'} is not a partition record"):
             write_report(run_dir, tmp_path / "r")

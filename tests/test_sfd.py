@@ -16,7 +16,7 @@ from fedlt.calibration.math.safs import (
 )
 from fedlt.calibration.math.stats import class_feature_sums, class_moments
 from fedlt.calibration.wrapper import STATS_QUERY
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, FedltError
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
 
 @pytest.fixture(autouse=True)
@@ -55,7 +55,7 @@ def test_aligner_gives_exactly_the_target_mean_and_covariance(d):
 def test_aligner_handles_a_singular_target_and_refuses_too_few_rows():
     gen = torch.Generator().manual_seed(0)
     cov = random_cov(8, 3, gen)  # fewer samples than dimensions: singular
-    with pytest.raises(ConfigError, match="not positive definite"):
+    with pytest.raises(FedltError, match="not positive definite"):
         cholesky_factor(cov - 1e-3 * torch.eye(8, dtype=torch.float64), 0.0)
     z = align_mean_cov(torch.randn(50, 8, generator=gen, dtype=torch.float64), torch.zeros(8, dtype=torch.float64),
                        cholesky_factor(cov, 1e-5), eps=1e-5)

@@ -6,6 +6,7 @@ code 2; nothing is left half-written because every check runs before the run dir
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data w
 app.add_typer(data_app, name="data")
 
 
+#: an OSError with one of these on a named path is the system refusing the user's path, not a bug
+REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
 def _guard(fn: Callable[[], None]) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback."""
     try:
@@ -49,7 +54,7 @@ def _guard(fn: Callable[[], None]) -> None:
         typer.echo("fedlt: interrupted; resume with `fedlt run --resume RUN_DIR` from the last checkpoint", err=True)
         raise typer.Exit(130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
-        if err.filename is None:
+        if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:
             raise
         typer.echo(f"fedlt: error: {err.strerror or err}: {err.filename}; choose a path fedlt can read and write "
                    "(and room on its disk)", err=True)
@@ -171,9 +176,10 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
     _guard(go)
 
 
-def _check_out(path: Optional[Path], folder: bool, flag: str = "--out") -> None:
+def _check_out(path: Optional[Path], folder: bool, flag: str = "--out", writes: bool = True) -> None:
     """Refuse an output path that cannot be written, before any work starts: a file where a
-    folder must go (or the reverse), or a file on the way to it."""
+    folder must go (or the reverse), a file on the way to it, or (when the command ``writes``) a
+    folder the system will not let it write."""
     from fedlt.errors import ConfigError
 
     if path is None:
@@ -186,7 +192,7 @@ def _check_out(path: Optional[Path], folder: bool, flag: str = "--out") -> None:
     if existing != path and not existing.is_dir():
         raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
     parent = existing if existing.is_dir() else existing.parent
-    if not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
+    if writes and not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
         raise ConfigError(f"{flag} {path}: {parent} is not writable; choose a folder you can write")
 
 
@@ -408,7 +414,7 @@ def bench_run_cmd(
         if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):
             raise ConfigError(f"--seeds {seeds}: give distinct seeds >= 0, e.g. 0,1,2")
         folder = out or Path("runs/bench") / loaded.spec.name
-        _check_out(folder, folder=True)
+        _check_out(folder, folder=True, writes=not dry_run)  # a dry run only reads a kept folder
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
                            echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []),
                            rows=list(rows or []) or None, mixed_machines=mixed_machines,

@@ -161,6 +161,9 @@ def check_summary(summary: Any, run_dir: str | Path) -> dict[str, Any]:
     if "round" not in summary["final"]:
         raise _unreadable(run_dir, "'final' has no 'round'")
     for part in ("final", "best_round"):  # what tables, plots and statistics compute with
+        value = summary[part].get("round")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _unreadable(run_dir, f"'{part}.round' is {_json_type(value)}, not a whole number")
         for key in (*EVAL_KEYS[:-2], *VAL_KEYS):
             value = summary[part].get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

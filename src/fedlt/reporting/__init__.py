@@ -56,11 +56,13 @@ def _partition_record(setting: Setting) -> dict | None:
     try:
         record = json.loads(path.read_bytes())
         counts = np.asarray(record["counts"], dtype=float)
+        fine = (counts.ndim == 2 and isinstance(record["dataset"], str) and float(record["imbalance_factor"]) > 0
+                and isinstance(record.get("alpha"), (int, float, type(None))))
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):
-        record, counts = None, np.zeros(0)
-    if record is None or counts.ndim != 2:
-        raise DataError(f"{path} is not a partition record (a JSON object with a clients x classes 'counts' table); "
-                        "restore it from the run, or delete it to leave the heatmap out")
+        fine = False
+    if not fine:
+        raise DataError(f"{path} is not a partition record (a JSON object with a clients x classes 'counts' table, "
+                        "'dataset' and 'imbalance_factor'); restore it from the run, or delete it to leave the heatmap out")
     return record
 
 

@@ -40,7 +40,10 @@ def finished_records(log: Path) -> list[dict]:
     for line in log.read_bytes().splitlines():
         try:
             record = json.loads(line)
-            datetime.fromisoformat(record["time"])
+            end = datetime.fromisoformat(record["time"])
+            float(record.get("wall_s", 0)), float(record.get("cpu_s", 0)), Path(record.get("run_dir") or ".")
+            if end.tzinfo is not None:  # fedlt writes local naive times: another writer's record
+                continue
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):  # a line cut by a
             continue                                                                         # killed run, or no record
         if isinstance(record, dict) and record.get("status") == "ok":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from fedlt.calibration.math.rff import random_fourier_features
-from fedlt.errors import ConfigError
+from fedlt.errors import FedltError
 
 
 @dataclass
@@ -68,7 +68,8 @@ def cholesky_factor(cov: torch.Tensor, eps: float) -> torch.Tensor:
     eye = torch.eye(cov.shape[0], dtype=torch.float64, device=cov.device)
     factor, info = torch.linalg.cholesky_ex(cov.to(torch.float64) + eps * eye)
     if int(info) != 0:
-        raise ConfigError(f"covariance + {eps:g} I is not positive definite; raise the SAFS eps "
+        # found mid-run, after training: a FedltError (one line), not a refusal of the config before it
+        raise FedltError(f"covariance + {eps:g} I is not positive definite; raise the SAFS eps "
                           "(calibration_args.safs_eps)")
     return factor
 
@@ -87,7 +88,7 @@ def align_mean_cov(z_raw: torch.Tensor, target_mean: torch.Tensor, target_factor
     centered = z_raw - z_raw.mean(dim=0)
     try:
         raw_factor = cholesky_factor(centered.T @ centered / (z_raw.shape[0] - 1), eps)
-    except ConfigError:  # fewer rows than dimensions: float32 rounding of large features made it indefinite
+    except FedltError:  # fewer rows than dimensions: float32 rounding of large features made it indefinite
         wide = centered.to(torch.float64)
         raw_factor = cholesky_factor(wide.T @ wide / (z_raw.shape[0] - 1), eps)
     # A = L_g L_raw^{-1} by forward substitution (X L_raw = L_g), not an explicit inverse
