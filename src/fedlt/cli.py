@@ -203,6 +203,15 @@ def _check_at_least_one(value: int, flag: str, what: str) -> None:
         raise ConfigError(f"{flag} {value}: use 1 or more {what}")
 
 
+def _check_synthetic_size(size: int) -> None:
+    """The ResNets' synthetic image side, refused before the first table is timed."""
+    from fedlt.errors import ConfigError
+    from fedlt.models.registry import MIN_IMAGE_SIZE
+
+    if size < MIN_IMAGE_SIZE:
+        raise ConfigError(f"--synthetic-size {size}: use {MIN_IMAGE_SIZE} or more (32: CIFAR-shaped)")
+
+
 def _print_and_save(text: str, out: Optional[Path]) -> None:
     """A benchmark's Markdown: printed, and written to ``out`` when given."""
     typer.echo(text)
@@ -236,6 +245,7 @@ def bench_speed_cmd(
         from fedlt.errors import ConfigError
 
         _check_at_least_one(rounds, "--rounds", "rounds to time")
+        _check_synthetic_size(synthetic_size)
         _check_out(out, folder=False)
         if compare is not None and not backends:
             raise ConfigError(f"--compare {compare} picks the rows of the backends table; add --backends")
@@ -294,6 +304,7 @@ def bench_profile_cmd(
         from fedlt.config import load_config
 
         _check_out(out, folder=False)
+        _check_synthetic_size(synthetic_size)
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)
         text = run_profile_bench(config, args, models=_model_list(models), sampled_counts=_client_counts(sampled),
