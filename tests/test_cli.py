@@ -201,6 +201,10 @@ def error_cases(data: Path) -> dict[str, Case]:
         "paper_rounds_unknown_row": Case(["bench", "paper-rounds", "paper-creff", "--row", "paper-creff:SFD"],
                                          "--row paper-creff:SFD names no row", "paper-creff: CReFF, FedProx",
                                          out_dir=False),
+        "engines_missing_config": Case(["bench", "engines", str(data / "nope.yaml")], "fedlt bench engines needs a "
+                                       f"config file first, got {data / 'nope.yaml'}, which is no file", out_dir=False),
+        "deploy_missing_config": Case(["deploy", str(data / "nope.yaml"), "--workdir", str(data / "deploy")],
+                                      "fedlt deploy needs a config file first", out_dir=False),
         "engines_zero_nodes": Case(["bench", "engines", "configs/synthetic_smoke.yaml", "--nodes", "0"], "--nodes 0",
                                    "1 or more SuperNodes", out_dir=False),
         "duplicate_seeds": Case(["bench", "run", "demo", "--seeds", "0,0", "--dry-run"], "--seeds 0,0", "distinct",

@@ -108,7 +108,7 @@ def deploy_cmd(
     """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
     from fedlt.deploy import deploy
 
-    _guard(lambda: _check_out(workdir, folder=True, flag="--workdir"))
+    _guard(lambda: (_require_config_file(args[0], "fedlt deploy"), _check_out(workdir, folder=True, flag="--workdir")))
     raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                             server_test=server_test, workdir=workdir, timeout=timeout))
 
@@ -201,6 +201,16 @@ def _check_at_least_one(value: int, flag: str, what: str) -> None:
 
     if value < 1:
         raise ConfigError(f"{flag} {value}: use 1 or more {what}")
+
+
+def _require_config_file(first: str, command: str) -> None:
+    """Commands that measure or deploy one config file: a missing one is named with that fix."""
+    from fedlt.errors import ConfigError
+
+    if "=" in first or not Path(first).is_file():
+        what = "an override" if "=" in first else f"{first}, which is no file"
+        raise ConfigError(f"{command} needs a config file first, got {what}; pass one, e.g. "
+                          "configs/synthetic_smoke.yaml")
 
 
 def _check_synthetic_size(size: int) -> None:
@@ -379,11 +389,10 @@ def bench_engines_cmd(
         from fedlt.bench.engines import ENGINES, run_engine_bench
         from fedlt.errors import ConfigError
 
-        if "=" in args[0]:
-            raise ConfigError("fedlt bench engines needs a config file first, e.g. configs/synthetic_smoke.yaml")
         if nodes is not None:
             _check_at_least_one(nodes, "--nodes", "SuperNodes")
         _check_out(out, folder=False)
+        _require_config_file(args[0], "fedlt bench engines")
         chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
         unknown = [e for e in chosen if e not in ENGINES]
         if unknown or not chosen:
