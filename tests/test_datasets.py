@@ -436,6 +436,46 @@ def test_inat_names_file_and_default_size(tmp_path: Path, monkeypatch: pytest.Mo
     assert pair.num_classes == 6 and pair.test.classes[5] == "species 5"
 
 
+def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train2018.json / val2018.json as the organisers ship them: images and annotations joined on
+    image_id, category_id the label, categories naming the classes, file_name relative to the root."""
+    import json
+
+    root = tmp_path / "inaturalist2018"
+    colours = {0: (250, 10, 10), 1: (10, 250, 10), 2: (10, 10, 250)}
+    names = {0: "Aves", 1: "Plantae", 2: "Fungi"}  # listed out of id order below, as nothing promises an order
+
+    def annotation_file(split: str, rows: list[tuple[int, int]]) -> dict:
+        images, annotations = [], []
+        for i, (image_id, category) in enumerate(rows):
+            rel = f"train_val2018/{names[category]}/{category}/{split}{image_id}.jpg"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (20 + i, 16), colours[category]).save(root / rel, quality=95)
+            images.append({"id": image_id, "file_name": rel, "width": 20 + i, "height": 16})
+            annotations.append({"id": 1000 + image_id, "image_id": image_id, "category_id": category})
+        categories = [{"id": c, "name": names[c], "supercategory": names[c]} for c in (2, 0, 1)]
+        return {"info": {"year": 2018}, "images": images, "annotations": annotations[::-1], "categories": categories,
+                "licenses": []}
+
+    root.mkdir(parents=True)
+    (root / "train2018.json").write_text(json.dumps(annotation_file("t", [(7, 0), (3, 2), (9, 0), (4, 1)])))
+    (root.parent / "val2018.json").write_text(json.dumps(annotation_file("v", [(11, 1), (12, 2)])))
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path))
+    monkeypatch.setenv("FEDLT_CACHE", str(tmp_path / "cache"))
+    pair = load_dataset("inat", image_size=8)
+    assert pair.train.classes == ["Aves", "Plantae", "Fungi"] and pair.num_classes == 3
+    assert sorted(pair.train.labels.tolist()) == [0, 0, 1, 2] and sorted(pair.test.labels.tolist()) == [1, 2]
+    for split in (pair.train, pair.test):  # each image's colour is its own category's: paths and labels joined right
+        for image, label in zip(split.images, split.labels.tolist()):
+            centre = image[:, 4, 4].tolist()
+            assert all(abs(a - b) <= 6 for a, b in zip(centre, colours[label])), (centre, label)
+    (root / "train2018.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "x.jpg"}],
+                                                     "annotations": [{"image_id": 2, "category_id": 0}],
+                                                     "categories": []}))
+    with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*KeyError: 2"):
+        load_dataset("inat", image_size=8)
+
+
 def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "imagenet"
     write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")

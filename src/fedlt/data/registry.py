@@ -107,7 +107,8 @@ DATASETS: dict[str, DatasetInfo] = {
     ),
     "inat": DatasetInfo(
         "iNaturalist 2018, 8142 classes, 3xSxS (data.image_size, default 64), 438k/24k; images in "
-        "$FEDLT_DATA/inaturalist2018 with iNaturalist18_{train,val}.txt there or in its parent",
+        "$FEDLT_DATA/inaturalist2018 with train2018.json and val2018.json (or iNaturalist18_{train,val}.txt) there "
+        "or in its parent",
         lambda root, size: listfile.load_inat2018(root, size),
         subfolder="inaturalist2018",
         image_size=listfile.DEFAULT_IMAGE_SIZE,

@@ -1,13 +1,15 @@
 """ImageNet-LT and iNaturalist 2018 in the layout the long-tail literature ships.
 
 An image root plus one list file per split whose lines read ``relative/path.jpg LABEL``
-(paths relative to the image root). Images come in any size, so each is resized (shorter
+(paths relative to the image root); for iNaturalist 2018 also the organisers' own COCO-style
+annotation files (``train2018.json``, ``val2018.json``) where those lists are absent. Images come in any size, so each is resized (shorter
 side to ``image_size``) and centre-cropped to a square. Decoding 100k+ JPEGs takes minutes,
 so the decoded tensor is cached per (list file, image size); see :mod:`.cache`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ class ListLayout:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     fix: str
+    #: the organisers' COCO-style annotation files (train, test), read where the lists are absent
+    annotations: tuple[str, str] | None = None
 
 
 IMAGENET_LT = ListLayout(
@@ -64,9 +68,11 @@ INAT2018 = ListLayout(
     mean=(0.466, 0.471, 0.380),
     std=(0.195, 0.194, 0.192),
     fix=(
-        "pass data.root=DIR with DIR the iNaturalist 2018 folder the list paths are relative to "
-        "(holding train_val2018/), and put the iNaturalist18_*.txt lists in DIR or its parent"
+        "pass data.root=DIR with DIR the iNaturalist 2018 folder the paths are relative to (holding "
+        "train_val2018/), and put the official train2018.json and val2018.json (or the iNaturalist18_*.txt "
+        "lists) in DIR or its parent"
     ),
+    annotations=("train2018.json", "val2018.json"),
 )
 
 
@@ -102,6 +108,12 @@ def load_list_dataset(
         paths, replacing the layout's defaults
     """
     root = require_dir(layout.dataset, Path(root).expanduser(), layout.fix)
+    if train_list is None and test_list is None and _reads_annotations(layout, root):
+        train_file, test_file = (_find_list(layout, root, name) for name in layout.annotations)
+        train_entries, classes, ids = _parse_annotations(layout, train_file)
+        test_entries = _parse_annotations(layout, test_file, ids)[0]
+        return DatasetPair(*(_split(layout, root, list_file, entries, image_size, classes)
+                             for list_file, entries in ((train_file, train_entries), (test_file, test_entries))))
     train_file = _find_list(layout, root, train_list or layout.train_list)
     test_file = _find_list(layout, root, test_list or layout.test_list)
     train_entries = _parse(layout, train_file)
@@ -151,6 +163,34 @@ def _find_list(layout: ListLayout, root: Path, name: str) -> Path:
             return candidate
     where = " or ".join(str(c.parent) for c in candidates)
     raise DataError(f"{layout.dataset}: list file {given.name} not found in {where}; {layout.fix}")
+
+
+def _reads_annotations(layout: ListLayout, root: Path) -> bool:
+    """The organisers' annotation files stand in for the lists when no train list is there and they are."""
+    if layout.annotations is None or any((d / layout.train_list).is_file() for d in (root, root.parent)):
+        return False
+    return any((d / layout.annotations[0]).is_file() for d in (root, root.parent))
+
+
+def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | None = None
+                       ) -> tuple[list[tuple[str, int]], list[str], dict[int, int]]:
+    """``(file_name, label)`` of a COCO-style annotation file (``images``, ``annotations`` joined on
+    ``image_id``; ``category_id`` -> label in category id order, the identity for iNaturalist's
+    0..N-1), the class names and that id map (the training file's, passed for the test file)."""
+    try:
+        tree = json.loads(path.read_bytes())
+        files = {image["id"]: image["file_name"] for image in tree["images"]}
+        categories = sorted((c["id"], str(c["name"])) for c in tree["categories"])
+        pairs = [(files[a["image_id"]], a["category_id"]) for a in tree["annotations"]]
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # JSON, bytes, shape, or an image no annotation has
+        raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
+                        f"and categories ({type(exc).__name__}: {exc}); {layout.fix}") from None
+    ids = ids if ids is not None else {cid: label for label, (cid, _) in enumerate(categories)}
+    unknown = next((cid for _, cid in pairs if cid not in ids), None)
+    if unknown is not None or not pairs:
+        why = f"category {unknown!r} is not among the training file's" if pairs else "it has no annotations"
+        raise DataError(f"{layout.dataset}: {path}: {why}; {layout.fix}")
+    return [(name, ids[cid]) for name, cid in pairs], [name for _, name in categories], ids
 
 
 def _read_text(layout: ListLayout, path: Path) -> list[str]:
