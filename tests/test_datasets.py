@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import pickle
 import struct
@@ -180,6 +181,64 @@ def test_cifar10_round_trip_and_channel_major_layout(tmp_path: Path) -> None:
             assert pair.train.images[0, c, y, x].item() == arrays["train_x"][0, c * 1024 + y * 32 + x]
             assert pair.test.images[2, c, y, x].item() == arrays["test_x"][2, c * 1024 + y * 32 + x]
         assert np.array_equal(pair.train.images.reshape(10, -1).numpy(), arrays["train_x"])
+
+
+def python2_pickle(tree: object) -> bytes:
+    """``tree`` (dicts, lists, byte strings, small ints, 2-D uint8 arrays) as the CIFAR files hold it:
+    a protocol-2 pickle written by Python 2's cPickle with numpy 1, whose strings are raw byte strings
+    (SHORT_BINSTRING / BINSTRING, never ``_codecs.encode``) and whose arrays name
+    ``numpy.core.multiarray._reconstruct``. Written opcode by opcode: Python 3 cannot produce it."""
+    import struct
+
+    def text(b: bytes) -> bytes:
+        return b"U" + bytes([len(b)]) + b if len(b) < 256 else b"T" + struct.pack("<i", len(b)) + b
+
+    def integer(n: int) -> bytes:
+        return b"K" + bytes([n]) if n < 256 else b"M" + struct.pack("<H", n) if n < 65536 else b"J" + struct.pack("<i", n)
+
+    def value(v: object) -> bytes:
+        if isinstance(v, bytes):
+            return text(v)
+        if isinstance(v, int):
+            return integer(v)
+        if isinstance(v, list):
+            return b"](" + b"".join(value(x) for x in v) + b"e"
+        if isinstance(v, dict):
+            return b"}(" + b"".join(value(k) + value(x) for k, x in v.items()) + b"u"
+        assert isinstance(v, np.ndarray) and v.dtype == np.uint8 and v.ndim == 2
+        dtype = (b"cnumpy\ndtype\n" + text(b"u1") + b"K\x00K\x01\x87R"  # dtype('u1', 0, 1) and its state
+                 + b"(K\x03" + text(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb")
+        return (b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85" + text(b"b") + b"\x87R"
+                + b"(K\x01" + integer(v.shape[0]) + integer(v.shape[1]) + b"\x86" + dtype + b"\x89"
+                + text(v.tobytes()) + b"tb")
+
+    return b"\x80\x02" + value(tree) + b"."
+
+
+def test_cifar10_as_its_authors_pickled_it_with_python2_and_numpy1(tmp_path: Path) -> None:
+    import pickletools
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    (folder / "batches.meta").write_bytes(python2_pickle({b"num_cases_per_batch": 2, b"label_names": names,
+                                                          b"num_vis": 3072}))
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        x = RNG.integers(0, 256, (2, 3072), dtype=np.uint8)
+        y = RNG.integers(0, 10, 2).tolist()
+        stream = python2_pickle({b"batch_label": b"batch " + name.encode(), b"labels": y, b"data": x,
+                                 b"filenames": [b"a_s_000001.png", b"b_s_000002.png"]})
+        pickletools.dis(stream, out=io.StringIO())  # a well-formed pickle
+        assert b"_codecs" not in stream and b"numpy.core.multiarray" in stream
+        (folder / name).write_bytes(stream)
+        batches[name] = (x, y)
+    pair = load_dataset("cifar10", root=str(folder))
+    train_x = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)])
+    assert np.array_equal(pair.train.images.reshape(10, -1).numpy(), train_x)
+    assert pair.train.labels.tolist() == sum((batches[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    assert np.array_equal(pair.test.images.reshape(2, -1).numpy(), batches["test_batch"][0])
+    assert pair.train.classes == [n.decode() for n in names]
 
 
 def test_cifar100_fine_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
