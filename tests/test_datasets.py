@@ -400,6 +400,12 @@ def test_cinic_bad_folders(tmp_path: Path) -> None:
     message = error_of("cinic10", tmp_path)
     assert "class folders of" in message and str(tmp_path / "test") in message and "zebra" in message
     (tmp_path / "test" / "zebra").rmdir()
+    (tmp_path / "train" / "bird").rename(tmp_path / "train-bird")  # cat would become label 2, bird's
+    (tmp_path / "train" / "zebra").mkdir()
+    message = error_of("cinic10", tmp_path)
+    assert f"the class folders of {tmp_path / 'train'} are not CINIC-10's ten (missing bird; unknown zebra)" in message
+    (tmp_path / "train" / "zebra").rmdir()
+    (tmp_path / "train-bird").rename(tmp_path / "train" / "bird")
 
     for png in (tmp_path / "train" / "dog").iterdir():
         png.unlink()

@@ -40,6 +40,11 @@ def load_cinic10(root: Path, include_valid: bool = False) -> DatasetPair:
     if missing:
         raise DataError(f"{DATASET}: no {', '.join(s + '/' for s in missing)} folder in {root}; {_FIX}")
     classes = _class_names(root / "train")
+    if classes != CLASSES:  # labels follow the sorted folder names: another set would shift them silently
+        missing, extra = sorted(set(CLASSES) - set(classes)), sorted(set(classes) - set(CLASSES))
+        what = "; ".join(part for part in (f"missing {', '.join(missing)}" if missing else "",
+                                          f"unknown {', '.join(extra)}" if extra else "") if part)
+        raise DataError(f"{DATASET}: the class folders of {root / 'train'} are not CINIC-10's ten ({what}); {_FIX}")
     for split in [*train_splits[1:], "test"]:
         other = _class_names(root / split)
         if other != classes:
