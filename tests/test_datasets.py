@@ -594,8 +594,17 @@ def test_list_bad_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert f"line 2 of {test_list}" in message and "'val/y.jpg one'" in message
 
     test_list.write_text("val/x.jpg 4\nval/missing.jpg 1\n")
+    decoded, decode_image = [], listfile.decode_image
+    monkeypatch.setattr(listfile, "decode_image", lambda *a: decoded.append(a) or np.zeros((3, 8, 8), np.uint8))
     message = error_of("imagenet_lt", root, image_size=8)
-    assert f"image {root / 'val/missing.jpg'} does not exist" in message and "ImageNet_LT_test.txt" in message
+    assert f"1 of the 2 images ImageNet_LT_test.txt lists are missing, e.g. {root / 'val/missing.jpg'}" in message
+    assert decoded == []  # found before the training split was decoded
+    # ImageNet's validation archive extracts flat: the lists' val/<wnid>/X is val/X
+    test_list.write_text("val/n01440764/x.jpg 4\n")
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert (f"e.g. {root / 'val/n01440764/x.jpg'}; {root / 'val/x.jpg'} exists: sort {root / 'val'} into one folder "
+            "per class, as ImageNet_LT_test.txt names them") in message
+    monkeypatch.setattr(listfile, "decode_image", decode_image)
 
     (root / "val" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     test_list.write_text("val/bad.jpg 1\n")

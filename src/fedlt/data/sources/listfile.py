@@ -112,8 +112,8 @@ def load_list_dataset(
         train_file, test_file = (_find_list(layout, root, name) for name in layout.annotations)
         train_entries, classes, ids = _parse_annotations(layout, train_file)
         test_entries = _parse_annotations(layout, test_file, ids)[0]
-        return DatasetPair(*(_split(layout, root, list_file, entries, image_size, classes)
-                             for list_file, entries in ((train_file, train_entries), (test_file, test_entries))))
+        return DatasetPair(*_splits(layout, root, [(train_file, train_entries), (test_file, test_entries)],
+                                    image_size, classes))
     train_file = _find_list(layout, root, train_list or layout.train_list)
     test_file = _find_list(layout, root, test_list or layout.test_list)
     train_entries = _parse(layout, train_file)
@@ -124,23 +124,47 @@ def load_list_dataset(
     else:
         top = max(label for _, label in train_entries + test_entries)
         classes = [str(label) for label in range(top + 1)]
-    return DatasetPair(*(_split(layout, root, list_file, entries, image_size, classes)
-                         for list_file, entries in ((train_file, train_entries), (test_file, test_entries))))
+    return DatasetPair(*_splits(layout, root, [(train_file, train_entries), (test_file, test_entries)], image_size,
+                                classes))
 
 
 def load_list_split(layout: ListLayout, root: Path, list_name: str, image_size: int, classes: list[str]) -> ImageDataset:
     """One more split of a list-file dataset (its validation list), labelled like the training split."""
     root = require_dir(layout.dataset, Path(root).expanduser(), layout.fix)
     list_file = _find_list(layout, root, list_name)
-    return _split(layout, root, list_file, _parse(layout, list_file), image_size, classes)
+    return _splits(layout, root, [(list_file, _parse(layout, list_file))], image_size, classes)[0]
 
 
-def _split(layout: ListLayout, root: Path, list_file: Path, entries: list[tuple[str, int]], image_size: int,
-           classes: list[str]) -> ImageDataset:
-    labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
-    check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {layout.names}")
-    images = _images(layout, root, list_file, [path for path, _ in entries], image_size)
-    return ImageDataset(images, labels, list(classes), layout.mean, layout.std)
+def _splits(layout: ListLayout, root: Path, splits: list[tuple[Path, list[tuple[str, int]]]], image_size: int,
+            classes: list[str]) -> list[ImageDataset]:
+    """The splits' datasets: labels checked and every listed image found before any is decoded (a
+    missing test image must not wait for minutes of training-set decoding), cached ones read back."""
+    for list_file, entries in splits:
+        labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
+        check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {layout.names}")
+    cached = [_cached_images(layout, root, list_file, len(entries), image_size) for list_file, entries in splits]
+    for (list_file, entries), images in zip(splits, cached):
+        if images is None:
+            _check_listed(layout, root, list_file, [path for path, _ in entries])
+    return [ImageDataset(images if images is not None else _decode(layout, root, list_file, [p for p, _ in entries],
+                                                                   image_size),
+                         torch.tensor([label for _, label in entries], dtype=torch.int64), list(classes), layout.mean,
+                         layout.std)
+            for (list_file, entries), images in zip(splits, cached)]
+
+
+def _check_listed(layout: ListLayout, root: Path, list_file: Path, paths: list[str]) -> None:
+    """Every image a list names is there; ImageNet's validation archive extracts flat (val/X.JPEG),
+    where the lists name val/<wnid>/X.JPEG: said so when that is the case."""
+    missing = next((path for path in paths if not (root / path).is_file()), None)
+    if missing is None:
+        return
+    flat = root / Path(missing).parent.parent / Path(missing).name
+    hint = (f"; {flat} exists: sort {flat.parent} into one folder per class, as {list_file.name} names them"
+            if flat != root / missing and flat.is_file() else "")
+    absent = sum(not (root / path).is_file() for path in paths)
+    raise DataError(f"{layout.dataset}: {absent} of the {len(paths)} images {list_file.name} lists are missing, e.g. "
+                    f"{root / missing}{hint}; {layout.fix}")
 
 
 def decode_image(path: Path, image_size: int, dataset: str, fix: str) -> np.ndarray:
@@ -225,20 +249,28 @@ def _read_names(layout: ListLayout, path: Path) -> list[str]:
     return names
 
 
-def _images(layout: ListLayout, root: Path, list_file: Path, paths: list[str], image_size: int) -> torch.Tensor:
-    """Decoded images of one split, from the cache when the list file is unchanged."""
-    entry = cache.entry_path(
+def _cache_entry(layout: ListLayout, root: Path, list_file: Path, image_size: int) -> Path:
+    return cache.entry_path(
         f"{layout.dataset}-{list_file.stem}-{image_size}px", [list_file], {"root": root.resolve(), "size": image_size}
     )
-    shape = (len(paths), 3, image_size, image_size)
-    stored = cache.load(entry)
+
+
+def _cached_images(layout: ListLayout, root: Path, list_file: Path, count: int, image_size: int) -> torch.Tensor | None:
+    """A split's decoded images from the cache, when its list file is unchanged."""
+    stored = cache.load(_cache_entry(layout, root, list_file, image_size))
     if stored is not None and "images" in stored:
         images = stored["images"]
-        if images.dtype == torch.uint8 and tuple(images.shape) == shape:
+        if images.dtype == torch.uint8 and tuple(images.shape) == (count, 3, image_size, image_size):
             return images
+    return None
+
+
+def _decode(layout: ListLayout, root: Path, list_file: Path, paths: list[str], image_size: int) -> torch.Tensor:
+    """A split's images decoded (minutes for 100k+ JPEGs), then cached."""
     fix = f"fix {list_file.name} or {layout.fix}"
     images = decode_all(
-        [root / path for path in paths], lambda path: decode_image(path, image_size, layout.dataset, fix), shape[1:]
+        [root / path for path in paths], lambda path: decode_image(path, image_size, layout.dataset, fix),
+        (3, image_size, image_size)
     )
-    cache.store(entry, {"images": images})
+    cache.store(_cache_entry(layout, root, list_file, image_size), {"images": images})
     return images
