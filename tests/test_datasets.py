@@ -194,7 +194,9 @@ def python2_pickle(tree: object) -> bytes:
         return b"U" + bytes([len(b)]) + b if len(b) < 256 else b"T" + struct.pack("<i", len(b)) + b
 
     def integer(n: int) -> bytes:
-        return b"K" + bytes([n]) if n < 256 else b"M" + struct.pack("<H", n) if n < 65536 else b"J" + struct.pack("<i", n)
+        if n < 256:
+            return b"K" + bytes([n])
+        return b"M" + struct.pack("<H", n) if n < 65536 else b"J" + struct.pack("<i", n)
 
     def value(v: object) -> bytes:
         if isinstance(v, bytes):
@@ -239,6 +241,43 @@ def test_cifar10_as_its_authors_pickled_it_with_python2_and_numpy1(tmp_path: Pat
     assert pair.train.labels.tolist() == sum((batches[f"data_batch_{i}"][1] for i in range(1, 6)), [])
     assert np.array_equal(pair.test.images.reshape(2, -1).numpy(), batches["test_batch"][0])
     assert pair.train.classes == [n.decode() for n in names]
+
+
+def test_the_binary_versions_read_as_the_python_ones(tmp_path: Path) -> None:
+    """cifar-10-batches-bin (records: label byte, 3072 pixel bytes; batches.meta.txt) and
+    cifar-100-binary (coarse label byte, fine label byte, pixels; fine_label_names.txt)."""
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    (folder / "batches.meta.txt").write_text("\n".join(names) + "\n\n")  # the release ends with blank lines
+    written = {}
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        x, y = RNG.integers(0, 256, (2, 3072), dtype=np.uint8), RNG.integers(0, 10, 2, dtype=np.uint8)
+        np.concatenate([y[:, None], x], axis=1).tofile(folder / name)
+        written[name] = (x, y)
+    for root in (tmp_path, folder):
+        pair = load_dataset("cifar10", root=str(root))
+        train_x = np.concatenate([written[f"data_batch_{i}.bin"][0] for i in range(1, 6)])
+        assert np.array_equal(pair.train.images.reshape(10, -1).numpy(), train_x)
+        train_y = np.concatenate([written[f"data_batch_{i}.bin"][1] for i in range(1, 6)])
+        assert pair.train.labels.tolist() == train_y.tolist()
+        assert np.array_equal(pair.test.images.reshape(2, -1).numpy(), written["test_batch.bin"][0])
+        assert pair.train.classes == names
+        assert pair.train.images[1, 2, 10, 20].item() == train_x[1, 2 * 1024 + 10 * 32 + 20]  # channel-major planes
+    (folder / "test_batch.bin").write_bytes((folder / "test_batch.bin").read_bytes()[:-1])
+    message = error_of("cifar10", tmp_path)
+    assert "test_batch.bin holds 6145 bytes, not a whole number of 3073-byte records" in message
+
+    folder = tmp_path / "c100" / "cifar-100-binary"
+    folder.mkdir(parents=True)
+    (folder / "fine_label_names.txt").write_text("\n".join(f"fine{i}" for i in range(100)) + "\n")
+    x = RNG.integers(0, 256, (3, 3072), dtype=np.uint8)
+    coarse, fine = np.array([19, 0, 7], np.uint8), np.array([99, 3, 42], np.uint8)
+    for name in ("train.bin", "test.bin"):
+        np.concatenate([coarse[:, None], fine[:, None], x], axis=1).tofile(folder / name)
+    pair = load_dataset("cifar100", root=str(tmp_path / "c100"))
+    assert pair.train.labels.tolist() == [99, 3, 42] and pair.test.classes[42] == "fine42"  # the fine label
+    assert np.array_equal(pair.train.images.reshape(3, -1).numpy(), x)
 
 
 def test_cifar100_fine_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,13 +69,15 @@ DATASETS: dict[str, DatasetInfo] = {
         channels=1,
     ),
     "cifar10": DatasetInfo(
-        "CIFAR-10, 10 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-10-batches-py",
+        "CIFAR-10, 10 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-10-batches-py "
+        "(or the binary version, cifar-10-batches-bin)",
         lambda root, size: cifar.load_cifar10(root),
         subfolder=cifar.CIFAR10.folder,
         image_size=32,
     ),
     "cifar100": DatasetInfo(
-        "CIFAR-100 (fine labels), 100 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-100-python",
+        "CIFAR-100 (fine labels), 100 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-100-python "
+        "(or the binary version, cifar-100-binary)",
         lambda root, size: cifar.load_cifar100(root),
         subfolder=cifar.CIFAR100.folder,
         image_size=32,

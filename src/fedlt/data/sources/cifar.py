@@ -1,8 +1,10 @@
-"""CIFAR-10 and CIFAR-100 from the "python version" archives.
+"""CIFAR-10 and CIFAR-100 from the "python version" archives, or the "binary version" ones.
 
-Each batch file is a pickled dict with bytes keys: ``b"data"`` is (N, 3072) uint8 holding
+Each python batch file is a pickled dict with bytes keys: ``b"data"`` is (N, 3072) uint8 holding
 the red, green then blue 32x32 planes of every image, so a plain reshape gives (N, 3, 32, 32).
 Pickles can run code while loading, so only the few globals a numpy array needs are allowed.
+A binary batch is fixed-size records: the label byte(s) (CIFAR-100: coarse, then fine), then the
+same 3072 pixel bytes; its class names are a text file, one per line.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class _Layout:
     archive: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    #: the binary version: its folder, train and test files, names file, label bytes per record
+    #: and which of them is the label used
+    binary: tuple[str, tuple[str, ...], str, str, int, int]
 
 
 CIFAR10 = _Layout(
@@ -53,6 +58,8 @@ CIFAR10 = _Layout(
     archive="cifar-10-python.tar.gz",
     mean=(0.4914, 0.4822, 0.4465),
     std=(0.2470, 0.2435, 0.2616),
+    binary=("cifar-10-batches-bin", tuple(f"data_batch_{i}.bin" for i in range(1, 6)), "test_batch.bin",
+            "batches.meta.txt", 1, 0),
 )
 CIFAR100 = _Layout(
     dataset="cifar100",
@@ -78,6 +85,7 @@ CIFAR100 = _Layout(
     archive="cifar-100-python.tar.gz",
     mean=(0.5071, 0.4865, 0.4409),
     std=(0.2673, 0.2564, 0.2762),
+    binary=("cifar-100-binary", ("train.bin",), "test.bin", "fine_label_names.txt", 2, 1),
 )
 
 _SIDE = 32
@@ -103,13 +111,16 @@ def load_cifar100(root: Path) -> DatasetPair:
 
 def _fix(layout: _Layout) -> str:
     return (
-        f"download {layout.archive} from https://www.cs.toronto.edu/~kriz/cifar.html, "
+        f"download {layout.archive} (or the binary version) from https://www.cs.toronto.edu/~kriz/cifar.html, "
         "extract it and pass data.root=DIR"
     )
 
 
 def _load(layout: _Layout, root: Path) -> DatasetPair:
     root = require_dir(layout.dataset, root, _fix(layout))
+    binary = next((d for d in (root, root / layout.binary[0]) if (d / layout.binary[3]).is_file()), None)
+    if binary is not None and not (root / layout.meta).is_file() and not (root / layout.folder).is_dir():
+        return _load_binary(layout, binary)
     folder = root if (root / layout.meta).is_file() else root / layout.folder
     names = [*layout.train, layout.test, layout.meta]
     if not folder.is_dir():
@@ -129,6 +140,35 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
         ImageDataset(train_images, train_labels, classes, layout.mean, layout.std),
         ImageDataset(test_images, test_labels, list(classes), layout.mean, layout.std),
     )
+
+
+def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
+    """The binary version in ``folder``: fixed-size records, class names one per line."""
+    _, train, test, names_file, label_bytes, label_at = layout.binary
+    missing = [name for name in (*train, test) if not (folder / name).is_file()]
+    if missing:
+        raise DataError(f"{layout.dataset}: missing {', '.join(missing)} in {folder}; {_fix(layout)}")
+    names = [line.strip() for line in (folder / names_file).read_text(errors="replace").splitlines() if line.strip()]
+    if len(names) != layout.num_classes:
+        raise DataError(f"{layout.dataset}: {folder / names_file} lists {len(names)} class names, expected "
+                        f"{layout.num_classes}; {_fix(layout)}")
+    record = label_bytes + 3 * _SIDE**2
+
+    def split(files: tuple[str, ...]) -> ImageDataset:
+        rows = []
+        for name in files:
+            data = np.fromfile(folder / name, dtype=np.uint8)
+            if data.size == 0 or data.size % record:
+                raise DataError(f"{layout.dataset}: {folder / name} holds {data.size} bytes, not a whole number of "
+                                f"{record}-byte records; {_fix(layout)}")
+            rows.append(data.reshape(-1, record))
+        table = np.concatenate(rows)
+        labels = torch.from_numpy(table[:, label_at].astype(np.int64))
+        check_labels(layout.dataset, folder / files[0], labels, layout.num_classes, _fix(layout))
+        images = torch.from_numpy(np.ascontiguousarray(table[:, label_bytes:]).reshape(-1, 3, _SIDE, _SIDE))
+        return ImageDataset(images, labels, list(names), layout.mean, layout.std)
+
+    return DatasetPair(split(train), split((test,)))
 
 
 class _ArrayUnpickler(pickle.Unpickler):
