@@ -108,7 +108,11 @@ def deploy_cmd(
     """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
     from fedlt.deploy import deploy
 
-    _guard(lambda: (_require_config_file(args[0], "fedlt deploy"), _check_out(workdir, folder=True, flag="--workdir")))
+    def check() -> None:
+        _require_config_file(args[0], "fedlt deploy")
+        _check_out(workdir, folder=True, flag="--workdir")
+
+    _guard(check)
     raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                             server_test=server_test, workdir=workdir, timeout=timeout))
 

@@ -33,8 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
-from fedlt.config import config_difference as difference
-from fedlt.config import read_yaml_mapping
+from fedlt.config import config_difference as _config_difference, read_yaml_mapping
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -356,7 +355,7 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
     """:func:`fedlt.config.config_difference` ignoring :data:`IGNORED_KEYS` (where a cell's files go,
     how many threads it had)."""
-    return difference(saved, wanted, IGNORED_KEYS)
+    return _config_difference(saved, wanted, IGNORED_KEYS)
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
@@ -640,8 +639,9 @@ def _load_failures(out: Path, pending: set[str]) -> dict[str, Any]:
         old = json.loads(path.read_bytes()) if path.is_file() else []
     except (json.JSONDecodeError, UnicodeDecodeError):  # damaged: a failed cell is unfinished and runs again anyway
         old = []
-    records = [f for f in old if isinstance(f, dict) and isinstance(f.get("run_dir"), str)] if isinstance(old, list) else []
-    return {f["run_dir"]: f for f in records if f["run_dir"] not in pending}
+    records = old if isinstance(old, list) else []
+    return {f["run_dir"]: f for f in records
+            if isinstance(f, dict) and isinstance(f.get("run_dir"), str) and f["run_dir"] not in pending}
 
 
 def _write_failures(out: Path, failures: dict[str, Any]) -> None:

@@ -40,16 +40,24 @@ def finished_records(log: Path) -> list[dict]:
     for line in log.read_bytes().splitlines():
         try:
             record = json.loads(line)
-            end = datetime.fromisoformat(record["time"])
-            float(record.get("wall_s", 0)), float(record.get("cpu_s", 0)), Path(record.get("run_dir") or ".")
-            if end.tzinfo is not None:  # fedlt writes local naive times: another writer's record
-                continue
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):  # a line cut by a
-            continue                                                                         # killed run, or no record
-        if isinstance(record, dict) and record.get("status") == "ok":
+        except (json.JSONDecodeError, UnicodeDecodeError):  # a line cut by a killed run
+            continue
+        if _well_formed(record) and record.get("status") == "ok":
             where = record.get("run_dir")
             last["/".join(Path(where).parts[-3:]) if where else record.get("cell")] = record
     return list(last.values())
+
+
+def _well_formed(record: object) -> bool:
+    """A record as the bench writes it: a naive local ISO time, numeric seconds, a string folder."""
+    if not isinstance(record, dict) or not isinstance(record.get("time"), str):
+        return False
+    try:
+        naive = datetime.fromisoformat(record["time"]).tzinfo is None
+        float(record.get("wall_s", 0)), float(record.get("cpu_s", 0))
+    except (TypeError, ValueError):
+        return False
+    return naive and isinstance(record.get("run_dir", ""), (str, type(None)))
 
 
 def suite_cost(log: Path) -> SuiteCost | None:

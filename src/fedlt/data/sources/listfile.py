@@ -2,8 +2,8 @@
 
 An image root plus one list file per split whose lines read ``relative/path.jpg LABEL``
 (paths relative to the image root); for iNaturalist 2018 also the organisers' own COCO-style
-annotation files (``train2018.json``, ``val2018.json``) where those lists are absent. Images come in any size, so each is resized (shorter
-side to ``image_size``) and centre-cropped to a square. Decoding 100k+ JPEGs takes minutes,
+annotation files (``train2018.json``, ``val2018.json``) where those lists are absent. Images come
+in any size, so each is resized (shorter side to ``image_size``) and centre-cropped to a square. Decoding 100k+ JPEGs takes minutes,
 so the decoded tensor is cached per (list file, image size); see :mod:`.cache`.
 """
 
@@ -139,18 +139,19 @@ def _splits(layout: ListLayout, root: Path, splits: list[tuple[Path, list[tuple[
             classes: list[str]) -> list[ImageDataset]:
     """The splits' datasets: labels checked and every listed image found before any is decoded (a
     missing test image must not wait for minutes of training-set decoding), cached ones read back."""
-    for list_file, entries in splits:
-        labels = torch.tensor([label for _, label in entries], dtype=torch.int64)
-        check_labels(layout.dataset, list_file, labels, len(classes), f"fix the list file or {layout.names}")
+    labels = [torch.tensor([label for _, label in entries], dtype=torch.int64) for _, entries in splits]
+    for (list_file, _), split_labels in zip(splits, labels):
+        check_labels(layout.dataset, list_file, split_labels, len(classes), f"fix the list file or {layout.names}")
     cached = [_cached_images(layout, root, list_file, len(entries), image_size) for list_file, entries in splits]
     for (list_file, entries), images in zip(splits, cached):
         if images is None:
             _check_listed(layout, root, list_file, [path for path, _ in entries])
-    return [ImageDataset(images if images is not None else _decode(layout, root, list_file, [p for p, _ in entries],
-                                                                   image_size),
-                         torch.tensor([label for _, label in entries], dtype=torch.int64), list(classes), layout.mean,
-                         layout.std)
-            for (list_file, entries), images in zip(splits, cached)]
+    out = []
+    for (list_file, entries), split_labels, images in zip(splits, labels, cached):
+        if images is None:
+            images = _decode(layout, root, list_file, [path for path, _ in entries], image_size)
+        out.append(ImageDataset(images, split_labels, list(classes), layout.mean, layout.std))
+    return out
 
 
 def _check_listed(layout: ListLayout, root: Path, list_file: Path, paths: list[str]) -> None:
