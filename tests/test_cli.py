@@ -456,7 +456,8 @@ def test_methods_one_per_line(runs) -> None:
 
 def test_datasets_one_per_line(runs) -> None:
     names = _names(runs, "datasets")
-    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic"]
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic",
+                     "synthetic_cifar10", "synthetic_cifar100"]
 
 
 def test_models_one_per_line(runs) -> None:

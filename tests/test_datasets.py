@@ -724,7 +724,8 @@ def test_synthetic_needs_training_and_a_small_cnn_learns_it() -> None:
 
 def test_registry_lists_every_dataset() -> None:
     names = [name for name, _ in list_datasets()]
-    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic"]
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic",
+                     "synthetic_cifar10", "synthetic_cifar100"]
     assert names == list(DATASETS)
     assert all(description and "\n" not in description for _, description in list_datasets())
 

@@ -104,6 +104,8 @@ WRITERS = {
     "svhn": lambda root: (write_svhn(root / "svhn"), root / "svhn")[1],
     "cinic10": lambda root: (write_cinic(root / "cinic", splits=("train", "test")), root / "cinic")[1],
     "synthetic": lambda root: None,
+    "synthetic_cifar10": lambda root: None,
+    "synthetic_cifar100": lambda root: None,
 }
 
 

@@ -537,6 +537,48 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
     assert re.search(r"\| SCAFFOLD \| cnn \| sequential \| [\d.]+ \|", text)
 
 
+def test_paper_rounds_train_on_synthetic_data_of_the_settings_size_and_long_tail():
+    """The stand-ins hold CIFAR-10's / CIFAR-100's classes and split sizes, so a setting's long tail
+    and partition give the protocol's images and client sizes (CIFAR-100-LT at IF = 100: 10,847)."""
+    from fedlt.bench.paper_rounds import protocol_images, stand_in
+    from fedlt.config import load_config
+    from fedlt.data.federated import build_federated_data
+
+    for dataset, classes, images in (("cifar100", 100, 10847), ("cifar10", 10, 12406)):
+        setting = ["data.imbalance_factor=100", "data.num_clients=20", "data.partition=dirichlet", "data.alpha=0.5"]
+        cfg = load_config(None, [f"data.dataset={dataset}", *setting, "fl.participation=1.0", "fl.local_epochs=1"])
+        data = build_federated_data(load_config(None, [*setting, *stand_in(dataset)]).data, seed=0)
+        counts = data.train_counts
+        assert data.num_classes == classes and data.train.image_size == 32 and counts.sum() == images
+        assert counts.max() == counts[0] and counts[0] / counts.min() == pytest.approx(100, rel=0.02)
+        assert protocol_images(cfg) == pytest.approx(images)
+        assert sum(len(rows) for rows in data.partition.client_indices) == images
+    assert stand_in("svhn")[0] == "data.dataset=synthetic_cifar10"  # CIFAR-shaped where no size of its own
+
+
+@pytest.mark.parametrize("capturing_rounds,timed,left", [(0, 2, 0), (1, 3, 0), (9, 4, 1)])
+def test_paper_rounds_warm_up_until_graphed_training_stops_capturing(monkeypatch, capturing_rounds, timed, left):
+    """Warm-up rounds go on while graphed training still captures step graphs (at most three), so
+    the timed round is the steady state; captures left in it are counted."""
+    from fedlt.bench import paper_rounds
+    from fedlt.engine.simulation import Simulation
+
+    fit_round, rounds = Simulation.fit_round, []
+
+    def fit_and_capture(self, rnd):
+        out = fit_round(self, rnd)
+        rounds.append(rnd)
+        if rnd <= capturing_rounds:
+            self.graphed.captures += 1  # a lane met a batch shape for the second time
+        return out
+
+    monkeypatch.setattr(Simulation, "fit_round", fit_and_capture)
+    line = paper_rounds.round_line(None, ["data.dataset=synthetic", "data.num_clients=4", "model.name=cnn",
+                                          "run.backend=graphed", "run.threads=1"])
+    assert rounds == list(range(1, timed + 1)) and line.captures == left
+    assert line.seconds > line.fixed >= 0 and line.per_image > 0
+
+
 def test_backend_bench_times_the_backends_it_is_asked_for_beside_the_reference_and_the_limit(tmp_path):
     """`fedlt bench speed --backends --compare sequential`: the reference loop, that backend and the
     limit, nothing else; vs reference and of limit are the rows' s/round ratios."""

@@ -34,7 +34,8 @@ class DataConfig(_Section):
     """Source dataset, long-tail subsampling and the split over clients."""
 
     dataset: str = Field("fmnist", description="dataset name (see `fedlt datasets`): fmnist, cifar10, cifar100, svhn, "
-                         "cinic10, imagenet_lt, inat, synthetic")
+                         "cinic10, imagenet_lt, inat, synthetic; synthetic_cifar10 and synthetic_cifar100 (CIFAR's "
+                         "size, for timing)")
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, description="resize for datasets of variable image size (imagenet_lt, inat)")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")

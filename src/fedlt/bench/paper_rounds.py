@@ -1,11 +1,17 @@
 """``fedlt bench paper-rounds``: what a paper suite's protocol costs on this machine, per backend.
 
 Each row of each ``paper-*`` suite trains rounds of its protocol (model, clients, participation,
-local epochs, batch, method) on synthetic data shaped like CIFAR (3 x 32 x 32) instead of the
-suite's dataset files: one warm-up round and one timed round with one local epoch. The timed round
-splits at the aggregation into a part that grows with the images a round trains (queries before
-training, local training) and a part that does not (the aggregation, server steps such as CReFF's
-feature optimisation): ``seconds = fixed + per_image x images``. The full protocol is projected from that
+local epochs, batch, method, long tail, partition) on synthetic data of its dataset's size
+instead of the suite's dataset files: CIFAR-10's or CIFAR-100's class count and training set,
+long-tailed and split as the setting says (``synthetic_cifar10`` / ``synthetic_cifar100``), so its
+clients hold as many images, and take as many steps, as the protocol's. Warm-up rounds, then a
+timed round with one local epoch. Graphed training captures a batch shape on a lane's second use
+of it, and clients of different sizes end in short batches of many sizes, so warm-up goes on
+(at most :data:`MAX_WARMUP_ROUNDS` rounds) while a round still captures: the timed round is the
+steady state a run of hundreds of rounds spends its time in. The timed round splits at the
+aggregation into a part that grows with the images a round trains (queries before training, local
+training) and a part that does not (the aggregation, server steps such as CReFF's feature
+optimisation): ``seconds = fixed + per_image x images``. The full protocol is projected from that
 line at the images a round of each setting holds (its long-tailed CIFAR training set x
 participation x local epochs), for the suite's rounds, settings and seeds. Evaluation is not
 included (it runs every ``eval.every`` rounds, on test sets of another size).
@@ -14,7 +20,7 @@ included (it runs every ``eval.every`` rounds, on test sets of another size).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from fedlt.api import prepare
 from fedlt.bench.speed import sync_device
@@ -27,17 +33,34 @@ from fedlt.run_parts import check_config, resolve_device
 
 #: training images per class of the balanced CIFAR sets the paper suites subsample
 CIFAR_PER_CLASS = {"cifar10": (5000, 10), "cifar100": (500, 100)}
-#: the synthetic stand-in: balanced (its long tail would leave 100 clients too few images), any client size
-SYNTHETIC = ["data.dataset=synthetic", "data.image_size=32", "data.imbalance_factor=1", "data.min_client_size=0"]
+#: a setting's dataset -> the synthetic data of its size (another dataset: CIFAR-10's size)
+STAND_INS = {"cifar100": "synthetic_cifar100"}
+#: warm-up rounds at most before the timed one (more only while graphed training still captures)
+MAX_WARMUP_ROUNDS = 3
 
 
-def round_line(base: str | None, overrides: list[str]) -> tuple[float, float, float]:
-    """``(fixed seconds, seconds per image, seconds of the round)`` of round 2, after a warm-up round
-    1, with one local epoch (the line is per image trained, so more epochs would only take longer to
-    measure). The round's work up to the aggregation (queries before training, local training) is
-    what grows with the images; the aggregation and what follows (server steps, queries after it) is
-    the fixed part."""
-    sim = prepare(load_config(base, [*overrides, "fl.rounds=2", "fl.local_epochs=1", "eval.every=2",
+class RoundLine(NamedTuple):
+    """One timed round: its fixed seconds, seconds per image trained, whole seconds, and the step
+    graphs it captured (0 but where warm-up ended at :data:`MAX_WARMUP_ROUNDS` still capturing)."""
+
+    fixed: float
+    per_image: float
+    seconds: float
+    captures: int
+
+
+def stand_in(dataset: str) -> list[str]:
+    """The overrides that train on synthetic data of ``dataset``'s size, 32 px."""
+    return [f"data.dataset={STAND_INS.get(dataset, 'synthetic_cifar10')}", "data.image_size=32"]
+
+
+def round_line(base: str | None, overrides: list[str]) -> RoundLine:
+    """The timed round after warm-up, with one local epoch (the line is per image trained, so more
+    epochs would only take longer to measure). The round's work up to the aggregation (queries
+    before training, local training) is what grows with the images; the aggregation and what
+    follows (server steps, queries after it) is the fixed part."""
+    last = MAX_WARMUP_ROUNDS + 1
+    sim = prepare(load_config(base, [*overrides, f"fl.rounds={last}", "fl.local_epochs=1", f"eval.every={last}",
                                      "run.checkpoint_every=0"]))
     marks: dict[str, float] = {}
     aggregate = sim.server.aggregate
@@ -47,20 +70,28 @@ def round_line(base: str | None, overrides: list[str]) -> tuple[float, float, fl
         marks["trained"] = time.perf_counter()
         return aggregate(rnd, replies)
 
+    def captures() -> int:
+        return sim.graphed.captures if sim.graphed is not None else 0
+
     try:
         sim.setup()
-        sim.fit_round(1)
+        for rnd in range(1, last):
+            before = captures()
+            sim.fit_round(rnd)
+            if captures() == before:
+                break
         sync_device(sim.device)
         sim.server.aggregate = timed_aggregate
+        before = captures()
         t0 = time.perf_counter()
-        sim.fit_round(2)
+        sim.fit_round(rnd + 1)
         sync_device(sim.device)
         seconds = time.perf_counter() - t0
-        images = sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[1])
+        images = sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd])
     finally:
         sim.close()
     trained = marks["trained"] - t0
-    return seconds - trained, trained / max(images, 1), seconds
+    return RoundLine(seconds - trained, trained / max(images, 1), seconds, captures() - before)
 
 
 def protocol_images(cfg) -> float | None:
@@ -102,26 +133,31 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
                      echo: Callable[[str], None] = lambda line: None, picks: list[str] = ()) -> str:
     """The cost table of every suite in ``suites`` (its first ``rows`` rows, or the rows ``picks``
     names) for each backend."""
-    device = resolve_device(load_config(None, [*SYNTHETIC, *extra]).run.device)
+    device = resolve_device(load_config(None, list(extra)).run.device)
     lines = ["## What a paper suite's protocol costs here, per backend", "",
-             f"device {device}: {describe(collect(device))}. Rounds on synthetic CIFAR-shaped data (3 x 32 x 32, "
-             "balanced), one local epoch: a warm-up and a timed round, split at the aggregation into the work that "
-             "grows with the images (training, queries before it: ms per 1,000 images) and the rest (aggregation, "
-             "server steps: fixed s); the projection applies seconds = fixed + per image x images to the images a "
-             "round of each setting trains (long-tailed CIFAR x participation x local epochs), times the suite's "
-             "rounds and seeds, summed over the row's settings. Evaluation is not included.", ""]
+             f"device {device}: {describe(collect(device))}. Rounds on synthetic data of each setting's dataset's "
+             "size (CIFAR-10's or CIFAR-100's classes and training set, 32 px), long-tailed and split as the "
+             "setting says, one local epoch: warm-up rounds (more than one only while graphed training still "
+             f"captures new batch shapes, at most {MAX_WARMUP_ROUNDS}) and a timed round, split at the aggregation "
+             "into the work that grows with the images (training, queries before it: ms per 1,000 images) and the "
+             "rest (aggregation, server steps: fixed s); the projection applies seconds = fixed + per image x "
+             "images to the images a round of each setting trains (long-tailed CIFAR x participation x local "
+             "epochs), times the suite's rounds and seeds, summed over the row's settings. Evaluation is not "
+             "included.", ""]
     for name in suites:
         suite = load_suite(name)
         s, base = suite.spec, str(suite.base) if suite.base else None
         lines += [f"### {s.name}: {s.title}", "",
-                  "| row | models | backend | round on synthetic data (s) | fixed s | ms per 1,000 images "
+                  "| row | models | backend | timed round (s) | fixed s | ms per 1,000 images "
                   "| projected hours |", "|---|---|---|---|---|---|---|"]
         totals: dict[str, float] = {}
         for row, settings in suite_rows(s, rows, picks):
             for backend in backends:
                 measured: dict[str, tuple[float, float, float]] = {}
+                first = load_config(base, [*settings[0][1], *extra]).data.dataset
                 try:
-                    check_config(load_config(base, [*settings[0][1], *SYNTHETIC, *extra, f"run.backend={backend}"]))
+                    check_config(load_config(base, [*settings[0][1], *stand_in(first), *extra,
+                                                    f"run.backend={backend}"]))
                 except ConfigError as refused:
                     lines.append(f"| {row} | | {backend} | refused: {refused} | | | |")
                     echo(lines[-1])
@@ -130,17 +166,19 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
                 for _, overrides in settings:
                     cfg = load_config(base, [*overrides, *extra])
                     if cfg.model.name not in measured:
-                        measured[cfg.model.name] = round_line(base, [*overrides, *SYNTHETIC, *extra, f"run.backend={backend}"])
-                    fixed, per_image, _ = measured[cfg.model.name]
+                        measured[cfg.model.name] = round_line(base, [*overrides, *stand_in(cfg.data.dataset), *extra,
+                                                                     f"run.backend={backend}"])
+                    fixed, per_image = measured[cfg.model.name][:2]
                     images = protocol_images(cfg)
                     if images is not None:
                         hours += (fixed + per_image * images) * cfg.fl.rounds * len(s.seeds) / 3600
                         projected += 1
                 totals[backend] = totals.get(backend, 0.0) + hours
                 where = "" if projected == len(settings) else f" ({projected} of {len(settings)} settings: CIFAR)"
-                for model, (fixed, per_image, full) in measured.items():
-                    lines.append(f"| {row} | {model} | {backend} | {full:.2f} | {fixed:.2f} | {1e6 * per_image:.1f} "
-                                 f"| {hours:.1f}{where} |")
+                for model, (fixed, per_image, full, captured) in measured.items():
+                    still = f" ({captured} step graphs captured in it)" if captured else ""
+                    lines.append(f"| {row} | {model} | {backend} | {full:.2f}{still} | {fixed:.2f} | "
+                                 f"{1e6 * per_image:.1f} | {hours:.1f}{where} |")
                     echo(lines[-1])
         lines += ["", f"{s.name}, the rows each backend ran: "
                   + "; ".join(f"{b} {h:.1f} h" for b, h in totals.items()) + ".", ""]

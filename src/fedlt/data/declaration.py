@@ -11,11 +11,11 @@ are the ones the dataset's loader uses (one definition, in its source module).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from fedlt.config import DataConfig
-from fedlt.data.registry import resolve_image_size
+from fedlt.data.registry import load_dataset, resolve_image_size
 from fedlt.data.sources import cifar, cinic, idx, listfile, svhn, synthetic
 from fedlt.errors import ConfigError
 
@@ -33,9 +33,9 @@ class DeclaredDataset(NamedTuple):
 
 
 @lru_cache(maxsize=8)
-def _synthetic(image_size: int) -> tuple[list[str], Stats, Stats]:
-    """The synthetic dataset's statistics are those of its generated training split, so generate it."""
-    train = synthetic.make_synthetic(image_size).train
+def _synthetic(image_size: int, name: str = "synthetic") -> tuple[list[str], Stats, Stats]:
+    """A synthetic dataset's statistics are those of its generated training split, so generate it."""
+    train = load_dataset(name, image_size=image_size).train
     return list(train.classes), train.mean, train.std
 
 
@@ -49,6 +49,7 @@ _CONSTANTS: dict[str, Callable[[int], tuple[list[str] | None, Stats, Stats]]] = 
     "imagenet_lt": lambda size: (None, listfile.IMAGENET_LT.mean, listfile.IMAGENET_LT.std),
     "inat": lambda size: (None, listfile.INAT2018.mean, listfile.INAT2018.std),
     "synthetic": _synthetic,
+    **{name: partial(_synthetic, name=name) for name in synthetic.STAND_INS},
 }
 
 

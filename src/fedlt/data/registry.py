@@ -125,6 +125,14 @@ DATASETS: dict[str, DatasetInfo] = {
         image_size=synthetic.DEFAULT_IMAGE_SIZE,
         resizable=True,
     ),
+    **{name: DatasetInfo(
+        f"the synthetic construction at CIFAR-{classes}'s size for timing without files ({classes} classes, "
+        f"3xSxS, default 32, {classes * train // 1000}k/{classes * test // 1000}k; not CIFAR's images); generated",
+        lambda root, size, shape=(classes, train, test): synthetic.make_synthetic(size, *shape),
+        subfolder=None,
+        image_size=synthetic.STAND_IN_IMAGE_SIZE,
+        resizable=True,
+    ) for name, (classes, train, test) in synthetic.STAND_INS.items()},
 }
 
 

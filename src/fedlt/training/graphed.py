@@ -117,6 +117,7 @@ class GraphedTrainer:
         streams = (lambda: torch.cuda.Stream(self.device)) if self.capture else (lambda: None)
         self.lanes = [Lane(copy.deepcopy(template), streams(), streams()) for _ in range(count)]
         self.signature = None  # what the graphs baked in: loss function, its fixed settings, prox, SGD settings
+        self.captures = 0  # graphs captured so far (a bench waits for a round without one)
 
     def train(self, contexts: list[ClientContext], starts: list[dict[str, torch.Tensor]], objectives: list[LocalObjective]
               ) -> list[Trained]:
@@ -262,6 +263,7 @@ class GraphedTrainer:
                 step(lane, x_in, y_in)  # the captured step's arithmetic (it reads neg_lr), launched kernel by kernel
                 return
             lane.graphs[key] = _capture(lane, step, x_in, y_in)
+            self.captures += 1
         lane.graphs[key].replay()
 
 
