@@ -7,12 +7,11 @@
 # sampled clients (300 images, 20 steps of batch 32 a round with 10 clients; 75 images, 6 steps with 40),
 # 2 local epochs; 2 timed rounds a row (one round on a fresh machine moved sequential training by up to
 # 1.6x between runs). The paper rounds train on synthetic data of each setting's CIFAR size (fedlt
-# bench paper-rounds). Each step writes its table to OUT_DIR as soon as it ends; 10 device minutes
-# hold every step in two calls, e.g. `tests backends`, then `paper-rounds=400 profile`.
+# bench paper-rounds). Each step writes its table to OUT_DIR as soon as it ends.
 #
 #   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
-#       STEP: tests, backends, profile, paper-rounds (default: all, at most 580 s together); =SECONDS
-#       replaces a step's time limit (e.g. paper-rounds=500 for every paper's row in one call). Run from
+#       STEP: tests, backends, profile, paper-rounds (default: all, at most 850 s together); =SECONDS
+#       replaces a step's time limit (e.g. paper-rounds=500). Run from
 #       the repository root; PYTHON=... picks the interpreter.
 set -uo pipefail
 out="${1:?usage: scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]}"
@@ -44,10 +43,10 @@ fedlt=("$py" -m fedlt.cli)
 
 "$py" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$out/device.txt"
 step tests 100 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
-step backends 200 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models resnet8,resnet32,resnet18,cnn \
+step backends 250 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models resnet8,resnet32,resnet18,cnn \
   --sampled 10,40 --synthetic-size 32 --compare sequential,graphed --out "$out/backends.md" "${clients[@]}"
 step profile 100 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10 --synthetic-size 32 \
   --backends sequential,graphed --out "$out/profile.md" "${clients[@]}"
-step paper-rounds 180 "${fedlt[@]}" bench paper-rounds paper-creff paper-fedloge paper-sfd paper-gbme paper-fedyoyo \
+step paper-rounds 400 "${fedlt[@]}" bench paper-rounds paper-creff paper-fedloge paper-sfd paper-gbme paper-fedyoyo \
   --row paper-creff:CReFF --row paper-fedloge:FedLoGe --row paper-sfd:SFD --row paper-gbme:GBME \
   --row paper-fedyoyo:FedYoYo --backends sequential,graphed --out "$out/paper-rounds.md" run.device=cuda

@@ -508,21 +508,27 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
     from fedlt.bench.paper_rounds import protocol_images, run_paper_rounds
     from fedlt.config import load_config
 
-    extra = ["model.name=cnn", "data.image_size=16", "fl.local_epochs=1", "run.threads=1"]
-    text = run_paper_rounds(["paper-creff"], ("sequential", "vectorized"), rows=2, extra=extra)
+    extra = ["model.name=cnn", "data.image_size=16", "fl.local_epochs=1", "fl.participation=0.1", "run.threads=1"]
+    text = run_paper_rounds(["paper-creff"], ("sequential", "vectorized"), extra=extra,
+                            picks=["FedProx", "Fed-Focal Loss"])  # (CReFF's server step takes seconds here)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
-            if re.match(r"\| (CReFF|FedProx) \| cnn \|", line)]
-    assert [(r[0], r[2]) for r in rows] == [("CReFF", "sequential"), ("CReFF", "vectorized"),
-                                            ("FedProx", "sequential"), ("FedProx", "vectorized")]
-    # CIFAR-10-LT at IF = 100, 50, 10 and CIFAR-100-LT at the same: 40% of the clients, 1 local epoch
-    settings = [load_config(None, [f"data.dataset={d}", f"data.imbalance_factor={f}", "fl.participation=0.4", *extra])
-                for d in ("cifar10", "cifar100") for f in (100, 50, 10)]
-    assert protocol_images(settings[0]) == pytest.approx(0.4 * 12406, abs=1)  # CIFAR-10-LT, IF = 100: 12,406 images
-    images = sum(protocol_images(cfg) for cfg in settings)
-    for _, model, _, _, fixed, per_1000, hours in rows:
-        assert model == "cnn" and float(fixed) >= 0 and float(per_1000) > 0
-        expected = (6 * float(fixed) + float(per_1000) / 1e6 * images) * 200 * 3 / 3600
-        assert float(hours) == pytest.approx(expected, rel=0.05, abs=0.05)  # from the printed, rounded figures
+            if re.match(r"\| (FedProx|Fed-Focal Loss) \| cnn on ", line)]
+    # each model is timed on each dataset size its settings use: CIFAR-10's and CIFAR-100's stand-ins
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (row, f"cnn on synthetic_cifar{size}", backend) for row in ("FedProx", "Fed-Focal Loss")
+        for backend in ("sequential", "vectorized") for size in (10, 100)]
+    # CIFAR-10-LT at IF = 100, 50, 10 and CIFAR-100-LT at the same: 10% of the clients, 1 local epoch
+    settings = {d: [load_config(None, [f"data.dataset={d}", f"data.imbalance_factor={f}", *extra])
+                    for f in (100, 50, 10)] for d in ("cifar10", "cifar100")}
+    assert protocol_images(settings["cifar10"][0]) == pytest.approx(0.1 * 12406, abs=1)  # CIFAR-10-LT, IF = 100
+    for ten, hundred in zip(rows[::2], rows[1::2]):
+        expected = 0.0
+        for row, d in ((ten, "cifar10"), (hundred, "cifar100")):
+            fixed, per_1000 = float(row[4]), float(row[5])
+            assert fixed >= 0 and per_1000 > 0
+            expected += sum(fixed + per_1000 / 1e6 * protocol_images(cfg) for cfg in settings[d]) * 200 * 3 / 3600
+        assert ten[6] == hundred[6]  # the row's projection, over all its settings
+        assert float(ten[6]) == pytest.approx(expected, rel=0.05, abs=0.05)  # from the printed, rounded figures
     assert re.search(r"paper-creff, the rows each backend ran: sequential [\d.]+ h; vectorized [\d.]+ h\.", text)
 
     # a backend the row's method does not support is named as refused, and the other still runs
@@ -532,9 +538,9 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
         "overrides": ["model.name=cnn", "data.num_clients=4", "fl.participation=0.5", "fl.rounds=10"], "seeds": [0],
         "settings": [{"name": "CIFAR-10-LT, IF=100", "overrides": ["data.dataset=cifar10", "data.imbalance_factor=100"]}],
         "methods": [{"name": "SCAFFOLD", "overrides": ["method=scaffold"]}]}))
-    text = run_paper_rounds([str(suite)], ("sequential", "vectorized"), extra=extra)
+    text = run_paper_rounds([str(suite)], ("sequential", "vectorized"), extra=[e for e in extra if "particip" not in e])
     assert "| SCAFFOLD | | vectorized | refused: run.backend=vectorized does not support method scaffold" in text
-    assert re.search(r"\| SCAFFOLD \| cnn \| sequential \| [\d.]+ \|", text)
+    assert re.search(r"\| SCAFFOLD \| cnn on synthetic_cifar10 \| sequential \| [\d.]+ \|", text)
 
 
 def test_paper_rounds_train_on_synthetic_data_of_the_settings_size_and_long_tail():
@@ -563,19 +569,21 @@ def test_paper_rounds_warm_up_until_graphed_training_stops_capturing(monkeypatch
     from fedlt.bench import paper_rounds
     from fedlt.engine.simulation import Simulation
 
-    fit_round, rounds = Simulation.fit_round, []
+    fit_round, rounds, trained = Simulation.fit_round, [], []
 
     def fit_and_capture(self, rnd):
         out = fit_round(self, rnd)
         rounds.append(rnd)
+        trained.append(sum(len(self.train_data.partition.client_indices[c]) for c in self.schedule[rnd - 1]))
         if rnd <= capturing_rounds:
             self.graphed.captures += 1  # a lane met a batch shape for the second time
         return out
 
     monkeypatch.setattr(Simulation, "fit_round", fit_and_capture)
-    line = paper_rounds.round_line(None, ["data.dataset=synthetic", "data.num_clients=4", "model.name=cnn",
-                                          "run.backend=graphed", "run.threads=1"])
+    line = paper_rounds.round_line(None, ["data.dataset=synthetic", "data.num_clients=10", "model.name=cnn",
+                                          "fl.participation=0.3", "run.backend=graphed", "run.threads=1"])
     assert rounds == list(range(1, timed + 1)) and line.captures == left
+    assert len(set(trained)) > 1 and line.images == trained[-1]  # the timed round's own clients, not another's
     assert line.seconds > line.fixed >= 0 and line.per_image > 0
 
 

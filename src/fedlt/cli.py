@@ -350,7 +350,7 @@ def bench_paper_rounds_cmd(
                                             "one; repeatable)"),
     out: Optional[Path] = typer.Option(None, help="also write the tables as markdown to this file"),
 ) -> None:
-    """A round of each paper suite's rows on synthetic CIFAR-shaped data, and the full protocol's projected hours."""
+    """A round of each paper suite's rows on synthetic data of its CIFAR size, and the full protocol's projected hours."""
     args = list(args or [])
 
     def go() -> None:

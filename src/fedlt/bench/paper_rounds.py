@@ -4,11 +4,13 @@ Each row of each ``paper-*`` suite trains rounds of its protocol (model, clients
 local epochs, batch, method, long tail, partition) on synthetic data of its dataset's size
 instead of the suite's dataset files: CIFAR-10's or CIFAR-100's class count and training set,
 long-tailed and split as the setting says (``synthetic_cifar10`` / ``synthetic_cifar100``), so its
-clients hold as many images, and take as many steps, as the protocol's. Warm-up rounds, then a
-timed round with one local epoch. Graphed training captures a batch shape on a lane's second use
-of it, and clients of different sizes end in short batches of many sizes, so warm-up goes on
-(at most :data:`MAX_WARMUP_ROUNDS` rounds) while a round still captures: the timed round is the
-steady state a run of hundreds of rounds spends its time in. The timed round splits at the
+clients hold as many images, and take as many steps, as the protocol's. Each model is timed on
+each dataset size its settings use. Warm-up rounds, then a timed round with one local epoch.
+Graphed training captures a batch shape on a lane's second use of it, and clients of different
+sizes end in short batches of many sizes, so warm-up goes on (at most :data:`MAX_WARMUP_ROUNDS`
+rounds) while a round still captures: a long run pays each capture once, and the timed round
+should not. Shapes a lane met only once before it may still capture; the table names them. The
+timed round splits at the
 aggregation into a part that grows with the images a round trains (queries before training, local
 training) and a part that does not (the aggregation, server steps such as CReFF's feature
 optimisation): ``seconds = fixed + per_image x images``. The full protocol is projected from that
@@ -40,12 +42,13 @@ MAX_WARMUP_ROUNDS = 3
 
 
 class RoundLine(NamedTuple):
-    """One timed round: its fixed seconds, seconds per image trained, whole seconds, and the step
-    graphs it captured (0 but where warm-up ended at :data:`MAX_WARMUP_ROUNDS` still capturing)."""
+    """One timed round: its fixed seconds, seconds per image trained, whole seconds, the images its
+    clients trained, and the step graphs it captured (shapes met before that warm-up left uncaptured)."""
 
     fixed: float
     per_image: float
     seconds: float
+    images: int
     captures: int
 
 
@@ -58,16 +61,20 @@ def round_line(base: str | None, overrides: list[str]) -> RoundLine:
     """The timed round after warm-up, with one local epoch (the line is per image trained, so more
     epochs would only take longer to measure). The round's work up to the aggregation (queries
     before training, local training) is what grows with the images; the aggregation and what
-    follows (server steps, queries after it) is the fixed part."""
+    follows (server steps, queries after it) is the fixed part. The run keeps its protocol's number of
+    rounds, so a method's phases (GBME's joint warm-up over the first 3/5) are the same whichever
+    round is timed."""
     last = MAX_WARMUP_ROUNDS + 1
-    sim = prepare(load_config(base, [*overrides, f"fl.rounds={last}", "fl.local_epochs=1", f"eval.every={last}",
-                                     "run.checkpoint_every=0"]))
+    wanted = [*overrides, "fl.local_epochs=1", "run.checkpoint_every=0"]
+    cfg = load_config(base, wanted)
+    sim = prepare(cfg if cfg.fl.rounds >= last else load_config(base, [*wanted, f"fl.rounds={last}"]))
     marks: dict[str, float] = {}
     aggregate = sim.server.aggregate
 
     def timed_aggregate(rnd, replies):
         sync_device(sim.device)
         marks["trained"] = time.perf_counter()
+        marks["images"] = sum(reply.num_samples for reply in replies.values())  # the clients that trained
         return aggregate(rnd, replies)
 
     def captures() -> int:
@@ -87,11 +94,11 @@ def round_line(base: str | None, overrides: list[str]) -> RoundLine:
         sim.fit_round(rnd + 1)
         sync_device(sim.device)
         seconds = time.perf_counter() - t0
-        images = sum(len(sim.train_data.partition.client_indices[c]) for c in sim.schedule[rnd])
+        captured = captures() - before
     finally:
         sim.close()
-    trained = marks["trained"] - t0
-    return RoundLine(seconds - trained, trained / max(images, 1), seconds, captures() - before)
+    trained, images = marks["trained"] - t0, int(marks["images"])
+    return RoundLine(seconds - trained, trained / max(images, 1), seconds, images, captured)
 
 
 def protocol_images(cfg) -> float | None:
@@ -137,8 +144,10 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
     lines = ["## What a paper suite's protocol costs here, per backend", "",
              f"device {device}: {describe(collect(device))}. Rounds on synthetic data of each setting's dataset's "
              "size (CIFAR-10's or CIFAR-100's classes and training set, 32 px), long-tailed and split as the "
-             "setting says, one local epoch: warm-up rounds (more than one only while graphed training still "
-             f"captures new batch shapes, at most {MAX_WARMUP_ROUNDS}) and a timed round, split at the aggregation "
+             "setting says, one local epoch, each model on each dataset size its settings use: warm-up rounds "
+             "(more than one only while graphed training still captures new batch shapes, at most "
+             f"{MAX_WARMUP_ROUNDS}; captures left in the timed round are named) and a timed round, split at the "
+             "aggregation "
              "into the work that grows with the images (training, queries before it: ms per 1,000 images) and the "
              "rest (aggregation, server steps: fixed s); the projection applies seconds = fixed + per image x "
              "images to the images a round of each setting trains (long-tailed CIFAR x participation x local "
@@ -148,14 +157,14 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
         suite = load_suite(name)
         s, base = suite.spec, str(suite.base) if suite.base else None
         lines += [f"### {s.name}: {s.title}", "",
-                  "| row | models | backend | timed round (s) | fixed s | ms per 1,000 images "
+                  "| row | model on data | backend | timed round (s) | fixed s | ms per 1,000 images "
                   "| projected hours |", "|---|---|---|---|---|---|---|"]
         totals: dict[str, float] = {}
         for row, settings in suite_rows(s, rows, picks):
             for backend in backends:
-                measured: dict[str, tuple[float, float, float]] = {}
-                first = load_config(base, [*settings[0][1], *extra]).data.dataset
+                measured: dict[tuple[str, str], RoundLine] = {}  # (model, stand-in) -> its timed round
                 try:
+                    first = load_config(base, [*settings[0][1], *extra]).data.dataset
                     check_config(load_config(base, [*settings[0][1], *stand_in(first), *extra,
                                                     f"run.backend={backend}"]))
                 except ConfigError as refused:
@@ -165,20 +174,21 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
                 hours, projected = 0.0, 0
                 for _, overrides in settings:
                     cfg = load_config(base, [*overrides, *extra])
-                    if cfg.model.name not in measured:
-                        measured[cfg.model.name] = round_line(base, [*overrides, *stand_in(cfg.data.dataset), *extra,
-                                                                     f"run.backend={backend}"])
-                    fixed, per_image = measured[cfg.model.name][:2]
+                    data = [*stand_in(cfg.data.dataset), *extra]  # extra last: it may replace the stand-in
+                    key = (cfg.model.name, load_config(base, [*overrides, *data]).data.dataset)
+                    if key not in measured:
+                        measured[key] = round_line(base, [*overrides, *data, f"run.backend={backend}"])
+                    fixed, per_image = measured[key][:2]
                     images = protocol_images(cfg)
                     if images is not None:
                         hours += (fixed + per_image * images) * cfg.fl.rounds * len(s.seeds) / 3600
                         projected += 1
                 totals[backend] = totals.get(backend, 0.0) + hours
                 where = "" if projected == len(settings) else f" ({projected} of {len(settings)} settings: CIFAR)"
-                for model, (fixed, per_image, full, captured) in measured.items():
-                    still = f" ({captured} step graphs captured in it)" if captured else ""
-                    lines.append(f"| {row} | {model} | {backend} | {full:.2f}{still} | {fixed:.2f} | "
-                                 f"{1e6 * per_image:.1f} | {hours:.1f}{where} |")
+                for (model, dataset), line in measured.items():
+                    still = f" ({line.captures} step graphs captured in it)" if line.captures else ""
+                    lines.append(f"| {row} | {model} on {dataset} | {backend} | {line.seconds:.2f}{still} | "
+                                 f"{line.fixed:.2f} | {1e6 * line.per_image:.1f} | {hours:.1f}{where} |")
                     echo(lines[-1])
         lines += ["", f"{s.name}, the rows each backend ran: "
                   + "; ".join(f"{b} {h:.1f} h" for b, h in totals.items()) + ".", ""]
