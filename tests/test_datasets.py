@@ -617,6 +617,19 @@ def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.M
     load_dataset("imagenet_lt", root=str(root), image_size=10)  # another size is another entry
     assert len(decoded) == len(LIST_IMAGES) + len(TEST_IMAGES)
 
+    # an image replaced under an unchanged list: that split is decoded again, with the new pixels
+    decoded.clear()
+    Image.new("RGB", (16, 16), (250, 250, 250)).save(root / "val/y.jpg", quality=95)
+    os.utime(root / "val/y.jpg", (stamp + 5, stamp + 5))
+    fourth = load_dataset("imagenet_lt", root=str(root), image_size=8)
+    assert sorted(decoded) == [root / "val/x.jpg", root / "val/y.jpg"]  # the test split only
+    assert torch.equal(fourth.train.images, third.train.images)
+    assert_colours(fourth.test.images, [TEST_IMAGES[0], (None, None, None, (250, 250, 250))])
+    assert len(list((tmp_path / "cache").glob("*-8px-*.pt"))) == 2  # the stale test entry was replaced
+    # a listed image deleted after its split was cached: refused, not served from the cache
+    (root / "val/x.jpg").unlink()
+    assert "1 of the 2 images ImageNet_LT_test.txt lists are missing" in error_of("imagenet_lt", root, image_size=8)
+
 
 def test_list_bad_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "_PARALLEL_MIN", 2)  # errors must also surface from the thread pool

@@ -1,8 +1,8 @@
 """On-disk cache for tensors that are slow to rebuild from their source files (decoded JPEGs).
 
 An entry's file name hashes the source files' paths and the build parameters (which data)
-and their sizes and modification times (which content), so editing a source file makes the
-old entry unreachable; storing the new one deletes it. Entries are written to a temporary
+and their sizes and modification times (which content; also those of the files a source names,
+such as a list file's images), so editing a source file makes the old entry unreachable; storing the new one deletes it. Entries are written to a temporary
 file and renamed, so a crash or a parallel run never leaves a half-written entry behind.
 """
 
@@ -27,13 +27,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("FEDLT_CACHE") or "~/.cache/fedlt").expanduser()
 
 
-def entry_path(tag: str, sources: Sequence[Path], params: Mapping[str, object]) -> Path:
-    """The cache file for data named ``tag`` built from ``sources`` with ``params``."""
+def entry_path(tag: str, sources: Sequence[Path], params: Mapping[str, object],
+               watched: Sequence[Path] = ()) -> Path:
+    """The cache file for data named ``tag`` built from ``sources`` with ``params``. ``watched`` are
+    files the sources name (a list file's images): their sizes and modification times are part of
+    the content, without resolving each path again (one is absent: the entry misses)."""
     resolved = [str(Path(p).resolve()) for p in sources]
     which = json.dumps([_FORMAT, tag, resolved, sorted(params.items())], default=str)
-    stats = [os.stat(p) for p in resolved]
-    content = json.dumps([(s.st_size, s.st_mtime_ns) for s in stats])
+    stats = [_size_and_time(p) for p in (*resolved, *watched)]
+    content = json.dumps(stats[:len(resolved)]) + (f"+{_digest(json.dumps(stats[len(resolved):]))}" if watched else "")
     return cache_root() / f"{tag}-{_digest(which)}-{_digest(content)}.pt"
+
+
+def _size_and_time(path: str | Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def load(path: Path) -> dict[str, torch.Tensor] | None:

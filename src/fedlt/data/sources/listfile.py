@@ -4,7 +4,8 @@ An image root plus one list file per split whose lines read ``relative/path.jpg 
 (paths relative to the image root); for iNaturalist 2018 also the organisers' own COCO-style
 annotation files (``train2018.json``, ``val2018.json``) where those lists are absent. Images come
 in any size, so each is resized (shorter side to ``image_size``) and centre-cropped to a square. Decoding 100k+ JPEGs takes minutes,
-so the decoded tensor is cached per (list file, image size); see :mod:`.cache`.
+so the decoded tensor is cached per (list file, image size), and decoded again when the list or
+any image it names changes; see :mod:`.cache`.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def _splits(layout: ListLayout, root: Path, splits: list[tuple[Path, list[tuple[
     labels = [torch.tensor([label for _, label in entries], dtype=torch.int64) for _, entries in splits]
     for (list_file, _), split_labels in zip(splits, labels):
         check_labels(layout.dataset, list_file, split_labels, len(classes), f"fix the list file or {layout.names}")
-    cached = [_cached_images(layout, root, list_file, len(entries), image_size) for list_file, entries in splits]
+    cached = [_cached_images(layout, root, list_file, [path for path, _ in entries], image_size)
+              for list_file, entries in splits]
     for (list_file, entries), images in zip(splits, cached):
         if images is None:
             _check_listed(layout, root, list_file, [path for path, _ in entries])
@@ -250,18 +252,18 @@ def _read_names(layout: ListLayout, path: Path) -> list[str]:
     return names
 
 
-def _cache_entry(layout: ListLayout, root: Path, list_file: Path, image_size: int) -> Path:
-    return cache.entry_path(
-        f"{layout.dataset}-{list_file.stem}-{image_size}px", [list_file], {"root": root.resolve(), "size": image_size}
-    )
+def _cache_entry(layout: ListLayout, root: Path, list_file: Path, paths: list[str], image_size: int) -> Path:
+    return cache.entry_path(f"{layout.dataset}-{list_file.stem}-{image_size}px", [list_file],
+                            {"root": root.resolve(), "size": image_size}, watched=[root / path for path in paths])
 
 
-def _cached_images(layout: ListLayout, root: Path, list_file: Path, count: int, image_size: int) -> torch.Tensor | None:
-    """A split's decoded images from the cache, when its list file is unchanged."""
-    stored = cache.load(_cache_entry(layout, root, list_file, image_size))
+def _cached_images(layout: ListLayout, root: Path, list_file: Path, paths: list[str], image_size: int
+                   ) -> torch.Tensor | None:
+    """A split's decoded images from the cache, when neither its list file nor any image it names changed."""
+    stored = cache.load(_cache_entry(layout, root, list_file, paths, image_size))
     if stored is not None and "images" in stored:
         images = stored["images"]
-        if images.dtype == torch.uint8 and tuple(images.shape) == (count, 3, image_size, image_size):
+        if images.dtype == torch.uint8 and tuple(images.shape) == (len(paths), 3, image_size, image_size):
             return images
     return None
 
@@ -273,5 +275,5 @@ def _decode(layout: ListLayout, root: Path, list_file: Path, paths: list[str], i
         [root / path for path in paths], lambda path: decode_image(path, image_size, layout.dataset, fix),
         (3, image_size, image_size)
     )
-    cache.store(_cache_entry(layout, root, list_file, image_size), {"images": images})
+    cache.store(_cache_entry(layout, root, list_file, paths, image_size), {"images": images})
     return images
