@@ -48,3 +48,6 @@ def test_scaled_and_add_equal_the_loop_to_the_last_bit():
     assert fused.groups(tensors) == [[0, 2, 4], [1, 3]]
     assert fused.groups(tensors, [t.float() for t in tensors]) == [[0, 2, 4], [1, 3]]
     assert fused.groups(tensors[:2], [tensors[0], tensors[0]]) == [[0], [1]]
+    assert fused.groups(tensors, [t.clone() for t in tensors]) == [[0, 2, 4], [1, 3]]  # pairs that agree
+    assert fused.groups([tensors[0], torch.zeros(2, device="meta"), tensors[2]]) == [[0, 2], [1]]  # by device
+    assert fused.groups([], []) == []

@@ -13,11 +13,18 @@ import torch
 
 
 def groups(*lists: list[torch.Tensor]) -> list[list[int]]:
-    """Positions of the tensors of ``lists`` (equally long) grouped by every list's device and dtype."""
-    found: dict[tuple, list[int]] = defaultdict(list)
-    for i, ts in enumerate(zip(*lists)):
-        found[tuple((t.device, t.dtype) for t in ts)].append(i)
-    return list(found.values())
+    """Positions of the tensors of ``lists`` (equally long) grouped by every list's device and dtype,
+    in order of first appearance. Torch's own grouping (the optimizers') does it in C++, several times
+    faster than reading each tensor's device and dtype from Python (a ResNet-32's 200 tensors, six
+    times per client); it refuses lists that disagree at a position, which are grouped here."""
+    try:
+        grouped = torch._C._group_tensors_by_device_and_dtype([list(ts) for ts in lists], True)
+        return sorted((list(indices) for _, indices in grouped.values()), key=lambda group: group[0])
+    except RuntimeError:  # another device or dtype at the same position of two lists
+        found: dict[tuple, list[int]] = defaultdict(list)
+        for i, ts in enumerate(zip(*lists)):
+            found[tuple((t.device, t.dtype) for t in ts)].append(i)
+        return list(found.values())
 
 
 def copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
