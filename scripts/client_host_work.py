@@ -1,8 +1,9 @@
 """What the host does per graphed client besides its captured step, counted on any device: the host
 synchronisations of a round (fedlt.bench.host_syncs.HostSyncs) and the torch operations it
 dispatches per client (batch making, the client's start and reply, the aggregation), with the step
-itself replaced by nothing. On a GPU each operation is host time (a kernel launch or an allocation)
-and each synchronisation stalls the host until the device catches up.
+itself replaced by nothing, and the time that takes per client. On a GPU each operation is host
+time (a kernel launch or an allocation) and each synchronisation stalls the host until the device
+catches up; on a CPU the time also holds the copies' arithmetic.
 
     python scripts/client_host_work.py [CLIENTS] [override ...]    e.g. 40 model.name=resnet32
 """
@@ -10,6 +11,7 @@ and each synchronisation stalls the host until the device catches up.
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,6 +21,9 @@ from fedlt.bench.host_syncs import HostSyncs
 from fedlt.config import load_config
 from fedlt.errors import FedltError
 from fedlt.training import graphed
+
+
+TIMED_ROUNDS = 5
 
 
 class Operations(TorchDispatchMode):
@@ -35,7 +40,7 @@ def main(clients: int, overrides: list[str]) -> None:
     cfg = load_config(None, ["data.dataset=synthetic", "data.image_size=32", "data.partition=iid",
                              "data.imbalance_factor=1", f"data.num_clients={clients}", "fl.participation=1.0",
                              "fl.local_epochs=2", "model.name=resnet8", "run.backend=graphed", "run.threads=1",
-                             *overrides])
+                             *overrides, f"fl.rounds={3 + TIMED_ROUNDS}"])
     sim = prepare(cfg)
     a = getattr(sim.client, "args", None)
     if cfg.method == "fedyoyo" and a.dla and a.prior_source == "estimated" and a.prior_features == "train":
@@ -48,9 +53,15 @@ def main(clients: int, overrides: list[str]) -> None:
         sim.fit_round(2)
     with Operations() as ops:
         sim.fit_round(3)
+    seconds = []
+    for rnd in range(4, 4 + TIMED_ROUNDS):
+        start = time.perf_counter()
+        sim.fit_round(rnd)
+        seconds.append(time.perf_counter() - start)
     print(f"{cfg.model.name}, {clients} clients, {cfg.method}, {sim.device}: "
           f"{syncs.total} host synchronisations a round {dict(syncs.calls)}; "
-          f"{sum(ops.count.values()) / clients:.1f} operations per client; most frequent: {ops.count.most_common(5)}")
+          f"{sum(ops.count.values()) / clients:.1f} operations per client; most frequent: {ops.count.most_common(5)}; "
+          f"{1000 * min(seconds) / clients:.2f} ms per client (the fastest of {TIMED_ROUNDS} rounds)")
 
 
 if __name__ == "__main__":
