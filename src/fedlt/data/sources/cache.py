@@ -2,8 +2,9 @@
 
 An entry's file name hashes the source files' paths and the build parameters (which data)
 and their sizes and modification times (which content; also those of the files a source names,
-such as a list file's images), so editing a source file makes the old entry unreachable; storing the new one deletes it. Entries are written to a temporary
-file and renamed, so a crash or a parallel run never leaves a half-written entry behind.
+such as a list file's images), so editing a source file makes the old entry unreachable; storing
+the new one deletes it. Entries are written to a temporary file and renamed, so a crash or a
+parallel run never leaves a half-written entry behind.
 """
 
 from __future__ import annotations
