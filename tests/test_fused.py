@@ -26,6 +26,19 @@ def test_clones_are_detached_copies_in_each_tensors_dtype_and_memory_format():
     assert tensors[0].abs().sum() > 0  # a copy, not a view
 
 
+def test_clones_keep_every_bit_of_special_values_in_every_dtype():
+    """The copies made by multiplying by 1 keep -0.0, infinities and subnormals bit for bit and a NaN a
+    NaN (its payload is the arithmetic's: bfloat16 makes it canonical); bool and complex tensors, for
+    which 1 is no identity factor, are copied as they are."""
+    specials = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.5])
+    tensors = [specials, specials.double(), specials.half(), specials.bfloat16(), torch.tensor([-128, 127], dtype=torch.int8),
+               torch.tensor([2 ** 62 + 1]), torch.tensor([True, False]), torch.tensor([complex(float("inf"), 1.0), -0.0j])]
+    for t, c in zip(tensors, fused.clones(tensors)):
+        assert c.dtype == t.dtype and c.data_ptr() != t.data_ptr()
+        numbers = ~t.isnan()
+        assert torch.equal(c.isnan(), ~numbers) and torch.equal(c[numbers].view(torch.uint8), t[numbers].view(torch.uint8))
+
+
 def test_copy_writes_in_place_into_parameters_without_history():
     destinations = [torch.nn.Parameter(torch.zeros(5, 2)), torch.zeros(7, dtype=torch.float64)]
     sources = [state()[2], state()[1]]

@@ -155,3 +155,17 @@ def test_a_resumed_gpu_run_keeps_its_host_state_on_the_host_and_ends_as_the_unin
     resumed = fedlt.resume(run_dir, quiet=True)
     assert [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in resumed.metrics] == \
         [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in full.metrics]
+
+
+def test_fused_clones_on_a_gpu_are_exact_copies_in_each_tensors_layout():
+    """One multiplication by 1 per group (fedlt.fused.clones) copies a CUDA state as ``clone`` does."""
+    from fedlt import fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    conv = torch.randn(8, 4, 3, 3, generator=g, device="cuda").contiguous(memory_format=torch.channels_last)
+    specials = torch.tensor([-0.0, float("inf"), 1e-45, 2.5], device="cuda")
+    state = [conv, specials, specials.half(), torch.tensor(7, device="cuda"), torch.randn(3, 5, device="cuda").t(),
+             torch.tensor([True, False], device="cuda")]
+    for t, c in zip(state, fused.clones(state)):
+        assert c.dtype == t.dtype and c.stride() == t.clone().stride() and c.data_ptr() != t.data_ptr()
+        assert torch.equal(c.view(torch.uint8), t.view(torch.uint8)) if t.is_contiguous() and t.dim() else torch.equal(c, t)

@@ -144,6 +144,19 @@ def test_data_classes_renames_and_is_required_where_files_name_the_classes() -> 
     assert declared_dataset(DataConfig(dataset="inat", classes=["a"])).image_size == listfile.DEFAULT_IMAGE_SIZE
 
 
+def test_a_simulated_federation_names_its_classes_by_data_classes_and_refuses_a_wrong_count() -> None:
+    """In one process the files give the labels; ``data.classes`` renames them in every split (the
+    reports' per-class names) and must name each of the files' classes once."""
+    names = [f"kind{k}" for k in range(10)]
+    data = build_federated_data(DataConfig(dataset="synthetic", image_size=8, classes=names, val_per_class=2), seed=0)
+    assert data.train.classes == data.test.classes == data.val.classes == names
+    assert load_dataset("synthetic", image_size=8).train.classes[0] != "kind0"  # the loader's own splits are untouched
+    with pytest.raises(ConfigError, match=r"data.classes lists 9 names but synthetic has 10 classes; list 10 names"):
+        build_federated_data(DataConfig(dataset="synthetic", image_size=8, classes=names[:9]), seed=0)
+    with pytest.raises(ConfigError, match="names 'kind1' twice"):
+        build_federated_data(DataConfig(dataset="synthetic", image_size=8, classes=[*names[:9], "kind1"]), seed=0)
+
+
 @pytest.mark.parametrize(
     ("data", "error", "fragments"),
     [

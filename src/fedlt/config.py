@@ -77,8 +77,8 @@ class DataConfig(_Section):
         "auto", description="random horizontal flips in training augmentations and methods' views: auto = per dataset "
         "(off for digits), true, or false for data whose objects face one way (Fashion-MNIST's footwear)")
     classes: list[str] | None = Field(
-        None, description="class names in label order; a node's image folders map to labels through them "
-        "(default: the dataset's own names)")
+        None, description="class names in label order, one per class of the dataset: the per-class results' names; "
+        "a node's image folders map to labels through them (default: the dataset's own names)")
 
     @model_validator(mode="after")
     def _equal_size_is_dirichlets(self) -> "DataConfig":

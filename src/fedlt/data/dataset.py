@@ -93,3 +93,9 @@ class DatasetPair:
     @property
     def num_classes(self) -> int:
         return self.train.num_classes
+
+    def named(self, classes: list[str]) -> "DatasetPair":
+        """The same splits with the classes called ``classes`` (one name per label)."""
+        splits = (self.train, self.test, self.val)
+        return DatasetPair(*(None if d is None else ImageDataset(d.images, d.labels, list(classes), d.mean, d.std)
+                             for d in splits))

@@ -66,10 +66,12 @@ def declared_dataset(cfg: DataConfig) -> DeclaredDataset:
     """
     size = resolve_image_size(cfg.dataset, cfg.image_size)  # also rejects an unknown dataset
     known, mean, std = _CONSTANTS[cfg.dataset](size)
-    return DeclaredDataset(_class_names(cfg, known), len(mean), size, tuple(mean), tuple(std))
+    return DeclaredDataset(class_names(cfg, known), len(mean), size, tuple(mean), tuple(std))
 
 
-def _class_names(cfg: DataConfig, known: list[str] | None) -> list[str]:
+def class_names(cfg: DataConfig, known: list[str] | None) -> list[str]:
+    """``cfg.classes`` checked against the ``known`` names (the dataset's own, None where only its
+    files name them), or ``known`` when ``cfg.classes`` is not given."""
     if cfg.classes is None:
         if known is None:
             raise ConfigError(

@@ -10,6 +10,7 @@ import torch
 
 from fedlt.config import DataConfig
 from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.declaration import class_names
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_indices, resolve_class_order
 from fedlt.data.partition import (
@@ -125,6 +126,8 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
         source = resolve_source(cfg.val_from, cfg.dataset, info.val_loader is not None, info.long_tailed)
     pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True,
                         with_val=source == "dataset")
+    if cfg.classes is not None:  # the names reports give the classes, checked as a federation checks them
+        pair = pair.named(class_names(cfg, pair.train.classes))
     seed = federation_seed(cfg, seed)
     source_train, test, val = pair.train, pair.test, None
     if source is not None:
