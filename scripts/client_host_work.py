@@ -3,13 +3,16 @@ synchronisations of a round (fedlt.bench.host_syncs.HostSyncs) and the torch ope
 dispatches per client (batch making, the client's start and reply, the aggregation), with the step
 itself replaced by nothing, and the time that takes per client. On a GPU each operation is host
 time (a kernel launch or an allocation) and each synchronisation stalls the host until the device
-catches up; on a CPU the time also holds the copies' arithmetic.
+catches up; on a CPU the time also holds the copies' arithmetic. With --profile it also lists the
+Python functions that take most of that time (their own time, per client, in one more round).
 
-    python scripts/client_host_work.py [CLIENTS] [override ...]    e.g. 40 model.name=resnet32
+    python scripts/client_host_work.py [CLIENTS] [--profile] [override ...]    e.g. 40 model.name=resnet32
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
 from collections import Counter
@@ -24,6 +27,7 @@ from fedlt.training import graphed
 
 
 TIMED_ROUNDS = 5
+PROFILE_ROWS = 20
 
 
 class Operations(TorchDispatchMode):
@@ -36,11 +40,11 @@ class Operations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main(clients: int, overrides: list[str]) -> None:
+def main(clients: int, overrides: list[str], profile: bool = False) -> None:
     cfg = load_config(None, ["data.dataset=synthetic", "data.image_size=32", "data.partition=iid",
                              "data.imbalance_factor=1", f"data.num_clients={clients}", "fl.participation=1.0",
                              "fl.local_epochs=2", "model.name=resnet8", "run.backend=graphed", "run.threads=1",
-                             *overrides, f"fl.rounds={3 + TIMED_ROUNDS}"])
+                             *overrides, f"fl.rounds={4 + TIMED_ROUNDS}"])
     sim = prepare(cfg)
     a = getattr(sim.client, "args", None)
     if cfg.method == "fedyoyo" and a.dla and a.prior_source == "estimated" and a.prior_features == "train":
@@ -62,14 +66,24 @@ def main(clients: int, overrides: list[str]) -> None:
           f"{syncs.total} host synchronisations a round {dict(syncs.calls)}; "
           f"{sum(ops.count.values()) / clients:.1f} operations per client; most frequent: {ops.count.most_common(5)}; "
           f"{1000 * min(seconds) / clients:.2f} ms per client (the fastest of {TIMED_ROUNDS} rounds)")
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(sim.fit_round, 4 + TIMED_ROUNDS)
+        stats = pstats.Stats(profiler).stats
+        rows = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_ROWS]
+        print(f"profiled round, own time per client (us), calls per client, function:")
+        for (path, line, name), (_, calls, own, _, _) in rows:
+            where = f"{path.split('site-packages/')[-1].split('src/')[-1]}:{line}" if line else path
+            print(f"  {1e6 * own / clients:8.1f} {calls / clients:7.1f}  {name} ({where})")
 
 
 if __name__ == "__main__":
-    count = sys.argv[1] if len(sys.argv) > 1 else "40"
+    arguments = [a for a in sys.argv[1:] if a != "--profile"]
+    count = arguments[0] if arguments else "40"
     try:
         if not count.isdigit() or int(count) < 1:
             raise FedltError(f"CLIENTS must be a whole number of at least 1, got '{count}'")
-        main(int(count), sys.argv[2:])
+        main(int(count), arguments[1:], profile="--profile" in sys.argv)
     except FedltError as error:
         print(f"client_host_work: error: {error}", file=sys.stderr)
         sys.exit(2)

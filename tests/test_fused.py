@@ -39,6 +39,24 @@ def test_clones_keep_every_bit_of_special_values_in_every_dtype():
         assert torch.equal(c.isnan(), ~numbers) and torch.equal(c[numbers].view(torch.uint8), t[numbers].view(torch.uint8))
 
 
+def test_clones_dispatch_one_operation_per_group_not_an_allocation_per_tensor():
+    """A model's state (here 12 float tensors and an int buffer) is copied by one fused call per
+    dtype: on a GPU the host's cost of a client's message and reply."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tensors = [torch.randn(3, 4) for _ in range(12)] + [torch.tensor(3)]
+    with Dispatched() as dispatched:
+        fused.clones(tensors)
+    assert dispatched.names == ["aten._foreach_mul.Scalar"] * 2
+
+
 def test_copy_writes_in_place_into_parameters_without_history():
     destinations = [torch.nn.Parameter(torch.zeros(5, 2)), torch.zeros(7, dtype=torch.float64)]
     sources = [state()[2], state()[1]]

@@ -173,3 +173,24 @@ def test_a_clients_start_never_waits_and_its_per_class_terms_land_on_its_device(
     tensors = [*held(objective.loss), *(objective.step_tensors(1).values() if objective.step_tensors else ())]
     assert tensors, "the objective holds no per-class term"
     assert all(t.device.type == "meta" for t in tensors), [(t.shape, t.device) for t in tensors]
+
+
+def test_the_host_work_script_counts_a_graphed_clients_operations_and_profiles_them():
+    """scripts/client_host_work.py (run on a GPU by scripts/gpu_speed.sh host-work): one wait a round, the
+    operations and time per client, and the profile's rows per client."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "client_host_work.py"
+    done = subprocess.run([sys.executable, str(script), "3", "--profile", "model.name=cnn", "data.image_size=16",
+                           "run.device=cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    first, heading, *rows = done.stdout.splitlines()
+    assert first.startswith("cnn, 3 clients, fedavg, cpu: 1 host synchronisations a round")
+    assert re.search(r"; [0-9.]+ operations per client; .*; [0-9.]+ ms per client", first)
+    assert heading.startswith("profiled round") and len(rows) == 20
+    assert all(re.match(r" +[0-9.]+ +[0-9.]+  \S", row) for row in rows)
+    refused = subprocess.run([sys.executable, str(script), "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.strip().endswith("at least 1, got '0'")
