@@ -160,6 +160,23 @@ def test_nan_inf_and_out_of_range_knobs_and_devices_are_refused_before_training(
             resolve_device("mps")
 
 
+def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:
+    """loss.prior acts on la, bsm and ldam only; elsewhere a prior the user asked for would be ignored
+    (or, for a global one, ask the server for counts it never fetches)."""
+    from fedlt.run_parts import check_config
+
+    for overrides, fragment in [(["loss.prior=global"], "and loss.name=ce has none; drop loss.prior or use "
+                                 "loss.name=<one of la, bsm, ldam>"),
+                                (["loss.name=focal", "loss.prior=uniform"], "loss.prior=uniform acts only on the losses "
+                                 "built from class counts (la, bsm, ldam), and loss.name=focal has none"),
+                                (["method=fedetf", "loss.prior=global"], "method fedetf (its own objective) has none; "
+                                 "drop loss.prior")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_config(load_config(None, overrides))
+    for loss in ("la", "bsm", "ldam"):
+        check_config(load_config(None, [f"loss.name={loss}", "loss.prior=global"]))
+
+
 def test_invalid_value_messages_state_the_valid_range() -> None:
     assert "must be >= 1" in config_error(overrides=["data.imbalance_factor=0.5"])
     assert "must be > 0" in config_error(overrides=["data.alpha=0"])

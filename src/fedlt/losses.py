@@ -45,6 +45,8 @@ LOSSES: dict[str, str] = {
     "focal": "focal loss, -(1-p_t)^gamma log p_t (Lin et al. 2017)",
     "ldam": "label-distribution-aware margin loss, margins ~ n_c^(-1/4) (Cao et al. 2019)",
 }
+#: the losses built from the class counts (a prior or margins): the only ones ``loss.prior`` acts on
+PRIOR_LOSSES = ("la", "bsm", "ldam")
 
 
 def _check_batch(logits: torch.Tensor, targets: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from fedlt.config import Config
 from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
-from fedlt.losses import LOSSES, make_loss
+from fedlt.losses import LOSSES, PRIOR_LOSSES, make_loss
 from fedlt.methods.base import Client, MethodArgs, MethodSpec, declares_local_objective
 from fedlt.methods.registry import get_method, parse_method_args
 from fedlt.models.registry import MODELS, check_model_input
@@ -133,6 +133,11 @@ def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if refusal:
         raise ConfigError(refusal)
     c = cfg.loss
+    if c.prior != "local" and (c.name not in PRIOR_LOSSES or not spec.uses_loss_config):
+        trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
+        raise ConfigError(f"loss.prior={c.prior} acts only on the losses built from class counts "
+                          f"({', '.join(PRIOR_LOSSES)}), and {trains} has none; drop loss.prior"
+                          + (f" or use loss.name=<one of {', '.join(PRIOR_LOSSES)}>" if spec.uses_loss_config else ""))
     try:  # surface bad loss arguments now, not inside the first client's training
         make_loss(c.name, prior=torch.full((2,), 0.5), class_counts=torch.ones(2), tau=c.tau, focal_gamma=c.focal_gamma,
                   ldam_max_margin=c.ldam_max_margin, ldam_scale=c.ldam_scale)

@@ -94,6 +94,13 @@ class ClientData:
             return np.array(self.counts, dtype=np.int64)
         return self.class_counts().cpu().numpy()
 
+    def host_prior(self) -> np.ndarray:
+        """float32 class frequencies of this client on the host (a loss's prior); uniform for a client
+        the partition left without samples, which trains on nothing."""
+        counts = self.host_counts().astype(np.float32)
+        total = counts.sum()
+        return counts / total if total > 0 else np.full_like(counts, 1 / len(counts))
+
     def raw(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 images and labels of ``rows`` (positions within this client), for methods that
         build their own views."""

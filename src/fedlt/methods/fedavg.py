@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedlt.losses import make_loss
+from fedlt.losses import PRIOR_LOSSES, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, clone_state
 from fedlt.training.sequential import BatchLoss, train_local
 from fedlt.transfer import to_host
 
-PRIOR_LOSSES = {"la", "bsm", "ldam"}
 
 
 class FedAvgServer(Server):

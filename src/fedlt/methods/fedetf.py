@@ -19,7 +19,6 @@ without augmentation.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -88,8 +87,7 @@ def without_etf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _balanced_loss(ctx: ClientContext):
-    counts = ctx.data.host_counts().astype(np.float32)
-    return make_loss("bsm", prior=counts / max(counts.sum(), 1), device=ctx.data.labels.device)
+    return make_loss("bsm", prior=ctx.data.host_prior(), device=ctx.data.labels.device)
 
 
 class FedETFClient(Client):

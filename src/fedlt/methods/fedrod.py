@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,8 +48,7 @@ def rod_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, rod_balanced
 
 def rod_objective_loss(ctx: ClientContext):
     """:func:`rod_loss` with this client's balanced softmax (its own class counts as the prior)."""
-    counts = ctx.data.host_counts().astype(np.float32)
-    balanced = make_loss("bsm", prior=counts / max(counts.sum(), 1), device=ctx.data.labels.device)
+    balanced = make_loss("bsm", prior=ctx.data.host_prior(), device=ctx.data.labels.device)
     return partial(rod_loss, rod_balanced=balanced.func, **balanced.keywords)
 
 
