@@ -352,23 +352,36 @@ def test_unknown_suite_name_and_bad_yaml(tmp_path):
 
 
 def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
-    import fedlt.data.registry
+    import fedlt.data.federated
 
     result = CliRunner().invoke(app, ["bench", "list"])
     assert result.exit_code == 0
     names = [line.split()[0] for line in result.stdout.splitlines()]
     assert {"demo", "calibration", "cpu-paper", "paper-creff", "paper-fedloge", "paper-gbme", "paper-fedyoyo",
             "paper-sfd"} <= set(names)
-    loaded = []  # the data check is recorded, not run: the paper suites need CIFAR files this machine lacks
-    monkeypatch.setattr(fedlt.data.registry, "load_dataset", lambda name, root, size, **_: loaded.append(name))
-    for name in names:  # every cell's config passes the same checks as a run, and each dataset is checked once
-        loaded.clear()
+    built = []  # the federations are recorded, not built: the paper suites need CIFAR files this machine lacks
+    monkeypatch.setattr(fedlt.data.federated, "build_federated_data",
+                        lambda data, seed: built.append((data.dataset, json.dumps(data.model_dump(mode="json")), seed)))
+    for name in names:  # every cell's config passes the same checks as a run, and each federation is built once
+        built.clear()
         dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])
         assert dry.exit_code == 0, (name, dry.stderr)
         assert "0 finished" in dry.stderr
-        assert loaded and len(loaded) == len(set(loaded)), (name, loaded)
-        if name == "paper-creff":
-            assert loaded == ["cifar10", "cifar100"]
+        assert built and len(built) == len(set(built)), (name, built)
+        if name == "paper-creff":  # two datasets, three imbalance factors, three seeds
+            assert sorted({b[0] for b in built}) == ["cifar10", "cifar100"] and len(built) == 18
+
+
+def test_an_impossible_partition_stops_a_suite_before_any_cell_trains(tmp_path):
+    tree = {**TINY_SUITE, "seeds": [0], "methods": [
+        TINY_SUITE["methods"][1], {"name": "Crowded", "overrides": ["data.num_clients=100000"]}]}
+    path = write_suite(tmp_path / "s.yaml", tree)
+    for extra in (["--dry-run"], []):
+        result = CliRunner().invoke(app, ["bench", str(path), "--out", str(tmp_path / "out"), *extra])
+        assert result.exit_code == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "cell 'IF=10, alpha=0.5 / Crowded / seed 0': data.num_clients=100000 exceeds" in lines[0]
+        assert not (tmp_path / "out").exists()  # the FedProx cell did not train either
 
 
 def test_missing_data_files_stop_a_suite_before_any_cell_trains(tmp_path):

@@ -370,14 +370,13 @@ def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
 
 
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
-    """Build and check every cell's config, and classify its folder, before anything trains."""
+    """Build and check every cell's config, classify its folder, and build the federation of every cell
+    still to train (its files, long tail, validation split and partition), before anything trains."""
     from fedlt.config import load_config
-    from fedlt.data.federated import build_federated_data
-    from fedlt.data.registry import load_dataset
+    from fedlt.data.federated import build_federated_data, federation_seed
     from fedlt.run_parts import check_config
 
-    datasets: dict[tuple, str] = {}  # (name, root, image size) the cells to train read -> one such cell
-    splits: dict[str, tuple[Config, str]] = {}  # data settings with a validation split -> one such cell
+    federations: dict[str, tuple[Config, str]] = {}  # data settings and federation seed -> one such cell
     selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
     for cell in cells:
         try:
@@ -391,16 +390,10 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
                               "data.val_per_class=N (e.g. 500) to the suite's overrides")
         cell.threads = cfg.run.threads
         validate_cell_folder(cell, cfg)
-        if cell.state != "done":
-            datasets.setdefault((cfg.data.dataset, cfg.data.root, cfg.data.image_size), cell.label)
-            if cfg.data.val_per_class:  # whether the source can supply it depends on the data settings only
-                splits.setdefault(json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True), (cfg, cell.label))
-    for (name, root, size), label in datasets.items():  # missing or corrupt files: before any cell trains
-        try:
-            load_dataset(name, root, size, every_class=True)  # as training loads it
-        except FedltError as err:
-            raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
-    for cfg, label in splits.values():  # an impossible validation split, before any cell trains
+        if cell.state != "done":  # a partition can be impossible for one seed only (a retried Dirichlet draw)
+            key = json.dumps([cfg.data.model_dump(mode="json"), federation_seed(cfg.data, cfg.seed)], sort_keys=True)
+            federations.setdefault(key, (cfg, cell.label))
+    for cfg, label in federations.values():  # missing or corrupt files, impossible splits: before any cell trains
         try:
             build_federated_data(cfg.data, cfg.seed)
         except FedltError as err:
