@@ -349,6 +349,9 @@ def test_unknown_suite_name_and_bad_yaml(tmp_path):
     bad.write_text("name: x\nmethods: [\n")
     result = CliRunner().invoke(app, ["bench", str(bad)])
     assert result.exit_code == 2 and "is not valid YAML at line" in result.stderr
+    bad.write_text("name: x\nmethods:\n  - name: A\n    overrides: [fl.rounds=1]\n    overrides: [fl.lr=0.1]\n")
+    result = CliRunner().invoke(app, ["bench", str(bad)])
+    assert result.exit_code == 2 and "gives the key 'overrides' twice (the second time at line 5)" in result.stderr
 
 
 def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):

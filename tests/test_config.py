@@ -236,6 +236,22 @@ def test_invalid_yaml_syntax_names_file_and_line(tmp_path: Path, text: str, line
     assert str(path) in msg and "not valid YAML" in msg and f"line {line}" in msg
 
 
+@pytest.mark.parametrize(("text", "key", "line"), [
+    ("fl: {rounds: 1}\ndata: {alpha: 0.1}\nfl: {lr: 0.01}\n", "fl", 3),  # a whole section would be dropped
+    ("fl:\n  rounds: 1\n  lr: 0.1\n  rounds: 2\n", "rounds", 4),
+])
+def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path: Path, text: str, key: str, line: int) -> None:
+    path = write(tmp_path, text)
+    assert config_error(path) == (f"config file {path} gives the key '{key}' twice (the second time at line {line}); "
+                                  "write it once")
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path: Path) -> None:
+    from fedlt.config import load_yaml
+
+    assert load_yaml("base: &b {rounds: 1, lr: 0.1}\nfl:\n  <<: *b\n  rounds: 2\n")["fl"] == {"rounds": 2, "lr": 0.1}
+
+
 def test_binary_file_as_config_is_a_config_error(tmp_path: Path) -> None:
     # not UTF-8: used to escape as a UnicodeDecodeError traceback
     path = tmp_path / "model.pt"

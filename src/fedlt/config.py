@@ -447,18 +447,55 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return build_config(apply_overrides(tree, overrides or []))
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that gives one key twice: PyYAML would keep the last value and drop the first."""
+
+    def __init__(self, key: Any, line: int):
+        super().__init__(f"key '{key}' given twice (again at line {line})")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, refusing a key written twice in one mapping (merge keys, ``<<``, may still be
+    overridden)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(data: bytes | str) -> Any:
+    """What a YAML document holds, as yaml.safe_load reads it, except that a key given twice in one
+    mapping is a DuplicateKey (a YAMLError) instead of silently dropping its first value."""
+    return yaml.load(data, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def yaml_problem(err: yaml.YAMLError, what: str) -> str:
+    """One line on why ``what`` (a file, named) is not the YAML it should be, and the fix."""
+    if isinstance(err, DuplicateKey):
+        return f"{what} gives the key '{err.key}' twice (the second time at line {err.line}); write it once"
+    mark = getattr(err, "problem_mark", None)
+    return f"{what} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}; fix the syntax"
+
+
 def read_yaml_mapping(p: Path, what: str = "config file") -> dict[str, Any]:
-    """The mapping a YAML file holds ({} when empty); an unreadable file, invalid YAML or another
-    type is one ConfigError naming ``what`` and the file."""
+    """The mapping a YAML file holds ({} when empty); an unreadable file, invalid YAML, a key given twice
+    or another type is one ConfigError naming ``what`` and the file."""
     try:
         # bytes: PyYAML detects the encoding itself, and undecodable bytes become a YAMLError
-        loaded = yaml.safe_load(p.read_bytes())
+        loaded = load_yaml(p.read_bytes())
     except OSError as err:
         raise ConfigError(f"cannot read {what} {p} ({err.strerror or err}); check its permissions") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{what} {p} is not valid YAML{at}; fix the syntax") from None
+        raise ConfigError(yaml_problem(err, f"{what} {p}")) from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{what} {p} must hold a mapping of keys (e.g. 'fl: {{rounds: 50}}')")
     return loaded or {}

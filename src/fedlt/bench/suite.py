@@ -33,7 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
-from fedlt.config import config_difference as _config_difference, read_yaml_mapping
+from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
 
@@ -265,11 +265,10 @@ def load_suite(name_or_path: str | Path) -> Suite:
                               f"{', '.join(builtin)} (fedlt bench list)")
         path = builtin[str(name_or_path)]
     try:
-        tree = yaml.safe_load(path.read_bytes())
+        tree = load_yaml(path.read_bytes())
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        raise ConfigError(f"suite {path} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}; "
-                          "fix the syntax (quote overrides holding [ ] or : )") from None
+        hint = "" if isinstance(err, DuplicateKey) else " (quote overrides holding [ ] or : )"
+        raise ConfigError(yaml_problem(err, f"suite {path}") + hint) from None
     spec = parse_suite(tree, str(path))
     return Suite(spec, path, _resolve_base(spec.base, path))
 
