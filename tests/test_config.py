@@ -177,6 +177,20 @@ def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:
         check_config(load_config(None, [f"loss.name={loss}", "loss.prior=global"]))
 
 
+def test_true_or_false_is_refused_where_a_setting_takes_a_number_or_a_list() -> None:
+    """pydantic would read true as 1 (fl.lr=true a learning rate of 1, data.num_clients=true one client)."""
+    from fedlt.run_parts import check_config
+
+    for override in ("fl.lr=true", "data.num_clients=true", "data.alpha=false", "fl.grad_clip=true", "data.seed=true",
+                     "data.class_order=true"):
+        assert config_error(overrides=[override]).endswith(": true/false is not a value of this setting "
+                                                           f"(got {override.split('=')[1]})"), override
+    with pytest.raises(ConfigError, match=re.escape("invalid method_args.mu for method fedprox: true/false is not")):
+        check_config(load_config(None, ["method=fedprox", "method_args.mu=true"]))
+    cfg = load_config(None, ["data.hflip=false", "eval.personalized=false", "method=fedyoyo", "method_args.dla=false"])
+    assert cfg.data.hflip is False and cfg.eval.personalized is False and check_config(cfg)
+
+
 def test_invalid_value_messages_state_the_valid_range() -> None:
     assert "must be >= 1" in config_error(overrides=["data.imbalance_factor=0.5"])
     assert "must be > 0" in config_error(overrides=["data.alpha=0"])

@@ -7,10 +7,13 @@ that produced it. Unknown keys are errors (a typo must not silently fall back to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 
 from fedlt.errors import ConfigError
 
@@ -25,7 +28,33 @@ def _unit_fraction(v: float) -> float:
 UnitFraction = Annotated[float, AfterValidator(_unit_fraction)]
 
 
-class _Section(BaseModel):
+def admits_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes true / false as a value: not where it takes only numbers (or
+    strings, lists ...), although pydantic would read true as 1."""
+    if annotation is bool or annotation is Any or isinstance(annotation, bool):
+        return True
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(option, bool) for option in get_args(annotation))
+    if origin is Annotated:
+        return admits_bool(get_args(annotation)[0])
+    if origin is Union or origin is UnionType:
+        return any(admits_bool(option) for option in get_args(annotation))
+    return origin is None and not (isinstance(annotation, type) and issubclass(annotation, (int, float, str, type(None))))
+
+
+class NoBoolForNumbers(BaseModel):
+    """Knobs whose type takes no true / false refuse them: ``fl.lr=true`` is a typo, not a learning rate of 1."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"true/false is not a value of this setting (got {str(value).lower()})")
+        return value
+
+
+class _Section(NoBoolForNumbers):
     # nan or inf in a number is a typo, never a setting: refused like any value out of range
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
 from fedlt import fused
-from fedlt.config import Config
+from fedlt.config import Config, NoBoolForNumbers
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.models import FedModel, create_model
@@ -42,7 +42,7 @@ from fedlt.transfer import to_device
 Stage = Literal["setup", "before_fit", "after_fit", "final"]
 
 
-class MethodArgs(BaseModel):
+class MethodArgs(NoBoolForNumbers):
     """Method-specific knobs (``method_args.*``); subclasses add fields with defaults from the paper."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # nan / inf: a typo, never a knob's value
