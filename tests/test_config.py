@@ -191,6 +191,13 @@ def test_true_or_false_is_refused_where_a_setting_takes_a_number_or_a_list() -> 
     assert cfg.data.hflip is False and cfg.eval.personalized is False and check_config(cfg)
 
 
+def test_a_run_name_is_one_folder_inside_out_dir_and_momentum_stays_below_one() -> None:
+    for name in ("../../escape", "a/b", "..", "a\\b"):
+        assert f"invalid config value run.name: '{name}' is no folder name" in config_error(overrides=[f"run.name={name}"])
+    assert load_config(None, ["run.name=my-run.2"]).run.name == "my-run.2"
+    assert config_error(overrides=["fl.momentum=1"]) == "invalid config value fl.momentum: Input should be less than 1"
+
+
 def test_invalid_value_messages_state_the_valid_range() -> None:
     assert "must be >= 1" in config_error(overrides=["data.imbalance_factor=0.5"])
     assert "must be > 0" in config_error(overrides=["data.alpha=0"])

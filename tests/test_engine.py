@@ -375,6 +375,27 @@ def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
                                                                        "up_payload"}
 
 
+def test_a_global_model_made_non_finite_after_training_stops_the_run_when_evaluated(tmp_path, monkeypatch):
+    """A server step (here a stand-in for a calibration or momentum gone wrong) can leave the global
+    model NaN while the clients' training loss was finite: its test loss stops the run."""
+    from fedlt.methods.base import Server
+
+    def poison(server, rnd):
+        if rnd == 2:
+            with torch.no_grad():
+                server.model.head.weight.fill_(float("nan"))
+
+    monkeypatch.setattr(Server, "end_round", poison)
+    with pytest.raises(TrainingDiverged, match=r"^training diverged in round 2: the global model's test loss is nan; "
+                                               r"lower fl.lr \(now 0.05\)"):
+        fedlt.run(tiny(tmp_path, fl__rounds=3, eval__every=1), quiet=True)
+    run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
+    summary, rows = read_summary(run_dir), read_metrics(run_dir)
+    assert summary["status"] == "diverged" and summary["diverged_round"] == 2 and summary["rounds_done"] == 1
+    assert [r["round"] for r in rows] == [1, 2] and rows[-1]["diverged"] is True and math.isfinite(rows[-1]["train_loss"])
+    assert sum(rows[-1]["comm"].values()) > 0
+
+
 def test_metrics_lines_that_are_no_rows_are_passed_over_when_a_run_is_read_back(tmp_path):
     """A torn last line (a kill mid-write), bytes that are not UTF-8, or JSON that is not a round's
     row (a list, an object without its round): what resume and the reports read is the rows alone."""

@@ -188,7 +188,7 @@ class FLConfig(_Section):
     local_epochs: int = Field(2, ge=1, description="passes over the local data per round")
     batch_size: int = Field(32, ge=1, description="local mini-batch size")
     lr: float = Field(0.05, gt=0, description="local SGD learning rate (at round 1, before the schedule)")
-    momentum: float = Field(0.9, ge=0, description="local SGD momentum")
+    momentum: float = Field(0.9, ge=0, lt=1, description="local SGD momentum (below 1: at 1 or more the steps grow without bound)")
     weight_decay: float = Field(5e-4, ge=0, description="local SGD weight decay")
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning rate over the rounds: constant, cosine decay, or step (fl.lr_decay_at, "
@@ -262,6 +262,14 @@ class RunConfig(_Section):
                                 "CPU core, at most the clients sampled per round)")
     deterministic: bool = Field(True, description="GPU runs: cuDNN deterministic mode without autotuning, and torch's deterministic CUDA kernels (warns where one has none)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard (needs fedlt[tracking])")
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_in_out_dir(cls, name: str | None) -> str | None:
+        if name is not None and (not name.strip() or "/" in name or "\\" in name or name in (".", "..")):
+            raise ValueError(f"'{name}' is no folder name: the run directory is one folder inside run.out_dir "
+                             "(no '/', '\\', '.' or '..'); put the path in run.out_dir")
+        return name
 
 
 class FlowerConfig(_Section):

@@ -314,16 +314,18 @@ class Simulation:
             tensors["test_features"], tensors["test_labels"] = torch.cat(feats), test.labels[rows].cpu()
         save_artifacts(run_dir, tensors)
 
-    def _check_finite(self, row: dict[str, Any]) -> None:
-        """Stop a diverged run at once: its model is NaN and every later round would report chance
-        accuracy as if it were a result."""
-        loss = row["train_loss"]
-        if loss is not None and not math.isfinite(loss):
-            fl = self.cfg.fl
-            clip = f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"
-            raise TrainingDiverged(
-                f"training diverged in round {row['round']}: the clients' mean training loss is {loss}; "
-                f"lower fl.lr (now {fl.lr}) or {clip}")
+    def _divergence(self, row: dict[str, Any]) -> str | None:
+        """Why a run must stop at once, or None: its model is NaN (the clients' training loss, or the
+        global model's test loss once evaluated, is not finite) and every later round would report
+        chance accuracy as if it were a result."""
+        for key, what in (("train_loss", "the clients' mean training loss"), ("loss", "the global model's test loss")):
+            loss = row.get(key)
+            if loss is not None and not math.isfinite(loss):
+                fl = self.cfg.fl
+                clip = f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"
+                return (f"training diverged in round {row['round']}: {what} is {loss}; "
+                        f"lower fl.lr (now {fl.lr}) or {clip}")
+        return None
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
@@ -375,25 +377,25 @@ class Simulation:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
                 row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
-                try:
-                    self._check_finite(row)
-                except TrainingDiverged as err:
-                    seconds = time.perf_counter() - t0
+                diverged = self._divergence(row)
+                last = rnd == cfg.fl.rounds
+                evaluated = last or rnd % cfg.eval.every == 0
+                if diverged is None:
+                    if last:
+                        self._run_queries("final", rnd, self.all_clients)
+                        self.server.finish()
+                    for kind in TRAFFIC_KINDS:
+                        pending["comm"][kind] += self._traffic[kind]
+                    self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+                    if evaluated:
+                        row.update(self.evaluate(rnd))
+                        diverged = self._divergence(row)
+                seconds = time.perf_counter() - t0
+                if diverged is not None:
                     row["comm"] = {k: pending["comm"][k] + self._traffic[k] for k in TRAFFIC_KINDS}
                     row["time_s"] = round(pending["time_s"] + seconds, 4)
-                    self._write_diverged(run_dir, rows, row, str(err), elapsed + seconds)
-                    raise
-                last = rnd == cfg.fl.rounds
-                if last:
-                    self._run_queries("final", rnd, self.all_clients)
-                    self.server.finish()
-                for kind in TRAFFIC_KINDS:
-                    pending["comm"][kind] += self._traffic[kind]
-                self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
-                evaluated = last or rnd % cfg.eval.every == 0
-                if evaluated:
-                    row.update(self.evaluate(rnd))
-                seconds = time.perf_counter() - t0
+                    self._write_diverged(run_dir, rows, row, diverged, elapsed + seconds)
+                    raise TrainingDiverged(diverged)
                 pending["time_s"] += seconds
                 elapsed += seconds
                 if evaluated:
@@ -424,7 +426,8 @@ class Simulation:
         method delivered), ``"status": "diverged"`` with the round, so a report shows the cell as
         diverged instead of dropping it or reading an earlier round's accuracy as its result."""
         try:
-            row.update(self.evaluate(row["round"]))
+            if "loss" not in row:  # not evaluated yet
+                row.update(self.evaluate(row["round"]))
         except Exception:  # noqa: BLE001 - a method's own evaluation of a NaN model may fail; the status says why
             pass
         row["diverged"] = True
