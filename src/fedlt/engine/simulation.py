@@ -84,6 +84,7 @@ class Simulation:
             model=self.server_model, config=cfg, num_classes=data.num_classes,
             num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
         ))
+        self._check_something_is_measured()
         #: how sampled clients train: "sequential", "parallel", "vectorized" or "graphed" (run.backend, resolved
         #: for the method); clients on Flower SuperNodes train one message at a time
         self.backend = choose_backend(cfg, spec.client, device) if self.clients is not None else "sequential"
@@ -102,6 +103,21 @@ class Simulation:
         self.dropped: list[dict[str, Any]] = []
         #: per exchange kind, the keys, shapes and bytes of the first message each way
         self.message_record: dict[str, dict] = {}
+
+    def _check_something_is_measured(self) -> None:
+        """Without a global model only personalized evaluation measures anything, and a validation set
+        (which scores the global model) would only shrink the training data: both refused here,
+        before any file is written."""
+        if self.server.global_model() is not None:
+            return
+        method = self.cfg.method
+        if not self.cfg.eval.personalized:
+            raise ConfigError(f"method {method} has no global model under these settings, so eval.personalized=false "
+                              "leaves the run nothing to measure; set eval.personalized=true")
+        if self.cfg.data.val_per_class:
+            raise ConfigError(f"data.val_per_class={self.cfg.data.val_per_class}: the validation set scores the global "
+                              f"model, which method {method} does not have under these settings (personal models "
+                              "only); drop data.val_per_class")
 
     def _new_model(self) -> FedModel:
         return new_model(self.cfg, self.spec, self.eval_data, self.device)
