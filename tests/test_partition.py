@@ -405,6 +405,8 @@ def test_explicit_class_order_and_its_errors():
         synthetic_data_cfg(class_order=[0, 0, 1])
     with pytest.raises(ValueError, match="'random' is not a class order; use natural, shuffled or a list"):
         synthetic_data_cfg(class_order="random")
+    with pytest.raises(ValueError, match="9.5 is no class index; list every class by its whole-number index"):
+        synthetic_data_cfg(class_order=[*range(9), 9.5])
 
 
 def test_data_seed_fixes_the_federation_while_the_run_seed_varies(tmp_path):

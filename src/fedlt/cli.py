@@ -432,7 +432,7 @@ def bench_run_cmd(
 
         loaded = load_suite(suite)
         try:
-            seed_list = [int(x) for x in seeds.split(",")] if seeds else None
+            seed_list = [int(x) for x in seeds.split(",")] if seeds is not None else None
         except ValueError:
             raise ConfigError(f"--seeds {seeds}: give integers separated by commas, e.g. 0,1,2") from None
         if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):

@@ -129,6 +129,9 @@ class DataConfig(_Section):
     def _order_is_a_name_or_a_list(cls, v: Any) -> Any:
         if isinstance(v, str) and v not in ("natural", "shuffled"):
             raise ValueError(f"'{v}' is not a class order; use natural, shuffled or a list of every class, head first")
+        if isinstance(v, list) and not all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+            odd = next(c for c in v if not isinstance(c, int) or isinstance(c, bool))
+            raise ValueError(f"{odd!r} is no class index; list every class by its whole-number index, head first")
         return v
 
     @field_validator("class_order")

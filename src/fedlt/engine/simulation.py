@@ -334,13 +334,16 @@ class Simulation:
         """Why a run must stop at once, or None: its model is NaN (the clients' training loss, or the
         global model's test loss once evaluated, is not finite) and every later round would report
         chance accuracy as if it were a result."""
-        for key, what in (("train_loss", "the clients' mean training loss"), ("loss", "the global model's test loss")):
-            loss = row.get(key)
-            if loss is not None and not math.isfinite(loss):
-                fl = self.cfg.fl
-                clip = f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"
-                return (f"training diverged in round {row['round']}: {what} is {loss}; "
-                        f"lower fl.lr (now {fl.lr}) or {clip}")
+        fl = self.cfg.fl
+        fix = (f"lower fl.lr (now {fl.lr}) or "
+               + (f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"))
+        trained, tested = row.get("train_loss"), row.get("loss")
+        if trained is not None and not math.isfinite(trained):
+            return f"training diverged in round {row['round']}: the clients' mean training loss is {trained}; {fix}"
+        if tested is not None and not math.isfinite(tested):
+            return (f"training diverged in round {row['round']}: the global model's test loss is {tested} after "
+                    f"clients trained with a finite loss, so a server step (aggregation, calibration) made it "
+                    f"non-finite; check the method's and calibration's knobs, or {fix}")
         return None
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
