@@ -198,6 +198,14 @@ def test_a_run_name_is_one_folder_inside_out_dir_and_momentum_stays_below_one() 
     assert config_error(overrides=["fl.momentum=1"]) == "invalid config value fl.momentum: Input should be less than 1"
 
 
+def test_min_client_size_is_refused_on_a_split_that_is_even_by_construction() -> None:
+    for partition, how in (("iid", "gives every client an equal share"), ("grouped_dirichlet", "re-cuts its clients")):
+        message = config_error(overrides=[f"data.partition={partition}", "data.min_client_size=5"])
+        assert message.startswith("invalid config value data: data.min_client_size redraws a dirichlet or "
+                                  f"pathological split, but data.partition={partition} {how}"), message
+    assert load_config(None, ["data.partition=pathological", "data.min_client_size=5"]).data.min_client_size == 5
+
+
 def test_invalid_value_messages_state_the_valid_range() -> None:
     assert "must be >= 1" in config_error(overrides=["data.imbalance_factor=0.5"])
     assert "must be > 0" in config_error(overrides=["data.alpha=0"])

@@ -110,6 +110,14 @@ class DataConfig(_Section):
         "a node's image folders map to labels through them (default: the dataset's own names)")
 
     @model_validator(mode="after")
+    def _min_size_is_redrawn_splits(self) -> "DataConfig":
+        if self.min_client_size and self.partition in ("iid", "grouped_dirichlet"):
+            how = "gives every client an equal share" if self.partition == "iid" else "re-cuts its clients to equal sizes"
+            raise ValueError(f"data.min_client_size redraws a dirichlet or pathological split, but data.partition="
+                             f"{self.partition} {how}; remove data.min_client_size")
+        return self
+
+    @model_validator(mode="after")
     def _equal_size_is_dirichlets(self) -> "DataConfig":
         if self.equal_size and self.partition != "dirichlet":
             raise ValueError(f"data.equal_size re-cuts a Dirichlet split, not data.partition={self.partition}"
