@@ -36,7 +36,8 @@ def test_yaml_plus_overrides_parse_values_as_yaml_scalars(tmp_path: Path) -> Non
     path = write(tmp_path, "data:\n  dataset: synthetic\n  alpha: 0.5\n  num_clients: 10\nfl:\n  rounds: 10\n  lr: 0.01\n")
     cfg = load_config(path, [
         "data.alpha=0.1", "fl.rounds=50", "method=fedprox", "method_args.mu=0.1",
-        "run.compile=true", "fl.lr_decay_at=[0.3, 0.6]", "fl.grad_clip=null", "data.imbalance_factor=10",
+        "run.compile=true", "fl.lr_schedule=step", "fl.lr_decay_at=[0.3, 0.6]", "fl.grad_clip=null",
+        "data.imbalance_factor=10",
     ])
     # overrides win over the file
     assert cfg.data.alpha == 0.1 and type(cfg.data.alpha) is float
@@ -346,3 +347,27 @@ def test_dump_round_trips_through_a_yaml_file(tmp_path: Path) -> None:
     assert load_config(path) == cfg
     # the dump is plain data: every top-level key present, and nothing that safe_dump cannot write
     assert list(cfg.dump()) == TOP_LEVEL_KEYS
+
+
+def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None:
+    """A step decay without the step schedule, a tau without logit adjustment, and the server's own
+    test or validation set outside a federation whose nodes hold their data all did nothing."""
+    from fedlt.run_parts import check_config
+
+    assert config_error(overrides=["fl.lr_decay_at=[0.1]"]) == (
+        "invalid config value fl: fl.lr_decay_at sets the step schedule's decay, but fl.lr_schedule=constant; "
+        "add fl.lr_schedule=step or drop fl.lr_decay_at")
+    assert "fl.lr_decay sets the step schedule's decay, but fl.lr_schedule=cosine" in config_error(
+        overrides=["fl.lr_schedule=cosine", "fl.lr_decay=0.5"])
+    assert load_config(None, ["fl.lr_schedule=step", "fl.lr_decay_at=[0.5]"]).fl.lr_decay_at == [0.5]
+    for overrides, fragment in [
+        (["loss.name=focal", "loss.tau=3"], "loss.tau=3.0 scales logit adjustment's log-prior (loss.name=la), and "
+                                            "loss.name=focal has no tau; drop loss.tau or use loss.name=la"),
+        (["method=fedetf", "loss.tau=2"], "and method fedetf (its own objective) has no tau; drop loss.tau"),
+        (["eval.test_data=/data/test"], "eval.test_data is the server's own set in a federation whose nodes hold "
+                                        "their data (flower.node_data=true); this run reads fmnist's splits"),
+        (["eval.val_data=/data/val"], "drop eval.val_data"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_config(load_config(None, overrides))
+    check_config(load_config(None, ["loss.name=la", "loss.tau=2"]))

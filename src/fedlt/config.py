@@ -210,6 +210,14 @@ class FLConfig(_Section):
     grad_clip: float | None = Field(None, gt=0, description="clip the norm of the gradient of what local training updates "
                                    "(a frozen part, such as an expert the client does not train, is not counted)")
 
+    @model_validator(mode="after")
+    def _decay_is_the_step_schedules(self) -> "FLConfig":
+        defaults = type(self).model_fields
+        changed = [k for k in ("lr_decay_at", "lr_decay") if getattr(self, k) != defaults[k].default]
+        if changed and self.lr_schedule != "step":
+            raise ValueError(f"fl.{changed[0]} sets the step schedule's decay, but fl.lr_schedule={self.lr_schedule}; "
+                             f"add fl.lr_schedule=step or drop fl.{changed[0]}")
+        return self
 
 
 class LossConfig(_Section):

@@ -15,7 +15,7 @@ import os
 import torch
 
 from fedlt.calibration.calibrators import CALIBRATORS
-from fedlt.config import Config
+from fedlt.config import Config, LossConfig
 from fedlt.data.federated import FederatedData, build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
@@ -133,6 +133,10 @@ def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if refusal:
         raise ConfigError(refusal)
     c = cfg.loss
+    if c.tau != LossConfig.model_fields["tau"].default and (c.name != "la" or not spec.uses_loss_config):
+        trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
+        raise ConfigError(f"loss.tau={c.tau} scales logit adjustment's log-prior (loss.name=la), and {trains} has no "
+                          "tau; drop loss.tau" + (" or use loss.name=la" if spec.uses_loss_config else ""))
     if c.prior != "local" and (c.name not in PRIOR_LOSSES or not spec.uses_loss_config):
         trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
         raise ConfigError(f"loss.prior={c.prior} acts only on the losses built from class counts "
@@ -169,6 +173,10 @@ def check_config(cfg: Config) -> MethodSpec:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
     check_model_input(cfg.model.name, cfg.data, DATASETS[cfg.data.dataset])
     check_tracking(cfg)
+    given = [k for k in ("test_data", "val_data") if getattr(cfg.eval, k) is not None]
+    if given and not cfg.flower.node_data:
+        raise ConfigError(f"eval.{given[0]} is the server's own set in a federation whose nodes hold their data "
+                          f"(flower.node_data=true); this run reads {cfg.data.dataset}'s splits: drop eval.{given[0]}")
     if cfg.engine == "flower" and cfg.run.backend in ("vectorized", "parallel", "graphed"):
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
