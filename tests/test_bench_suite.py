@@ -364,7 +364,8 @@ def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
             "paper-sfd"} <= set(names)
     built = []  # the federations are recorded, not built: the paper suites need CIFAR files this machine lacks
     monkeypatch.setattr(fedlt.data.federated, "build_federated_data",
-                        lambda data, seed: built.append((data.dataset, json.dumps(data.model_dump(mode="json")), seed)))
+                        lambda data, seed, **_: built.append((data.dataset, json.dumps(data.model_dump(mode="json")),
+                                                              data.seed if data.seed is not None else seed)))
     for name in names:  # every cell's config passes the same checks as a run, and each federation is built once
         built.clear()
         dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])

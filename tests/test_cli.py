@@ -209,7 +209,7 @@ def error_cases(data: Path) -> dict[str, Case]:
                                    "1 or more SuperNodes", out_dir=False),
         "duplicate_seeds": Case(["bench", "run", "demo", "--seeds", "0,0", "--dry-run"], "--seeds 0,0", "distinct",
                                 out_dir=False),
-        "empty_seeds": Case(["bench", "run", "demo", "--seeds", "", "--dry-run"], "--seeds : give integers",
+        "empty_seeds": Case(["bench", "run", "demo", "--seeds", "", "--dry-run"], "--seeds '': give integers",
                             out_dir=False),
         # usage errors (typer/click) are one line too
         "unknown_option": Case(["run", "--nosuch"], "No such option '--nosuch'", "see `fedlt run --help`", out_dir=False),

@@ -185,7 +185,8 @@ def test_true_or_false_is_refused_where_a_setting_takes_a_number_or_a_list() -> 
     for override in ("fl.lr=true", "data.num_clients=true", "data.alpha=false", "fl.grad_clip=true", "data.seed=true",
                      "data.class_order=true"):
         assert config_error(overrides=[override]).endswith(": true/false is not a value of this setting "
-                                                           f"(got {override.split('=')[1]})"), override
+                                                           f"(got {override.split('=')[1]}); give a value of its type "
+                                                           "(fedlt run --help lists them)"), override
     with pytest.raises(ConfigError, match=re.escape("invalid method_args.mu for method fedprox: true/false is not")):
         check_config(load_config(None, ["method=fedprox", "method_args.mu=true"]))
     cfg = load_config(None, ["data.hflip=false", "eval.personalized=false", "method=fedyoyo", "method_args.dla=false"])
@@ -196,7 +197,8 @@ def test_a_run_name_is_one_folder_inside_out_dir_and_momentum_stays_below_one() 
     for name in ("../../escape", "a/b", "..", "a\\b"):
         assert f"invalid config value run.name: '{name}' is no folder name" in config_error(overrides=[f"run.name={name}"])
     assert load_config(None, ["run.name=my-run.2"]).run.name == "my-run.2"
-    assert config_error(overrides=["fl.momentum=1"]) == "invalid config value fl.momentum: Input should be less than 1"
+    assert config_error(overrides=["fl.momentum=1"]) == ("invalid config value fl.momentum: 1.0 is not below 1, where "
+                                                         "SGD's steps grow without bound; use e.g. 0.9")
 
 
 def test_min_client_size_is_refused_on_a_split_that_is_even_by_construction() -> None:

@@ -39,6 +39,13 @@ def test_clones_keep_every_bit_of_special_values_in_every_dtype():
         assert torch.equal(c.isnan(), ~numbers) and torch.equal(c[numbers].view(torch.uint8), t[numbers].view(torch.uint8))
 
 
+def test_float8_states_are_copied_too():
+    """float8 has no multiplication kernel on the CPU: its group is copied, not multiplied."""
+    t = torch.tensor([-0.0, 1.5, -448.0, 2.0 ** -9]).to(torch.float8_e4m3fn)
+    (c,) = fused.clones([t])
+    assert c.dtype == t.dtype and torch.equal(c.view(torch.uint8), t.view(torch.uint8))
+
+
 def test_clones_dispatch_one_operation_per_group_not_an_allocation_per_tensor():
     """A model's state (here 12 float tensors and an int buffer) is copied by one fused call per
     dtype: on a GPU the host's cost of a client's message and reply."""

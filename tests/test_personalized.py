@@ -12,6 +12,7 @@ import fedlt
 from fedlt.api import prepare
 from fedlt.config import build_config
 from fedlt.engine.simulation import Simulation
+from fedlt.errors import ConfigError
 from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.registry import METHODS
 from fedlt.models import FedModel
@@ -265,21 +266,26 @@ def test_personal_heads_on_one_encoder_are_evaluated_on_its_features_made_once(t
     assert run.summary["final"]["acc"] == whole.summary["final"]["acc"]
 
 
-@pytest.mark.parametrize("overrides", [["method=fedper"], ["method=fedrep", "method_args.global_head=false"],
-                                       ["method=fedbn", "method_args.global_bn=false", "model.name=resnet8"]])
-def test_a_method_without_a_global_model_refuses_what_would_measure_nothing(tmp_path, overrides):
-    """No global model: eval.personalized=false would leave no accuracy at all, and a validation set
-    (it scores the global model) would only shrink the training data. Both refused before any file."""
+@pytest.mark.parametrize(("overrides", "declared"), [
+    (["method=fedper"], True), (["method=fedrep", "method_args.global_head=false"], True),
+    (["method=fedbn", "method_args.global_bn=false", "model.name=resnet8"], False),  # known once the model is built
+])
+def test_a_method_without_a_global_model_refuses_to_measure_nothing(tmp_path, overrides, declared):
+    """No global model: eval.personalized=false would leave no accuracy at all. Refused before any file,
+    and by fedlt bench's validation (check_config) where the method's settings declare it."""
     from typer.testing import CliRunner
 
     from fedlt.cli import app
+    from fedlt.run_parts import check_config
 
     base = ["data.dataset=synthetic", "data.image_size=8", "data.num_clients=4", "fl.rounds=1",
             f"run.out_dir={tmp_path / 'runs'}", *overrides]
-    for extra, message in [("eval.personalized=false", "has no global model under these settings, so "
-                            "eval.personalized=false leaves the run nothing to measure; set eval.personalized=true"),
-                           ("data.val_per_class=2", "data.val_per_class=2: the validation set scores the global model")]:
-        result = CliRunner().invoke(app, ["run", *base, extra])
-        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
-        assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    prepare(fedlt.load_config(None, base))  # with personalized evaluation and no validation set it runs
+    message = ("has no global model under these settings, so eval.personalized=false leaves the run nothing to "
+               "measure; set eval.personalized=true")
+    result = CliRunner().invoke(app, ["run", *base, "eval.personalized=false"])
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    if declared:
+        with pytest.raises(ConfigError, match=message):
+            check_config(fedlt.load_config(None, [*base, "eval.personalized=false"]))
+    prepare(fedlt.load_config(None, [*base, "data.val_per_class=2"]))  # a validation set shapes the federation

@@ -434,7 +434,7 @@ def bench_run_cmd(
         try:
             seed_list = [int(x) for x in seeds.split(",")] if seeds is not None else None
         except ValueError:
-            raise ConfigError(f"--seeds {seeds}: give integers separated by commas, e.g. 0,1,2") from None
+            raise ConfigError(f"--seeds {seeds!r}: give integers separated by commas, e.g. 0,1,2") from None
         if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):
             raise ConfigError(f"--seeds {seeds}: give distinct seeds >= 0, e.g. 0,1,2")
         folder = out or Path("runs/bench") / loaded.spec.name

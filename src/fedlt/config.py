@@ -50,7 +50,8 @@ class NoBoolForNumbers(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"true/false is not a value of this setting (got {str(value).lower()})")
+            raise ValueError(f"true/false is not a value of this setting (got {str(value).lower()}); give a "
+                             "value of its type (fedlt run --help lists them)")
         return value
 
 
@@ -199,7 +200,7 @@ class FLConfig(_Section):
     local_epochs: int = Field(2, ge=1, description="passes over the local data per round")
     batch_size: int = Field(32, ge=1, description="local mini-batch size")
     lr: float = Field(0.05, gt=0, description="local SGD learning rate (at round 1, before the schedule)")
-    momentum: float = Field(0.9, ge=0, lt=1, description="local SGD momentum (below 1: at 1 or more the steps grow without bound)")
+    momentum: float = Field(0.9, ge=0, description="local SGD momentum (below 1: at 1 or more the steps grow without bound)")
     weight_decay: float = Field(5e-4, ge=0, description="local SGD weight decay")
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning rate over the rounds: constant, cosine decay, or step (fl.lr_decay_at, "
@@ -209,6 +210,13 @@ class FLConfig(_Section):
     lr_decay: float = Field(0.1, gt=0, description="step schedule: factor applied at each fl.lr_decay_at")
     grad_clip: float | None = Field(None, gt=0, description="clip the norm of the gradient of what local training updates "
                                    "(a frozen part, such as an expert the client does not train, is not counted)")
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum_below_one(cls, v: float) -> float:
+        if v >= 1:
+            raise ValueError(f"{v} is not below 1, where SGD's steps grow without bound; use e.g. 0.9")
+        return v
 
     @model_validator(mode="after")
     def _decay_is_the_step_schedules(self) -> "FLConfig":

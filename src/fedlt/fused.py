@@ -37,16 +37,16 @@ def copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None
 def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Detached copies of ``tensors`` in their memory format, as ``t.detach().clone()`` makes them.
     A group of real or integer tensors is copied by one multiplication by 1, exact in those dtypes (a
-    NaN stays a NaN, its payload the arithmetic's):
+    NaN stays a NaN, its payload the arithmetic's; subnormals too, unless torch.set_flush_denormal is on):
     its copies are allocated inside that one call instead of by an ``empty_like`` each from Python,
     the most frequent host operation of a client's message and reply. Other dtypes (bool, complex,
-    where 1 is not an identity factor) are copied one allocation at a time."""
+    where 1 is not an identity factor; float8, which has no such kernel) are copied one allocation at a time."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     with torch.no_grad():
         for group in groups(tensors):
             members = [tensors[i] for i in group]
             dtype = members[0].dtype
-            if dtype.is_complex or dtype == torch.bool:
+            if dtype.is_complex or dtype == torch.bool or (dtype.is_floating_point and dtype.itemsize == 1):
                 made = [torch.empty_like(t) for t in members]
                 torch._foreach_copy_(made, members)
             else:

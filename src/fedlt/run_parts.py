@@ -149,6 +149,11 @@ def _check_loss(cfg: Config, spec: MethodSpec) -> None:
         raise ConfigError(f"invalid loss settings: {err}") from None
 
 
+def no_global_model_refusal(method: str) -> str:
+    return (f"method {method} has no global model under these settings, so eval.personalized=false leaves the run "
+            "nothing to measure; set eval.personalized=true")
+
+
 def check_config(cfg: Config) -> MethodSpec:
     """Every check that needs no data: method and its knobs, calibrations, loss, each pair of them,
     model and dataset names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
@@ -185,6 +190,8 @@ def check_config(cfg: Config) -> MethodSpec:
     refusal = spec.server.model_refusal(cfg, method_args)
     if refusal:
         raise ConfigError(refusal)
+    if not cfg.eval.personalized and not spec.server.has_global_model(cfg, method_args):
+        raise ConfigError(no_global_model_refusal(cfg.method))
     if cfg.engine == "flower" and spec.pooled:
         raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
     _check_secagg(cfg, spec)

@@ -300,7 +300,8 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
     for k in (10, 1000):
         for backend in backends:
             cfg = load_config(config, [*overrides, f"fl.rounds={k_rounds + 1}", f"data.num_clients={k}",
-                                       "data.partition=iid", "data.imbalance_factor=1", f"data.train_fraction={k / 1000:g}",
+                                       "data.partition=iid", "data.min_client_size=0", "data.equal_size=false",
+                                       "data.imbalance_factor=1", f"data.train_fraction={k / 1000:g}",
                                        f"fl.participation={10 / k:g}", f"run.backend={backend}"])
             sim = prepare(cfg)
             r = time_backend(sim, backend, k_rounds)

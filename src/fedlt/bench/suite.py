@@ -390,11 +390,15 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
         cell.threads = cfg.run.threads
         validate_cell_folder(cell, cfg)
         if cell.state != "done":  # a partition can be impossible for one seed only (a retried Dirichlet draw)
-            key = json.dumps([cfg.data.model_dump(mode="json"), federation_seed(cfg.data, cfg.seed)], sort_keys=True)
+            data = cfg.data.model_copy(update={"seed": federation_seed(cfg.data, cfg.seed)})  # data.seed=S is seed S
+            key = json.dumps(data.model_dump(mode="json"), sort_keys=True)
             federations.setdefault(key, (cfg, cell.label))
-    for cfg, label in federations.values():  # missing or corrupt files, impossible splits: before any cell trains
+    loaded: dict = {}  # each dataset read once: the federations go dataset by dataset
+    by_dataset = sorted(federations.values(), key=lambda item: json.dumps(
+        [item[0].data.dataset, item[0].data.root, item[0].data.image_size]))
+    for cfg, label in by_dataset:  # missing or corrupt files, impossible splits: before any cell trains
         try:
-            build_federated_data(cfg.data, cfg.seed)
+            build_federated_data(cfg.data, cfg.seed, loaded=loaded)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
 

@@ -112,20 +112,29 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
     return iid_partition(labels, cfg.num_clients, rng)
 
 
-def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu") -> FederatedData:
+def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu", *,
+                         loaded: dict[tuple, DatasetPair] | None = None) -> FederatedData:
     """Load the source, hold out the validation set, subsample it long-tailed (IF), split it over
     clients, draw local test sets.
 
     All randomness comes from the federation seed's ``validation``, ``data``, ``class_order`` and
     ``local_test`` streams, so every method run with the same seed sees the same federation, and
     without ``data.val_per_class`` the federation is the one drawn before validation existed.
+    ``loaded`` keeps the last dataset read for the next call that reads the same one (several
+    federations of one dataset, as ``fedlt bench`` validates them).
     """
     info = DATASETS[cfg.dataset] if cfg.dataset in DATASETS else None
     source = None
     if cfg.val_per_class and info is not None:
         source = resolve_source(cfg.val_from, cfg.dataset, info.val_loader is not None, info.long_tailed)
-    pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True,
-                        with_val=source == "dataset")
+    read = (cfg.dataset, cfg.root, cfg.image_size, source == "dataset")
+    pair = (loaded or {}).get(read)
+    if pair is None:
+        pair = load_dataset(cfg.dataset, root=cfg.root, image_size=cfg.image_size, every_class=True,
+                            with_val=source == "dataset")
+        if loaded is not None:  # only the last one: a suite's federations come grouped by dataset
+            loaded.clear()
+            loaded[read] = pair
     if cfg.classes is not None:  # the names reports give the classes, checked as a federation checks them
         pair = pair.named(class_names(cfg, pair.train.classes))
     seed = federation_seed(cfg, seed)

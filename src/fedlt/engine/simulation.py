@@ -42,7 +42,7 @@ from fedlt.results import (
     CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition,
     write_stopped_summary, write_summary,
 )
-from fedlt.run_parts import choose_backend
+from fedlt.run_parts import choose_backend, no_global_model_refusal
 from fedlt.training.graphed import GraphedTrainer
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
@@ -105,19 +105,11 @@ class Simulation:
         self.message_record: dict[str, dict] = {}
 
     def _check_something_is_measured(self) -> None:
-        """Without a global model only personalized evaluation measures anything, and a validation set
-        (which scores the global model) would only shrink the training data: both refused here,
-        before any file is written."""
-        if self.server.global_model() is not None:
-            return
-        method = self.cfg.method
-        if not self.cfg.eval.personalized:
-            raise ConfigError(f"method {method} has no global model under these settings, so eval.personalized=false "
-                              "leaves the run nothing to measure; set eval.personalized=true")
-        if self.cfg.data.val_per_class:
-            raise ConfigError(f"data.val_per_class={self.cfg.data.val_per_class}: the validation set scores the global "
-                              f"model, which method {method} does not have under these settings (personal models "
-                              "only); drop data.val_per_class")
+        """Without a global model only personalized evaluation measures anything: eval.personalized=false
+        is refused here, before any file is written, where the server's declaration did not refuse it
+        already (check_config; FedBN's depends on the model's BatchNorm)."""
+        if self.server.global_model() is None and not self.cfg.eval.personalized:
+            raise ConfigError(no_global_model_refusal(self.cfg.method))
 
     def _new_model(self) -> FedModel:
         return new_model(self.cfg, self.spec, self.eval_data, self.device)
@@ -341,9 +333,9 @@ class Simulation:
         if trained is not None and not math.isfinite(trained):
             return f"training diverged in round {row['round']}: the clients' mean training loss is {trained}; {fix}"
         if tested is not None and not math.isfinite(tested):
-            return (f"training diverged in round {row['round']}: the global model's test loss is {tested} after "
-                    f"clients trained with a finite loss, so a server step (aggregation, calibration) made it "
-                    f"non-finite; check the method's and calibration's knobs, or {fix}")
+            return (f"training diverged in round {row['round']}: the global model's test loss is {tested} though "
+                    f"the clients' mean training loss was finite (their last steps, or a server step such as a "
+                    f"calibration, made the model non-finite); {fix}, or check the calibration's knobs")
         return None
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:

@@ -270,6 +270,13 @@ class Server:
         return None
 
     @classmethod
+    def has_global_model(cls, config: Config, args: "MethodArgs") -> bool:
+        """Whether :meth:`global_model` returns a model under these settings, as far as they tell
+        without building it (checked before training: without one, only personalized evaluation
+        measures anything). Default: yes."""
+        return True
+
+    @classmethod
     def node_data_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
         """Why this run's options cannot hold on nodes that hold their own data (``flower.node_data``),
         as a one-line refusal naming the fix; None when they can. Default: None."""

@@ -33,6 +33,10 @@ class FedPerServer(Server):
     def global_model(self) -> FedModel | None:
         return None
 
+    @classmethod
+    def has_global_model(cls, config, args) -> bool:
+        return False
+
 
 class FedPerClient(Client):
     personalized = True

@@ -51,6 +51,10 @@ class FedRepServer(Server):
     def global_model(self) -> FedModel | None:
         return self.model if self.args.global_head else None
 
+    @classmethod
+    def has_global_model(cls, config, args) -> bool:
+        return args.global_head
+
 
 class FedRepClient(Client):
     personalized = True
