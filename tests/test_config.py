@@ -282,6 +282,8 @@ def test_a_merge_key_may_still_be_overridden(tmp_path: Path) -> None:
     from fedlt.config import load_yaml
 
     assert load_yaml("base: &b {rounds: 1, lr: 0.1}\nfl:\n  <<: *b\n  rounds: 2\n")["fl"] == {"rounds": 2, "lr": 0.1}
+    text = "a: &a {x: 1}\nc: {<<: &b {<<: *a, x: 2}, y: 3}\nd: *b\n"  # a merging mapping used again by its alias
+    assert load_yaml(text) == yaml.safe_load(text)
 
 
 def test_binary_file_as_config_is_a_config_error(tmp_path: Path) -> None:

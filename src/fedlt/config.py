@@ -523,17 +523,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load, refusing a key written twice in one mapping (merge keys, ``<<``, may still be
     overridden)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) or key is None:
-                if key in seen:
-                    raise DuplicateKey(key, key_node.start_mark.line + 1)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Check a mapping's own keys once, before PyYAML merges others into it in place (an anchored
+        mapping used again through its alias is already merged then)."""
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise DuplicateKey(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+        super().flatten_mapping(node)
 
 
 def load_yaml(data: bytes | str) -> Any:
