@@ -133,12 +133,11 @@ def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if refusal:
         raise ConfigError(refusal)
     c = cfg.loss
+    trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
     if c.tau != LossConfig.model_fields["tau"].default and (c.name != "la" or not spec.uses_loss_config):
-        trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
         raise ConfigError(f"loss.tau={c.tau} scales logit adjustment's log-prior (loss.name=la), and {trains} has no "
                           "tau; drop loss.tau" + (" or use loss.name=la" if spec.uses_loss_config else ""))
     if c.prior != "local" and (c.name not in PRIOR_LOSSES or not spec.uses_loss_config):
-        trains = f"loss.name={c.name}" if spec.uses_loss_config else f"method {spec.name} (its own objective)"
         raise ConfigError(f"loss.prior={c.prior} acts only on the losses built from class counts "
                           f"({', '.join(PRIOR_LOSSES)}), and {trains} has none; drop loss.prior"
                           + (f" or use loss.name=<one of {', '.join(PRIOR_LOSSES)}>" if spec.uses_loss_config else ""))
