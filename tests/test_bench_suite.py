@@ -306,6 +306,37 @@ def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_sui
     assert {c.state for c in cells} == {"done"}
 
 
+def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_suite, tmp_path):
+    """A calibrating run records every calibration knob (defaults included); a changed default of a knob
+    its calibrations read is another run, one of a calibration it did not run is not. A summary from before
+    that record ran CReFF's feature momentum at 0.5, the earlier default."""
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    summary = cell_dir(mine, "IF=10, alpha=0.5", "FedAvg + CCVR", 0) / "summary.json"
+    tree = json.loads(summary.read_text())
+    assert tree["calibration"] == ["ccvr"]
+    assert tree["calibration_args"]["retrain_steps"] == 20  # the suite's
+    assert tree["calibration_args"]["ccvr_virtual_per_class"] == 100  # a default
+    assert "calibration_args" not in json.loads((cell_dir(mine, "IF=10, alpha=0.5", "FedProx", 0)
+                                                 / "summary.json").read_text())
+    summary.write_text(json.dumps({**tree, "calibration_args": {**tree["calibration_args"],
+                                                                 "ccvr_virtual_per_class": 7}}))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"cell 'IF=10, alpha=0.5 / FedAvg + CCVR / seed 0': {summary.parent} holds a run of another config "
+            "(calibration_args.ccvr_virtual_per_class: 7 -> 100); delete that folder or pass --out to a fresh one")):
+        run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    unread = {**tree["calibration_args"], "creff_feature_momentum": 0.9, "safs_steps": 3}  # knobs CCVR never reads
+    summary.write_text(json.dumps({**tree, "calibration_args": unread}))
+    assert {c.state for c in run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells} == {"done"}
+    before_record = {k: v for k, v in tree.items() if k != "calibration_args"}
+    summary.write_text(json.dumps(before_record))
+    assert {c.state for c in run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells} == {"done"}
+    summary.write_text(json.dumps({**before_record, "calibration": ["creff", "ccvr"]}))
+    with pytest.raises(ConfigError, match=re.escape("(calibration_args.creff_feature_momentum: 0.5 -> 0.0)")):
+        run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+
+
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):
     path, out, _ = tiny_suite
     tree = {**TINY_SUITE, "overrides": [*TINY_SUITE["overrides"], "fl.lr=0.01"]}

@@ -368,6 +368,34 @@ def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
                              {f"method_args.{k}": v for k, v in resolved.items()})
 
 
+#: calibration knobs whose default changed before summaries recorded every calibration knob, by the
+#: calibration that reads them: a finished cell without that record ran these unless its config set them
+DEFAULTS_BEFORE_RECORD = {"creff": {"creff_feature_momentum": 0.5}}
+
+
+def calibration_args_difference(summary: dict[str, Any], cfg: Config) -> str | None:
+    """The first knob of a calibration the run used whose value (``summary["calibration_args"]``, or for a
+    run from before that record its config over :data:`DEFAULTS_BEFORE_RECORD`) differs from what ``cfg``
+    resolves to now, as ``calibration_args.key: a -> b``. A knob named ``<calibration>_...`` counts only
+    where that calibration ran; the others (``retrain_*``) are shared."""
+    from fedlt.calibration.calibrators import CALIBRATORS
+    from fedlt.calibration.wrapper import parse_calibration_args
+
+    used = summary.get("calibration") or []
+    saved = summary.get("calibration_args")
+    if not isinstance(saved, dict):
+        before = {k: v for name in used for k, v in DEFAULTS_BEFORE_RECORD.get(name, {}).items()}
+        saved = parse_calibration_args({**before, **cfg.calibration_args}).model_dump(mode="json")
+    resolved = parse_calibration_args(cfg.calibration_args).model_dump(mode="json")
+
+    def read(knob: str) -> bool:
+        owner = [name for name in CALIBRATORS if knob.startswith(f"{name}_")]
+        return not owner or owner[0] in used
+
+    return config_difference({f"calibration_args.{k}": v for k, v in saved.items() if read(k)},
+                             {f"calibration_args.{k}": v for k, v in resolved.items() if read(k)})
+
+
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, classify its folder, and build the federation of every cell
     still to train (its files, long tail, validation split and partition), before anything trains."""
@@ -423,6 +451,8 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         summary = None
     if diff is None and summary and isinstance(summary.get("method_args"), dict):
         diff = method_args_difference(summary["method_args"], cfg)
+    if diff is None and summary:
+        diff = calibration_args_difference(summary, cfg)
     if diff is not None:
         raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
                           "delete that folder or pass --out to a fresh one")

@@ -42,9 +42,9 @@ class CalibrationArgs(MethodArgs):
                                     "matching loss (paper and code: 0.1)")
     creff_retrain_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of classifier re-training (paper: 0.1)")
     creff_retrain_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of re-training (paper: plain SGD)")
-    creff_feature_momentum: float = Field(0.5, ge=0, description="CReFF: momentum of the feature optimiser (the "
-                                          "gradient-matching optimiser of Zhao et al. 2021; the paper names none; "
-                                          "the released code: plain SGD, 0)")
+    creff_feature_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of the feature optimiser (paper: "
+                                          "plain SGD; the released code: 0; 0.5 was fedlt's earlier default, the "
+                                          "gradient-matching optimiser of Zhao et al. 2021)")
     retrain_steps: int = Field(300, ge=1, description="CCVR / oracle: classifier re-training steps")
     retrain_lr: float = Field(0.1, gt=0, description="CCVR / oracle: re-training lr")
     retrain_batch_size: int = Field(32, ge=1, description="re-training mini-batch (CReFF, CCVR, oracle)")

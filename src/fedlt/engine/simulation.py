@@ -21,6 +21,7 @@ import torch
 
 from fedlt.config import Config, config_difference
 from fedlt.data.federated import FederatedData, federation_seed
+from fedlt.calibration.wrapper import parse_calibration_args
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
@@ -77,6 +78,9 @@ class Simulation:
         args = parse_method_args(spec, cfg.method_args)
         #: every knob the method ran with, defaults included: what a suite matches its cells on
         self.resolved_method_args = args.model_dump(mode="json")
+        #: and every calibration knob, where the run calibrates (a changed default changes such a run too)
+        self.resolved_calibration_args = (parse_calibration_args(cfg.calibration_args).model_dump(mode="json")
+                                          if spec.calibration else None)
 
         self.server_model = self._new_model()
         self.clients = self._client_runtime()
@@ -462,6 +466,7 @@ class Simulation:
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
             "method_args": self.resolved_method_args,
+            **({"calibration_args": self.resolved_calibration_args} if self.spec.calibration else {}),
             **({"engine": self.engine, "dropped": self.dropped} if self.reports_dropouts else {}),
             **({"secure_aggregation": self.secure.describe()} if self.secure is not None else {}),
         }
