@@ -44,6 +44,30 @@ def test_la_fr_gives_the_personal_norms_and_the_global_directions():
     assert torch.allclose(torch.cosine_similarity(out, psi, dim=1), torch.ones(10), atol=1e-6)
 
 
+def test_la_fr_raw_is_eq_7_as_written():
+    """``la_fr_psi=raw``: psi_c itself times ||phi_kc||, so psi's long-tailed norms multiply in."""
+    psi = torch.randn(10, 32) * torch.linspace(0.1, 5, 10)[:, None]
+    phi = torch.randn(10, 32) * torch.linspace(3, 0.2, 10)[:, None]
+    out = la_fr(psi, phi, raw=True)
+    assert torch.allclose(out.norm(dim=1), psi.norm(dim=1) * phi.norm(dim=1), rtol=1e-5)
+    assert torch.equal(out, psi * phi.norm(dim=1, keepdim=True))
+
+
+def test_raw_la_fr_changes_only_the_personal_models_and_is_refused_where_unused(tmp_path):
+    """The released code's realignment step (phi_k + psi_c ||phi_kc||, absent classes masked) trains the
+    same and evaluates the same global model; only PM changes. Where no LA-FR head is built, the knob
+    would do nothing and is refused."""
+    unit = fedlt.run(tiny(tmp_path, "unit", personal_head="realigned_plus_phi"), quiet=True)
+    raw = fedlt.run(tiny(tmp_path, "raw", personal_head="realigned_plus_phi", la_fr_psi="raw"), quiet=True)
+    for a, b in zip(unit.metrics, raw.metrics):
+        assert a["train_loss"] == b["train_loss"] and a["acc"] == b["acc"] and a["variants"] == b["variants"]
+    assert [r["pm_acc"] for r in unit.metrics] != [r["pm_acc"] for r in raw.metrics]
+    for bad in ({"la_fr": False}, {"personal_head": "psi_plus_phi"}):
+        with pytest.raises(ConfigError, match=r"^invalid method_args for method fedloge: la_fr_psi=raw chooses "
+                                              r"LA-FR's psi, which this personal head does not use; .*la_fr_psi$"):
+            fedlt.run(tiny(tmp_path, "bad", la_fr_psi="raw", **bad), quiet=True)
+
+
 def spy_on_fit(monkeypatch) -> list[dict]:
     """Record, for every fit call, the client's state before and after and the reply it sent."""
     calls = []

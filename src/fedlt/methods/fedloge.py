@@ -44,18 +44,19 @@ Choices where the paper is silent (also in docs/methods/fedloge.md):
   replies that scalar with its sample count; the server sets gamma to their sample-weighted mean
   and only then builds the SSE-C. The reply is averaged, never read alone, so it goes through
   secure aggregation with the updates. The gamma in use is reported as ``sse_c_gamma``.
-- ``generic_head``: the paper's global model is the backbone with GA-FR(psi); the released code
-  evaluates its generic model with the SSE-C itself. The default is the released code's
-  (``fixed``): where clients hold one or two classes, psi learned on their features realigns
+- ``generic_head``: the paper's global model is the backbone with GA-FR(psi); the released code's
+  training script evaluates the SSE-C itself every round (its "universal model"), its realignment
+  script GA-FR(psi). The default is the SSE-C (``fixed``): where clients hold one or two classes, psi learned on their features realigns
   badly (pathological split: GA-FR(psi) 33.4 validation accuracy, the SSE-C 61.5), and over the
   robustness suite's four settings it is the reading validation selects. Every run reports the
   other heads as variants (``psi_ga_fr``, ``psi_raw``, or ``sse_c``).
 - The realignment and fine-tuning are evaluation-time steps: they run on every evaluation from
   the current weights and never change what is trained.
-- ``personal_head=psi_plus_phi`` is the released code's personalized output: its local test adds the
-  raw aggregated psi and phi_k, ``psi(h) + phi_k(h)`` (biases added), with the logits of classes
-  absent from the client masked out, and applies no realignment. ``realigned_plus_phi``:
-  ``phi'_k(h) + phi_k(h)`` with the same mask.
+- ``personal_head=psi_plus_phi`` is the released training script's personalized output: its local
+  test adds the raw aggregated psi and phi_k, ``psi(h) + phi_k(h)`` (biases added), with the logits
+  of classes absent from the client masked out, and applies no realignment. ``realigned_plus_phi``:
+  ``phi'_k(h) + phi_k(h)`` with the same mask; with ``la_fr_psi=raw`` (Eq. 7's raw psi_c) it is the
+  released realignment script's output.
 - Appendix A.5's fine-tuning steps at ``fl.lr`` without its schedule (``finetune_lr``): a decayed
   lr at the last evaluation would leave the head as it is.
 """
@@ -106,6 +107,9 @@ class FedLoGeArgs(MethodArgs):
         "ga_fr=false); fixed = the released code's: the fixed classifier (SSE-C) the backbone trained through. "
         "Evaluation only: training is the same either way")
     la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
+    la_fr_psi: Literal["unit", "raw"] = Field(
+        "unit", description="LA-FR's psi_c: unit = its direction (GA-FR(psi), the stage before LA-FR in Algorithm 1); "
+        "raw = the aggregated psi_c as Eq. 7 writes it and the released code's realignment step uses it")
     personal_head: Literal["realigned", "realigned_plus_phi", "psi_plus_phi"] = Field(
         "realigned", description="PM logits: phi'_k (paper); phi'_k + phi_k with absent classes masked; or psi + phi_k "
         "with absent classes masked (the released code's local test: the raw psi, no LA-FR)")
@@ -131,6 +135,9 @@ class FedLoGeArgs(MethodArgs):
     def _plus_needs_realignment(self) -> "FedLoGeArgs":
         if self.personal_head == "realigned_plus_phi" and not self.la_fr:
             raise ValueError("personal_head=realigned_plus_phi adds phi_k to its LA-FR head; set la_fr=true")
+        if self.la_fr_psi == "raw" and (not self.la_fr or self.personal_head == "psi_plus_phi"):
+            raise ValueError("la_fr_psi=raw chooses LA-FR's psi, which this personal head does not use; set la_fr=true "
+                             "and personal_head=realigned or realigned_plus_phi, or drop la_fr_psi")
         if self.personal_head == "psi_plus_phi" and self.finetune_epochs:
             raise ValueError("personal_head=psi_plus_phi (the released code's output) fine-tunes nothing; set "
                              "finetune_epochs=0 or personal_head=realigned")
@@ -175,9 +182,10 @@ def ga_fr(psi: torch.Tensor) -> torch.Tensor:
     return psi / psi.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
-def la_fr(psi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
-    """Eq. 7: the global head's class directions with the personal head's class norms."""
-    return ga_fr(psi) * phi.norm(dim=1, keepdim=True)
+def la_fr(psi: torch.Tensor, phi: torch.Tensor, raw: bool = False) -> torch.Tensor:
+    """Eq. 7: the global head's class vectors times the personal head's class norms; psi's directions
+    (unit rows, the default) or, ``raw``, psi's rows as aggregated (their long-tailed norms multiply in)."""
+    return (psi if raw else ga_fr(psi)) * phi.norm(dim=1, keepdim=True)
 
 
 def psi_of(head: FedLoGeHead) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -368,8 +376,10 @@ class FedLoGeClient(Client):
             both = None if phi_bias is None else psi_bias + phi_bias
             set_head(model, psi + phi, absent_classes_masked(ctx, psi) + (0.0 if both is None else both))
             return
-        weight = (la_fr(psi, phi) if a.la_fr else phi).clone()
-        bias = None if phi_bias is None else phi_bias.clone()
+        raw = a.la_fr_psi == "raw"
+        weight = (la_fr(psi, phi, raw) if a.la_fr else phi).clone()
+        own_bias = psi_bias if a.la_fr and raw else phi_bias  # the raw reading rescales psi's layer, bias and all
+        bias = None if own_bias is None else own_bias.clone()
         if a.finetune_epochs:
             params = [p.requires_grad_(True) for p in (weight, bias) if p is not None]
             train_on_features(at_evaluation_lr(ctx), params, lambda h: F.linear(h, weight, bias), a.finetune_epochs,
