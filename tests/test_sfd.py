@@ -17,7 +17,7 @@ from fedlt.calibration.math.safs import (
 from fedlt.calibration.math.stats import class_feature_sums, class_moments
 from fedlt.calibration.wrapper import STATS_QUERY
 from fedlt.errors import ConfigError, FedltError
-from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
+from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon, released_supcon
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -135,6 +135,43 @@ def test_a_scl_is_standard_scl_for_equal_counts_and_has_eq7_gradients():
     (g_eq7,) = torch.autograd.grad(eq7_reference(h, y, 0.07, log_n), h)
     assert torch.allclose(g_ours, g_eq7, atol=1e-10)
     assert adaptive_supcon(h[:3], torch.tensor([0, 1, 2]), 0.07, log_n).item() == 0.0
+
+
+def released_reference(h, y, tau, log_n):
+    """The released code's A-SCL written out per anchor: Delta on other-class samples only, the anchor
+    among its own positives, every anchor counted."""
+    losses = []
+    for i in range(len(y)):
+        pos = [a for a in range(len(y)) if y[a] == y[i]]  # i included
+        den = sum(torch.exp(h[i] @ h[b] / tau + (log_n[y[b]] if log_n is not None and y[b] != y[i] else 0.0))
+                  for b in range(len(y)) if b != i)
+        losses.append(-sum(h[i] @ h[a] / tau - torch.log(den) for a in pos) / len(pos))
+    return sum(losses) / len(losses)
+
+
+def test_released_a_scl_matches_its_definition_and_differs_from_eq7():
+    gen = torch.Generator().manual_seed(1)
+    y = torch.tensor([0, 1, 0, 2, 1, 1, 3, 0])  # class 3's sample is an anchor with itself as positive
+    h = F.normalize(torch.randn(8, 5, generator=gen, dtype=torch.float64), dim=1).requires_grad_(True)
+    log_n = torch.log(torch.tensor([50.0, 5.0, 20.0, 1.0], dtype=torch.float64))
+    for counts in (log_n, None):
+        ours, ref = released_supcon(h, y, 0.07, counts), released_reference(h, y, 0.07, counts)
+        assert ours.item() == pytest.approx(ref.item(), rel=1e-12)
+        (g_ours,) = torch.autograd.grad(ours, h)
+        (g_ref,) = torch.autograd.grad(released_reference(h, y, 0.07, counts), h)
+        assert torch.allclose(g_ours, g_ref, atol=1e-10)
+    (g_paper,) = torch.autograd.grad(adaptive_supcon(h, y, 0.07, log_n), h)
+    (g_released,) = torch.autograd.grad(released_supcon(h, y, 0.07, log_n), h)
+    assert (g_paper - g_released).abs().max() > 1e-3
+    assert released_supcon(h[:1], y[:1], 0.07, log_n).item() == 0.0
+
+
+def test_sfd_trains_with_the_released_a_scl_on_request(tmp_path):
+    paper = fedlt.run(tiny(tmp_path, run={"out_dir": str(tmp_path), "name": "paper", "threads": 1}), quiet=True)
+    released = fedlt.run(tiny(tmp_path, method_args={"scl_form": "released"},
+                              run={"out_dir": str(tmp_path), "name": "released", "threads": 1}), quiet=True)
+    assert paper.metrics[0]["train_loss"] != released.metrics[0]["train_loss"]
+    assert released.summary["method_args"]["scl_form"] == "released"
 
 
 def test_synthetic_counts_follow_the_size_rank():

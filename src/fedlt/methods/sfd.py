@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field
@@ -30,7 +31,7 @@ from torch import nn
 from fedlt.config import Config
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, clone_state, parse_args
-from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon
+from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon, released_supcon
 from fedlt.models import FedModel, create_model
 from fedlt.training.sequential import fit_objective
 from fedlt.transfer import to_device
@@ -46,6 +47,9 @@ class SFDArgs(MethodArgs):
                                      "for >= 100 classes, else 0.1; 0: no contrastive branch)")
     scl_temperature: float = Field(0.07, gt=0, description="A-SCL temperature tau")
     scl_delta: bool = Field(True, description="A-SCL: add Delta = log n_y to the denominator (false: standard SCL)")
+    scl_form: Literal["paper", "released"] = Field(
+        "paper", description="A-SCL as Eq. 7 (positives exclude the anchor; Delta on every other sample), or as the "
+        "released code (Delta on other-class samples only; the anchor is its own positive)")
     projector_hidden: int | None = Field(None, ge=1, description="projector hidden width (default: feature_dim // 2)")
     projector_dim: int | None = Field(None, ge=1, description="projector output width (default: feature_dim // 4)")
 
@@ -95,14 +99,15 @@ class SFDServer(Server):
 
 
 def abbl_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, *, offset: torch.Tensor, contrast: bool,
-              scl_weight: torch.Tensor, temperature: float, log_counts: torch.Tensor | None) -> torch.Tensor:
+              scl_weight: torch.Tensor, temperature: float, log_counts: torch.Tensor | None,
+              supcon: Callable[..., torch.Tensor] = adaptive_supcon) -> torch.Tensor:
     """Eq. 8 on one batch: A-CE plus ``scl_weight`` times A-SCL on the projections (skipped when the
     round's weight is 0, ``contrast=False``, or the batch holds one sample)."""
     features = model.forward_features(x)
     loss = adaptive_ce(model.forward_head(features), y, offset)
     if contrast and y.shape[0] > 1:
         h = model.encoder.project(features)
-        loss = loss + scl_weight * adaptive_supcon(h, y, temperature, log_counts)
+        loss = loss + scl_weight * supcon(h, y, temperature, log_counts)
     return loss
 
 
@@ -128,5 +133,6 @@ class SFDClient(Client):
                        contrast=weight > 0, scl_weight=torch.full((), weight, device=device),
                        temperature=args.scl_temperature,
                        log_counts=to_device(torch.log(torch.from_numpy(counts).float()), device, torch.float32)
-                       if args.scl_delta else None)
+                       if args.scl_delta else None,
+                       supcon=released_supcon if args.scl_form == "released" else adaptive_supcon)
         return LocalObjective(loss, on_model=True)

@@ -13,7 +13,9 @@ et al. 2020; Eq. 7's denominator already excludes it), anchors without a positiv
 are skipped, and the loss is averaged over the remaining anchors. ``Delta`` is applied as
 ``log(n_yb / n_yi)``: for one anchor this only subtracts the constant ``log n_yi`` from Eq. 7, so
 the gradients are Eq. 7's, and A-SCL is then exactly the standard SCL when all counts are equal.
-(The released code adds ``Delta`` to negatives only and counts the anchor as its own positive.)
+The released code's A-SCL (:func:`released_supcon`, ``method_args.scl_form=released``) adds ``Delta``
+to negatives only, counts the anchor as its own positive (every anchor then has one), and averages
+over every anchor.
 """
 
 from __future__ import annotations
@@ -72,3 +74,24 @@ def adaptive_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature
     # no anchor at all gives 0 with zero gradient
     per_anchor = (log_prob * positive).sum(dim=1) / num_pos.clamp_min(1)
     return -(per_anchor * anchors).sum() / anchors.sum().clamp_min(1)
+
+
+def released_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature: float = 0.07,
+                    log_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The released code's A-SCL on L2-normalised ``projections``: ``log n_yb`` added to the other-class
+    pairs only (same-class pairs stay as they are, in the denominator too), the anchor counted among
+    its own positives, the mean over every anchor; ``log_counts`` None: that loss without ``Delta``."""
+    if projections.dim() != 2 or labels.shape != (projections.shape[0],):
+        raise ValueError(f"expected projections (B, p) and labels (B,), got {tuple(projections.shape)} and "
+                         f"{tuple(labels.shape)}")
+    b = projections.shape[0]
+    if b < 2:
+        return projections.sum() * 0.0  # no pair in the batch: nothing to contrast
+    sim = projections @ projections.T / temperature
+    same = labels[:, None] == labels[None, :]
+    if log_counts is not None:
+        delta = log_counts.to(device=sim.device, dtype=sim.dtype)[labels]
+        sim = sim + delta[None, :] * ~same
+    self_mask = torch.eye(b, dtype=torch.bool, device=sim.device)
+    log_prob = sim - torch.logsumexp(sim.masked_fill(self_mask, float("-inf")), dim=1, keepdim=True)
+    return -((log_prob * same).sum(dim=1) / same.sum(dim=1)).mean()
