@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import os
@@ -823,3 +824,96 @@ def test_an_empty_split_is_a_data_error(tmp_path: Path, which: str) -> None:
 def test_an_empty_split_is_caught_for_other_formats_too(tmp_path: Path) -> None:
     write_fmnist(tmp_path / "fm", n_train=0)
     assert "fmnist: the training set in" in error_of("fmnist", tmp_path / "fm")
+
+
+# ----------------------------------------------------------------------------- inputs that once crashed or misread
+
+
+def test_cifar_labels_must_be_integers_and_numpy_pickles_load(tmp_path: Path) -> None:
+    """A float label would be truncated into another class: refused. Arrays pickled at protocol 5 and
+    labels held as numpy integers (how a re-saved batch looks) load."""
+    write_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    x = RNG.integers(0, 256, (2, 3072), dtype=np.uint8)
+    dump(folder / "data_batch_2", {b"data": x, b"labels": [0.7, 1.7]})
+    assert "b'labels' in" in error_of("cifar10", tmp_path) and "data_batch_2" in error_of("cifar10", tmp_path)
+    with (folder / "data_batch_2").open("wb") as handle:
+        pickle.dump({b"data": x, b"labels": [np.int64(3), np.int64(9)]}, handle, protocol=5)
+    pair = load_dataset("cifar10", root=str(tmp_path))
+    assert pair.train.labels[2:4].tolist() == [3, 9]
+    assert np.array_equal(pair.train.images[2:4].reshape(2, -1).numpy(), x)
+
+
+def test_cifar_binary_errors_name_the_file_at_fault(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        label = 12 if name == "data_batch_3.bin" else 1
+        np.concatenate([np.full((2, 1), label, np.uint8), RNG.integers(0, 256, (2, 3072), dtype=np.uint8)],
+                       axis=1).tofile(folder / name)
+    assert f"missing batches.meta.txt in {folder}" in error_of("cifar10", tmp_path)  # not "no cifar-10-batches-py/"
+    (folder / "batches.meta.txt").write_text("\n".join(str(i) for i in range(10)))
+    assert f"label 12 in {folder / 'data_batch_3.bin'} is outside [0, 10)" in error_of("cifar10", tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["cell", "complex"])
+def test_svhn_labels_that_are_not_numbers_are_refused(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "svhn"
+    write_svhn(root)
+    x = RNG.integers(0, 256, (32, 32, 3, 2), dtype=np.uint8)
+    if kind == "cell":
+        y = np.empty((2, 1), dtype=object)
+        y[0, 0], y[1, 0] = 3.0, 4.0
+    else:
+        y = np.array([[3.0 + 1j], [4.0]])
+    scipy.io.savemat(root / "test_32x32.mat", {"X": x, "y": y})
+    message = error_of("svhn", root)
+    assert "y in" in message and "test_32x32.mat" in message and "expected numeric labels 1..10" in message
+
+
+def test_fedlt_data_may_name_the_fashion_mnist_folder_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDLT_DATA=DIR with the IDX files in DIR reads them, as data.root=DIR does, and never the system copy."""
+    from fedlt.data import registry
+
+    system = tmp_path / "system"
+    write_fmnist(system, n_train=9)
+    monkeypatch.setitem(registry.DATASETS, "fmnist", dataclasses.replace(registry.DATASETS["fmnist"],
+                                                                          default_root=system))
+    write_fmnist(tmp_path / "mine", n_train=5)
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path / "mine"))
+    assert len(load_dataset("fmnist").train) == 5
+    (tmp_path / "others").mkdir()
+    monkeypatch.setenv("FEDLT_DATA", str(tmp_path / "others"))  # other datasets only: the system copy
+    assert len(load_dataset("fmnist").train) == 9
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path: Path) -> None:
+    path = tmp_path / "deep.png"
+    Image.fromarray(np.full((4, 4), 30000, np.uint16)).save(path)
+    assert Image.open(path).mode.startswith("I;16")
+    assert np.asarray(common.read_rgb("cinic10", path, "fix")).tolist()[0][0] == [117, 117, 117]  # 30000 >> 8
+    Image.fromarray(np.full((4, 4), 0.5, np.float32)).save(tmp_path / "float.tiff")
+    with pytest.raises(DataError, match="32-bit pixels"):
+        common.read_rgb("cinic10", tmp_path / "float.tiff", "fix")
+
+
+def test_list_files_with_a_byte_order_mark_or_absurd_labels(tmp_path: Path) -> None:
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")
+    train_list, test_list = root / "ImageNet_LT_train.txt", root / "ImageNet_LT_test.txt"
+    train_list.write_bytes(b"\xef\xbb\xbf" + train_list.read_bytes())  # saved by a Windows editor
+    assert load_dataset("imagenet_lt", root=str(root), image_size=8).train.labels.tolist() == [0, 0, 2, 4]
+    test_list.write_text("val/x.jpg 4\nval/y.jpg 9223372036854775808\n")
+    assert f"line 2 of {test_list} has label 9223372036854775808" in error_of("imagenet_lt", root, image_size=8)
+    test_list.write_text("val/x.jpg 4\nval/y.jpg 1000000\n")  # would name a million classes
+    assert f"line 2 of {test_list} has label 1000000, above any class count" in error_of("imagenet_lt", root,
+                                                                                         image_size=8)
+
+
+def test_deeply_nested_annotation_json_is_a_data_error(tmp_path: Path) -> None:
+    root = tmp_path / "inat"
+    root.mkdir()
+    (root / "train2018.json").write_text("[" * 100000 + "]" * 100000)
+    (root / "val2018.json").write_text("{}")
+    message = error_of("inat", root, image_size=8)
+    assert "train2018.json is not a COCO-style annotation file" in message and "RecursionError" in message

@@ -215,8 +215,9 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
         nested = base / info.subfolder
         if nested.is_dir():
             return nested
-        if info.default_root is not None and info.default_root.is_dir():
-            return info.default_root  # FEDLT_DATA holds other datasets; this one is installed system-wide
+        default = info.default_root
+        if default is not None and default.is_dir() and not any((base / f.name).exists() for f in default.iterdir()):
+            return default  # FEDLT_DATA holds other datasets (not this one's files); this one is installed system-wide
         return base
     if info.default_root is not None:
         return info.default_root

@@ -96,6 +96,10 @@ _ALLOWED_GLOBALS = {
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
     ("_codecs", "encode"),  # how Python 3 writes bytes at pickle protocol 2
+    ("numpy.core.numeric", "_frombuffer"),  # an array at pickle protocol 5
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "scalar"),  # a numpy integer in a list of labels
+    ("numpy._core.multiarray", "scalar"),
 }
 
 
@@ -118,7 +122,8 @@ def _fix(layout: _Layout) -> str:
 
 def _load(layout: _Layout, root: Path) -> DatasetPair:
     root = require_dir(layout.dataset, root, _fix(layout))
-    binary = next((d for d in (root, root / layout.binary[0]) if (d / layout.binary[3]).is_file()), None)
+    binary = next((d for d in (root, root / layout.binary[0])
+                   if (d / layout.binary[3]).is_file() or (d / layout.binary[2]).is_file()), None)
     if binary is not None and not (root / layout.meta).is_file() and not (root / layout.folder).is_dir():
         return _load_binary(layout, binary)
     folder = root if (root / layout.meta).is_file() else root / layout.folder
@@ -145,7 +150,7 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
 def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
     """The binary version in ``folder``: fixed-size records, class names one per line."""
     _, train, test, names_file, label_bytes, label_at = layout.binary
-    missing = [name for name in (*train, test) if not (folder / name).is_file()]
+    missing = [name for name in (*train, test, names_file) if not (folder / name).is_file()]
     if missing:
         raise DataError(f"{layout.dataset}: missing {', '.join(missing)} in {folder}; {_fix(layout)}")
     names = [line.strip() for line in (folder / names_file).read_text(errors="replace").splitlines() if line.strip()]
@@ -162,9 +167,10 @@ def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
                 raise DataError(f"{layout.dataset}: {folder / name} holds {data.size} bytes, not a whole number of "
                                 f"{record}-byte records; {_fix(layout)}")
             rows.append(data.reshape(-1, record))
+            check_labels(layout.dataset, folder / name, torch.from_numpy(rows[-1][:, label_at].astype(np.int64)),
+                         layout.num_classes, _fix(layout))
         table = np.concatenate(rows)
         labels = torch.from_numpy(table[:, label_at].astype(np.int64))
-        check_labels(layout.dataset, folder / files[0], labels, layout.num_classes, _fix(layout))
         images = torch.from_numpy(np.ascontiguousarray(table[:, label_bytes:]).reshape(-1, 3, _SIDE, _SIDE))
         return ImageDataset(images, labels, list(names), layout.mean, layout.std)
 
@@ -216,7 +222,10 @@ def _read_batch(layout: _Layout, path: Path) -> tuple[torch.Tensor, torch.Tensor
         found = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"{layout.dataset}: b'data' in {path} is {found}, expected uint8 (N, 3072); {_fix(layout)}")
     try:
-        labels = torch.as_tensor(np.asarray(raw_labels, dtype=np.int64).reshape(-1))
+        values = np.asarray(raw_labels).reshape(-1)
+        if values.size and values.dtype.kind not in "iu":  # a float label would be truncated to another class
+            raise TypeError(values.dtype)
+        labels = torch.as_tensor(values.astype(np.int64))
     except (TypeError, ValueError) as exc:
         raise DataError(
             f"{layout.dataset}: {layout.labels_key!r} in {path} is not a list of integers; {_fix(layout)}"

@@ -52,6 +52,10 @@ def read_rgb(dataset: str, path: Path, fix: str, min_side: int | None = None) ->
         with Image.open(path) as image:
             if min_side is not None:
                 image.draft("RGB", (min_side, min_side))
+            if image.mode.startswith("I;16"):  # 16-bit greyscale: convert() would clip it at 255
+                return Image.fromarray((np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8)).convert("RGB")
+            if image.mode in ("I", "F"):  # 32-bit integer or float pixels: no one scale to 8 bits
+                raise ValueError(f"mode {image.mode} (32-bit pixels) has no 8-bit scale; save it as 8-bit")
             return image.convert("RGB")
     except FileNotFoundError as exc:
         raise DataError(f"{dataset}: image {path} does not exist; {fix}") from exc

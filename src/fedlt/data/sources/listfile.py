@@ -24,6 +24,8 @@ from fedlt.data.sources.common import check_labels, decode_all, read_rgb, requir
 from fedlt.errors import DataError
 
 DEFAULT_IMAGE_SIZE = 64
+#: labels at or above this are refused as a list file's corruption (iNaturalist has 8,142 classes)
+MAX_LABEL = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
         files = {image["id"]: image["file_name"] for image in tree["images"]}
         categories = sorted((c["id"], str(c["name"])) for c in tree["categories"])
         pairs = [(files[a["image_id"]], a["category_id"]) for a in tree["annotations"]]
-    except (OSError, ValueError, TypeError, KeyError) as exc:  # JSON, bytes, shape, or an image no annotation has
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON (nested too deep), bytes,
+        # shape, or an image no annotation has
         raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
                         f"and categories ({type(exc).__name__}: {exc}); {layout.fix}") from None
     ids = ids if ids is not None else {cid: label for label, (cid, _) in enumerate(categories)}
@@ -222,7 +225,7 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
 
 def _read_text(layout: ListLayout, path: Path) -> list[str]:
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8-sig").splitlines()  # a leading byte-order mark is no path
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{layout.dataset}: cannot read {path} ({exc}); {layout.fix}") from exc
 
@@ -239,6 +242,9 @@ def _parse(layout: ListLayout, path: Path) -> list[tuple[str, int]]:
                 f"{layout.dataset}: line {number} of {path} reads {shown!r}, expected 'relative/path.jpg LABEL' "
                 "with LABEL a non-negative integer; fix or regenerate the list file"
             )
+        if int(parts[1]) >= MAX_LABEL:
+            raise DataError(f"{layout.dataset}: line {number} of {path} has label {parts[1]}, above any class count "
+                            f"(at most {MAX_LABEL - 1}); fix or regenerate the list file")
         entries.append((parts[0], int(parts[1])))
     if not entries:
         raise DataError(f"{layout.dataset}: list file {path} has no entries; fix or regenerate the list file")

@@ -54,7 +54,13 @@ def _read(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     count = x.shape[3]
     if y.size != count:
         raise DataError(f"{DATASET}: {path} holds {count} images but {y.size} labels; {_FIX}")
-    digits = y.reshape(-1).astype(np.float64)
+    try:
+        if y.dtype.kind in "cOV":  # complex, a cell array, a struct
+            raise TypeError(y.dtype)
+        digits = y.reshape(-1).astype(np.float64)
+    except (TypeError, ValueError):
+        raise DataError(f"{DATASET}: y in {path} is {y.dtype} {y.shape}, expected numeric labels 1..10 "
+                        f"(10 = digit 0); {_FIX}") from None
     valid = (digits >= 1) & (digits <= 10) & (digits == np.round(digits))
     if not valid.all():
         bad = digits[~valid][0]
