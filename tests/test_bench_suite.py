@@ -286,6 +286,19 @@ def test_a_row_whose_cells_ran_other_code_takes_no_new_cells_unless_mixed_code(t
     assert dry.exit_code == 0 and "6 cells: 4 finished, 2 to run" in dry.stderr
 
 
+def test_a_cell_whose_checkpoint_is_cut_off_is_refused_before_anything_trains(tiny_suite, tmp_path):
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    run_dir = cell_dir(mine, "IF=10, alpha=0.5", "FedProx", 1)
+    (run_dir / "summary.json").unlink()
+    (run_dir / "checkpoint.pt").write_bytes((run_dir / "checkpoint.pt").read_bytes()[:100])
+    result = CliRunner().invoke(app, ["bench", str(path), "--out", str(mine)])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert (f"cell 'IF=10, alpha=0.5 / FedProx / seed 1': {run_dir / 'checkpoint.pt'} is cut off or damaged, so the "
+            f"cell cannot resume; delete {run_dir} to run it afresh") in result.stderr
+
+
 def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_suite, tmp_path):
     """The summary's resolved ``method_args`` (defaults included) must match what the config resolves to
     now: a changed default is a different run although the config file is the same. A summary from
@@ -337,6 +350,41 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
 
 
+def test_running_some_seeds_keeps_the_folder_reportable_and_the_caption_names_the_seeds_averaged(tiny_suite, tmp_path):
+    """``--seeds`` on a suite whose rows list their own seeds: the folder's suite file keeps the suite's
+    seeds (a row's may not name a seed the suite lacks), and a report names the seeds its tables hold."""
+    path, out, _ = tiny_suite
+    tree = {**TINY_SUITE, "methods": [TINY_SUITE["methods"][0], {**TINY_SUITE["methods"][1], "seeds": [1]}]}
+    suite = load_suite(write_suite(tmp_path / "row-seeds.yaml", tree))
+    mine = tmp_path / "out"
+    shutil.copytree(cell_dir(out, "IF=10, alpha=0.5", "FedAvg + CCVR", 0), cell_dir(mine, "IF=10, alpha=0.5",
+                                                                                   "FedAvg + CCVR", 0))
+    run_suite(suite, mine, seeds=[0], echo=lambda line: None)  # the row of seed 1 only has nothing to run
+    assert yaml.safe_load((mine / "suite.yaml").read_text())["seeds"] == [0, 1]
+    markdown = write_report(mine, with_plots=False).markdown
+    assert "one seed (0)" in markdown and "over seeds 0, 1" not in markdown
+    shutil.copytree(out, tmp_path / "all")
+    run_suite(load_suite(path), tmp_path / "all", seeds=[0], echo=lambda line: None)  # nothing left to run
+    assert yaml.safe_load((tmp_path / "all" / "suite.yaml").read_text())["seeds"] == [0, 1]
+    assert "mean ± sample std over seeds 0, 1" in write_report(tmp_path / "all", with_plots=False).markdown
+
+
+def test_a_report_leaves_out_a_run_copied_in_from_another_config_and_says_so(tiny_suite, tmp_path):
+    """The bench refuses a cell folder holding a run of another config; its report never averages one in."""
+    _, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    seed0, seed1 = (cell_dir(mine, "IF=10, alpha=0.5", "FedProx", s) for s in (0, 1))
+    config = yaml.safe_load((seed1 / "config.yaml").read_text())
+    (seed1 / "config.yaml").write_text(yaml.safe_dump({**config, "data": {**config["data"], "num_clients": 6}}))
+    markdown = write_report(mine, with_plots=False).markdown
+    assert f"row 'FedProx': left out {seed1}: its config differs from seed 0's (data.num_clients: 6 -> 4)" in markdown
+    assert "| FedProx (1/2 seeds) |" in markdown
+    shutil.rmtree(seed1)
+    shutil.copytree(seed0, seed1)  # seed 0's run in seed 1's folder
+    assert f"row 'FedProx': left out {seed1}: it ran seed 0" in write_report(mine, with_plots=False).markdown
+
+
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):
     path, out, _ = tiny_suite
     tree = {**TINY_SUITE, "overrides": [*TINY_SUITE["overrides"], "fl.lr=0.01"]}
@@ -349,6 +397,7 @@ BAD_SUITES = {
     "no_methods": ({k: v for k, v in TINY_SUITE.items() if k != "methods"}, "key 'methods' is missing"),
     "not_key_value": ({**TINY_SUITE, "overrides": ["fl.rounds"]}, "overrides: 'fl.rounds' is not key=value"),
     "bad_name": ({**TINY_SUITE, "name": "My Suite"}, "name: 'My Suite' is not a slug"),
+    "bool_seed": ({**TINY_SUITE, "seeds": [True, 2]}, "seeds[0]: Input should be a valid integer"),
     "unknown_setting": ({**TINY_SUITE, "methods": [{"name": "A", "settings": ["nope"]}]},
                         "methods[0].settings names 'nope'"),
     "duplicate_row": ({**TINY_SUITE, "methods": [{"name": "A", "variants": {"A": "ccvr"}}]}, "row label 'A'"),

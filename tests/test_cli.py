@@ -211,6 +211,8 @@ def error_cases(data: Path) -> dict[str, Case]:
                                 out_dir=False),
         "empty_seeds": Case(["bench", "run", "demo", "--seeds", "", "--dry-run"], "--seeds '': give integers",
                             out_dir=False),
+        "underscore_seeds": Case(["bench", "run", "demo", "--seeds", "0_1", "--dry-run"],  # int() reads 1
+                                 "--seeds '0_1': give integers", out_dir=False),
         # usage errors (typer/click) are one line too
         "unknown_option": Case(["run", "--nosuch"], "No such option '--nosuch'", "see `fedlt run --help`", out_dir=False),
         "bad_option_value": Case(["bench", "run", "demo", "--workers", "abc"], "'--workers'", "not a valid integer",

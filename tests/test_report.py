@@ -51,6 +51,17 @@ BAD_SUMMARIES = {
                               "'final.acc' is a string, not a number"),
     "best_round_loss_not_a_number": (json.dumps({**summary(50.0), "best_round": {"round": 20, "loss": [1]}}),
                                      "'best_round.loss' is an array, not a number"),
+    "variants_not_an_object": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "variants": ["x"]}}),
+                               "'final.variants' is an array, not an object"),
+    "variant_accuracy_not_a_number": (
+        json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "variants": {"u": {"acc": "abc"}}}}),
+        "'final.variants.u.acc' is a string, not a number"),
+    "accuracy_nan": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "acc": float("nan")}}),
+                     "'final.acc' is nan, not a finite accuracy"),
+    "elapsed_not_a_number": (json.dumps({**summary(50.0), "elapsed_s": "abc"}), "'elapsed_s' is a string, not a number"),
+    "per_class_of_other_classes": (json.dumps({**summary(50.0), "train_class_counts": [5, 3, 1],
+                                               "final": {**summary(50.0)["final"], "per_class_acc": [1.0, 2.0]}}),
+                                   "'final.per_class_acc' has 2 classes, 'train_class_counts' 3"),
     "round_not_a_whole_number": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "round": 2.5}}),
                                  "'final.round' is a number, not a whole number"),
 }
@@ -143,6 +154,33 @@ def fake_suite(root, rows=ROWS, **keys):
                     d.mkdir(parents=True)
                     (d / "summary.json").write_text(json.dumps(run_summary(acc, seed)))
     return root
+
+
+def test_damaged_metrics_or_saved_features_are_one_error_and_nothing_is_written(tmp_path):
+    """A metrics row whose figure is no number, or a cut-off ``artifacts.pt``, is refused before any
+    table or plot is written (the plots read both)."""
+    from fedlt.bench.suite import cell_dir
+
+    out = fake_suite(tmp_path / "metrics", rows={"FedAvg": [70.0, 71.0]})
+    metrics = cell_dir(out, "default", "FedAvg", 1) / "metrics.jsonl"
+    metrics.write_text(json.dumps({"round": 1, "acc": 50.0}) + "\n" + json.dumps({"round": 2, "acc": "x"}) + "\n")
+    with pytest.raises(FedltError, match=re.escape(f"{metrics} is not a readable metrics file: 'round 2.acc' is a "
+                                                   "string, not a number")):
+        write_report(out)
+    assert not (out / "report").exists()
+    out = fake_suite(tmp_path / "features", rows={"FedAvg": [70.0, 71.0]})
+    artifacts = cell_dir(out, "default", "FedAvg", 0) / "artifacts.pt"
+    artifacts.write_bytes(b"PK\x03\x04 cut off")
+    result = CliRunner().invoke(app, ["report", str(out)])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{artifacts} is not a saved-features file" in result.stderr and "delete it" in result.stderr
+    assert not (out / "report").exists()
+
+
+def test_the_comparison_table_shows_a_figure_a_summary_lacks_as_a_dash():
+    bare = {**summary(50.0), "final": {"round": 25, "acc": 50.0}, "best_round": {"round": 20}}
+    row = [line for line in comparison_table([("bare", bare)]).splitlines() if line.startswith("| bare")][0]
+    assert row.endswith("| 25 | 50.00 | - | - | - | - | - (20) |")
 
 
 def table_lines(markdown):
@@ -305,6 +343,25 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     (tmp_path / "mixed" / "b" / "summary.json").write_text(json.dumps(run_summary(72.0, env=None)))
     (tmp_path / "mixed" / "a" / "summary.json").write_text(json.dumps(run_summary(70.0, env=None)))
     assert "Measured on: not recorded" in write_report(tmp_path / "mixed", with_plots=False).markdown.splitlines()
+
+
+def test_a_folder_of_runs_of_other_settings_gives_one_table_each(tmp_path):
+    """Runs of other data or rounds side by side in one folder (the quick start writes them so) are not
+    one table: each setting gets its own, with its own reference row."""
+    from fedlt.config import build_config
+
+    for name, acc, overrides in (("a", 70.0, {}), ("b", 72.0, {"fl": {"rounds": 3}}), ("c", 71.0, {})):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps(run_summary(acc)))
+        cfg = build_config({"data": {"dataset": "synthetic", "num_clients": 4}, "fl": {"rounds": 2}, **overrides})
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg.dump()))
+    markdown = write_report(tmp_path, with_plots=False).markdown
+    two, three = "synthetic-LT, IF=100, Dirichlet alpha=0.5, 4 clients, 2 rounds", "4 clients, 3 rounds"
+    assert f"## {two}" in markdown and re.search(rf"## .*{three}", markdown)
+    rows = table_lines(markdown)
+    assert [r.split(" | ")[0] for r in rows if r.startswith(("| a ", "| b ", "| c "))] == ["| a", "| c", "| b"]
+    assert "| b | 72.00 | - | ref | 82.00 | 62.00 | 52.00 | 72.00 | ref |" in rows
 
 
 def test_each_table_names_the_code_behind_it_and_marks_a_row_of_mixed_code(tmp_path):

@@ -479,12 +479,15 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = ()) -> str | None:
+def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = (),
+                      common: bool = False) -> str | None:
     """The first dotted key whose value differs between two config trees, as ``key: a -> b``; keys
     that start with one of ``ignored`` do not count. Keys the saved config lacks are ignored: they
-    were added to fedlt after that run."""
+    were added to fedlt after that run; with ``common``, so are those ``wanted`` lacks (two saved runs)."""
     a, b = _flatten(saved), _flatten(wanted)
     for key in sorted(a):
+        if common and key not in b:
+            continue
         if not key.startswith(ignored) and a[key] != b.get(key):
             return f"{key}: {a[key]!r} -> {b.get(key)!r}"
     return None

@@ -7,6 +7,7 @@ truncated summary; ``metrics.jsonl`` is appended one evaluated round at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -98,6 +99,10 @@ def read_metrics(run_dir: Path, up_to_round: int | None = None) -> list[dict[str
         except (json.JSONDecodeError, UnicodeDecodeError):  # a line torn by a kill mid-write, after the checkpoint
             continue
         if isinstance(row, dict) and isinstance(row.get("round"), int):  # anything else is no row of a run
+            problem = _figures_problem(row, f"round {row['round']}")
+            if problem:
+                raise FedltError(f"{path} is not a readable metrics file: {problem}; re-run that run, or delete "
+                                 "its folder")
             rows.append(row)
     return [r for r in rows if up_to_round is None or r["round"] <= up_to_round]
 
@@ -164,11 +169,52 @@ def check_summary(summary: Any, run_dir: str | Path) -> dict[str, Any]:
         value = summary[part].get("round")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise _unreadable(run_dir, f"'{part}.round' is {_json_type(value)}, not a whole number")
-        for key in (*EVAL_KEYS[:-2], *VAL_KEYS):
-            value = summary[part].get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise _unreadable(run_dir, f"'{part}.{key}' is {_json_type(value)}, not a number")
+        problem = _figures_problem(summary[part], part)
+        if problem:
+            raise _unreadable(run_dir, problem)
+    elapsed = summary.get("elapsed_s")
+    if elapsed is not None and not _is_number(elapsed):
+        raise _unreadable(run_dir, f"'elapsed_s' is {_json_type(elapsed)}, not a number")
+    counts = summary.get("train_class_counts")
+    if counts is not None and not (isinstance(counts, list) and all(_is_number(c) for c in counts)):
+        raise _unreadable(run_dir, "'train_class_counts' is not an array of numbers")
+    per_class = summary["final"].get("per_class_acc")
+    if counts is not None and per_class is not None and len(per_class) != len(counts):
+        raise _unreadable(run_dir, f"'final.per_class_acc' has {len(per_class)} classes, 'train_class_counts' "
+                          f"{len(counts)}")
     return summary
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _figures_problem(figures: dict[str, Any], where: str) -> str | None:
+    """What is wrong with one evaluation's figures (a summary's ``final`` or ``best_round``, a metrics
+    row), as tables, plots and statistics compute with them; None when nothing is. An accuracy must be
+    finite (a mean over seeds of NaN is no figure); a loss may be inf or NaN (a diverged run's)."""
+    for key in (*EVAL_KEYS[:-2], *VAL_KEYS):
+        value = figures.get(key)
+        if value is None:
+            continue
+        if not _is_number(value):
+            return f"'{where}.{key}' is {_json_type(value)}, not a number"
+        if not key.endswith("loss") and not math.isfinite(value):
+            return f"'{where}.{key}' is {value}, not a finite accuracy"
+    per_class = figures.get("per_class_acc")
+    if per_class is not None and not (isinstance(per_class, list) and all(_is_number(v) for v in per_class)):
+        return f"'{where}.per_class_acc' is not an array of numbers"
+    variants = figures.get("variants")
+    if variants is not None:
+        if not isinstance(variants, dict):
+            return f"'{where}.variants' is {_json_type(variants)}, not an object"
+        for name, inner in variants.items():
+            if not isinstance(inner, dict):
+                return f"'{where}.variants.{name}' is {_json_type(inner)}, not an object"
+            problem = _figures_problem(inner, f"{where}.variants.{name}")
+            if problem:
+                return problem
+    return None
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

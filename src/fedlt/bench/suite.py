@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 import traceback
+import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -29,7 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator,
+)
 
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
@@ -80,7 +83,7 @@ class MethodRow(_Strict):
     overrides: Overrides = []
     variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
     settings: list[str] | None = Field(None, description="run this row only in these settings")
-    seeds: list[int] | None = Field(None, description="run this row only with these of the suite's seeds")
+    seeds: list[StrictInt] | None = Field(None, description="run this row only with these of the suite's seeds")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="config key -> candidate values: every "
                                        "combination runs, the report selects one on validation data (bench/selection)")
     select_variants: dict[str, str] = Field(
@@ -121,7 +124,7 @@ class SuiteSpec(_Strict):
     description: str = ""
     base: str | None = None
     overrides: Overrides = []
-    seeds: list[int] = [0]
+    seeds: list[StrictInt] = [0]
     settings: list[SettingSpec] = Field(default_factory=lambda: [SettingSpec(name="default")])
     methods: list[MethodRow]
     #: optional: row labels shown but never bold/underlined, e.g. controls and diagnoses (the
@@ -459,6 +462,9 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
     if summary:
         cell.state = "done"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
+        if not zipfile.is_zipfile(cell.run_dir / CHECKPOINT_FILE):  # torch's format: cut off, it has no directory
+            raise ConfigError(f"cell '{cell.label}': {cell.run_dir / CHECKPOINT_FILE} is cut off or damaged, so the "
+                              f"cell cannot resume; delete {cell.run_dir} to run it afresh")
         cell.state = "resume"
     else:
         cell.state = "new"  # started, killed before its first checkpoint: nothing to keep
@@ -512,8 +518,10 @@ def _duration(seconds: float) -> str:
 
 
 def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
+    """The suite a folder's report reads: its own seeds and any run beyond them (``--seeds`` runs some of
+    a suite's seeds, or more; the folder keeps the suite's rows, whose own seeds stay some of these)."""
     tree = suite.spec.model_dump(exclude_defaults=False)
-    tree["seeds"] = seeds or suite.spec.seeds
+    tree["seeds"] = sorted(set(suite.spec.seeds) | set(seeds or []))
     tree["base"] = str(suite.base) if suite.base else None
     out.mkdir(parents=True, exist_ok=True)
     (out / SUITE_FILE).write_text(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))

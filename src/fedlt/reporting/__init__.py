@@ -33,6 +33,10 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
     (default ``path/report``)."""
     collection = collect(Path(path))
     partitions = {s.name: _partition_record(s) for s in collection.settings} if with_plots else {}
+    features = _feature_artifacts(collection) if with_plots else {}
+    if with_plots:  # the curves read every metrics file: a damaged one is refused before anything is written
+        for run in {run.path: run for s in collection.settings for row in s.rows for run in row.runs}.values():
+            run.curve()
     out = Path(out) if out is not None else Path(path) / "report"
     out.mkdir(parents=True, exist_ok=True)
     tables = [build_table(s) for s in collection.settings]
@@ -42,7 +46,7 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
         write_atomic(out / name, content)
         files.append(out / name)
     if with_plots:
-        files += write_plots(collection, out, partitions)
+        files += write_plots(collection, out, partitions, features)
     return Report(out, text, files)
 
 
@@ -66,7 +70,28 @@ def _partition_record(setting: Setting) -> dict | None:
     return record
 
 
-def write_plots(collection: Collection, out: Path, partitions: dict[str, dict | None]) -> list[Path]:
+def _feature_artifacts(collection: Collection) -> dict[tuple[str, str], dict[str, np.ndarray]]:
+    """The features a row's first run saved (``artifacts.pt``), by (setting, row), read before anything
+    is written: a damaged file is one error naming it."""
+    import torch
+
+    out = {}
+    for setting in collection.settings:
+        for row in setting.rows:
+            path = row.runs[0].path / ARTIFACTS_FILE if row.variant is None and row.runs else None
+            if path is None or not path.is_file():
+                continue
+            try:
+                artifacts = torch.load(path, map_location="cpu", weights_only=True)
+                out[(setting.name, row.label)] = {k: v.numpy() for k, v in artifacts.items()}
+            except Exception as err:  # noqa: BLE001 - torch reports a damaged file with many exception types
+                raise DataError(f"{path} is not a saved-features file ({type(err).__name__}); delete it to leave "
+                                "the features plot out, or re-run that run") from None
+    return out
+
+
+def write_plots(collection: Collection, out: Path, partitions: dict[str, dict | None],
+                features: dict[tuple[str, str], dict[str, np.ndarray]] | None = None) -> list[Path]:
     files = []
     for setting in collection.settings:
         s = _slug(setting.name)
@@ -76,11 +101,8 @@ def write_plots(collection: Collection, out: Path, partitions: dict[str, dict | 
         if partitions.get(setting.name) is not None:
             files.append(plots.plot_partition(partitions[setting.name], out / f"partition-{s}.png"))
         for row in setting.rows:
-            if row.variant is None and row.runs and (row.runs[0].path / ARTIFACTS_FILE).is_file():
-                import torch
-
-                artifacts = torch.load(row.runs[0].path / ARTIFACTS_FILE, map_location="cpu", weights_only=True)
-                artifacts = {k: v.numpy() for k, v in artifacts.items()}
+            artifacts = (features or {}).get((setting.name, row.label))
+            if artifacts is not None:
                 title = f"{setting.name} / {row.label} (seed {row.runs[0].seed}): real vs synthetic features, PCA"
                 files.append(plots.plot_features(artifacts, out / f"features-{s}-{_slug(row.label)}.png", title,
                                                  row.runs[0].summary.get("class_names")))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlt.bench.selection import Selection, candidate_label, candidates, select
-from fedlt.config import DIRICHLET_PARTITIONS, partition_label, read_yaml_mapping
+from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
@@ -175,14 +175,13 @@ def collect(path: Path) -> Collection:
     if not children:
         raise FedltError(f"{path} is neither a run directory (summary.json), a `fedlt bench` output (suite.yaml), "
                          "nor a folder of run directories; pass one of those")
-    rows = []
     runs = [_load_run(c) for c in children]
+    by_setting: dict[str, list[Row]] = {}  # runs of other data or rounds are another table, never one mixed
     for child, run in zip(children, runs):
-        rows += _run_rows(child.name, run)
-    cfg_path = children[0] / "config.yaml"
-    cfg = read_yaml_mapping(cfg_path, "run config") if cfg_path.is_file() else None
-    return Collection(path.name, "", [Setting(setting_label(runs[0].summary, cfg), rows, reference=rows[0].label)],
-                      sorted({r.seed for r in runs}))
+        cfg = read_yaml_mapping(child / "config.yaml", "run config") if (child / "config.yaml").is_file() else None
+        by_setting.setdefault(setting_label(run.summary, cfg), []).extend(_run_rows(child.name, run))
+    settings = [Setting(label, rows, reference=rows[0].label) for label, rows in by_setting.items()]
+    return Collection(path.name, "", settings, sorted({r.seed for r in runs}))
 
 
 def _collect_suite(path: Path) -> Collection:
@@ -205,6 +204,8 @@ def _collect_suite(path: Path) -> Collection:
                 folder = selections[m.name].folder(chosen) if chosen else folder
                 variant = selections[m.name].variants.get(chosen) if chosen else None
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
+            runs, foreign = _one_config(runs)
+            warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
@@ -228,9 +229,32 @@ def _collect_suite(path: Path) -> Collection:
 
     cost = suite_cost(path / LOG_FILE)
     claims = [ClaimSpec(**c.model_dump()) for c in spec.claims]
-    return Collection(spec.title or spec.name, spec.description.strip(), settings, spec.seeds, spec.notes.strip(),
+    found = sorted({run.seed for s in settings for row in s.rows for run in row.runs})  # what the tables average
+    return Collection(spec.title or spec.name, spec.description.strip(), settings, found or spec.seeds,
+                      spec.notes.strip(),
                       spec.report_messages, spec.reference, cost.sentence() if cost else "", claims,
                       list(selections.values()))
+
+
+def _one_config(runs: list[Run]) -> tuple[list[Run], list[str]]:
+    """A row's runs that are one config at their folders' seeds, and why each other one is left out:
+    a run copied in from elsewhere, which `fedlt bench` refuses to keep (runs without a config pass)."""
+    from fedlt.bench.suite import IGNORED_KEYS
+
+    kept, foreign, first = [], [], None
+    for run in runs:
+        cfg = read_yaml_mapping(run.path / "config.yaml", "run config") if (run.path / "config.yaml").is_file() else None
+        if cfg is not None and cfg.get("seed") != run.seed:
+            foreign.append(f"{run.path}: it ran seed {cfg.get('seed')!r}")
+            continue
+        diff = config_difference(cfg, first[1], (*IGNORED_KEYS, "seed"), common=True) if cfg is not None and first \
+            else None
+        if diff:
+            foreign.append(f"{run.path}: its config differs from seed {first[0]}'s ({diff})")
+            continue
+        first = first or ((run.seed, cfg) if cfg is not None else None)
+        kept.append(run)
+    return kept, foreign
 
 
 def _seed_runs(method_dir: Path) -> list[Run]:

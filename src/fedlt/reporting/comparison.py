@@ -29,15 +29,15 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
         calibration = s.get("calibration") or []
         label = f"{name} [{calibration[0]}]" if calibration else name
         lines.append(
-            f"| {label} | {s['method']} | {loss} | {f['round']} | {_cell(f['acc'])} | {_cell(f['many_acc'])} "
-            f"| {_cell(f['medium_acc'])} | {_cell(f['few_acc'])} | {_cell(f['pm_acc'])} "
-            f"| {_cell(b['acc'])} ({b['round']}) |"
+            f"| {label} | {s['method']} | {loss} | {f['round']} | {_cell(f.get('acc'))} | {_cell(f.get('many_acc'))} "
+            f"| {_cell(f.get('medium_acc'))} | {_cell(f.get('few_acc'))} | {_cell(f.get('pm_acc'))} "
+            f"| {_cell(b.get('acc'))} ({b.get('round', '-')}) |"
         )
         for variant, v in (f.get("variants") or {}).items():
             tag = f"{variant}, not private" if variant == "oracle" else variant
             lines.append(
-                f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {_cell(v['acc'])} "
-                f"| {_cell(v['many_acc'])} | {_cell(v['medium_acc'])} | {_cell(v['few_acc'])} | - | - |"
+                f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {_cell(v.get('acc'))} "
+                f"| {_cell(v.get('many_acc'))} | {_cell(v.get('medium_acc'))} | {_cell(v.get('few_acc'))} | - | - |"
             )
     lines += ["", "Shot groups: " + "; ".join(rules),
               "Rows `[name]` are heads evaluated on the same run's backbone; `[uncalibrated]` is the method "
