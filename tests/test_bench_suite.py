@@ -348,6 +348,12 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
     summary.write_text(json.dumps({**before_record, "calibration": ["creff", "ccvr"]}))
     with pytest.raises(ConfigError, match=re.escape("(calibration_args.creff_feature_momentum: 0.5 -> 0.0)")):
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    # a row that spells the earlier default keeps such a cell: the values it ran with match, not their spelling
+    spelled = {**TINY_SUITE, "methods": [{**TINY_SUITE["methods"][0], "overrides": [
+        *TINY_SUITE["methods"][0]["overrides"], "calibration_args.creff_feature_momentum=0.5"]}]}
+    cells = run_suite(load_suite(write_suite(tmp_path / "spelled.yaml", spelled)), mine, dry_run=True,
+                      rows=["FedAvg + CCVR"], echo=lambda line: None).cells
+    assert {c.state for c in cells} == {"done"}
 
 
 def test_running_some_seeds_keeps_the_folder_reportable_and_the_caption_names_the_seeds_averaged(tiny_suite, tmp_path):

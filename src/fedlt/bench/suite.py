@@ -376,26 +376,26 @@ def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
 DEFAULTS_BEFORE_RECORD = {"creff": {"creff_feature_momentum": 0.5}}
 
 
-def calibration_args_difference(summary: dict[str, Any], cfg: Config) -> str | None:
-    """The first knob of a calibration the run used whose value (``summary["calibration_args"]``, or for a
-    run from before that record its config over :data:`DEFAULTS_BEFORE_RECORD`) differs from what ``cfg``
-    resolves to now, as ``calibration_args.key: a -> b``. A knob named ``<calibration>_...`` counts only
-    where that calibration ran; the others (``retrain_*``) are shared."""
+def calibration_args_difference(summary: dict[str, Any], saved: dict[str, Any], cfg: Config) -> str | None:
+    """The first knob of a calibration a finished run used whose value (``summary["calibration_args"]``,
+    or for a run from before that record its config's ``saved`` knobs over :data:`DEFAULTS_BEFORE_RECORD`)
+    differs from what ``cfg`` resolves to now, as ``calibration_args.key: a -> b``. A knob named
+    ``<calibration>_...`` counts only where that calibration ran; the others (``retrain_*``) are shared."""
     from fedlt.calibration.calibrators import CALIBRATORS
     from fedlt.calibration.wrapper import parse_calibration_args
 
     used = summary.get("calibration") or []
-    saved = summary.get("calibration_args")
-    if not isinstance(saved, dict):
+    ran = summary.get("calibration_args")
+    if not isinstance(ran, dict):
         before = {k: v for name in used for k, v in DEFAULTS_BEFORE_RECORD.get(name, {}).items()}
-        saved = parse_calibration_args({**before, **cfg.calibration_args}).model_dump(mode="json")
+        ran = parse_calibration_args({**before, **saved}).model_dump(mode="json")
     resolved = parse_calibration_args(cfg.calibration_args).model_dump(mode="json")
 
     def read(knob: str) -> bool:
         owner = [name for name in CALIBRATORS if knob.startswith(f"{name}_")]
         return not owner or owner[0] in used
 
-    return config_difference({f"calibration_args.{k}": v for k, v in saved.items() if read(k)},
+    return config_difference({f"calibration_args.{k}": v for k, v in ran.items() if read(k)},
                              {f"calibration_args.{k}": v for k, v in resolved.items() if read(k)})
 
 
@@ -447,15 +447,18 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
                               "delete that folder or pass --out to a fresh one")
         cell.state = "new"
         return
-    diff = config_difference(read_yaml_mapping(saved_path, f"cell '{cell.label}': run config"), cfg.dump())
+    saved = read_yaml_mapping(saved_path, f"cell '{cell.label}': run config")
     try:
         summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
     except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
         summary = None
+    # a finished run's calibration knobs are matched on the values it ran with, however they were spelled
+    diff = _config_difference(saved, cfg.dump(), IGNORED_KEYS + (("calibration_args",) if summary else ()))
     if diff is None and summary and isinstance(summary.get("method_args"), dict):
         diff = method_args_difference(summary["method_args"], cfg)
     if diff is None and summary:
-        diff = calibration_args_difference(summary, cfg)
+        raw = saved.get("calibration_args")
+        diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)
     if diff is not None:
         raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
                           "delete that folder or pass --out to a fresh one")
