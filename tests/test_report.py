@@ -241,13 +241,17 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
     assert "≈" not in report.markdown and "level" not in report.markdown and "within the noise" not in report.markdown
     assert "best is **bold** only if its lead over the second is resolved" in caption
     tex = (report.out / "tables.tex").read_text()
-    assert "Method & GM & $\\Delta$GM & Many & Med. & Few & PM \\\\" in tex
-    assert ("B & \\textbf{76.33 $\\pm$ 1.26} & +5.33 $\\pm$0.72 [4.62, 6.05] * & \\textbf{86.33 $\\pm$ 1.26} & "
-            "\\textbf{66.33 $\\pm$ 1.26} & \\textbf{56.33 $\\pm$ 1.26} & \\textbf{77.33 $\\pm$ 2.25} \\\\") in tex
-    assert "A & 73.00 $\\pm$ 1.00 & +2.00 $\\pm$2.48 [-0.48, 4.48] n.r. & 83.00" in tex
+    # the Markdown table's columns: GM's interval and both paired differences too
+    assert ("Method & GM & 95\\% CI & $\\Delta$ GM vs FedAvg & Many & Med. & Few & PM & $\\Delta$ PM vs FedAvg "
+            "\\\\") in tex
+    assert ("B & \\textbf{76.33 $\\pm$ 1.26} & [73.21, 79.46] & +5.33 $\\pm$0.72 [4.62, 6.05] * & "
+            "\\textbf{86.33 $\\pm$ 1.26} & \\textbf{66.33 $\\pm$ 1.26} & \\textbf{56.33 $\\pm$ 1.26} & "
+            "\\textbf{77.33 $\\pm$ 2.25} & +5.33 $\\pm$0.72 [4.62, 6.05] * \\\\") in tex
+    assert "A & 73.00 $\\pm$ 1.00 & [70.52, 75.48] & +2.00 $\\pm$2.48 [-0.48, 4.48] n.r. & 83.00" in tex
     assert "Smallest 95\\% half-width of a paired difference achieved: $\\Delta$ GM $\\pm$0.72 (B, 3 seeds)" in tex
-    assert "FedAvg & 71.00 $\\pm$ 1.00 & ref &" in tex
-    assert "$\\Delta$GM: GM minus FedAvg's, paired by seed" in tex and "\\begin{tabular}{lcccccc}" in tex
+    assert "FedAvg & 71.00 $\\pm$ 1.00 & [68.52, 73.48] & ref &" in tex
+    assert "$\\Delta$GM ($\\Delta$PM): GM (PM) minus FedAvg's, paired by seed" in tex
+    assert "\\begin{tabular}{lcccccccc}" in tex  # a label and 8 columns
 
 
 def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):

@@ -355,10 +355,11 @@ def latex(c: Collection, tables: list[Table]) -> str:
     for t in tables:
         ref = latex_escape(t.rows[t.reference].label) if t.rows else ""
         resolution = latex_escape(resolution_text(t))
+        columns = _markdown_columns(t)
         lines += ["", r"\begin{table}[t]", r"\centering",
                   f"\\caption{{{latex_escape(c.title)}: {latex_escape(t.setting.name)}. Final-round accuracy (\\%), "
                   + (f"mean $\\pm$ std over {len(c.seeds)} seeds" if len(c.seeds) > 1 else "one seed")
-                  + f". $\\Delta$GM: GM minus {ref}'s, paired by seed (same partition, same sampled clients), "
+                  + f"; 95\\% CI: the t-interval of GM's mean. $\\Delta$GM ($\\Delta$PM): GM (PM) minus {ref}'s, paired by seed (same partition, same sampled clients), "
                   "$\\pm$ the half-width of its 95\\% t-interval, and the interval; * the interval excludes 0, "
                   "n.r.\\ not resolved (the interval holds 0). "
                   + (resolution + ". " if resolution else "")
@@ -367,18 +368,23 @@ def latex(c: Collection, tables: list[Table]) -> str:
                   + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "")
                   + ("; $^\\ddagger$ seeds run on different code (tables.md names them)" if any(mixed(r) for r in t.rows)
                      else "") + ".}",
-                  r"\begin{tabular}{l" + "c" * (len(t.columns) + 1) + "}", r"\toprule",
-                  "Method & " + " & ".join(LATEX_HEADERS[m] + (r" & $\Delta$GM" if m == "acc" else "")
-                                           for m, _ in t.columns) + r" \\", r"\midrule"]
+                  r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
+                  "Method & " + " & ".join(latex_escape(header) if kind == "delta" else "95\\% CI" if kind == "ci"
+                                           else LATEX_HEADERS[metric] for kind, metric, header in columns)
+                  + r" \\", r"\midrule"]
         for i, row in enumerate(t.rows):
             cells = []
-            for metric, _ in t.columns:
+            for kind, metric, _ in columns:  # the Markdown table's columns: each metric, GM's interval, the Δs
+                if kind == "ci":
+                    cells.append(_interval(t.cells[i][metric]))
+                    continue
+                if kind == "delta":
+                    cells.append(_delta(t, i, metric, pm=r"$\pm$"))
+                    continue
                 text = _number(t.cells[i][metric], r"$\pm$")
                 mark = t.marks.get((i, metric))
                 cells.append(f"\\textbf{{{text}}}" if mark == "best" else f"\\underline{{{text}}}" if mark == "second"
                              else text)
-                if metric == "acc":
-                    cells.append(_delta(t, i, metric, pm=r"$\pm$"))
             lines.append(latex_escape(_label(row)) + " & " + " & ".join(cells) + r" \\")
         lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(lines) + "\n"
