@@ -46,7 +46,7 @@ for name, root in SETS.items():
     write_suite_file(suite, runs, None)
     subprocess.run([".venv/bin/fedlt", "report", str(runs), "--out", str(root)], check=True, capture_output=True)
     lines = (root / "tables.md").read_text().splitlines()
-    parts[f"table:{name}"] = [l for l in section(lines, "| method | GM acc") if "(0/" not in l]
+    parts[f"table:{name}"] = [l for l in section(lines, "| method | GM acc | 95% CI") if "(0/" not in l]
     claims[name] = {tuple(cells(l)[:2]): cells(l) for l in block(lines, "| paper | claim")[2:]}
     done = [c for c in expand(suite, runs, None) if (c.run_dir / "summary.json").is_file()]
     rows = {}
