@@ -501,3 +501,22 @@ def test_an_output_folder_the_system_will_not_write_is_refused_before_any_work(t
         cli._guard(lambda: (_ for _ in ()).throw(OSError("no file")))
     with pytest.raises(FileNotFoundError):  # nor is a missing file fedlt itself looked for: a bug keeps its traceback
         cli._guard(lambda: (_ for _ in ()).throw(FileNotFoundError(2, "No such file or directory", "/x")))
+
+
+def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch):
+    """Ctrl-C ends with 130 and one line: an in-process run resumes, a Flower run starts again, a
+    bench resumes its unfinished cells."""
+    from typer.testing import CliRunner
+
+    import fedlt.api
+    from fedlt.cli import app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedlt.api, "run", interrupted)
+    result = CliRunner().invoke(app, ["run", "data.dataset=synthetic", "--quiet"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 130 and len(lines) == 1
+    assert "`fedlt run --resume RUN_DIR` resumes an in-process run" in lines[0]
+    assert "an engine=flower run starts again" in lines[0] and "`fedlt bench` run again" in lines[0]

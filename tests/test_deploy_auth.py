@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,8 +48,6 @@ def exported(tmp_path_factory) -> Path:
 
 def _filled(folder: Path, exported: Path) -> Path:
     """Every site folder of ``folder`` holds a copy of an exported node."""
-    import shutil
-
     for site in folder.iterdir():
         if site.is_dir() and not site.name.startswith("."):
             shutil.copytree(exported / "nodes" / "client-0", site, dirs_exist_ok=True)
@@ -90,6 +90,19 @@ def test_node_data_plans_one_supernode_per_site_folder_that_flower_reads_back(tm
     assert [parse_config_args([s.node_config]) for s in default.sites] == [
         {"partition-id": i, "num-partitions": 3} for i in range(3)]
     assert "flower.node_data=true" not in default.overrides and default.sites == partition_sites(3)
+
+
+def test_a_site_without_the_test_folder_the_run_evaluates_on_is_refused_before_anything_starts(tmp_path, exported):
+    from fedlt.errors import FedltError
+
+    folder = _filled(_sites(tmp_path, "a", "b"), exported)
+    shutil.rmtree(folder / "b" / "test")
+    with pytest.raises(FedltError, match=rf"^{re.escape(str(folder / 'b'))} has no test/ folder, which the run "
+                                         r"evaluates on .*eval.test_data=PATH$"):
+        plan_deployment(SMOKE, ["fl.rounds=1"], node_data=folder)
+    # without personalized accuracy and with the server's test set, no site needs one
+    plan_deployment(SMOKE, ["fl.rounds=1", "eval.personalized=false"], node_data=folder,
+                    server_test=exported / "server" / "test")
 
 
 def test_a_node_key_is_an_openssh_p384_key_pair_flower_loads(tmp_path):

@@ -257,6 +257,22 @@ def test_simulated_clients_reserve_the_gpus_and_cpus_the_config_asks_for(monkeyp
     check_config(cfg)  # a quarter of the one GPU present: four clients share it
     assert simulation_backend(cfg)["client_resources"] == {"num_cpus": 2, "num_gpus": 0.25}
     assert simulation_backend(build_config({}))["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    # a client running 3 torch threads is given 3 cores: Ray runs no more clients at once than fit
+    assert simulation_backend(build_config({"run": {"threads": 3}}))["client_resources"]["num_cpus"] == 3
+
+
+def test_a_simulation_asking_more_cpus_than_the_machine_has_is_refused_before_ray_starts(tmp_path):
+    """Ray would start no client and wait for one (then end with a traceback)."""
+    from fedlt.engine.flower_app import simulate
+    from fedlt.engine.process_pool import cpu_cores
+    from fedlt.errors import ConfigError
+
+    cfg = build_config({"engine": "flower", "data": {"dataset": "synthetic"}, "run": {"out_dir": str(tmp_path)},
+                        "flower": {"cpus_per_client": cpu_cores() + 1}})
+    with pytest.raises(ConfigError, match=rf"^flower.cpus_per_client={cpu_cores() + 1} but this machine has "
+                                          rf"{cpu_cores()} CPU core\(s\); use at most {cpu_cores()}$"):
+        simulate(cfg)
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_node():

@@ -51,7 +51,9 @@ def _guard(fn: Callable[[], None]) -> None:
         typer.echo(f"fedlt: error: {err}", err=True)
         raise typer.Exit(2)
     except KeyboardInterrupt:
-        typer.echo("fedlt: interrupted; resume with `fedlt run --resume RUN_DIR` from the last checkpoint", err=True)
+        typer.echo("fedlt: interrupted; `fedlt run --resume RUN_DIR` resumes an in-process run from its last "
+                   "checkpoint (an engine=flower run starts again), and `fedlt bench` run again its unfinished cells",
+                   err=True)
         raise typer.Exit(130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
         if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:

@@ -507,9 +507,11 @@ def check_site_folders(cfg, folders: list[Path], server_test: Path | None) -> No
     from fedlt.data.declaration import declared_dataset
     from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 
+    from fedlt.engine.flower_nodes import require_test_folder
+
     declared = declared_dataset(cfg.data)
     for folder in folders:
-        load_node_data(folder, declared)
+        require_test_folder(cfg, folder, load_node_data(folder, declared).test is not None)
     if server_test is not None:
         load_image_folder(server_test.resolve().parent, server_test.resolve().name, declared)
 

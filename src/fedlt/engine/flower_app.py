@@ -38,6 +38,7 @@ from fedlt.engine.clients import EVALUATE, ClientRuntime
 from fedlt.engine.flower_codec import (
     decode_message, decode_meta, decode_reply, drop_tree, encode_message, get_tree, has_tree, put_tree,
 )
+from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, TrainingDiverged
 from fedlt.messages import Message, Reply
@@ -376,7 +377,8 @@ def main(grid: Grid, context: Context) -> None:
 def simulation_backend(cfg: Config) -> dict[str, Any]:
     """Flower's simulation backend settings: what Ray reserves for each running ClientApp (its CPUs,
     and GPUs when ``flower.gpus_per_client`` asks for them; check_config has refused more than exist)."""
-    resources = {"num_cpus": cfg.flower.cpus_per_client, "num_gpus": cfg.flower.gpus_per_client}
+    cpus = max(cfg.flower.cpus_per_client, cfg.run.threads or 1)  # a client's torch threads each get a core
+    resources = {"num_cpus": cpus, "num_gpus": cfg.flower.gpus_per_client}
     return {"client_resources": resources, "init_args": {"include_dashboard": False}}
 
 
@@ -388,6 +390,12 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     if cfg.flower.node_data:
         raise ConfigError("flower.node_data=true runs on SuperNodes that each hold their own data, not in Flower's "
                           "simulation; deploy it with fedlt deploy --node-data DIR")
+    cores = cpu_cores()
+    if cfg.flower.cpus_per_client > cores:  # Ray would start no client and wait for one
+        raise ConfigError(f"flower.cpus_per_client={cfg.flower.cpus_per_client:g} but this machine has {cores} "
+                          f"CPU core(s); use at most {cores}")
+    if cfg.run.threads is None:  # Ray gives each client cpus_per_client threads; the in-process run, torch's default
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"threads": torch.get_num_threads()})})
     result: dict[str, RunResult] = {}
     app = ServerApp()
 

@@ -70,6 +70,15 @@ def server_set(cfg: Config, path: str | None, device: torch.device) -> ImageData
 _node_runtime: dict[tuple[str, Path], ClientRuntime] = {}
 
 
+def require_test_folder(cfg: Config, folder: Path | str, has_test: bool) -> None:
+    """A site evaluates on its own test/ folder wherever the run measures personalized accuracy, or
+    has no server test set to evaluate the global model on."""
+    if not has_test and (cfg.eval.personalized or not cfg.eval.test_data):
+        raise FedltError(f"{folder} has no test/ folder, which the run evaluates on (personalized accuracy, or "
+                         "federated evaluation without eval.test_data); add test/<class>/... or set "
+                         "eval.personalized=false and eval.test_data=PATH")
+
+
 def node_runtime(config_json: str, folder: Path) -> ClientRuntime:
     """The client runtime of a node that holds ``folder``, for the run's config (rebuilt when it changes)."""
     key = (config_json, folder)
@@ -82,10 +91,7 @@ def node_runtime(config_json: str, folder: Path) -> ClientRuntime:
                              'with --node-config "partition-id=I num-partitions=N"')
         spec, device = setup_runtime(cfg)
         node = load_node_data(folder, declared_dataset(cfg.data))
-        if node.test is None and (cfg.eval.personalized or not cfg.eval.test_data):
-            raise FedltError(f"{folder} has no test/ folder, which the run evaluates on (personalized accuracy, or "
-                             "federated evaluation without eval.test_data); add test/<class>/... or set "
-                             "eval.personalized=false and eval.test_data=PATH")
+        require_test_folder(cfg, folder, node.test is not None)
         flips = cfg.data.flips(DATASETS[cfg.data.dataset].hflip if cfg.data.dataset in DATASETS else True)
         data = node_federation(node.train.to(device), node.test.to(device) if node.test is not None else None, flips)
         _node_runtime[key] = ClientRuntime(cfg, spec, data, device)
