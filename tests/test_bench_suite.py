@@ -388,7 +388,19 @@ def test_a_report_leaves_out_a_run_copied_in_from_another_config_and_says_so(tin
     assert "| FedProx (1/2 seeds) |" in markdown
     shutil.rmtree(seed1)
     shutil.copytree(seed0, seed1)  # seed 0's run in seed 1's folder
-    assert f"row 'FedProx': left out {seed1}: it ran seed 0" in write_report(mine, with_plots=False).markdown
+    assert (f"row 'FedProx': left out {seed1}: it ran seed 0 (data.seed None) where its folder means seed 1 "
+            "(data.seed None)") in write_report(mine, with_plots=False).markdown
+
+
+def test_a_replicate_row_that_sets_its_own_seeds_is_reported_whole(tmp_path):
+    """A row ``[data.seed={seed}, seed=100{seed}]`` (the federation of seed S, other training randomness)
+    runs seed 100S in folder seedS: its runs are the row's, not runs copied in."""
+    tree = {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1], {"name": "FedProx replicate", "overrides": [
+        "method=fedprox", "data.seed={seed}", "seed=100{seed}"]}]}
+    out = tmp_path / "out"
+    run_suite(load_suite(write_suite(tmp_path / "replicate.yaml", tree)), out, echo=lambda line: None)
+    markdown = write_report(out, with_plots=False).markdown
+    assert "left out" not in markdown and "| FedProx replicate |" in markdown and "(0/2 seeds)" not in markdown
 
 
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):

@@ -267,11 +267,14 @@ def test_a_simulation_asking_more_cpus_than_the_machine_has_is_refused_before_ra
     from fedlt.engine.process_pool import cpu_cores
     from fedlt.errors import ConfigError
 
-    cfg = build_config({"engine": "flower", "data": {"dataset": "synthetic"}, "run": {"out_dir": str(tmp_path)},
-                        "flower": {"cpus_per_client": cpu_cores() + 1}})
-    with pytest.raises(ConfigError, match=rf"^flower.cpus_per_client={cpu_cores() + 1} but this machine has "
-                                          rf"{cpu_cores()} CPU core\(s\); use at most {cpu_cores()}$"):
-        simulate(cfg)
+    n = cpu_cores()
+    for asked in ({"flower": {"cpus_per_client": n + 1}}, {"run": {"threads": n + 1}}):  # Ray reserves the larger
+        tree = {"engine": "flower", "data": {"dataset": "synthetic"}, "run": {"out_dir": str(tmp_path)}}
+        cfg = build_config({**tree, **asked, "run": {**tree["run"], **asked.get("run", {})}})
+        with pytest.raises(ConfigError, match=rf"^each simulated client asks for {n + 1} CPU cores "
+                                              rf"\(flower.cpus_per_client=.*, run.threads=.*\) but this machine has "
+                                              rf"{n}; set both to at most {n}$"):
+            simulate(cfg)
     assert not any(tmp_path.iterdir())
 
 

@@ -390,12 +390,13 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     if cfg.flower.node_data:
         raise ConfigError("flower.node_data=true runs on SuperNodes that each hold their own data, not in Flower's "
                           "simulation; deploy it with fedlt deploy --node-data DIR")
-    cores = cpu_cores()
-    if cfg.flower.cpus_per_client > cores:  # Ray would start no client and wait for one
-        raise ConfigError(f"flower.cpus_per_client={cfg.flower.cpus_per_client:g} but this machine has {cores} "
-                          f"CPU core(s); use at most {cores}")
     if cfg.run.threads is None:  # Ray gives each client cpus_per_client threads; the in-process run, torch's default
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"threads": torch.get_num_threads()})})
+    cores, wanted = cpu_cores(), simulation_backend(cfg)["client_resources"]["num_cpus"]
+    if wanted > cores:  # Ray would start no client and wait for one
+        raise ConfigError(f"each simulated client asks for {wanted:g} CPU cores (flower.cpus_per_client="
+                          f"{cfg.flower.cpus_per_client:g}, run.threads={cfg.run.threads}) but this machine has "
+                          f"{cores}; set both to at most {cores}")
     result: dict[str, RunResult] = {}
     app = ServerApp()
 

@@ -204,7 +204,7 @@ def _collect_suite(path: Path) -> Collection:
                 folder = selections[m.name].folder(chosen) if chosen else folder
                 variant = selections[m.name].variants.get(chosen) if chosen else None
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
-            runs, foreign = _one_config(runs)
+            runs, foreign = _one_config(runs, [*spec.overrides, *s.overrides, *m.overrides])
             warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
@@ -236,25 +236,40 @@ def _collect_suite(path: Path) -> Collection:
                       list(selections.values()))
 
 
-def _one_config(runs: list[Run]) -> tuple[list[Run], list[str]]:
+def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]]:
     """A row's runs that are one config at their folders' seeds, and why each other one is left out:
-    a run copied in from elsewhere, which `fedlt bench` refuses to keep (runs without a config pass)."""
+    a run copied in from elsewhere, which `fedlt bench` refuses to keep (runs without a config pass).
+    ``given``: the row's overrides, where ``{seed}`` is the folder's seed (``seed=100{seed}``: a replicate)."""
     from fedlt.bench.suite import IGNORED_KEYS
 
     kept, foreign, first = [], [], None
     for run in runs:
         cfg = read_yaml_mapping(run.path / "config.yaml", "run config") if (run.path / "config.yaml").is_file() else None
-        if cfg is not None and cfg.get("seed") != run.seed:
-            foreign.append(f"{run.path}: it ran seed {cfg.get('seed')!r}")
+        expected = _seeds_of(run.seed, given)
+        ran = (cfg.get("seed"), (cfg.get("data") or {}).get("seed")) if cfg is not None else expected
+        if ran != expected:
+            foreign.append(f"{run.path}: it ran seed {ran[0]!r} (data.seed {ran[1]!r}) where its folder means "
+                           f"seed {expected[0]!r} (data.seed {expected[1]!r})")
             continue
-        diff = config_difference(cfg, first[1], (*IGNORED_KEYS, "seed"), common=True) if cfg is not None and first \
-            else None
+        diff = config_difference(cfg, first[1], (*IGNORED_KEYS, "seed", "data.seed"), common=True) \
+            if cfg is not None and first else None
         if diff:
             foreign.append(f"{run.path}: its config differs from seed {first[0]}'s ({diff})")
             continue
         first = first or ((run.seed, cfg) if cfg is not None else None)
         kept.append(run)
     return kept, foreign
+
+
+def _seeds_of(seed: int, given: list[str]) -> tuple[Any, Any]:
+    """(seed, data.seed) of the cell of ``seed`` whose overrides are ``given``, as `fedlt bench` sets them."""
+    values: dict[str, Any] = {"seed": seed, "data.seed": None}
+    for override in given:
+        key, _, value = override.replace("{seed}", str(seed)).partition("=")
+        if key.strip() in values:
+            text = value.strip()
+            values[key.strip()] = int(text) if text.lstrip("-").isdigit() else None if text in ("", "null") else text
+    return values["seed"], values["data.seed"]
 
 
 def _seed_runs(method_dir: Path) -> list[Run]:
