@@ -325,6 +325,12 @@ def select_rows(suite: Suite, labels: list[str]) -> set[str]:
     return {owner[label] for label in labels}
 
 
+def seeded(seed: int, given: list[str]) -> list[str]:
+    """A cell's overrides: ``seed=S`` first, then ``given`` with ``{seed}`` read as S (a later ``seed=``
+    wins, as in a replicate row)."""
+    return [f"seed={seed}", *(o.replace("{seed}", str(seed)) for o in given)]
+
+
 def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[str] | None = None,
            rows: list[str] | None = None) -> list[Cell]:
     """All cells, settings-major then methods then seeds (the tables' order). ``extra`` overrides
@@ -348,8 +354,7 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
                         continue
                     run_dir = cell_dir(out, setting.name, label, seed)
                     given = [*s.overrides, *setting.overrides, *m.overrides, *chosen_overrides, *(extra or [])]
-                    overrides = [f"seed={seed}", *(o.replace("{seed}", str(seed)) for o in given),
-                                 f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
+                    overrides = [*seeded(seed, given), f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
                     cells.append(Cell(setting.name, label, seed, overrides, run_dir, row=m.name))
     return cells
 

@@ -263,9 +263,11 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
 
 def _seeds_of(seed: int, given: list[str]) -> tuple[Any, Any]:
     """(seed, data.seed) of the cell of ``seed`` whose overrides are ``given``, as `fedlt bench` sets them."""
+    from fedlt.bench.suite import seeded
+
     values: dict[str, Any] = {"seed": seed, "data.seed": None}
-    for override in given:
-        key, _, value = override.replace("{seed}", str(seed)).partition("=")
+    for override in seeded(seed, given):
+        key, _, value = override.partition("=")
         if key.strip() in values:
             text = value.strip()
             values[key.strip()] = int(text) if text.lstrip("-").isdigit() else None if text in ("", "null") else text
