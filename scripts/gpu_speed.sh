@@ -11,7 +11,7 @@
 # bench paper-rounds). Each step writes its table to OUT_DIR as soon as it ends.
 #
 #   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
-#       STEP: tests, backends, profile, paper-rounds, host-work (default: all, at most 910 s together); =SECONDS
+#       STEP: tests, backends, profile, paper-rounds, host-work (default: all, at most 960 s together); =SECONDS
 #       replaces a step's time limit (e.g. paper-rounds=500). Run from
 #       the repository root; PYTHON=... picks the interpreter.
 set -uo pipefail
@@ -44,7 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run when asked for, with a time limit,
 fedlt=("$py" -m fedlt.cli)
 
 "$py" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$out/device.txt"
-step tests 100 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
+step tests 150 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
 step backends 250 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models resnet8,resnet32,resnet18,cnn \
   --sampled 10,40 --synthetic-size 32 --compare sequential,graphed --out "$out/backends.md" "${clients[@]}"
 step profile 100 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10 --synthetic-size 32 \
