@@ -17,7 +17,8 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from conftest import TINY_SUITE, write_suite
-from fedlt.bench.suite import cell_dir, load_suite, run_suite, slug
+from fedlt.bench.suite import cell_dir, load_suite, method_args_difference, run_suite, slug
+from fedlt.config import load_config
 from fedlt.cli import app
 from fedlt.errors import ConfigError, FedltError
 from fedlt.reporting import write_report
@@ -314,9 +315,31 @@ def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_sui
             f"cell 'IF=10, alpha=0.5 / FedProx / seed 0': {summary.parent} holds a run of another config "
             "(method_args.mu: 0.5 -> 0.01); delete that folder or pass --out to a fresh one")):
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    # a row that now spells out the default the run resolved keeps it (its config file set no knob)
+    summary.write_text(json.dumps(tree))
+    spelled = {**TINY_SUITE, "methods": [TINY_SUITE["methods"][0], {"name": "FedProx", "overrides": [
+        "method=fedprox", "method_args.mu=0.01"]}]}
+    spelled_suite = load_suite(write_suite(tmp_path / "spelled.yaml", spelled))
+    cells = run_suite(spelled_suite, mine, dry_run=True, rows=["FedProx"], echo=lambda line: None).cells
+    assert {c.state for c in cells} == {"done"}
     summary.write_text(json.dumps({k: v for k, v in tree.items() if k != "method_args"}))
     cells = run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells
     assert {c.state for c in cells} == {"done"}
+    with pytest.raises(ConfigError, match=re.escape("(method_args: {} -> None)")):  # no record: its config decides
+        run_suite(spelled_suite, mine, dry_run=True, rows=["FedProx"], echo=lambda line: None)
+
+
+def test_a_run_from_before_a_method_knob_existed_ran_what_the_method_did_then():
+    """SFD's ``scl_form`` was added after runs were kept: a summary without it ran Eq. 7 (``paper``), so it
+    matches a row that asks for ``paper`` and not one that asks for the released code's A-SCL, whatever the
+    default is now; a summary that records the knob is matched on it."""
+    before = {"ce_gamma": 0.1, "beta_pi": 1.0, "scl_weight": None, "scl_temperature": 0.07, "scl_delta": True,
+              "projector_hidden": None, "projector_dim": None}
+    paper, released = (load_config(None, ["method=sfd", f"method_args.scl_form={form}"]) for form in ("paper", "released"))
+    assert method_args_difference(before, paper) is None
+    assert method_args_difference(before, released) == "method_args.scl_form: 'paper' -> 'released'"
+    assert method_args_difference({**before, "scl_form": "released"}, released) is None
+    assert method_args_difference({**before, "scl_form": "released"}, paper) == "method_args.scl_form: 'released' -> 'paper'"
 
 
 def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_suite, tmp_path):

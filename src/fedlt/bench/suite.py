@@ -365,6 +365,11 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
     return _config_difference(saved, wanted, IGNORED_KEYS)
 
 
+#: method knobs added after runs were kept, by method, with what those runs did: a finished run whose summary
+#: lacks such a knob ran this value (whatever the knob's default is now)
+KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"}}
+
+
 def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
     """The first knob whose value a finished run used (``summary["method_args"]``, defaults included)
     differs from what ``cfg`` resolves to now, as ``method_args.key: a -> b``: a changed default
@@ -372,7 +377,8 @@ def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
     from fedlt.methods.registry import get_method, parse_method_args
 
     resolved = parse_method_args(get_method(cfg.method), cfg.method_args).model_dump(mode="json")
-    return config_difference({f"method_args.{k}": v for k, v in saved.items()},
+    ran = {**KNOBS_BEFORE_THEY_EXISTED.get(cfg.method, {}), **saved}
+    return config_difference({f"method_args.{k}": v for k, v in ran.items()},
                              {f"method_args.{k}": v for k, v in resolved.items()})
 
 
@@ -457,9 +463,13 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
     except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
         summary = None
-    # a finished run's calibration knobs are matched on the values it ran with, however they were spelled
-    diff = _config_difference(saved, cfg.dump(), IGNORED_KEYS + (("calibration_args",) if summary else ()))
-    if diff is None and summary and isinstance(summary.get("method_args"), dict):
+    # a finished run's calibration knobs, and its method's where its summary records them, are matched on the
+    # values it ran with, however they were spelled (a default it ran is a value a row may now spell out)
+    resolved = ("calibration_args",) if summary else ()
+    if summary and isinstance(summary.get("method_args"), dict):
+        resolved += ("method_args",)
+    diff = _config_difference(saved, cfg.dump(), IGNORED_KEYS + resolved)
+    if diff is None and "method_args" in resolved:
         diff = method_args_difference(summary["method_args"], cfg)
     if diff is None and summary:
         raw = saved.get("calibration_args")
