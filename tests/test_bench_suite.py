@@ -17,7 +17,8 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from conftest import TINY_SUITE, write_suite
-from fedlt.bench.suite import cell_dir, load_suite, method_args_difference, run_suite, slug
+from fedlt.bench.suite import (REPO_ROOT, cell_dir, load_suite, method_args_difference, run_suite, slug,
+                               write_suite_file)
 from fedlt.config import load_config
 from fedlt.cli import app
 from fedlt.errors import ConfigError, FedltError
@@ -377,6 +378,20 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
     cells = run_suite(load_suite(write_suite(tmp_path / "spelled.yaml", spelled)), mine, dry_run=True,
                       rows=["FedAvg + CCVR"], echo=lambda line: None).cells
     assert {c.state for c in cells} == {"done"}
+
+
+def test_a_folder_s_suite_file_names_a_repository_config_from_the_repository_root(tmp_path, monkeypatch):
+    """A kept folder's suite file must load in any clone: a base config inside the repository is written
+    as its path from the repository's root, one outside it stays absolute."""
+    inside = load_suite(write_suite(tmp_path / "inside.yaml", {**TINY_SUITE, "base": "configs/fmnist_lt.yaml"}))
+    (tmp_path / "own.yaml").write_text("fl:\n  rounds: 1\n")
+    outside = load_suite(write_suite(tmp_path / "outside.yaml", {**TINY_SUITE, "base": str(tmp_path / "own.yaml")}))
+    for suite, folder in ((inside, tmp_path / "a"), (outside, tmp_path / "b")):
+        write_suite_file(suite, folder, None)
+    assert yaml.safe_load((tmp_path / "a" / "suite.yaml").read_text())["base"] == "configs/fmnist_lt.yaml"
+    assert yaml.safe_load((tmp_path / "b" / "suite.yaml").read_text())["base"] == str((tmp_path / "own.yaml").resolve())
+    monkeypatch.chdir(tmp_path)
+    assert load_suite(tmp_path / "a" / "suite.yaml").base == REPO_ROOT / "configs" / "fmnist_lt.yaml"
 
 
 def test_running_some_seeds_keeps_the_folder_reportable_and_the_caption_names_the_seeds_averaged(tiny_suite, tmp_path):

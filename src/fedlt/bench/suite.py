@@ -540,9 +540,18 @@ def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
     a suite's seeds, or more; the folder keeps the suite's rows, whose own seeds stay some of these)."""
     tree = suite.spec.model_dump(exclude_defaults=False)
     tree["seeds"] = sorted(set(suite.spec.seeds) | set(seeds or []))
-    tree["base"] = str(suite.base) if suite.base else None
+    tree["base"] = _portable(suite.base) if suite.base else None
     out.mkdir(parents=True, exist_ok=True)
     (out / SUITE_FILE).write_text(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
+
+
+def _portable(base: Path) -> str:
+    """A base config inside the repository as its path from the repository's root (what
+    :func:`_resolve_base` finds again in any clone); one outside it as its absolute path."""
+    try:
+        return base.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(base)
 
 
 #: what decides a run's floats beyond its config: cells that differ here are not paired digit for digit
