@@ -146,6 +146,7 @@ def test_nan_inf_and_out_of_range_knobs_and_devices_are_refused_before_training(
     from fedlt.run_parts import check_config, resolve_device
 
     assert "Input should be a finite number" in config_error(overrides=["fl.lr=inf"])
+    assert "data.image_size: Input should be greater than or equal to 1" in config_error(overrides=["data.image_size=0"])
     for overrides, fragment in [(["method=fedprox", "method_args.mu=nan"], "method_args.mu for method fedprox: Input "
                                  "should be a finite number"),
                                 (["method=safs", "calibration_args.safs_eps=0"], "calibration_args.safs_eps for "
