@@ -3,9 +3,10 @@ data folder (``--node-config 'data="PATH" name="SITE"'``) and the server reads n
 
 The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (client ``k`` is the
 k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
-``counts`` exchange (a secure phase under ``secagg.enabled``), and evaluates the global model on
-its own test set (``eval.test_data``) or, without one, on the nodes' test splits: each node
-replies per-class sums for every evaluated model (``evaluate_counts``, also summed). Everything
+``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
+without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
+(``evaluate_counts``, also summed). Both are secure phases with two nodes or more, so no node's
+label histogram reaches the server, unless ``privacy.allow_leaks=true``. Everything
 else, the round loop, the client runtime and the messages, is the Flower engine's.
 """
 
@@ -30,6 +31,7 @@ from fedlt.engine.flower_app import HELLO, FlowerSimulation
 from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
+from fedlt.engine.secure_aggregation import SecureAggregation
 from fedlt.errors import ConfigError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, shot_groups, validation_metrics
 from fedlt.messages import Message, Reply
@@ -119,8 +121,13 @@ class NodeDataSimulation(FlowerSimulation):
         self._told_late: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
+        engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum"}
         if self.secure is not None:
-            self.secure.phases.update({COUNTS: "sum", EVALUATE_COUNTS: "sum"})
+            self.secure.phases.update(engine_sums)
+        elif len(names) > 1 and not cfg.privacy.allow_leaks:
+            # the server needs only the sums of the nodes' class counts and evaluation sums, never one node's
+            # label histogram: those two exchanges are secure even where the method's own are not
+            self.secure = SecureAggregation(cfg.secagg, engine_sums, cfg.seed, device)
 
     def _wait_for_nodes(self) -> dict[int, str]:
         """Node id -> name of the SuperNodes that answered, once ``flower.min_nodes`` have, within
