@@ -47,7 +47,20 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
         files.append(out / name)
     if with_plots:
         files += write_plots(collection, out, partitions, features)
+        _remove_stale_plots(out, files)
     return Report(out, text, files)
+
+
+#: how the report names its plots: a PNG of the folder named so that this report did not write is a
+#: plot of a setting or row that no longer has runs
+PLOT_PREFIXES = ("curves-", "shots-", "per-class-", "diagnostics-", "partition-", "features-")
+
+
+def _remove_stale_plots(out: Path, written: list[Path]) -> None:
+    """Delete the report's plots that this report did not write (other files stay)."""
+    for path in out.glob("*.png"):
+        if path.name.startswith(PLOT_PREFIXES) and path not in written:
+            path.unlink()
 
 
 def _partition_record(setting: Setting) -> dict | None:
