@@ -383,6 +383,7 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
 def test_a_folder_s_suite_file_names_a_repository_config_from_the_repository_root(tmp_path, monkeypatch):
     """A kept folder's suite file must load in any clone: a base config inside the repository is written
     as its path from the repository's root, one outside it stays absolute."""
+    monkeypatch.chdir(tmp_path)  # found from the repository's root, not from a working directory's configs/
     inside = load_suite(write_suite(tmp_path / "inside.yaml", {**TINY_SUITE, "base": "configs/fmnist_lt.yaml"}))
     (tmp_path / "own.yaml").write_text("fl:\n  rounds: 1\n")
     outside = load_suite(write_suite(tmp_path / "outside.yaml", {**TINY_SUITE, "base": str(tmp_path / "own.yaml")}))
@@ -390,7 +391,6 @@ def test_a_folder_s_suite_file_names_a_repository_config_from_the_repository_roo
         write_suite_file(suite, folder, None)
     assert yaml.safe_load((tmp_path / "a" / "suite.yaml").read_text())["base"] == "configs/fmnist_lt.yaml"
     assert yaml.safe_load((tmp_path / "b" / "suite.yaml").read_text())["base"] == str((tmp_path / "own.yaml").resolve())
-    monkeypatch.chdir(tmp_path)
     assert load_suite(tmp_path / "a" / "suite.yaml").base == REPO_ROOT / "configs" / "fmnist_lt.yaml"
 
 

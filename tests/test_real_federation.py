@@ -177,7 +177,7 @@ def test_federated_evaluation_gives_the_server_test_sets_accuracy(tmp_path, expo
     assert "federated" in federated.summary["evaluation"]
 
 
-def test_no_nodes_label_histogram_reaches_the_server_unless_leaks_are_allowed(tmp_path, exported, server_identity):
+def test_the_engines_counts_and_evaluation_reach_the_server_as_sums_unless_leaks_are_allowed(tmp_path, exported, server_identity):
     """The class counts and the federated evaluation are secure phases whether or not the method's own
     are (secagg.enabled): the server sees the nodes' sums only, the same figures to the fixed-point
     resolution. privacy.allow_leaks=true sends them in the clear."""
@@ -200,6 +200,39 @@ def test_no_nodes_label_histogram_reaches_the_server_unless_leaks_are_allowed(tm
         assert b["loss"] == pytest.approx(a["loss"], abs=tolerance("loss"))
     for a, b in zip(runs["clear"].metrics, runs["secure"].metrics):
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-3)  # the models were averaged in fixed point too
+
+
+class SilentInSecureRound(NodeGrid):
+    """A grid whose node ``silent`` stops answering secure aggregation's messages in round ``rnd``."""
+
+    def __init__(self, folders: dict[str, Path], silent: int, rnd: int):
+        super().__init__(folders)
+        self.silent, self.rnd = silent, rnd
+
+    def send_and_receive(self, messages, *, timeout):
+        from fedlt.engine.flower_codec import decode_meta
+
+        def dropped(m) -> bool:
+            meta = decode_meta(m.content)
+            return m.metadata.dst_node_id == self.silent and meta["kind"].startswith("secagg:") and meta["round"] == self.rnd
+
+        return super().send_and_receive([m for m in messages if not dropped(m)], timeout=timeout)
+
+
+def test_a_secure_evaluation_left_with_one_node_skips_the_round_not_the_run(tmp_path, exported, server_identity):
+    """Two nodes, one silent in round 1's secure evaluation: its sum would be the other node's own
+    figures, so that round has no metrics; the run goes on, round 2 is evaluated, and the secure
+    evaluation's extra exchanges are not counted as traffic."""
+    two = dict(list(nodes_of(exported).items())[:2])
+    top = {"flower": {"min_nodes": 2, "min_reply_fraction": 0.5}}
+    clear = node_run(node_tree(tmp_path, "clear", exported, privacy={"allow_leaks": True}, **top), NodeGrid(two))
+    run = node_run(node_tree(tmp_path, "silent", exported, **top), SilentInSecureRound(two, silent=201, rnd=1))
+    assert [m.get("acc") is None for m in run.metrics] == [True, False]
+    assert run.metrics[1]["acc"] == pytest.approx(clear.metrics[1]["acc"], abs=tolerance("acc"))
+    assert {"round": 1, "kind": "secagg:keys", "clients": [1], "cause": "timeout"} in run.summary["dropped"]
+    # the secure class counts (before round 1) are traffic; the secure evaluations are not
+    assert run.metrics[1]["comm"] == clear.metrics[1]["comm"]
+    assert run.metrics[0]["comm"]["up_payload"] > clear.metrics[0]["comm"]["up_payload"]
 
 
 def test_a_node_missing_classes_keeps_the_global_labels(tmp_path, exported, server_identity):

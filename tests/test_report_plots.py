@@ -39,19 +39,21 @@ def test_suite_report_writes_every_plot_as_a_readable_png(tiny_suite, tmp_path):
             assert_readable_png(path)
 
 
-def test_a_report_removes_its_plots_of_rows_that_no_longer_have_runs(tiny_suite, tmp_path):
-    """A row renamed or removed leaves no plot behind; other files of the folder stay."""
+def test_a_report_removes_the_features_plot_of_a_row_that_no_longer_has_runs(tiny_suite, tmp_path):
+    """A row renamed or removed leaves no features plot behind; a current row's plot that this report
+    cannot redraw, another setting's plots and other files stay."""
     _, out, _ = tiny_suite
     folder = tmp_path / "report"
     folder.mkdir()
-    stale = [folder / "features-if-10-alpha-0-5-an-old-row.png", folder / "curves-an-old-setting.png"]
-    kept = [folder / "my-figure.png", folder / "notes.md"]
-    for path in stale + kept:
+    stale = folder / "features-if-10-alpha-0-5-an-old-row.png"
+    kept = [folder / "features-if-10-alpha-0-5-fedprox.png", folder / "curves-another-setting.png",
+            folder / "features-another-setting-fedprox.png", folder / "my-figure.png", folder / "notes.md"]
+    for path in [stale, *kept]:
         path.write_bytes(PNG_SIGNATURE)
+    write_report(out, folder, with_plots=False)  # tables only: no plot is touched
+    assert stale.exists()
     write_report(out, folder)
-    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
-    assert (folder / "features-if-10-alpha-0-5-fedavg-ccvr.png").is_file()
-    write_report(out, folder, with_plots=False)  # tables only: the plots stay
+    assert not stale.exists() and all(p.exists() for p in kept)
     assert (folder / "features-if-10-alpha-0-5-fedavg-ccvr.png").is_file()
 
 

@@ -322,8 +322,8 @@ class PrivacyConfig(_Section):
     """What a real federation (``flower.node_data``) lets leave a node."""
 
     allow_leaks: bool = Field(False, description="allow options that send a node's label histogram or real features "
-                              "in the clear under flower.node_data (refused otherwise); the engine's class counts and "
-                              "evaluation sums then travel in the clear too, instead of as secure sums")
+                              "in the clear under flower.node_data (refused otherwise); without secagg.enabled the "
+                              "engine's class counts and evaluation sums then travel in the clear too, not as secure sums")
 
 
 class SecAggConfig(_Section):

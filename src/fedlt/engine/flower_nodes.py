@@ -5,8 +5,9 @@ The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (clien
 k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
 ``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
 without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
-(``evaluate_counts``, also summed). Both are secure phases with two nodes or more, so no node's
-label histogram reaches the server, unless ``privacy.allow_leaks=true``. Everything
+(``evaluate_counts``, also summed). Both are secure phases with two nodes or more (unless
+``privacy.allow_leaks=true`` without ``secagg.enabled``), so the server sees only their sums; a round
+whose secure evaluation lost too many nodes to be summed is left unevaluated. Everything
 else, the round loop, the client runtime and the messages, is the Flower engine's.
 """
 
@@ -31,7 +32,7 @@ from fedlt.engine.flower_app import HELLO, FlowerSimulation
 from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
-from fedlt.engine.secure_aggregation import SecureAggregation
+from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSum
 from fedlt.errors import ConfigError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, shot_groups, validation_metrics
 from fedlt.messages import Message, Reply
@@ -125,8 +126,8 @@ class NodeDataSimulation(FlowerSimulation):
         if self.secure is not None:
             self.secure.phases.update(engine_sums)
         elif len(names) > 1 and not cfg.privacy.allow_leaks:
-            # the server needs only the sums of the nodes' class counts and evaluation sums, never one node's
-            # label histogram: those two exchanges are secure even where the method's own are not
+            # the server needs only the sums of the nodes' class counts and evaluation figures, never one
+            # node's: those two exchanges are secure even where the method's own are not
             self.secure = SecureAggregation(cfg.secagg, engine_sums, cfg.seed, device)
 
     def _wait_for_nodes(self) -> dict[int, str]:
@@ -204,7 +205,11 @@ class NodeDataSimulation(FlowerSimulation):
         """Each node evaluates ``models`` on its own test split; the sums give the metrics."""
         own = type(self.server_model.head)
         msg = Message(payload={"models": {name: encode_model(m, own) for name, m in models.items()}})
-        replies = list(self._exchange(EVALUATE_COUNTS, rnd, [(cid, msg) for cid in self.all_clients]).values())
+        try:
+            replies = list(self._exchange(EVALUATE_COUNTS, rnd, [(cid, msg) for cid in self.all_clients]).values())
+        except TooFewForSecureSum as err:  # too few nodes answered to sum without revealing one: no figures this round
+            log(f"fedlt: round {rnd} is not evaluated: {err}")
+            return {}
         out: dict[str, Any] = {}
         if self.cfg.eval.personalized and not self.spec.client.personalized and GLOBAL in models:
             n = sum(r.payload["pm_n"] for r in replies)

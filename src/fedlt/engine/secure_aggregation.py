@@ -45,6 +45,11 @@ KEYS, SHARES, UNMASK = "secagg:keys", "secagg:shares", "secagg:unmask"
 #: the message payload entry that turns a phase secure; the ctx.state entry of a client's secrets
 ENTRY = "secagg"
 
+
+class TooFewForSecureSum(FedltError):
+    """Dropouts left a secure phase without enough clients to sum without revealing one of them: the
+    phase is not aggregated (a caller that can go without it, such as an evaluation, may carry on)."""
+
 Exchange = Callable[[str, int, list[tuple[int, Message]]], dict[int, Reply]]
 
 
@@ -251,15 +256,26 @@ class SecureAggregation:
         self.cfg, self.phases, self.seed, self.device = cfg, dict(phases), seed, device
         #: exchange kinds that were run without secure aggregation
         self.in_clear: set[str] = set()
+        #: the secure phase being run, if any
+        self.phase: str | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"phases": self.phases, "in_clear": sorted(self.in_clear), "neighbours": self.cfg.neighbours,
+        return {"enabled": self.cfg.enabled, "phases": self.phases, "in_clear": sorted(self.in_clear),
+                "neighbours": self.cfg.neighbours,
                 "threshold": self.cfg.threshold, "fraction_bits": self.cfg.fraction_bits,
                 "masks": "AES-256-CTR", "key_agreement": "ECDH SECP384R1 + HKDF-SHA256 (flwr)",
                 "secret_sharing": "Shamir (flwr)"}
 
     def exchange(self, send: Exchange, kind: str, rnd: int, items: list[tuple[int, Message]]) -> dict[int, Reply]:
-        """Run ``kind`` for ``items`` through the four stages; ``send`` is the engine's plain exchange."""
+        """Run ``kind`` for ``items`` through the four stages; ``send`` is the engine's plain exchange.
+        While it runs, :attr:`phase` is ``kind``: the engine accounts its sub-exchanges as that phase."""
+        self.phase = kind
+        try:
+            return self._exchange(send, kind, rnd, items)
+        finally:
+            self.phase = None
+
+    def _exchange(self, send: Exchange, kind: str, rnd: int, items: list[tuple[int, Message]]) -> dict[int, Reply]:
         if not items:
             return {}
         if len(items) < 2:
@@ -267,7 +283,7 @@ class SecureAggregation:
                              f"{len(items)}; raise fl.participation or set secagg.enabled=false")
         keys = send(KEYS, rnd, [(cid, Message()) for cid, _ in items])
         if len(keys) < 2:
-            raise FedltError(f"round {rnd} ({kind}): {len(keys)} client(s) answered the key exchange; secure "
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(keys)} client(s) answered the key exchange; secure "
                              "aggregation needs at least 2 (a lone reply would be revealed)")
         rng = numpy_rng(self.seed, "secagg", rnd, zlib.crc32(kind.encode()))
         groups = neighbour_groups(sorted(keys), self.cfg.neighbours, rng)
@@ -286,13 +302,13 @@ class SecureAggregation:
         if not masked:
             return {}
         if not connected(set(masked), groups):
-            raise FedltError(f"round {rnd} ({kind}): dropouts split the clients that uploaded into groups with no mask "
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): dropouts split the clients that uploaded into groups with no mask "
                              "between them, so unmasking would reveal each group's sum; the phase is not aggregated "
                              "(raise secagg.neighbours, or 0 for every pair)")
         for owner in sorted(shares):  # each secret needs t share holders among the uploaders
             holders = sum(j in masked for j in groups[owner])
             if holders < t:
-                raise FedltError(f"round {rnd} ({kind}): {holders} of the {t} shares needed to unmask client {owner} "
+                raise TooFewForSecureSum(f"round {rnd} ({kind}): {holders} of the {t} shares needed to unmask client {owner} "
                                  "can arrive (too many dropouts for secagg.threshold); the phase cannot be aggregated")
         schemas = {r.payload["schema"] for r in masked.values()}
         if len(schemas) > 1:
@@ -321,6 +337,6 @@ class SecureAggregation:
         shamir, _, _ = flower_crypto()
         shares = [_unb64(r.payload[entry][owner]) for r in unmask.values() if owner in r.payload[entry]]
         if len(shares) < t:
-            raise FedltError(f"round {rnd} ({kind}): {len(shares)} of the {t} shares needed to unmask client {owner} "
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(shares)} of the {t} shares needed to unmask client {owner} "
                              "arrived (clients dropped out while unmasking); the phase cannot be aggregated")
         return shamir.combine_shares(shares[:t])

@@ -197,8 +197,9 @@ class Simulation:
         evaluation's."""
         if kind not in self.message_record:
             self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
-        if kind in (EVALUATE, EVALUATE_COUNTS):
-            return
+        evaluation = (EVALUATE, EVALUATE_COUNTS)
+        if kind in evaluation or (self.secure is not None and self.secure.phase in evaluation):
+            return  # an evaluation, or a secure evaluation's key, share and unmask exchanges
         for name, n in zip(TRAFFIC_KINDS, (*msg.nbytes(), *reply.nbytes())):
             self._traffic[name] += n
 

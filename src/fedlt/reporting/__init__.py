@@ -47,20 +47,19 @@ def write_report(path: str | Path, out: str | Path | None = None, with_plots: bo
         files.append(out / name)
     if with_plots:
         files += write_plots(collection, out, partitions, features)
-        _remove_stale_plots(out, files)
+        _remove_stale_plots(out, collection)
     return Report(out, text, files)
 
 
-#: how the report names its plots: a PNG of the folder named so that this report did not write is a
-#: plot of a setting or row that no longer has runs
-PLOT_PREFIXES = ("curves-", "shots-", "per-class-", "diagnostics-", "partition-", "features-")
-
-
-def _remove_stale_plots(out: Path, written: list[Path]) -> None:
-    """Delete the report's plots that this report did not write (other files stay)."""
-    for path in out.glob("*.png"):
-        if path.name.startswith(PLOT_PREFIXES) and path not in written:
-            path.unlink()
+def _remove_stale_plots(out: Path, collection: Collection) -> None:
+    """Delete the features plots of the folder's settings whose row is gone (renamed or removed). A plot
+    of a current row is kept even when this report could not redraw it (its runs' saved features are
+    not kept), and plots of other settings stay: another suite may report into the same folder."""
+    current = {f"features-{_slug(s.name)}-{_slug(row.label)}.png" for s in collection.settings for row in s.rows}
+    for setting in collection.settings:
+        for path in out.glob(f"features-{_slug(setting.name)}-*.png"):
+            if path.name not in current:
+                path.unlink()
 
 
 def _partition_record(setting: Setting) -> dict | None:
