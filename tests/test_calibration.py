@@ -140,6 +140,31 @@ def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert resumed.summary["messages"] == full.summary["messages"]
 
 
+def test_a_run_cut_off_after_its_final_checkpoint_keeps_its_saved_features(tmp_path, monkeypatch):
+    """CCVR's virtual features are made after the last round and not checkpointed: they are saved before
+    the final checkpoint, so a run resumed from it (nothing left to train) still has them."""
+    import fedlt.engine.simulation as simulation
+
+    full = fedlt.run(tiny(tmp_path / "a", method="ccvr"), quiet=True)
+    original = simulation.save_checkpoint
+
+    def cut_after_the_last(run_dir, state):
+        original(run_dir, state)
+        if state["round"] == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "save_checkpoint", cut_after_the_last)
+    with pytest.raises(KeyboardInterrupt):
+        fedlt.run(tiny(tmp_path / "b", method="ccvr"), quiet=True)
+    monkeypatch.setattr(simulation, "save_checkpoint", original)
+    run_dir = next((tmp_path / "b").rglob("checkpoint.pt")).parent
+    assert not (run_dir / "summary.json").exists()
+    fedlt.resume(run_dir, quiet=True)
+    saved, expected = (torch.load(d / "artifacts.pt") for d in (run_dir, full.run_dir))
+    assert saved.keys() == expected.keys() and "test_features" in saved
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+
+
 def test_a_client_without_data_answers_every_request(tmp_path):
     """Small alpha leaves clients empty: their gradients and statistics must be empty, not errors."""
     from fedlt.api import prepare

@@ -424,6 +424,8 @@ class Simulation:
                     rows.append(row)
                     append_metrics(run_dir, row)
                     tracker.log(row)
+                if last:  # before the final checkpoint: a run resumed from it trains nothing and has none to save
+                    self._save_artifacts(run_dir)
                 every = cfg.run.checkpoint_every
                 if last or (every and rnd % every == 0):
                     save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed, pending))
@@ -432,7 +434,6 @@ class Simulation:
             progress.close()
             tracker.close()
             self.close()
-        self._save_artifacts(run_dir)
         summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
         return RunResult(run_dir, summary, rows)
 
