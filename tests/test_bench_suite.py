@@ -380,6 +380,17 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
     assert {c.state for c in cells} == {"done"}
 
 
+@pytest.mark.parametrize(("override", "why"), [("seed=3", "a suite gives each cell its seed (pick them with --seeds)"),
+                                                ("run.out_dir=/tmp/x", "a suite's cells go under --out"),
+                                                ("run.name=x", "a suite names each cell's folder")])
+def test_an_override_for_every_cell_may_not_set_what_the_suite_sets_for_each(tmp_path, override, why):
+    """Every seed's cell would train seed 3, and a folder or name given for all cells would be ignored."""
+    suite = load_suite(write_suite(tmp_path / "s.yaml", TINY_SUITE))
+    with pytest.raises(ConfigError, match=re.escape(f"{override}: {why}")):
+        run_suite(suite, tmp_path / "out", overrides=[override], dry_run=True, echo=lambda line: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_folder_s_suite_file_names_a_repository_config_from_the_repository_root(tmp_path, monkeypatch):
     """A kept folder's suite file must load in any clone: a base config inside the repository is written
     as its path from the repository's root, one outside it stays absolute."""

@@ -165,6 +165,17 @@ def test_a_run_cut_off_after_its_final_checkpoint_keeps_its_saved_features(tmp_p
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
 
 
+def test_a_method_without_a_global_model_reports_only_its_calibrated_one(tmp_path):
+    """FedPer's server head never trains: before calibration there is no global model to score, and
+    no "uncalibrated" variant (it would be that untrained head, at chance); the calibrated head is."""
+    run = fedlt.run(tiny(tmp_path, method="fedper", calibration=["ccvr"], eval={"every": 2}), quiet=True)
+    first, last = run.metrics
+    assert first.get("acc") is None and last["acc"] is not None and first["pm_acc"] is not None
+    assert "uncalibrated" not in last.get("variants", {})
+    with_model = fedlt.run(tiny(tmp_path, method="fedavg", calibration=["ccvr"], eval={"every": 2}), quiet=True)
+    assert "uncalibrated" in with_model.metrics[-1]["variants"] and with_model.metrics[0]["acc"] is not None
+
+
 def test_a_client_without_data_answers_every_request(tmp_path):
     """Small alpha leaves clients empty: their gradients and statistics must be empty, not errors."""
     from fedlt.api import prepare

@@ -147,6 +147,8 @@ def test_nan_inf_and_out_of_range_knobs_and_devices_are_refused_before_training(
 
     assert "Input should be a finite number" in config_error(overrides=["fl.lr=inf"])
     assert "data.image_size: Input should be greater than or equal to 1" in config_error(overrides=["data.image_size=0"])
+    assert "data.image_size: Input should be less than or equal to 1024" in config_error(
+        overrides=["data.image_size=100000"])  # 1.2 TB of images: refused, not a MemoryError traceback
     for overrides, fragment in [(["method=fedprox", "method_args.mu=nan"], "method_args.mu for method fedprox: Input "
                                  "should be a finite number"),
                                 (["method=safs", "calibration_args.safs_eps=0"], "calibration_args.safs_eps for "
@@ -369,6 +371,12 @@ def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None
         (["loss.name=focal", "loss.tau=3"], "loss.tau=3.0 scales logit adjustment's log-prior (loss.name=la), and "
                                             "loss.name=focal has no tau; drop loss.tau or use loss.name=la"),
         (["method=fedetf", "loss.tau=2"], "and method fedetf (its own objective) has no tau; drop loss.tau"),
+        (["loss.focal_gamma=5"], "loss.focal_gamma=5.0 acts only on loss.name=focal, and loss.name=ce has no "
+                                 "focal_gamma; drop loss.focal_gamma or use loss.name=focal"),
+        (["loss.name=la", "loss.ldam_scale=30"], "loss.ldam_scale=30.0 acts only on loss.name=ldam, and loss.name=la"),
+        (["loss.name=bsm", "loss.ldam_max_margin=0.9"], "loss.ldam_max_margin=0.9 acts only on loss.name=ldam"),
+        (["method=fedrod", "loss.focal_gamma=0.5"], "and method fedrod (its own objective) has no focal_gamma; drop "
+                                                    "loss.focal_gamma"),
         (["eval.test_data=/data/test"], "eval.test_data is the server's own set in a federation whose nodes hold "
                                         "their data (flower.node_data=true); this run reads fmnist's splits"),
         (["eval.val_data=/data/val"], "drop eval.val_data"),
@@ -376,3 +384,5 @@ def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_config(load_config(None, overrides))
     check_config(load_config(None, ["loss.name=la", "loss.tau=2"]))
+    check_config(load_config(None, ["loss.name=focal", "loss.focal_gamma=5"]))
+    check_config(load_config(None, ["loss.name=ldam", "loss.ldam_scale=30", "loss.ldam_max_margin=0.9"]))

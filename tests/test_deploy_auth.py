@@ -23,6 +23,7 @@ from fedlt.deploy import (  # noqa: E402
     HOST, Site, free_port, local_federation, main, make_node_key, partition_sites, plan_deployment, superlink_args,
     supernode_args,
 )
+from fedlt.errors import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "synthetic_smoke.yaml")
@@ -90,6 +91,10 @@ def test_node_data_plans_one_supernode_per_site_folder_that_flower_reads_back(tm
     assert [parse_config_args([s.node_config]) for s in default.sites] == [
         {"partition-id": i, "num-partitions": 3} for i in range(3)]
     assert "flower.node_data=true" not in default.overrides and default.sites == partition_sites(3)
+    with pytest.raises(ConfigError, match=re.escape("--nodes 7: the federation has 6 clients (data.num_clients) and "
+                                                    "each SuperNode serves at least one; use --nodes 6 or fewer")):
+        plan_deployment(SMOKE, ["data.num_clients=6"], nodes=7)
+    assert len(plan_deployment(SMOKE, ["data.num_clients=6"], nodes=6).sites) == 6
 
 
 def test_a_site_without_the_test_folder_the_run_evaluates_on_is_refused_before_anything_starts(tmp_path, exported):

@@ -93,6 +93,32 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, monkey
     assert resumed.summary["final"] == full.summary["final"]
 
 
+def test_resume_refuses_metrics_that_lost_an_evaluated_round_and_remakes_a_damaged_partition(tmp_path, monkeypatch):
+    """A resumed run does not evaluate the rounds before its checkpoint again: metrics that lost one
+    (a damaged line, an emptied file) are refused, and a finished run's summary is not overwritten
+    with empty results. The partition record is drawn from the seed, so a damaged one is made again."""
+    full = fedlt.run(tiny(tmp_path / "a", run__name="full"), quiet=True)
+    summary = (full.run_dir / "summary.json").read_text()
+    metrics = full.run_dir / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    for damaged, lost in ((b"", "2, 4"), (kept.splitlines()[0][:40] + b"\n" + kept.splitlines()[1] + b"\n", "2")):
+        metrics.write_bytes(damaged)
+        with pytest.raises(FedltError, match=re.escape(f"{metrics} lacks round(s) {lost} of the 2 evaluated up to the "
+                                                       "checkpoint of round 4; restore the file, or start the run again")):
+            fedlt.resume(full.run_dir, quiet=True)
+        assert (full.run_dir / "summary.json").read_text() == summary
+    metrics.write_bytes(kept)
+    partition = full.run_dir / "partition.json"
+    record = partition.read_bytes()
+    partition.write_bytes(record[:40])
+    fedlt.resume(full.run_dir, quiet=True)
+    assert partition.read_bytes() == record
+    checkpoint = full.run_dir / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:100])
+    with pytest.raises(FedltError, match=re.escape(f"{checkpoint} is not a complete torch checkpoint: cut off, damaged")):
+        fedlt.resume(full.run_dir, quiet=True)
+
+
 def test_a_hand_edited_config_is_refused_at_resume_but_how_the_run_executes_may_change(tmp_path, monkeypatch):
     import yaml
 

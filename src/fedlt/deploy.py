@@ -563,6 +563,10 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
                           "use --node-data DIR (one subfolder per site) instead of the override")
     if node_data is not None:
         check_site_folders(cfg, [node_data / site.name for site in sites], server_test)
+    elif len(sites) > cfg.data.num_clients:  # a SuperNode would serve no client: a process for nothing
+        raise ConfigError(f"--nodes {len(sites)}: the federation has {cfg.data.num_clients} clients "
+                          f"(data.num_clients) and each SuperNode serves at least one; use --nodes "
+                          f"{cfg.data.num_clients} or fewer")
     out_dir = Path(cfg.run.out_dir).resolve()  # the ServerApp runs elsewhere
     return Plan(Path(config), [*given, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
 

@@ -126,6 +126,10 @@ def calibration_refusal(spec: MethodSpec, args: MethodArgs, name: str) -> str | 
     return f"method {spec.name} + calibration {name} has no meaning: {why}; {fix}"
 
 
+#: the loss knobs that belong to one loss
+LOSS_KNOBS = {"focal_gamma": "focal", "ldam_max_margin": "ldam", "ldam_scale": "ldam"}
+
+
 def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if cfg.loss.name not in LOSSES:
         raise ConfigError(f"unknown loss '{cfg.loss.name}'; use loss.name=<one of {', '.join(LOSSES)}>")
@@ -137,6 +141,11 @@ def _check_loss(cfg: Config, spec: MethodSpec) -> None:
     if c.tau != LossConfig.model_fields["tau"].default and (c.name != "la" or not spec.uses_loss_config):
         raise ConfigError(f"loss.tau={c.tau} scales logit adjustment's log-prior (loss.name=la), and {trains} has no "
                           "tau; drop loss.tau" + (" or use loss.name=la" if spec.uses_loss_config else ""))
+    for knob, owner in LOSS_KNOBS.items():  # a knob of another loss would be recorded and silently not used
+        value = getattr(c, knob)
+        if value != LossConfig.model_fields[knob].default and (c.name != owner or not spec.uses_loss_config):
+            raise ConfigError(f"loss.{knob}={value} acts only on loss.name={owner}, and {trains} has no {knob}; "
+                              f"drop loss.{knob}" + (f" or use loss.name={owner}" if spec.uses_loss_config else ""))
     if c.prior != "local" and (c.name not in PRIOR_LOSSES or not spec.uses_loss_config):
         raise ConfigError(f"loss.prior={c.prior} acts only on the losses built from class counts "
                           f"({', '.join(PRIOR_LOSSES)}), and {trains} has none; drop loss.prior"

@@ -325,6 +325,12 @@ def select_rows(suite: Suite, labels: list[str]) -> set[str]:
     return {owner[label] for label in labels}
 
 
+#: what a suite sets for each cell, so an override for every cell may not: the override, and why
+CELL_KEYS = {"seed": "a suite gives each cell its seed (pick them with --seeds)",
+             "run.out_dir": "a suite's cells go under --out (give that instead)",
+             "run.name": "a suite names each cell's folder after its setting, row and seed"}
+
+
 def seeded(seed: int, given: list[str]) -> list[str]:
     """A cell's overrides: ``seed=S`` first, then ``given`` with ``{seed}`` read as S (a later ``seed=``
     wins, as in a replicate row)."""
@@ -341,6 +347,10 @@ def expand(suite: Suite, out: Path, seeds: list[int] | None = None, extra: list[
     can train the federation of seed S with other training randomness:
     ``[data.seed={seed}, seed=100{seed}]`` (a replicate: what a paired comparison calls noise)."""
     s = suite.spec
+    for override in extra or []:
+        key = override.split("=", 1)[0].strip()
+        if key in CELL_KEYS:
+            raise ConfigError(f"{override}: {CELL_KEYS[key]}; drop it")
     chosen = select_rows(suite, rows) if rows else None
     cells = []
     for setting in s.settings:

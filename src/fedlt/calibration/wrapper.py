@@ -167,8 +167,10 @@ class CalibratedServer(Server):
         return model
 
     def global_model(self):
+        """The headline calibration's model once it has a head; before, the method's own global model
+        (None for one without, such as FedPer: its server's head never trains)."""
         head = self.calibrators[0].head()
-        return self._with_head(self.calibrators[0].name, head) if head is not None else self._backbone()
+        return self._with_head(self.calibrators[0].name, head) if head is not None else self.inner.global_model()
 
     def metrics(self):
         out = dict(self.inner.metrics())
@@ -177,7 +179,8 @@ class CalibratedServer(Server):
         return out
 
     def extra_models(self):
-        models = {"uncalibrated": self._backbone()}
+        uncalibrated = self.inner.global_model()
+        models = {"uncalibrated": uncalibrated} if uncalibrated is not None else {}
         for cal in self.calibrators[1:]:
             if cal.head() is not None:
                 models[cal.name] = self._with_head(cal.name, cal.head())

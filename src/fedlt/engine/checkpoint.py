@@ -40,7 +40,7 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
         raise FedltError(f"{run_dir} has no {CHECKPOINT_FILE}; resume a run directory that saved a checkpoint "
                          "(run.checkpoint_every > 0)")
     if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never unpickled
-        raise FedltError(f"{path} is not in torch's checkpoint format: {REFUSED}")
+        raise FedltError(f"{path} is not a complete torch checkpoint: cut off, damaged, {REFUSED}")
     device = torch.device(device)
     saved_on: set[str] = set()
     state = _read(path, _where_it_was(device, saved_on))

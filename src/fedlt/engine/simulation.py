@@ -40,8 +40,8 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    CONFIG_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts, write_partition,
-    write_stopped_summary, write_summary,
+    CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts,
+    write_partition, write_stopped_summary, write_summary,
 )
 from fedlt.run_parts import choose_backend, no_global_model_refusal
 from fedlt.training.graphed import GraphedTrainer
@@ -348,6 +348,19 @@ class Simulation:
                 "pending": pending, "messages": self.message_record,
                 "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump())}
 
+    def _check_resumed_metrics(self, run_dir: Path, rows: list[dict[str, Any]], start: int) -> None:
+        """The metrics a resumed run keeps must hold every round evaluated up to its checkpoint: the run
+        does not evaluate them again, and its summary would read them as missing."""
+        every, last = self.cfg.eval.every, self.cfg.fl.rounds
+        wanted = [r for r in range(1, start + 1) if r == last or r % every == 0]
+        have = [r["round"] for r in rows]
+        if have != wanted:
+            lost = sorted(set(wanted) - set(have))
+            what = (f"lacks round(s) {', '.join(map(str, lost[:5]))}" if lost else
+                    f"holds rounds {', '.join(map(str, have[:8]))}")
+            raise FedltError(f"{run_dir / METRICS_FILE} {what} of the {len(wanted)} evaluated up to the checkpoint of "
+                             f"round {start}; restore the file, or start the run again")
+
     def _check_resumed_config(self, run_dir: Path, ckpt: dict[str, Any]) -> None:
         """A hand-edited ``config.yaml`` would go on with another federation or training from the saved
         state: refused, except where the run's files go and how it is executed (``run.*``)."""
@@ -382,7 +395,9 @@ class Simulation:
                 raise FedltError(f"{run_dir / CHECKPOINT_FILE} does not fit the run's {CONFIG_FILE} ({reason}); "
                                  f"restore the {CONFIG_FILE} it was saved with, or start a new run") from None
             rows = read_metrics(run_dir, up_to_round=start)
+            self._check_resumed_metrics(run_dir, rows, start)
             rewrite_metrics(run_dir, rows)
+            self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
         else:
             rows = []
             self._write_partition(run_dir)
