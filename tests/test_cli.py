@@ -209,10 +209,12 @@ def error_cases(data: Path) -> dict[str, Case]:
                                    "1 or more SuperNodes", out_dir=False),
         "duplicate_seeds": Case(["bench", "run", "demo", "--seeds", "0,0", "--dry-run"], "--seeds 0,0", "distinct",
                                 out_dir=False),
-        "empty_seeds": Case(["bench", "run", "demo", "--seeds", "", "--dry-run"], "--seeds '': give integers",
+        "empty_seeds": Case(["bench", "run", "demo", "--seeds", "", "--dry-run"], "--seeds '': give whole numbers >= 0",
                             out_dir=False),
         "underscore_seeds": Case(["bench", "run", "demo", "--seeds", "0_1", "--dry-run"],  # int() reads 1
-                                 "--seeds '0_1': give integers", out_dir=False),
+                                 "--seeds '0_1': give whole numbers >= 0", out_dir=False),
+        "negative_seeds": Case(["bench", "run", "demo", "--seeds", "-1", "--dry-run"],
+                               "--seeds '-1': give whole numbers >= 0 separated by commas", out_dir=False),
         # usage errors (typer/click) are one line too
         "unknown_option": Case(["run", "--nosuch"], "No such option '--nosuch'", "see `fedlt run --help`", out_dir=False),
         "bad_option_value": Case(["bench", "run", "demo", "--workers", "abc"], "'--workers'", "not a valid integer",

@@ -349,6 +349,24 @@ def test_folder_of_runs_has_one_seed_per_row_and_names_its_environments(tmp_path
     assert "Measured on: not recorded" in write_report(tmp_path / "mixed", with_plots=False).markdown.splitlines()
 
 
+def test_a_folder_of_runs_names_its_unfinished_ones(tmp_path):
+    """A run without its summary (still training, or killed) is left out of the table, and the report
+    says so; a folder of unfinished runs only is told how to finish one."""
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text("seed: 0\n")
+    from fedlt.errors import FedltError
+
+    with pytest.raises(FedltError, match=re.escape(f"{tmp_path / 'runs'} holds only unfinished runs (no summary.json: "
+                                                   f"a, b); finish one with fedlt run --resume {tmp_path / 'runs' / 'a'}")):
+        write_report(tmp_path / "runs", with_plots=False)
+    (tmp_path / "runs" / "a" / "config.yaml").unlink()  # a finished run's, from the tests' summaries alone
+    (tmp_path / "runs" / "a" / "summary.json").write_text(json.dumps(run_summary(70.0)))
+    markdown = write_report(tmp_path / "runs", with_plots=False).markdown
+    assert ("> note: left out 1 unfinished run(s) without summary.json (b); finish them with fedlt run --resume DIR"
+            in markdown.splitlines())
+
+
 def test_a_folder_of_runs_of_other_settings_gives_one_table_each(tmp_path):
     """Runs of other data or rounds side by side in one folder (the quick start writes them so) are not
     one table: each setting gets its own, with its own reference row."""

@@ -435,7 +435,7 @@ def bench_run_cmd(
         loaded = load_suite(suite)
         parts = None if seeds is None else [x.strip() for x in seeds.split(",")]
         if parts is not None and not all(x.isascii() and x.isdigit() for x in parts):  # int() also reads 0_1, ٣
-            raise ConfigError(f"--seeds {seeds!r}: give integers separated by commas, e.g. 0,1,2")
+            raise ConfigError(f"--seeds {seeds!r}: give whole numbers >= 0 separated by commas, e.g. 0,1,2")
         seed_list = None if parts is None else [int(x) for x in parts]
         if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):
             raise ConfigError(f"--seeds {seeds}: give distinct seeds >= 0, e.g. 0,1,2")

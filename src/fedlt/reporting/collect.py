@@ -172,6 +172,11 @@ def collect(path: Path) -> Collection:
         return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, reference=rows[0].label)],
                           [run.seed])
     children = sorted(p for p in path.iterdir() if (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
+    unfinished = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file()
+                        and not (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
+    if not children and unfinished:
+        raise FedltError(f"{path} holds only unfinished runs (no summary.json: {', '.join(unfinished[:3])}); finish "
+                         f"one with fedlt run --resume {path / unfinished[0]}, then report")
     if not children:
         raise FedltError(f"{path} is neither a run directory (summary.json), a `fedlt bench` output (suite.yaml), "
                          "nor a folder of run directories; pass one of those")
@@ -181,6 +186,9 @@ def collect(path: Path) -> Collection:
         cfg = read_yaml_mapping(child / "config.yaml", "run config") if (child / "config.yaml").is_file() else None
         by_setting.setdefault(setting_label(run.summary, cfg), []).extend(_run_rows(child.name, run))
     settings = [Setting(label, rows, reference=rows[0].label) for label, rows in by_setting.items()]
+    if unfinished:
+        settings[0].warnings.append(f"left out {len(unfinished)} unfinished run(s) without summary.json "
+                                    f"({', '.join(unfinished[:3])}); finish them with fedlt run --resume DIR")
     return Collection(path.name, "", settings, sorted({r.seed for r in runs}))
 
 
