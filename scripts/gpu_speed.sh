@@ -13,7 +13,8 @@
 #   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
 #       STEP: tests, backends, profile, paper-rounds, host-work (default: all, at most 960 s together); =SECONDS
 #       replaces a step's time limit (e.g. paper-rounds=500). Run from
-#       the repository root; PYTHON=... picks the interpreter.
+#       the repository root; PYTHON=... picks the interpreter; SRC=DIR times another version's package
+#       (e.g. `git archive OLD src | tar -x -C DIR/..`), to compare two versions on one machine.
 set -uo pipefail
 out="${1:?usage: scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]}"
 shift
@@ -29,7 +30,7 @@ for arg in "${@:-tests backends profile paper-rounds host-work}"; do
   done
 done
 mkdir -p "$out"
-export FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1 PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}"
 py="${PYTHON:-python3}"
 clients=(data.dataset=synthetic data.image_size=32 data.partition=iid data.imbalance_factor=1 data.num_clients=10
          fl.local_epochs=2 run.device=cuda run.channels_last=false)
