@@ -50,6 +50,7 @@ class TooFewForSecureSum(FedltError):
     """Dropouts left a secure phase without enough clients to sum without revealing one of them: the
     phase is not aggregated (a caller that can go without it, such as an evaluation, may carry on)."""
 
+
 Exchange = Callable[[str, int, list[tuple[int, Message]]], dict[int, Reply]]
 
 
@@ -261,8 +262,7 @@ class SecureAggregation:
 
     def describe(self) -> dict[str, Any]:
         return {"enabled": self.cfg.enabled, "phases": self.phases, "in_clear": sorted(self.in_clear),
-                "neighbours": self.cfg.neighbours,
-                "threshold": self.cfg.threshold, "fraction_bits": self.cfg.fraction_bits,
+                "neighbours": self.cfg.neighbours, "threshold": self.cfg.threshold, "fraction_bits": self.cfg.fraction_bits,
                 "masks": "AES-256-CTR", "key_agreement": "ECDH SECP384R1 + HKDF-SHA256 (flwr)",
                 "secret_sharing": "Shamir (flwr)"}
 
@@ -283,8 +283,8 @@ class SecureAggregation:
                              f"{len(items)}; raise fl.participation or set secagg.enabled=false")
         keys = send(KEYS, rnd, [(cid, Message()) for cid, _ in items])
         if len(keys) < 2:
-            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(keys)} client(s) answered the key exchange; secure "
-                             "aggregation needs at least 2 (a lone reply would be revealed)")
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(keys)} client(s) answered the key exchange; "
+                                     "secure aggregation needs at least 2 (a lone reply would be revealed)")
         rng = numpy_rng(self.seed, "secagg", rnd, zlib.crc32(kind.encode()))
         groups = neighbour_groups(sorted(keys), self.cfg.neighbours, rng)
         t = threshold(self.cfg, len(next(iter(groups.values())))) if groups else 2
@@ -302,14 +302,15 @@ class SecureAggregation:
         if not masked:
             return {}
         if not connected(set(masked), groups):
-            raise TooFewForSecureSum(f"round {rnd} ({kind}): dropouts split the clients that uploaded into groups with no mask "
-                             "between them, so unmasking would reveal each group's sum; the phase is not aggregated "
-                             "(raise secagg.neighbours, or 0 for every pair)")
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): dropouts split the clients that uploaded into groups "
+                                     "with no mask between them, so unmasking would reveal each group's sum; the phase "
+                                     "is not aggregated (raise secagg.neighbours, or 0 for every pair)")
         for owner in sorted(shares):  # each secret needs t share holders among the uploaders
             holders = sum(j in masked for j in groups[owner])
             if holders < t:
-                raise TooFewForSecureSum(f"round {rnd} ({kind}): {holders} of the {t} shares needed to unmask client {owner} "
-                                 "can arrive (too many dropouts for secagg.threshold); the phase cannot be aggregated")
+                raise TooFewForSecureSum(f"round {rnd} ({kind}): {holders} of the {t} shares needed to unmask "
+                                         f"client {owner} can arrive (too many dropouts for secagg.threshold); the "
+                                         "phase cannot be aggregated")
         schemas = {r.payload["schema"] for r in masked.values()}
         if len(schemas) > 1:
             raise FedltError(f"round {rnd} ({kind}): the clients' replies differ in entries or shapes; secure "
@@ -337,6 +338,7 @@ class SecureAggregation:
         shamir, _, _ = flower_crypto()
         shares = [_unb64(r.payload[entry][owner]) for r in unmask.values() if owner in r.payload[entry]]
         if len(shares) < t:
-            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(shares)} of the {t} shares needed to unmask client {owner} "
-                             "arrived (clients dropped out while unmasking); the phase cannot be aggregated")
+            raise TooFewForSecureSum(f"round {rnd} ({kind}): {len(shares)} of the {t} shares needed to unmask "
+                                     f"client {owner} arrived (clients dropped out while unmasking); the phase cannot "
+                                     "be aggregated")
         return shamir.combine_shares(shares[:t])
