@@ -179,7 +179,7 @@ def test_head_bias_is_uploaded_for_psi_and_kept_locally_for_phi(tmp_path, monkey
 
     def personalize(self, ctx, msg):
         original(self, ctx, msg)
-        if "personal/phi/bias" in ctx.state:
+        if "personal/phi/bias" in ctx.state and self.args.personal_head == "realigned" and self.args.la_fr_psi == "unit":
             seen.append((ctx.model.head.fixed.bias.clone(), ctx.state["personal/phi/bias"].clone()))
 
     monkeypatch.setattr(FedLoGeClient, "personalize", personalize)

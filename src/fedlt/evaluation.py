@@ -200,7 +200,12 @@ def validation_metrics(model: torch.nn.Module, val: ImageDataset, groups: ShotGr
                        features: torch.Tensor | None = None) -> dict:
     """``val_acc`` and the shot groups' ``val_*_acc`` of ``model`` on the validation set: what
     choices are made on, so that the test set is read once. ``features``: as :func:`predict`'s."""
-    metrics = global_metrics(*predict(model, val, batch_size, features=features), val.labels, groups, val.num_classes)
+    return validation_figures(*predict(model, val, batch_size, features=features), val, groups)
+
+
+def validation_figures(correct: torch.Tensor, losses: torch.Tensor, val: ImageDataset, groups: ShotGroups) -> dict:
+    """:func:`validation_metrics` from a model's per-sample predictions on the validation set."""
+    metrics = global_metrics(correct, losses, val.labels, groups, val.num_classes)
     return {f"val_{k}": metrics[k] for k in HEADLINE_METRICS}
 
 
@@ -208,3 +213,21 @@ def mean_local_accuracy(correct_per_client: list[torch.Tensor]) -> float | None:
     """Personalized accuracy: the arithmetic mean over clients (with a local test set) of their accuracy."""
     accs = [100 * c.double().mean().item() for c in correct_per_client if c.numel() > 0]
     return float(np.mean(accs)) if accs else None
+
+
+def personalized_figures(replies: list, with_val: bool) -> dict:
+    """``pm_acc`` (and ``val_pm_acc`` where the run has local validation sets) from the clients'
+    evaluation replies, and ``pm_variants``: the same for each other personal reading they answered
+    (``correct/NAME``)."""
+    def figures(suffix: str) -> dict:
+        out = {"pm_acc": mean_local_accuracy([r.payload["correct" + suffix] for r in replies])}
+        if with_val:
+            out["val_pm_acc"] = mean_local_accuracy([r.payload["val_correct" + suffix] for r in replies
+                                                     if "val_correct" + suffix in r.payload])
+        return out
+
+    out = figures("")
+    names = sorted({k.removeprefix("correct/") for r in replies for k in r.payload if k.startswith("correct/")})
+    if names:
+        out["pm_variants"] = {name: figures("/" + name) for name in names}
+    return out

@@ -29,9 +29,13 @@ TIMING_KEYS = ("time_s", "elapsed_s")
 #: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
 #: every other key is a method's own diagnostic (``Server.metrics()``)
 EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
+#: a personalized method's other evaluation-time readings of its personalized model: name -> their
+#: ``pm_acc`` (and ``val_pm_acc``), written only by methods that have such readings
+PM_VARIANTS = "pm_variants"
 #: the validation set's figures (``data.val_per_class``), beside the test set's in every evaluated round
-VAL_KEYS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_loss")
-ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", "diverged", *TIMING_KEYS, *EVAL_KEYS, *VAL_KEYS)
+VAL_KEYS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_loss", "val_pm_acc")
+ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", "diverged", *TIMING_KEYS, *EVAL_KEYS, PM_VARIANTS,
+               *VAL_KEYS)
 #: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
 #: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
 OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
@@ -127,7 +131,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         # server_metrics: the method's own numbers of the final round (privacy parameters, proxy
         # diagnostics ...), so a summary alone says how the run was made
         "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS},
-                  **{k: final.get(k) for k in VAL_KEYS if k in final}, "server_metrics": server},
+                  **{k: final.get(k) for k in VAL_KEYS if k in final},
+                  **{k: final[k] for k in (PM_VARIANTS,) if final.get(k)}, "server_metrics": server},
         "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in EVAL_KEYS[:-2]},
                        **{k: best.get(k) for k in VAL_KEYS if k in best}},
         "communication_bytes": {
@@ -204,14 +209,16 @@ def _figures_problem(figures: dict[str, Any], where: str) -> str | None:
     per_class = figures.get("per_class_acc")
     if per_class is not None and not (isinstance(per_class, list) and all(_is_number(v) for v in per_class)):
         return f"'{where}.per_class_acc' is not an array of numbers"
-    variants = figures.get("variants")
-    if variants is not None:
+    for key in ("variants", PM_VARIANTS):
+        variants = figures.get(key)
+        if variants is None:
+            continue
         if not isinstance(variants, dict):
-            return f"'{where}.variants' is {_json_type(variants)}, not an object"
+            return f"'{where}.{key}' is {_json_type(variants)}, not an object"
         for name, inner in variants.items():
             if not isinstance(inner, dict):
-                return f"'{where}.variants.{name}' is {_json_type(inner)}, not an object"
-            problem = _figures_problem(inner, f"{where}.variants.{name}")
+                return f"'{where}.{key}.{name}' is {_json_type(inner)}, not an object"
+            problem = _figures_problem(inner, f"{where}.{key}.{name}")
             if problem:
                 return problem
     return None

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 STREAMS = {"data": 0, "sampling": 1, "model": 2, "train": 3, "local_test": 4, "server": 5, "secagg": 6, "worker": 7,
-           "class_order": 8, "validation": 9}
+           "class_order": 8, "validation": 9,
+           "local_val": 10}
 
 
 def seed_for(seed: int, stream: str, *keys: int) -> int:

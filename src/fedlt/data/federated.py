@@ -38,6 +38,9 @@ class FederatedData:
     val: ImageDataset | None = None
     #: where ``val`` came from (``dataset``, ``train`` or ``test``; see :mod:`fedlt.data.validation`)
     val_source: str | None = None
+    #: each client's rows of ``val``, drawn in its training proportions as ``local_test`` is from
+    #: ``test``: personalized models are chosen on them (``val_pm_acc``)
+    local_val: list[np.ndarray] | None = None
     #: every client's rows on the training device, made by the first :meth:`client_indices`
     _rows: list[torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -73,7 +76,8 @@ class FederatedData:
         """Every training sample in one client: the centralized oracle's view (local tests kept)."""
         merged = np.sort(np.concatenate(self.partition.client_indices))
         one = Partition([merged], self.partition.counts.sum(axis=0, keepdims=True))
-        return FederatedData(self.train, self.test, one, self.local_test, self.hflip, self.val, self.val_source)
+        return FederatedData(self.train, self.test, one, self.local_test, self.hflip, self.val, self.val_source,
+                             self.local_val)
 
     def describe(self) -> str:
         counts = self.train_counts
@@ -117,8 +121,8 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     """Load the source, hold out the validation set, subsample it long-tailed (IF), split it over
     clients, draw local test sets.
 
-    All randomness comes from the federation seed's ``validation``, ``data``, ``class_order`` and
-    ``local_test`` streams, so every method run with the same seed sees the same federation, and
+    All randomness comes from the federation seed's ``validation``, ``data``, ``class_order``,
+    ``local_test`` and ``local_val`` streams, so every method run with the same seed sees the same federation, and
     without ``data.val_per_class`` the federation is the one drawn before validation existed.
     ``loaded`` keeps the last dataset read for the next call that reads the same one (several
     federations of one dataset, as ``fedlt bench`` validates them).
@@ -148,8 +152,10 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     train = source_train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, test.labels.numpy(), numpy_rng(seed, "local_test"))
+    local_val = None if val is None else local_test_indices(partition.counts, val.labels.numpy(),
+                                                            numpy_rng(seed, "local_val"))
     return FederatedData(train.to(device), test.to(device), partition, local, cfg.flips(DATASETS[cfg.dataset].hflip),
-                         val.to(device) if val is not None else None, source)
+                         val.to(device) if val is not None else None, source, local_val)
 
 
 def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: np.random.Generator

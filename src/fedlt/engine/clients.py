@@ -26,7 +26,10 @@ from fedlt.models import FedModel
 from fedlt.seeding import seed_for
 
 #: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return
-#: which local test samples it classifies correctly (``payload["correct"]``)
+#: which local test samples it classifies correctly (``payload["correct"]``), and local validation
+#: samples (``val_correct``) where the run has a validation set; each of the method's other
+#: personal readings (:meth:`~fedlt.methods.base.Client.personal_readings`) adds ``correct/NAME``
+#: and ``val_correct/NAME``
 EVALUATE = "evaluate"
 #: a real federation's engine kinds (``flower.node_data``), answered from the node's own data and
 #: only summed by the server: ``counts``, the client's training samples per class; ``evaluate_counts``,
@@ -77,9 +80,14 @@ class ClientRuntime:
         worker = self.worker.state_dict(keep_vars=True)
         self._worker_tensors = [worker[k] for k in self._worker_init]
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
-        self._test_features = SharedEncoderFeatures()  # during an evaluation phase only
-        # worth it where the clients' local test sets together outnumber the test set
+        # during an evaluation phase only: the test and validation sets' features, worth making where
+        # the clients' local sets together outnumber the set they are drawn from
+        self._test_features = SharedEncoderFeatures()
+        self._val_features = SharedEncoderFeatures()
         self._share_test_features = sum(len(data.local_test[c]) for c in range(data.num_clients)) > len(data.test)
+        self._share_val_features = data.local_val is not None and data.val is not None \
+            and sum(len(data.local_val[c]) for c in range(data.num_clients)) > len(data.val)
+        self._readings = self.client.personal_readings()
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         """A client's view; the worker model starts from the initial weights, so entries a message
@@ -125,22 +133,38 @@ class ClientRuntime:
         if kind.startswith("query:"):
             return self.client.query(kind.removeprefix("query:"), ctx, msg)
         if kind == EVALUATE:
-            self.client.personalize(ctx, msg)
-            test, batch_size = self.eval_data.test, self.cfg.eval.batch_size
-            features = None
-            if self._share_test_features and head_of_features(self.worker) and keeps_sent_encoder(self.worker, msg):
-                features = self._test_features.of(self.worker, test, batch_size)
-            return Reply(payload={"correct": predict(self.worker, test, batch_size, indices=self._local_test(cid),
-                                                     features=features)[0]})
+            payload = self._personalized_predictions(self.client, ctx, msg, "")
+            for name, reading in self._readings.items():  # each from the initial worker, as the first
+                payload.update(self._personalized_predictions(reading, self.context(cid, rnd, state), msg, "/" + name))
+            return Reply(payload=payload)
         if kind == COUNTS:
             return Reply(payload={"counts": ctx.data.class_counts().double()})
         if kind == EVALUATE_COUNTS:
             return self._evaluate_counts(cid, msg)
         raise ValueError(f"unknown exchange kind '{kind}'")
 
+    def _personalized_predictions(self, client: Any, ctx: ClientContext, msg: Message, suffix: str
+                                  ) -> dict[str, torch.Tensor]:
+        """``client``'s personalized model, right or wrong on each sample of this client's local test
+        set and, where there is one, its local validation set."""
+        client.personalize(ctx, msg)
+        data, batch_size = self.eval_data, self.cfg.eval.batch_size
+        shared = head_of_features(self.worker) and keeps_sent_encoder(self.worker, msg)
+        out = {}
+        for key, dataset, rows, features, worth in (
+                ("correct", data.test, data.local_test, self._test_features, self._share_test_features),
+                ("val_correct", data.val, data.local_val, self._val_features, self._share_val_features)):
+            if dataset is None or rows is None:
+                continue
+            on = features.of(self.worker, dataset, batch_size) if worth and shared else None
+            idx = torch.as_tensor(rows[ctx.cid], dtype=torch.int64, device=dataset.labels.device)
+            out[key + suffix] = predict(self.worker, dataset, batch_size, indices=idx, features=on)[0]
+        return out
+
     def forget_test_features(self) -> None:
-        """Free the test set's features kept for an evaluation phase (it has ended)."""
+        """Free the evaluation sets' features kept for an evaluation phase (it has ended)."""
         self._test_features.clear()
+        self._val_features.clear()
 
     def _local_test(self, cid: int) -> torch.Tensor:
         test = self.eval_data.test

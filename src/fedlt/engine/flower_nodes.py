@@ -198,7 +198,7 @@ class NodeDataSimulation(FlowerSimulation):
                 models = {GLOBAL: model}
             out.update(self._federated_metrics(rnd, models, on_server))
         if personalized and self.spec.client.personalized:
-            out["pm_acc"] = self._personalized_accuracy(rnd, None)
+            out.update(self._personalized_metrics(rnd, None, None))
         return out
 
     def _federated_metrics(self, rnd: int, models: dict[str, Any], pm_only: bool) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError, TrainingDiverged
 from fedlt.evaluation import (
     HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, head_of_features, mean_local_accuracy,
-    predict, shot_groups, validation_metrics,
+    personalized_figures, predict, shot_groups, validation_figures, validation_metrics,
 )
 from fedlt.messages import Message, Reply, describe_message
 from fedlt.methods.base import MethodSpec, ServerContext
@@ -100,6 +100,7 @@ class Simulation:
                        if cfg.secagg.enabled else None)
         self.all_clients = list(range(self.train_data.num_clients))
         self._local_test: list[torch.Tensor] | None = None
+        self._local_val: list[torch.Tensor] | None = None
         per_round = 1 if spec.pooled else cfg.clients_per_round()
         self.schedule = sampling_schedule(federation_seed(cfg.data, cfg.seed), len(self.all_clients), per_round, cfg.fl.rounds)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
@@ -243,18 +244,18 @@ class Simulation:
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:
-        out, correct = self._server_metrics()
+        out, correct, val_correct = self._server_metrics()
         if self.cfg.eval.personalized:
-            out["pm_acc"] = self._personalized_accuracy(rnd, correct)
+            out.update(self._personalized_metrics(rnd, correct, val_correct))
         return out
 
-    def _server_metrics(self) -> tuple[dict[str, Any], torch.Tensor | None]:
+    def _server_metrics(self) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]:
         """The global model and its variants on the balanced test (and validation) set; with the
-        global model's per-sample correctness, which local test sets index into."""
+        global model's per-sample correctness on each, which local test (validation) sets index into."""
         test, val, bs = self.eval_data.test, self.eval_data.val, self.cfg.eval.batch_size
         out: dict[str, Any] = {}
         model = self.server.global_model()
-        correct = None
+        correct = val_correct = None
         extra = self.server.extra_models()
         # calibrated variants differ from the global model in their heads: one pass through the encoder
         on_test, on_val = (SharedEncoderFeatures(), SharedEncoderFeatures()) if extra else (None, None)
@@ -266,7 +267,8 @@ class Simulation:
             correct, losses = predict(model, test, bs, features=features(model, test, on_test))
             out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
             if val is not None:
-                out.update(validation_metrics(model, val, self.groups, bs, features(model, val, on_val)))
+                val_correct, val_losses = predict(model, val, bs, features=features(model, val, on_val))
+                out.update(validation_figures(val_correct, val_losses, val, self.groups))
         variants = {}
         for name, variant in extra.items():
             on_features = features(variant, test, on_test)
@@ -277,25 +279,33 @@ class Simulation:
                 variants[name].update(validation_metrics(variant, val, self.groups, bs, features(variant, val, on_val)))
         if variants:
             out["variants"] = variants
-        return out, correct
+        return out, correct, val_correct
 
-    def _personalized_accuracy(self, rnd: int, correct: torch.Tensor | None) -> float | None:
-        """Mean accuracy over clients on their local test sets: of each client's personalized
-        model (asked of the clients), else of the global model (``correct``)."""
-        test = self.eval_data.test
+    def _personalized_metrics(self, rnd: int, correct: torch.Tensor | None, val_correct: torch.Tensor | None
+                              ) -> dict[str, Any]:
+        """``pm_acc``: the mean accuracy over clients on their local test sets, of each client's
+        personalized model (asked of the clients), else of the global model (``correct``);
+        ``val_pm_acc`` the same on local validation sets, where the run has them; ``pm_variants``:
+        both for each of the method's other personal readings."""
+        local_val = self.eval_data.local_val
         if self.spec.client.personalized:
             messages = ((cid, self.server.eval_message(cid)) for cid in self.all_clients)
-            per_client = [r.payload["correct"].to(test.labels.device)
-                          for r in self._exchange(EVALUATE, rnd, messages).values()]
+            replies = list(self._exchange(EVALUATE, rnd, messages).values())
             if self.clients is not None:
                 self.clients.forget_test_features()
-            return mean_local_accuracy(per_client)
+            return personalized_figures(replies, local_val is not None)
+        out: dict[str, Any] = {"pm_acc": None}
         if correct is None:
-            return None
+            return out
         if self._local_test is None:  # once per run, not per evaluation: K can be large
-            self._local_test = [torch.as_tensor(ix, dtype=torch.int64, device=test.labels.device)
-                                for ix in self.eval_data.local_test]
-        return mean_local_accuracy([correct[idx] for idx in self._local_test])
+            device = correct.device
+            self._local_test = [torch.as_tensor(ix, dtype=torch.int64, device=device) for ix in self.eval_data.local_test]
+            if local_val is not None:
+                self._local_val = [torch.as_tensor(ix, dtype=torch.int64, device=device) for ix in local_val]
+        out["pm_acc"] = mean_local_accuracy([correct[idx] for idx in self._local_test])
+        if val_correct is not None and self._local_val is not None:
+            out["val_pm_acc"] = mean_local_accuracy([val_correct[idx] for idx in self._local_val])
+        return out
 
     # ---- the run ------------------------------------------------------------------------
     def setup(self) -> None:

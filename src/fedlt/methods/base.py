@@ -384,6 +384,12 @@ class Client:
         """Load this client's personalized model into ``ctx.model`` for local-test evaluation."""
         ctx.model.load_state_dict(msg.weights, strict=False)
 
+    def personal_readings(self) -> dict[str, "Client"]:
+        """Other readings of the personalized model that are evaluation-time only (another head
+        built from the same trained state), by name: each is evaluated beside this one (a run's
+        ``pm_variants``), so a default can be chosen on validation data without training again."""
+        return {}
+
 
 @dataclass(frozen=True)
 class ModelHead:

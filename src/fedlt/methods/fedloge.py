@@ -326,9 +326,30 @@ def upload(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.startswith("head.fixed.")}
 
 
+#: the personalized models one training offers (evaluation-time readings): the paper's LA-FR head
+#: (Eq. 7 with psi's direction), the released realignment script's (phi_k + Eq. 7 with the raw psi_c,
+#: no fine-tuning) and the released training script's local test (psi + phi_k)
+PERSONAL_READINGS = {
+    "la_fr": {"personal_head": "realigned", "la_fr": True, "la_fr_psi": "unit"},
+    "released_realignment": {"personal_head": "realigned_plus_phi", "la_fr": True, "la_fr_psi": "raw",
+                             "finetune_epochs": 0},
+    "psi_plus_phi": {"personal_head": "psi_plus_phi", "la_fr_psi": "unit", "finetune_epochs": 0},
+}
+
+
 class FedLoGeClient(Client):
     personalized = True
     objective_backends = ("graphed",)
+
+    def personal_readings(self) -> dict[str, Client]:
+        """Each of :data:`PERSONAL_READINGS` that personalizes differently from this client's args."""
+        out: dict[str, Client] = {}
+        for name, reading in PERSONAL_READINGS.items():
+            args = self.args.model_copy(update=reading)
+            if any(getattr(args, k) != getattr(self.args, k) for k in ("personal_head", "la_fr", "la_fr_psi",
+                                                                       "finetune_epochs")):
+                out[name] = type(self)(args)
+        return out
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         if name != NORM_QUERY:
