@@ -157,6 +157,22 @@ def test_a_method_with_server_state_resumes_as_if_uninterrupted(tmp_path, monkey
     assert resumed.summary["final"] == full.summary["final"]
 
 
+def test_resume_refuses_a_folder_where_the_run_writes_a_file_before_training(tmp_path, monkeypatch):
+    """A folder in a run file's place would have failed the resume after all its training."""
+    from fedlt.engine.simulation import Simulation
+    from fedlt.errors import ConfigError
+
+    run_dir = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="folder"), quiet=True).run_dir
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "summary.json").unlink()
+    (run_dir / "summary.json").mkdir()
+    monkeypatch.setattr(Simulation, "fit_round", lambda *a: pytest.fail("trained before refusing"))
+    with pytest.raises(ConfigError, match=re.escape(f"{run_dir / 'summary.json'} is not a file, where the run writes "
+                                                    "its summary.json; move it out of the run directory, then resume")):
+        fedlt.resume(run_dir, quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
 def test_resume_refuses_a_checkpoint_that_no_longer_fits_the_edited_config(tmp_path):
     from fedlt.errors import FedltError
 

@@ -289,3 +289,53 @@ def test_a_method_without_a_global_model_refuses_to_measure_nothing(tmp_path, ov
         with pytest.raises(ConfigError, match=message):
             check_config(fedlt.load_config(None, [*base, "eval.personalized=false"]))
     prepare(fedlt.load_config(None, [*base, "data.val_per_class=2"]))  # a validation set shapes the federation
+
+
+def test_local_validation_sets_are_drawn_like_local_tests_and_measure_pm_on_validation_data(tmp_path):
+    """Each client's local validation set: rows of the balanced validation set in its training
+    proportions (the local test draw, on its own stream); ``val_pm_acc`` is the mean over clients of
+    accuracy on them, of the global model for a method without personal models (FedAvg)."""
+    import numpy as np
+
+    from fedlt.data.local_test import local_test_indices
+    from fedlt.evaluation import mean_local_accuracy, predict
+    from fedlt.seeding import numpy_rng
+
+    sim = prepare(build_config(tiny(tmp_path, "fedavg", data__val_per_class=20, data__num_clients=5)))
+    data = sim.eval_data
+    assert data.local_val is not None and len(data.local_val) == 5
+    expected = local_test_indices(data.partition.counts, data.val.labels.numpy(), numpy_rng(5, "local_val"))
+    assert all(np.array_equal(a, b) for a, b in zip(data.local_val, expected))
+    for cid, rows in enumerate(data.local_val):  # every class the client holds, none it does not
+        held = set(np.flatnonzero(data.partition.counts[cid]))
+        assert rows.size and set(data.val.labels[torch.as_tensor(rows)].tolist()) <= held
+    sim.setup()
+    metrics = sim.evaluate(0)
+    correct, _ = predict(sim.server.global_model(), data.val, 256)
+    assert metrics["val_pm_acc"] == pytest.approx(mean_local_accuracy([correct[torch.as_tensor(r)] for r in
+                                                                        data.local_val]), abs=1e-12)
+    assert "val_pm_acc" not in prepare(build_config(tiny(tmp_path, "fedavg"))).evaluate(0)
+    assert prepare(build_config(tiny(tmp_path, "fedavg"))).eval_data.local_val is None
+
+
+def test_fedloges_other_personal_heads_are_evaluated_beside_its_own_as_their_own_runs_give_them(tmp_path):
+    """``pm_variants``: each other reading of FedLoGe's personalized model, evaluated in the same run,
+    gives the PM (and validation PM) that a run with that reading as its own gives, exactly: they are
+    evaluation-time readings of one training."""
+    from fedlt.methods.fedloge import PERSONAL_READINGS
+
+    base = dict(data__val_per_class=20, data__num_clients=5, method_args={"sse_steps": 20})
+    runs = {"la_fr": fedlt.run(tiny(tmp_path, "fedloge", "own", **base), quiet=True)}
+    for name, reading in PERSONAL_READINGS.items():
+        if name != "la_fr":
+            args = {**base["method_args"], **{k: v for k, v in reading.items() if k != "finetune_epochs"}}
+            runs[name] = fedlt.run(tiny(tmp_path, "fedloge", name, **{**base, "method_args": args}), quiet=True)
+    for name, run in runs.items():
+        final = run.summary["final"]
+        assert sorted(final["pm_variants"]) == sorted(set(PERSONAL_READINGS) - {name})
+        assert final["acc"] == runs["la_fr"].summary["final"]["acc"]  # one training
+        for other, figures in final["pm_variants"].items():
+            own = runs[other].summary["final"]
+            assert figures == {"pm_acc": own["pm_acc"], "val_pm_acc": own["val_pm_acc"]}
+    pms = {run.summary["final"]["pm_acc"] for run in runs.values()}
+    assert len(pms) == 3  # three different heads, so the equalities above could fail

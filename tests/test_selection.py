@@ -222,3 +222,57 @@ def test_a_variant_reading_competes_without_training_again_and_the_table_reads_i
     lr = chosen.split(",")[0].removeprefix("fl.lr=")
     shown = finals[lr]["a"]["variants"]["uncalibrated"] if selection.variants.get(chosen) else finals[lr]["a"]
     assert f"| FedAvg+tau | {shown['acc']:.2f}" in write_report(out, with_plots=False).markdown
+
+
+PERSONAL_READINGS = {"released_realignment": "method_args.personal_head=realigned_plus_phi, method_args.la_fr_psi=raw",
+                     "psi_plus_phi": "method_args.personal_head=psi_plus_phi"}
+
+
+def test_a_personal_reading_is_chosen_on_local_validation_and_the_pm_column_reads_it(tmp_path):
+    """``select_personal``: the row's personalized model is chosen among its runs' own and their other
+    readings (``pm_variants``) on ``val_pm_acc``, and the PM column shows the chosen one's test figure."""
+    import json
+
+    from conftest import write_suite
+    from fedlt.bench.selection import AS_RUN
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.reporting import write_report
+    from fedlt.reporting.collect import collect
+
+    tree = {**GRID_SUITE, "seeds": [0], "methods": [{
+        "name": "FedLoGe", "overrides": ["method=fedloge", "method_args.sse_steps=20"],
+        "select_personal": PERSONAL_READINGS}]}
+    out = tmp_path / "out"
+    result = run_suite(load_suite(write_suite(tmp_path / "personal.yaml", tree)), out, echo=lambda line: None)
+    assert not result.failed and len(result.ran) == 2  # readings train nothing
+    finals = {s: json.loads((out / s / "fedloge" / "seed0" / "summary.json").read_text())["final"] for s in ("a", "b")}
+    collection = collect(out)
+    selection = collection.selections[0]
+    assert selection.metric == "val_pm_acc" and selection.row == "FedLoGe: personalized model"
+    assert selection.scores[AS_RUN] == {s: {0: finals[s]["val_pm_acc"]} for s in ("a", "b")}
+    for key, override in PERSONAL_READINGS.items():
+        assert selection.scores[override] == {s: {0: finals[s]["pm_variants"][key]["val_pm_acc"]} for s in ("a", "b")}
+    means = {c: selection.overall(c, ["a", "b"]) for c in selection.scores}
+    chosen = max(means, key=means.get)
+    assert selection.chosen == {"a": chosen, "b": chosen}
+    key = selection.variants[chosen]
+    for setting in collection.settings:
+        final = finals[setting.name]
+        expected = final["pm_acc"] if key == AS_RUN else final["pm_variants"][key]["pm_acc"]
+        row = setting.rows[0]
+        assert row.by_seed("pm_acc") == {0: expected} and row.by_seed("acc") == {0: final["acc"]}
+    markdown = write_report(out, with_plots=False).markdown
+    assert "**FedLoGe: personalized model**, selected on `val_pm_acc`" in markdown
+
+
+def test_a_personal_reading_choice_without_a_validation_set_is_refused_before_anything_runs(tmp_path):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+    from fedlt.errors import ConfigError
+
+    tree = {**GRID_SUITE, "overrides": [o for o in GRID_SUITE["overrides"] if not o.startswith("data.val_per_class")],
+            "methods": [{"name": "FedLoGe", "overrides": ["method=fedloge"], "select_personal": PERSONAL_READINGS}]}
+    with pytest.raises(ConfigError, match="its personalized model is selected on val_pm_acc, but its cells have no "
+                                          "validation set; add data.val_per_class=N"):
+        run_suite(load_suite(write_suite(tmp_path / "p.yaml", tree)), tmp_path / "out", echo=lambda line: None)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("summary.json"))

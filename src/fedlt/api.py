@@ -9,7 +9,8 @@ from typing import Any
 from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError
-from fedlt.results import CONFIG_FILE, new_run_dir
+from fedlt.engine.checkpoint import CHECKPOINT_FILE
+from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir
 from fedlt.run_parts import check_config, setup_parts
 
 
@@ -58,5 +59,9 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
     cfg = load_config(run_dir / CONFIG_FILE)
     if cfg.engine == "flower":
         raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
+    for name in (*RUN_FILES, CHECKPOINT_FILE):  # found now, not after the training it would throw away
+        if (run_dir / name).exists() and not (run_dir / name).is_file():
+            raise ConfigError(f"{run_dir / name} is not a file, where the run writes its {name}; move it out of "
+                              "the run directory, then resume")
     sim = prepare(cfg)
     return sim.run(run_dir, resume=True, quiet=quiet)

@@ -24,6 +24,8 @@ CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
 #: written at run start: per-client class counts (the partition heatmap); after training, when the
 #: method exposes any: named tensors such as synthetic features (the feature projection plot)
 PARTITION_FILE, ARTIFACTS_FILE = "partition.json", "artifacts.pt"
+#: every file a run writes into its directory besides its config and checkpoint
+RUN_FILES = (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE, PARTITION_FILE, ARTIFACTS_FILE)
 #: metric keys that measure the machine, not the method: excluded from reproducibility checks
 TIMING_KEYS = ("time_s", "elapsed_s")
 #: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
@@ -271,6 +273,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
     f, b = summary["final"], summary["best_round"]
     d = cfg.data
     has_val = f.get("val_acc") is not None
+    has_val_pm = f.get("val_pm_acc") is not None
     lines = [
         f"# {cfg.method} on {d.dataset}-LT",
         "",
@@ -285,19 +288,31 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"Shot groups — {summary.get('shot_rule', '')}: "
         + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items()),
         "",
-        "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if has_val else ""),
+        "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else "")
+        + (" val PM |" if has_val_pm else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if has_val else "") + ("---|" if has_val_pm else ""),
         f"| final (headline) | {f['round']} | {_fmt(f['acc'])} | {_fmt(f['many_acc'])} | {_fmt(f['medium_acc'])} "
-        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |" + (f" {_fmt(f.get('val_acc'))} |" if has_val else ""),
+        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |" + (f" {_fmt(f.get('val_acc'))} |" if has_val else "")
+        + (f" {_fmt(f.get('val_pm_acc'))} |" if has_val_pm else ""),
         f"| best round (by {b['selected_by']}) | {b['round']} | {_fmt(b['acc'])} | {_fmt(b['many_acc'])} "
         f"| {_fmt(b['medium_acc'])} | {_fmt(b['few_acc'])} | {_fmt(b['pm_acc'])} |"
-        + (f" {_fmt(b.get('val_acc'))} |" if has_val else ""),
+        + (f" {_fmt(b.get('val_acc'))} |" if has_val else "")
+        + (f" {_fmt(b.get('val_pm_acc'))} |" if has_val_pm else ""),
         "",
         "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
         "drawn from the test set in each client's training proportions."
         + (" val: the global model on the balanced validation set (data.val_per_class), disjoint from the "
-           "training federation and the test set: make choices on it." if has_val else ""),
+           "training federation and the test set: make choices on it." if has_val else "")
+        + (" val PM: PM on local validation sets, drawn from the validation set as the local test sets are from "
+           "the test set." if has_val_pm else ""),
     ]
+    if f.get(PM_VARIANTS):
+        lines += ["", "## Other readings of the personalized model (final round)", "",
+                  "Evaluation-time readings of the same training, described on the method's page under "
+                  "docs/methods.", "", "| reading | PM acc |" + (" val PM |" if has_val_pm else ""),
+                  "|---|---|" + ("---|" if has_val_pm else "")]
+        lines += [f"| {name} | {_fmt(v.get('pm_acc'))} |" + (f" {_fmt(v.get('val_pm_acc'))} |" if has_val_pm else "")
+                  for name, v in f[PM_VARIANTS].items()]
     if f.get("server_metrics"):
         lines += ["", "Method's own metrics (final round): "
                   + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in f["server_metrics"].items())]

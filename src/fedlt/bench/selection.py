@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: what a grid row may be selected on: the final round's metrics on the validation set
-SELECT_METRICS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc")
+SELECT_METRICS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_pm_acc")
+#: the candidate of a personal-reading selection (``select_personal``) that is the runs' own reading
+AS_RUN = "as run"
 
 
 def override_text(key: str, value: Any) -> str:

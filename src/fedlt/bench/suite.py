@@ -90,6 +90,11 @@ class MethodRow(_Strict):
         default_factory=dict, description="variant key of this row's runs -> the override that makes it the global "
         "model (an evaluation-only reading, e.g. another head on the same training): the selection weighs each "
         "candidate read through that variant beside the candidate itself, without training it again")
+    select_personal: dict[str, str] = Field(
+        default_factory=dict, description="key of this row's runs' pm_variants (another evaluation-time reading of "
+        "the personalized model) -> the override that makes it the run's own: the report chooses the row's "
+        "personalized model among the runs' own and these on val_pm_acc, in the cells its global model was chosen "
+        "from, and the row's PM column reads the chosen one")
     select_with: str | None = Field(None, description="a grid row whose selection also weighs this row's candidates "
                                     "(another reading of the same method, run as its own row): that row's table "
                                     "entry is then the best on validation of both rows' candidates")
@@ -429,16 +434,18 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
 
     federations: dict[str, tuple[Config, str]] = {}  # data settings and federation seed -> one such cell
     selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
+    personal = {m.name for m in suite.spec.methods if m.select_personal}  # rows whose personal reading is chosen
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
             check_config(cfg)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
-        if cell.row in selected and cfg.data.val_per_class == 0:
-            raise ConfigError(f"suite {suite.spec.name}, row '{cell.row}': its grid is selected on "
-                              f"{suite.spec.select_on}, but its cells have no validation set; add "
-                              "data.val_per_class=N (e.g. 500) to the suite's overrides")
+        if (cell.row in selected or cell.row in personal) and cfg.data.val_per_class == 0:
+            what = f"its grid is selected on {suite.spec.select_on}" if cell.row in selected \
+                else "its personalized model is selected on val_pm_acc"
+            raise ConfigError(f"suite {suite.spec.name}, row '{cell.row}': {what}, but its cells have no validation "
+                              "set; add data.val_per_class=N (e.g. 500) to the suite's overrides")
         cell.threads = cfg.run.threads
         validate_cell_folder(cell, cfg)
         if cell.state != "done":  # a partition can be impossible for one seed only (a retried Dirichlet draw)

@@ -379,7 +379,8 @@ class Simulation:
         diff = config_difference(json.loads(ckpt["config"]), self.cfg.dump(), RESUME_MAY_CHANGE)
         if diff is not None:
             raise ConfigError(f"{run_dir / CONFIG_FILE} is not the config {CHECKPOINT_FILE} was saved with ({diff}); "
-                              "restore that value, or start a new run with the new config")
+                              f"restore that value (or, if {CHECKPOINT_FILE} was copied from another run, this run's "
+                              "own checkpoint), or start a new run with the new config")
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;

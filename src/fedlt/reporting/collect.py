@@ -13,17 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedlt.bench.selection import Selection, candidate_label, candidates, select
+from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates, select
 from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
-from fedlt.results import ENGINE_KEYS, SUMMARY_FILE, read_metrics, read_summary
+from fedlt.results import ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, read_metrics, read_summary
 
 if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
     from fedlt.reporting.claims import ClaimSpec
 
 METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
+#: the personalized model's figures, which a chosen personal reading (``select_personal``) supplies
+PM_METRICS = ("pm_acc", "val_pm_acc")
 
 
 @dataclass
@@ -40,6 +42,14 @@ class Run:
         if variant is None:
             return final
         return (final.get("variants") or {}).get(variant)
+
+    def personal(self, reading: str) -> dict[str, Any] | None:
+        """Final-round PM figures of the run's own personalized model (``AS_RUN``), or of one of
+        its other readings (a key of ``final.pm_variants``; None if absent)."""
+        final = self.summary.get("final") or {}
+        if reading == AS_RUN:
+            return final
+        return (final.get(PM_VARIANTS) or {}).get(reading)
 
     def curve(self) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.path) if r.get("acc") is not None]
@@ -59,12 +69,15 @@ class Row:
     runs: list[Run]
     ranked: bool = True
     expected: int = 0  # seeds the suite asked for (0: unknown)
+    #: where the PM figures come from when a personal reading was chosen (``select_personal``):
+    #: ``AS_RUN`` or a key of ``final.pm_variants``; None: from the same figures as the GM's
+    personal: str | None = None
 
     def by_seed(self, metric: str) -> dict[int, float]:
         """Final value of ``metric`` per seed, for the seeds that report it (pairing is by seed)."""
         out = {}
         for run in self.runs:
-            final = run.final(self.variant)
+            final = run.personal(self.personal) if self.personal and metric in PM_METRICS else run.final(self.variant)
             if final is not None and final.get(metric) is not None:
                 out[run.seed] = float(final[metric])
         return out
@@ -198,6 +211,8 @@ def _collect_suite(path: Path) -> Collection:
     tree = read_yaml_mapping(path / "suite.yaml", "suite file")
     spec = parse_suite(tree, str(path / "suite.yaml"))
     selections = {m.name: _select(path, spec, m) for m in spec.methods if m.grid}
+    personal = {m.name: _select_personal(path, spec, m, selections.get(m.name)) for m in spec.methods
+                if m.select_personal}
     settings = []
     for s in spec.settings:
         rows, warnings = [], []
@@ -218,7 +233,10 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
-            rows.append(Row(m.name, variant, runs, ranked=not upper and m.name not in spec.unranked, expected=expected))
+            reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \
+                if m.name in personal else None
+            rows.append(Row(m.name, variant, runs, ranked=not upper and m.name not in spec.unranked, expected=expected,
+                            personal=reading))
             for label, key in m.variants.items():
                 rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
                                 expected=expected))
@@ -241,7 +259,7 @@ def _collect_suite(path: Path) -> Collection:
     return Collection(spec.title or spec.name, spec.description.strip(), settings, found or spec.seeds,
                       spec.notes.strip(),
                       spec.report_messages, spec.reference, cost.sentence() if cost else "", claims,
-                      list(selections.values()))
+                      [*selections.values(), *personal.values()])
 
 
 def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]]:
@@ -324,3 +342,24 @@ def _select(path: Path, spec: SuiteSpec, row: MethodRow) -> Selection:
     joined = {c: label for c, label in folders.items() if label != candidate_label(row.name, c)}
     return select(row.name, spec.select_on, scores, settings, row.seeds or spec.seeds, spec.select_per_setting,
                   joined, {c: cells for c, cells in diverged.items() if cells}, variants)
+
+
+def _select_personal(path: Path, spec: SuiteSpec, row: MethodRow, chosen: Selection | None) -> Selection:
+    """Which reading of ``row``'s personalized model (its runs' own, or a key of ``select_personal``)
+    has the highest ``val_pm_acc``, read in the cells of the candidate its global model was chosen
+    from (the row's own cells without a grid): the trained configuration is chosen first, its
+    personalized model among the readings of that training."""
+    from fedlt.bench.suite import cell_dir
+
+    settings = [s.name for s in spec.settings if row.settings is None or s.name in row.settings]
+    readings = {AS_RUN: AS_RUN, **{override: key for key, override in row.select_personal.items()}}
+    scores: dict[str, dict[str, dict[int, float]]] = {}
+    for setting in settings:
+        candidate = chosen.chosen.get(setting) if chosen is not None else None
+        folder = chosen.folder(candidate) if candidate is not None else row.name
+        runs = _seed_runs(cell_dir(path, setting, folder, 0).parent)
+        for name, key in readings.items():
+            scores.setdefault(name, {})[setting] = {r.seed: float(f["val_pm_acc"]) for r in runs
+                                                    if (f := r.personal(key)) and f.get("val_pm_acc") is not None}
+    return select(f"{row.name}: personalized model", "val_pm_acc", scores, settings, row.seeds or spec.seeds,
+                  spec.select_per_setting, variants=readings)
