@@ -343,6 +343,28 @@ def test_a_run_from_before_a_method_knob_existed_ran_what_the_method_did_then():
     assert method_args_difference({**before, "scl_form": "released"}, paper) == "method_args.scl_form: 'released' -> 'paper'"
 
 
+def test_a_run_kept_before_a_default_changed_and_without_a_record_of_its_knobs_ran_the_earlier_default():
+    """FedLoGe's personal head became the released realignment script's after runs were kept, some from
+    before summaries recorded every knob: such a run, whose config set no personal head, ran the paper's
+    LA-FR head, so it is no cell of the default now, and is one of a row that asks for that head."""
+    default = load_config(None, ["method=fedloge"])
+    paper_head = load_config(None, ["method=fedloge", "method_args.personal_head=realigned"])
+    from fedlt.methods.registry import get_method, parse_method_args
+
+    assert method_args_difference({}, default, recorded=False) == "method_args.la_fr_psi: 'unit' -> 'raw'"
+    assert method_args_difference({}, paper_head, recorded=False) is None
+    # a config that asked for the sum then ran LA-FR's unit psi, the default of that time
+    plus = load_config(None, ["method=fedloge", "method_args.personal_head=realigned_plus_phi"])
+    assert method_args_difference({"personal_head": "realigned_plus_phi"}, plus, recorded=False) == \
+        "method_args.la_fr_psi: 'unit' -> 'raw'"
+    spelled = {"personal_head": "realigned_plus_phi", "la_fr_psi": "raw"}
+    assert method_args_difference(spelled, default, recorded=False) is None
+    # a recorded summary is matched on its record, every knob of it
+    recorded = parse_method_args(get_method("fedloge"), {"personal_head": "realigned"}).model_dump(mode="json")
+    assert method_args_difference(recorded, paper_head) is None
+    assert method_args_difference(recorded, default) is not None
+
+
 def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_suite, tmp_path):
     """A calibrating run records every calibration knob (defaults included); a changed default of a knob
     its calibrations read is another run, one of a calibration it did not run is not. A summary from before

@@ -170,6 +170,11 @@ def test_resume_refuses_a_folder_where_the_run_writes_a_file_before_training(tmp
     with pytest.raises(ConfigError, match=re.escape(f"{run_dir / 'summary.json'} is not a file, where the run writes "
                                                     "its summary.json; move it out of the run directory, then resume")):
         fedlt.resume(run_dir, quiet=True)
+    (run_dir / "summary.json").rmdir()
+    (run_dir / "checkpoint.pt.tmp").mkdir()  # where the checkpoint is written before it replaces the last one
+    with pytest.raises(ConfigError, match=re.escape(f"{run_dir / 'checkpoint.pt.tmp'} is not a file, where the run "
+                                                    "writes its checkpoint.pt")):
+        fedlt.resume(run_dir, quiet=True)
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 

@@ -57,7 +57,7 @@ def test_raw_la_fr_changes_only_the_personal_models_and_is_refused_where_unused(
     """The released code's realignment step (phi_k + psi_c ||phi_kc||, absent classes masked) trains the
     same and evaluates the same global model; only PM changes. Where no LA-FR head is built, the knob
     would do nothing and is refused."""
-    unit = fedlt.run(tiny(tmp_path, "unit", personal_head="realigned_plus_phi"), quiet=True)
+    unit = fedlt.run(tiny(tmp_path, "unit", personal_head="realigned_plus_phi", la_fr_psi="unit"), quiet=True)
     raw = fedlt.run(tiny(tmp_path, "raw", personal_head="realigned_plus_phi", la_fr_psi="raw"), quiet=True)
     for a, b in zip(unit.metrics, raw.metrics):
         assert a["train_loss"] == b["train_loss"] and a["acc"] == b["acc"] and a["variants"] == b["variants"]
@@ -330,7 +330,7 @@ def test_fine_tuning_at_evaluation_steps_at_the_runs_lr_not_the_decayed_one():
     """finetune_epochs after LA-FR: one SGD step on (h = (2, 0), label 0) at fl.lr, however far the
     schedule has decayed the round's lr; finetune_lr overrides it."""
     phi = {"personal/phi/weight": torch.ones(2, 2)}
-    tune = {"finetune_epochs": 1}
+    tune = {"finetune_epochs": 1, "personal_head": "realigned"}
     at_base = personalized_head(tune, phi, lr=0.05)
     assert torch.equal(personalized_head(tune, phi, lr=1e-6, base_lr=0.05), at_base)
     # LA-FR head: rows (sqrt 2, 0), (0, sqrt 2); gradient (p - e_0) h^T with p = softmax((2 sqrt 2, 0))

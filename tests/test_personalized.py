@@ -325,17 +325,30 @@ def test_fedloges_other_personal_heads_are_evaluated_beside_its_own_as_their_own
     from fedlt.methods.fedloge import PERSONAL_READINGS
 
     base = dict(data__val_per_class=20, data__num_clients=5, method_args={"sse_steps": 20})
-    runs = {"la_fr": fedlt.run(tiny(tmp_path, "fedloge", "own", **base), quiet=True)}
+    runs = {"released_realignment": fedlt.run(tiny(tmp_path, "fedloge", "default", **base), quiet=True)}
     for name, reading in PERSONAL_READINGS.items():
-        if name != "la_fr":
+        if name not in runs:
             args = {**base["method_args"], **{k: v for k, v in reading.items() if k != "finetune_epochs"}}
             runs[name] = fedlt.run(tiny(tmp_path, "fedloge", name, **{**base, "method_args": args}), quiet=True)
     for name, run in runs.items():
         final = run.summary["final"]
         assert sorted(final["pm_variants"]) == sorted(set(PERSONAL_READINGS) - {name})
-        assert final["acc"] == runs["la_fr"].summary["final"]["acc"]  # one training
+        assert final["acc"] == runs["released_realignment"].summary["final"]["acc"]  # one training
         for other, figures in final["pm_variants"].items():
             own = runs[other].summary["final"]
             assert figures == {"pm_acc": own["pm_acc"], "val_pm_acc": own["val_pm_acc"]}
     pms = {run.summary["final"]["pm_acc"] for run in runs.values()}
     assert len(pms) == 3  # three different heads, so the equalities above could fail
+
+
+def test_a_calibration_keeps_the_methods_other_personal_readings():
+    """A calibration changes the global model only: FedLoGe's personalized models, and so its other
+    readings of them, are the method's own under it."""
+    from fedlt.calibration.wrapper import with_calibration
+    from fedlt.methods.registry import get_method, parse_method_args
+
+    spec = get_method("fedloge")
+    wrapped = with_calibration(spec, ["taunorm"])
+    plain = spec.client(parse_method_args(spec, {})).personal_readings()
+    assert sorted(wrapped.client(parse_method_args(wrapped, {})).personal_readings()) == sorted(plain) \
+        == ["la_fr", "psi_plus_phi"]

@@ -240,7 +240,7 @@ def test_a_personal_reading_is_chosen_on_local_validation_and_the_pm_column_read
     from fedlt.reporting.collect import collect
 
     tree = {**GRID_SUITE, "seeds": [0], "methods": [{
-        "name": "FedLoGe", "overrides": ["method=fedloge", "method_args.sse_steps=20"],
+        "name": "FedLoGe", "overrides": ["method=fedloge", "method_args.sse_steps=20", "method_args.personal_head=realigned"],
         "select_personal": PERSONAL_READINGS}]}
     out = tmp_path / "out"
     result = run_suite(load_suite(write_suite(tmp_path / "personal.yaml", tree)), out, echo=lambda line: None)
@@ -263,6 +263,16 @@ def test_a_personal_reading_is_chosen_on_local_validation_and_the_pm_column_read
         assert row.by_seed("pm_acc") == {0: expected} and row.by_seed("acc") == {0: final["acc"]}
     markdown = write_report(out, with_plots=False).markdown
     assert "**FedLoGe: personalized model**, selected on `val_pm_acc`" in markdown
+    # a reading the runs do not report (a misspelled key) is named, never silently passed over
+    import yaml
+
+    spec = yaml.safe_load((out / "suite.yaml").read_text())
+    spec["methods"][0]["select_personal"]["psi+phi"] = "method_args.personal_head=psi_plus_phi"
+    (out / "suite.yaml").write_text(yaml.safe_dump(spec))
+    warnings = collect(out).settings[0].warnings
+    assert any("row 'FedLoGe': personal reading 'psi+phi' is not in" in w
+               and "(its pm_variants: la_fr, psi_plus_phi, released_realignment)" not in w
+               and "(its pm_variants: psi_plus_phi, released_realignment)" in w for w in warnings), warnings
 
 
 def test_a_personal_reading_choice_without_a_validation_set_is_refused_before_anything_runs(tmp_path):

@@ -60,8 +60,9 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
     if cfg.engine == "flower":
         raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
     for name in (*RUN_FILES, CHECKPOINT_FILE):  # found now, not after the training it would throw away
-        if (run_dir / name).exists() and not (run_dir / name).is_file():
-            raise ConfigError(f"{run_dir / name} is not a file, where the run writes its {name}; move it out of "
-                              "the run directory, then resume")
+        for written in (name, name + ".tmp", "tmp-" + name):  # and the temporary files it is written through
+            if (run_dir / written).exists() and not (run_dir / written).is_file():
+                raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
+                                  "of the run directory, then resume")
     sim = prepare(cfg)
     return sim.run(run_dir, resume=True, quiet=quiet)

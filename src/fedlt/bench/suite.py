@@ -380,19 +380,24 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
     return _config_difference(saved, wanted, IGNORED_KEYS)
 
 
-#: method knobs added after runs were kept, by method, with what those runs did: a finished run whose summary
-#: lacks such a knob ran this value (whatever the knob's default is now)
-KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"}}
+#: method knobs, by method, with what kept runs did where their summary does not record the knob: one
+#: added after they ran, or one whose default changed before summaries recorded every knob (whatever the
+#: knob's default is now, such a run ran this value unless its config set another)
+KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"}, "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit"}}
 
 
-def method_args_difference(saved: dict[str, Any], cfg: Config) -> str | None:
-    """The first knob whose value a finished run used (``summary["method_args"]``, defaults included)
-    differs from what ``cfg`` resolves to now, as ``method_args.key: a -> b``: a changed default
-    changes the run although the config file does not."""
+def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:
+    """The first knob whose value a finished run used differs from what ``cfg`` resolves to now, as
+    ``method_args.key: a -> b``: a changed default changes the run although the config file does not.
+    ``saved``: the run's ``summary["method_args"]`` (every knob, defaults included), or without that
+    record (``recorded=False``) its config's knobs, where only :data:`KNOBS_BEFORE_THEY_EXISTED` is known."""
     from fedlt.methods.registry import get_method, parse_method_args
 
     resolved = parse_method_args(get_method(cfg.method), cfg.method_args).model_dump(mode="json")
-    ran = {**KNOBS_BEFORE_THEY_EXISTED.get(cfg.method, {}), **saved}
+    before = KNOBS_BEFORE_THEY_EXISTED.get(cfg.method, {})
+    ran = {**before, **saved}
+    if not recorded:
+        ran, resolved = {k: ran[k] for k in before}, {k: resolved.get(k) for k in before}
     return config_difference({f"method_args.{k}": v for k, v in ran.items()},
                              {f"method_args.{k}": v for k, v in resolved.items()})
 
@@ -488,6 +493,9 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
     diff = _config_difference(saved, cfg.dump(), IGNORED_KEYS + resolved)
     if diff is None and "method_args" in resolved:
         diff = method_args_difference(summary["method_args"], cfg)
+    elif diff is None and summary:
+        raw = saved.get("method_args")
+        diff = method_args_difference(raw if isinstance(raw, dict) else {}, cfg, recorded=False)
     if diff is None and summary:
         raw = saved.get("calibration_args")
         diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)

@@ -280,6 +280,10 @@ class CalibratedClient(Client):
     def personalize(self, ctx, msg):
         return self.inner.personalize(ctx, msg)
 
+    def personal_readings(self) -> dict[str, Client]:
+        """The inner method's: a calibration leaves its personalized models as the method builds them."""
+        return self.inner.personal_readings()
+
 
 def balanced_sample(labels: torch.Tensor, per_class: int, generator: torch.Generator) -> torch.Tensor:
     """Positions of up to ``per_class`` samples of every class, drawn without replacement."""

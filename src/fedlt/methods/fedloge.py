@@ -107,12 +107,14 @@ class FedLoGeArgs(MethodArgs):
         "ga_fr=false); fixed = the released code's: the fixed classifier (SSE-C) the backbone trained through. "
         "Evaluation only: training is the same either way")
     la_fr: bool = Field(True, description="personal head = LA-FR (Eq. 7); false: the raw personal head phi_k")
-    la_fr_psi: Literal["unit", "raw"] = Field(
-        "unit", description="LA-FR's psi_c: unit = its direction (GA-FR(psi), the stage before LA-FR in Algorithm 1); "
-        "raw = the aggregated psi_c as Eq. 7 writes it and the released code's realignment step uses it")
-    personal_head: Literal["realigned", "realigned_plus_phi", "psi_plus_phi"] = Field(
-        "realigned", description="PM logits: phi'_k (paper); phi'_k + phi_k with absent classes masked; or psi + phi_k "
-        "with absent classes masked (the released code's local test: the raw psi, no LA-FR)")
+    la_fr_psi: Literal["unit", "raw"] | None = Field(
+        None, description="LA-FR's psi_c: unit = its direction (GA-FR(psi), the stage before LA-FR in Algorithm 1); "
+        "raw = the aggregated psi_c as Eq. 7 writes it and the released code's realignment step uses it; null: raw "
+        "under personal_head=realigned_plus_phi (the released realignment script's), else unit")
+    personal_head: Literal["realigned", "realigned_plus_phi", "psi_plus_phi"] | None = Field(
+        None, description="PM logits: phi'_k (the paper's text); phi'_k + phi_k with absent classes masked (the released "
+        "realignment script's); or psi + phi_k with absent classes masked (the released code's local test: the raw "
+        "psi, no LA-FR); null: realigned_plus_phi (chosen on local validation data), realigned with la_fr=false")
     head_bias: bool = Field(False, description="psi and phi_k are linear layers with a bias (the released code); "
                                                "the GM drops psi's bias, PM keeps phi_k's")
     head_optimizer: Literal["run", "released"] = Field(
@@ -133,6 +135,10 @@ class FedLoGeArgs(MethodArgs):
 
     @model_validator(mode="after")
     def _plus_needs_realignment(self) -> "FedLoGeArgs":
+        if self.personal_head is None:  # the default: the released realignment script's model, which needs LA-FR
+            self.personal_head = "realigned_plus_phi" if self.la_fr else "realigned"
+        if self.la_fr_psi is None:
+            self.la_fr_psi = "raw" if self.personal_head == "realigned_plus_phi" else "unit"
         if self.personal_head == "realigned_plus_phi" and not self.la_fr:
             raise ValueError("personal_head=realigned_plus_phi adds phi_k to its LA-FR head; set la_fr=true")
         if self.la_fr_psi == "raw" and (not self.la_fr or self.personal_head == "psi_plus_phi"):

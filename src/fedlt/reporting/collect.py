@@ -245,6 +245,12 @@ def _collect_suite(path: Path) -> Collection:
                     have = sorted((runs[0].final(None) or {}).get("variants") or {})
                     warnings.append(f"row '{label}': variant '{key}' is not in {missing[0]}/summary.json "
                                     f"(it has: {', '.join(have) or 'none'})")
+            for key in m.select_personal:
+                missing = [r.path for r in runs if r.personal(key) is None]
+                if missing:
+                    have = sorted((runs[0].final(None) or {}).get(PM_VARIANTS) or {})
+                    warnings.append(f"row '{m.name}': personal reading '{key}' is not in {missing[0]}/summary.json "
+                                    f"(its {PM_VARIANTS}: {', '.join(have) or 'none'})")
         in_setting = any(r.label == spec.reference for r in rows)
         reference = spec.reference if in_setting else rows[0].label if rows else None
         if spec.reference is not None and not in_setting and rows:
@@ -354,10 +360,11 @@ def _select_personal(path: Path, spec: SuiteSpec, row: MethodRow, chosen: Select
     settings = [s.name for s in spec.settings if row.settings is None or s.name in row.settings]
     readings = {AS_RUN: AS_RUN, **{override: key for key, override in row.select_personal.items()}}
     scores: dict[str, dict[str, dict[int, float]]] = {}
+    overrides = {s.name: [*spec.overrides, *s.overrides, *row.overrides] for s in spec.settings}
     for setting in settings:
         candidate = chosen.chosen.get(setting) if chosen is not None else None
         folder = chosen.folder(candidate) if candidate is not None else row.name
-        runs = _seed_runs(cell_dir(path, setting, folder, 0).parent)
+        runs = _one_config(_seed_runs(cell_dir(path, setting, folder, 0).parent), overrides[setting])[0]
         for name, key in readings.items():
             scores.setdefault(name, {})[setting] = {r.seed: float(f["val_pm_acc"]) for r in runs
                                                     if (f := r.personal(key)) and f.get("val_pm_acc") is not None}

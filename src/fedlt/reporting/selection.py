@@ -22,8 +22,10 @@ def selection_section(selections: list[Selection]) -> list[str]:
     if not selections:
         return []
     lines = ["## Choices made on validation data", "",
-             "Each row below ran every candidate of its grid; the table above shows the selected one's test "
-             "accuracy only. Scores: final-round validation metric, mean ± std over seeds (count)."]
+             "Each row below ran every candidate of its grid (a candidate named with a variant, and a row's "
+             "personalized-model choice, is another reading of the same runs, which trains nothing); the table above "
+             "shows the selected one's test accuracy only. Scores: final-round validation metric, mean ± std over "
+             "seeds (count)."]
     for sel in selections:
         settings = sel.settings
         across = not sel.per_setting
