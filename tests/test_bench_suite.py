@@ -304,7 +304,7 @@ def test_a_cell_whose_checkpoint_is_cut_off_is_refused_before_anything_trains(ti
 def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_suite, tmp_path):
     """The summary's resolved ``method_args`` (defaults included) must match what the config resolves to
     now: a changed default is a different run although the config file is the same. A summary from
-    before fedlt recorded them is matched on the config alone."""
+    before fedlt recorded them is matched on the knobs its config set (and the earlier defaults listed)."""
     path, out, _ = tiny_suite
     mine = tmp_path / "out"
     shutil.copytree(out, mine)
@@ -326,7 +326,8 @@ def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_sui
     summary.write_text(json.dumps({k: v for k, v in tree.items() if k != "method_args"}))
     cells = run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells
     assert {c.state for c in cells} == {"done"}
-    with pytest.raises(ConfigError, match=re.escape("(method_args: {} -> None)")):  # no record: its config decides
+    # no record: the knobs its config set are known, the others ran the default of their time
+    with pytest.raises(ConfigError, match=re.escape("(method_args.mu: the default of its time, not recorded -> 0.01)")):
         run_suite(spelled_suite, mine, dry_run=True, rows=["FedProx"], echo=lambda line: None)
 
 
@@ -344,25 +345,31 @@ def test_a_run_from_before_a_method_knob_existed_ran_what_the_method_did_then():
 
 
 def test_a_run_kept_before_a_default_changed_and_without_a_record_of_its_knobs_ran_the_earlier_default():
-    """FedLoGe's personal head became the released realignment script's after runs were kept, some from
-    before summaries recorded every knob: such a run, whose config set no personal head, ran the paper's
-    LA-FR head, so it is no cell of the default now, and is one of a row that asks for that head."""
-    default = load_config(None, ["method=fedloge"])
-    paper_head = load_config(None, ["method=fedloge", "method_args.personal_head=realigned"])
+    """FedLoGe's generic and personal heads changed default after runs were kept, some from before
+    summaries recorded every knob: such a run, whose config set neither, ran GA-FR(psi) and the paper's
+    LA-FR head, so it is no cell of the default now, and is one of a row that spells those out."""
     from fedlt.methods.registry import get_method, parse_method_args
 
-    assert method_args_difference({}, default, recorded=False) == "method_args.la_fr_psi: 'unit' -> 'raw'"
-    assert method_args_difference({}, paper_head, recorded=False) is None
+    def fedloge(*knobs):
+        return load_config(None, ["method=fedloge", *(f"method_args.{k}" for k in knobs)])
+
+    default, then = fedloge(), fedloge("generic_head=psi", "personal_head=realigned")
+    assert method_args_difference({}, default, recorded=False) == "method_args.generic_head: 'psi' -> 'fixed'"
+    assert method_args_difference({}, then, recorded=False) is None  # a row that spells out what it ran
+    assert method_args_difference({"gamma": 1}, fedloge("gamma=1", "generic_head=psi", "personal_head=realigned"),
+                                  recorded=False) is None
+    assert method_args_difference({}, fedloge("gamma=1", "generic_head=psi", "personal_head=realigned"),
+                                  recorded=False) == "method_args.gamma: the default of its time, not recorded -> 1.0"
     # a config that asked for the sum then ran LA-FR's unit psi, the default of that time
-    plus = load_config(None, ["method=fedloge", "method_args.personal_head=realigned_plus_phi"])
+    plus = fedloge("generic_head=psi", "personal_head=realigned_plus_phi")
     assert method_args_difference({"personal_head": "realigned_plus_phi"}, plus, recorded=False) == \
         "method_args.la_fr_psi: 'unit' -> 'raw'"
-    spelled = {"personal_head": "realigned_plus_phi", "la_fr_psi": "raw"}
+    spelled = {"personal_head": "realigned_plus_phi", "la_fr_psi": "raw", "generic_head": "fixed"}
     assert method_args_difference(spelled, default, recorded=False) is None
     # a recorded summary is matched on its record, every knob of it
     recorded = parse_method_args(get_method("fedloge"), {"personal_head": "realigned"}).model_dump(mode="json")
-    assert method_args_difference(recorded, paper_head) is None
-    assert method_args_difference(recorded, default) is not None
+    assert method_args_difference(recorded, fedloge("personal_head=realigned")) is None
+    assert method_args_difference(recorded, default) == "method_args.la_fr_psi: 'unit' -> 'raw'"
 
 
 def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_suite, tmp_path):

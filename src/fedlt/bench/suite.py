@@ -383,7 +383,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
 #: method knobs, by method, with what kept runs did where their summary does not record the knob: one
 #: added after they ran, or one whose default changed before summaries recorded every knob (whatever the
 #: knob's default is now, such a run ran this value unless its config set another)
-KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"}, "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit"}}
+KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"},
+                             "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"}}
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:
@@ -396,8 +397,10 @@ def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = 
     resolved = parse_method_args(get_method(cfg.method), cfg.method_args).model_dump(mode="json")
     before = KNOBS_BEFORE_THEY_EXISTED.get(cfg.method, {})
     ran = {**before, **saved}
-    if not recorded:
-        ran, resolved = {k: ran[k] for k in before}, {k: resolved.get(k) for k in before}
+    if not recorded:  # only the knobs its config set, or listed above, are known
+        for key in sorted(set(cfg.method_args) - set(ran)):
+            return f"method_args.{key}: the default of its time, not recorded -> {resolved.get(key)!r}"
+        ran, resolved = {k: ran[k] for k in ran}, {k: resolved.get(k) for k in ran}
     return config_difference({f"method_args.{k}": v for k, v in ran.items()},
                              {f"method_args.{k}": v for k, v in resolved.items()})
 
@@ -485,15 +488,14 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
     except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
         summary = None
-    # a finished run's calibration knobs, and its method's where its summary records them, are matched on the
-    # values it ran with, however they were spelled (a default it ran is a value a row may now spell out)
-    resolved = ("calibration_args",) if summary else ()
-    if summary and isinstance(summary.get("method_args"), dict):
-        resolved += ("method_args",)
+    # a finished run's calibration and method knobs are matched on the values it ran with, however they were
+    # spelled (a default it ran is a value a row may now spell out): as its summary records them, or as far as
+    # its config and the knobs' earlier defaults tell
+    resolved = ("calibration_args", "method_args") if summary else ()
     diff = _config_difference(saved, cfg.dump(), IGNORED_KEYS + resolved)
-    if diff is None and "method_args" in resolved:
+    if diff is None and summary and isinstance(summary.get("method_args"), dict):
         diff = method_args_difference(summary["method_args"], cfg)
-    elif diff is None and summary:
+    elif diff is None and summary:  # a summary from before method_args were recorded: its config's knobs
         raw = saved.get("method_args")
         diff = method_args_difference(raw if isinstance(raw, dict) else {}, cfg, recorded=False)
     if diff is None and summary:

@@ -10,7 +10,9 @@ backbone and ``psi`` are aggregated (FedAvg); ``phi_k`` stays in the client's ``
 Stage 2, GA-FR (Eq. 6): every row of ``psi`` rescaled to unit norm; the paper's global model is
 the backbone with this head (``generic_head=psi``; the default reads the SSE-C, below). Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| * ||phi_kc||``,
 the global head's directions with the client's norms; optionally fine-tuned on the client's
-features (Appendix A.5); personalized model k is the backbone with ``phi'_k``.
+features (Appendix A.5); personalized model k is the backbone with ``phi'_k`` in the paper's text
+(``personal_head=realigned``). The default is the released realignment script's (below), which the
+robustness suite's local validation sets select: ``phi'_k + phi_k`` with Eq. 7's raw psi_c.
 
 Choices where the paper is silent (also in docs/methods/fedloge.md):
 
