@@ -367,6 +367,21 @@ def test_a_folder_of_runs_names_its_unfinished_ones(tmp_path):
             in markdown.splitlines())
 
 
+def test_a_report_names_metrics_lines_damaged_in_the_middle_but_not_a_torn_last_line(tmp_path):
+    """A kill mid-write tears the last line of metrics.jsonl (resume passes over it); a damaged line
+    before it costs the curves a round, which the report says instead of drawing them silently."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(run_summary(70.0)))
+    rows = [json.dumps({"round": r, "acc": 50.0 + r}) for r in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("\n".join([*rows, '{"round": 4, "ac']) + "\n")
+    assert "unreadable" not in write_report(tmp_path / "runs", with_plots=False).markdown
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], rows[1][:9], rows[2]]) + "\n")
+    for folder in (tmp_path / "runs", run):  # a folder of runs, and the run itself
+        assert (f"> note: {run / 'metrics.jsonl'}: line(s) 2 unreadable; its curves lack those rounds (its final "
+                "figures come from summary.json)") in write_report(folder, with_plots=False).markdown.splitlines()
+
+
 def test_a_folder_of_runs_of_other_settings_gives_one_table_each(tmp_path):
     """Runs of other data or rounds side by side in one folder (the quick start writes them so) are not
     one table: each setting gets its own, with its own reference row."""

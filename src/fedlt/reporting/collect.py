@@ -54,6 +54,16 @@ class Run:
     def curve(self) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.path) if r.get("acc") is not None]
 
+    def damage(self) -> str:
+        """A warning naming the unreadable lines in the middle of this run's metrics file (the rounds
+        its curves then lack), or ``""``."""
+        damaged: list[int] = []
+        read_metrics(self.path, damaged=damaged)
+        if not damaged:
+            return ""
+        return (f"{self.path / 'metrics.jsonl'}: line(s) {', '.join(map(str, damaged[:5]))} unreadable; its curves "
+                "lack those rounds (its final figures come from summary.json)")
+
     def diagnostics(self) -> list[dict[str, Any]]:
         """Every round's own numbers of the method (``Server.metrics()``: the keys the engine does
         not write), e.g. FedYoYo's distance between its estimated and the true global prior."""
@@ -182,8 +192,9 @@ def collect(path: Path) -> Collection:
     if run is not None:
         cfg = read_yaml_mapping(path / "config.yaml", "run config") if (path / "config.yaml").is_file() else None
         rows = _run_rows(_run_label(run), run)
-        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, reference=rows[0].label)],
-                          [run.seed])
+        damage = [text] if (text := run.damage()) else []
+        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, damage,
+                                                       reference=rows[0].label)], [run.seed])
     children = sorted(p for p in path.iterdir() if (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
     unfinished = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file()
                         and not (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
@@ -199,6 +210,7 @@ def collect(path: Path) -> Collection:
         cfg = read_yaml_mapping(child / "config.yaml", "run config") if (child / "config.yaml").is_file() else None
         by_setting.setdefault(setting_label(run.summary, cfg), []).extend(_run_rows(child.name, run))
     settings = [Setting(label, rows, reference=rows[0].label) for label, rows in by_setting.items()]
+    settings[0].warnings += [damage for run in runs if (damage := run.damage())]
     if unfinished:
         settings[0].warnings.append(f"left out {len(unfinished)} unfinished run(s) without summary.json "
                                     f"({', '.join(unfinished[:3])}); finish them with fedlt run --resume DIR")
@@ -231,6 +243,7 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
+            warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
             reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \
