@@ -164,6 +164,20 @@ def test_select_with_must_name_a_grid_row_on_the_same_cells(tmp_path, joined, me
         load_suite(write_suite(tmp_path / "grid.yaml", tree))
 
 
+def test_variants_of_the_global_model_cannot_be_selected_on_personalized_accuracy(tmp_path):
+    from conftest import write_suite
+    from fedlt.bench.suite import load_suite
+    from fedlt.errors import ConfigError
+
+    row = {"name": "X", "overrides": ["method=fedavg", "calibration=[taunorm]"], "grid": {"fl.lr": [0.01, 0.05]},
+           "select_variants": {"uncalibrated": "calibration=[]"}}
+    tree = {**GRID_SUITE, "methods": [row]}
+    assert load_suite(write_suite(tmp_path / "a.yaml", tree))  # on the global model's validation accuracy
+    with pytest.raises(ConfigError, match=r"select_variants reads variants of the global model, which have no "
+                                          r"val_pm_acc; select on a global-model metric"):
+        load_suite(write_suite(tmp_path / "b.yaml", {**tree, "select_on": "val_pm_acc"}))
+
+
 def test_a_candidate_that_diverged_anywhere_is_passed_over_unless_all_did():
     scores = {"fast": {"s": {0: 90.0, 1: 10.0}}, "slow": {"s": {0: 40.0, 1: 41.0}}}  # fast: mean 50 with a NaN seed
     chosen = select("R", "val_acc", scores, ["s"], [0, 1], per_setting=False, diverged={"fast": ["s / seed 1"]})

@@ -201,6 +201,10 @@ class SuiteSpec(_Strict):
             if m.select_variants and not (m.grid or m.select_with):
                 raise ValueError(f"methods[{i}].select_variants needs a selection to join: give the row a grid or "
                                  "select_with")
+            if m.select_variants and self.select_on == "val_pm_acc":
+                raise ValueError(f"methods[{i}].select_variants reads variants of the global model, which have no "
+                                 "val_pm_acc; select on a global-model metric (select_on: val_acc), or choose the "
+                                 "personalized model with select_personal")
         if self.reference is not None and self.reference not in labels:
             raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
                              + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))
