@@ -521,3 +521,51 @@ def test_deploy_refuses_a_config_before_starting_anything_and_pyproject_admits_f
     flwr_needs = SpecifierSet(importlib.metadata.metadata("flwr")["Requires-Python"])
     lowest = min(s.version for s in SpecifierSet(ours) if s.operator == ">=")
     assert lowest in flwr_needs, (ours, str(flwr_needs))  # `flwr run .` installs on what pyproject promises
+
+
+def test_ctrl_c_stops_a_flower_simulation_at_once_and_its_summary_says_so(tmp_path, monkeypatch):
+    """Ctrl-C reaches a simulation's main thread (Flower's runtime), not the ServerApp's, which waited
+    out flower.timeout_s for replies that no longer came and then recorded the round as dropouts: it
+    now stops at its next wait for replies, and the summary says the run was stopped (no dropout).
+    Flower's runtime is replaced by its two threads: the ServerApp's on a grid of silent nodes, and
+    the main one, interrupted."""
+    import json
+    import threading
+
+    import flwr.simulation
+
+    from fedlt.engine import flower_app
+
+    class SilentGrid:  # nodes that never answer
+        def get_node_ids(self):
+            return [1, 2]
+
+        def push_messages(self, messages):
+            return [str(i) for i, _ in enumerate(messages)]
+
+        def pull_messages(self, ids):
+            return []
+
+    def runtime(server_app, client_app, num_supernodes, backend_config):
+        server = threading.Thread(target=server_app._main, args=(SilentGrid(), None))
+        server.start()
+        wait_for(lambda: (tmp_path / "stopped" / "config.yaml").is_file(), 60, "the ServerApp's run directory")
+        started["at"], started["server"] = time.monotonic(), server
+        raise KeyboardInterrupt  # what Ctrl-C raises in the main thread; Flower's runtime joins no thread
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    started: dict = {}
+    monkeypatch.setattr(flwr.simulation, "run_simulation", runtime)
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # what Flower's runtime sets before messages are made
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setitem(__import__("sys").modules, "ray", type("ray", (), {"shutdown": staticmethod(lambda: None)}))
+    cfg = build_config({**tiny(tmp_path, "fedavg", "stopped"), "engine": "flower",
+                        "flower": {"timeout_s": 600, "connect_timeout_s": 600}})
+    with pytest.raises(KeyboardInterrupt):
+        flower_app.simulate(cfg, quiet=True)
+    assert time.monotonic() - started["at"] < 10 and not started["server"].is_alive()  # not flower.timeout_s
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["reason"] == "the ServerApp was stopped by a signal"
+    assert summary["dropped"] == [] and summary["rounds_done"] == 0

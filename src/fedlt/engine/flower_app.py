@@ -73,20 +73,27 @@ REPLY_POLL_S = 0.1
 
 
 def poll_replies(grid: Grid, messages: list[FlowerMessage], timeout: float,
-                 every: float = REPLY_POLL_S) -> list[FlowerMessage]:
+                 every: float = REPLY_POLL_S, stop: threading.Event | None = None) -> list[FlowerMessage]:
     """``grid.send_and_receive(messages, timeout=timeout)`` asking for the replies every ``every``
     seconds: Flower's deployed grid asks every 3 s (``flwr/superlink/grid/http_grid.py``), up to
-    3 s of idle waiting per phase of a round that may train for less than a second."""
+    3 s of idle waiting per phase of a round that may train for less than a second. ``stop``: set
+    when the run was interrupted (a simulation's Ctrl-C reaches its main thread, not this one), which
+    ends the wait with KeyboardInterrupt instead of waiting out ``timeout`` for replies that will not come."""
     pending = set(grid.push_messages(messages))
     deadline = time.monotonic() + timeout
     replies: list[FlowerMessage] = []
     while True:
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
         got = list(grid.pull_messages(pending))
         replies += got
         pending -= {r.metadata.reply_to_message_id for r in got}
         if not pending or time.monotonic() >= deadline:
             return replies
-        time.sleep(every)
+        if stop is not None:
+            stop.wait(every)
+        else:
+            time.sleep(every)
 
 
 def _message_type(kind: str) -> str:
@@ -156,6 +163,8 @@ class FlowerSimulation(Simulation):
 
     engine = "flower"
     reports_dropouts = True
+    #: set from another thread when the run was interrupted (see :func:`poll_replies`)
+    stop: threading.Event | None = None
 
     def __init__(self, cfg: Config, spec, data, device: torch.device, grid: Grid, prompt: bool = False):
         if spec.pooled:
@@ -183,7 +192,7 @@ class FlowerSimulation(Simulation):
                              dst_node_id=node, message_type=_message_type(kind))
                for node, cid, msg, rnd in targets]
         timeout = self.cfg.flower.timeout_s
-        replies = (poll_replies(self.grid, out, timeout) if self.prompt
+        replies = (poll_replies(self.grid, out, timeout, stop=self.stop) if self.prompt or self.stop
                    else list(self.grid.send_and_receive(out, timeout=timeout)))
         cid_of = {m.metadata.message_id: cid for m, (_, cid, _, _) in zip(out, targets)}  # ids set when sent
         lost: dict[int, str] = {}
@@ -272,9 +281,10 @@ class FlowerSimulation(Simulation):
 
 
 def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
-                on_start: Callable[[FlowerSimulation, Path], None] | None = None, prompt: bool = False) -> RunResult:
+                on_start: Callable[[FlowerSimulation, Path], None] | None = None, prompt: bool = False,
+                stop: threading.Event | None = None) -> RunResult:
     """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
-    (``on_start(sim, run_dir)`` is called once both exist; ``prompt``: see :func:`poll_replies`)."""
+    (``on_start(sim, run_dir)`` is called once both exist; ``prompt``, ``stop``: see :func:`poll_replies`)."""
     if cfg.flower.node_data:
         from fedlt.engine.flower_nodes import NodeDataSimulation  # a module that imports this one
 
@@ -283,6 +293,7 @@ def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
     else:
         spec, data, device = setup_parts(cfg)
         sim = FlowerSimulation(cfg, spec, data, device, grid, prompt)
+    sim.stop = stop
     run_dir = new_run_dir(sim.cfg)
     if on_start:
         on_start(sim, run_dir)
@@ -399,13 +410,28 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
                           f"{cores}; set both to at most {cores}")
     result: dict[str, RunResult] = {}
     app = ServerApp()
+    stop, ended = threading.Event(), threading.Event()
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
-        result["run"] = run_on_grid(cfg, grid, quiet=quiet)
+        try:
+            result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop)
+        except KeyboardInterrupt:
+            if not stop.is_set():
+                raise  # the interrupted run's summary is written; the main thread reports the interrupt
+        finally:
+            ended.set()
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
-    run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients, backend_config=simulation_backend(cfg))
+    try:
+        run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients, backend_config=simulation_backend(cfg))
+    except KeyboardInterrupt:  # Ctrl-C reaches this thread; the ServerApp's ends at its next wait for replies
+        stop.set()
+        ended.wait(30)  # its summary written
+        import ray
+
+        ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
+        raise
     if "run" not in result:
         raise FedltError("the Flower simulation ended without a result; its log above says why")
     return result["run"]
