@@ -311,7 +311,7 @@ def test_local_validation_sets_are_drawn_like_local_tests_and_measure_pm_on_vali
         assert rows.size and set(data.val.labels[torch.as_tensor(rows)].tolist()) <= held
     sim.setup()
     metrics = sim.evaluate(0)
-    correct, _ = predict(sim.server.global_model(), data.val, 256)
+    correct, _ = predict(sim.server.global_model(), data.val, sim.cfg.eval.batch_size)  # the engine's batches
     assert metrics["val_pm_acc"] == pytest.approx(mean_local_accuracy([correct[torch.as_tensor(r)] for r in
                                                                         data.local_val]), abs=1e-12)
     assert "val_pm_acc" not in prepare(build_config(tiny(tmp_path, "fedavg"))).evaluate(0)

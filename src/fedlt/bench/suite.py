@@ -402,9 +402,10 @@ def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = 
     before = KNOBS_BEFORE_THEY_EXISTED.get(cfg.method, {})
     ran = {**before, **saved}
     if not recorded:  # only the knobs its config set, or listed above, are known
-        for key in sorted(set(cfg.method_args) - set(ran)):
-            return f"method_args.{key}: the default of its time, not recorded -> {resolved.get(key)!r}"
-        ran, resolved = {k: ran[k] for k in ran}, {k: resolved.get(k) for k in ran}
+        unknown = sorted(set(cfg.method_args) - set(ran))
+        if unknown:
+            return f"method_args.{unknown[0]}: the default of its time, not recorded -> {resolved.get(unknown[0])!r}"
+        resolved = {k: resolved.get(k) for k in ran}
     return config_difference({f"method_args.{k}": v for k, v in ran.items()},
                              {f"method_args.{k}": v for k, v in resolved.items()})
 
