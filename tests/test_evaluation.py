@@ -15,7 +15,8 @@ from fedlt.config import EvalConfig
 from fedlt.data.dataset import ImageDataset
 from fedlt.errors import ConfigError
 from fedlt.evaluation import (
-    SharedEncoderFeatures, ShotGroups, encode, global_metrics, mean_local_accuracy, predict, shot_groups,
+    SharedEncoderFeatures, ShotGroups, encode, global_metrics, local_accuracy, mean_local_accuracy,
+    mean_of_summed_accuracies, personalized_figures, predict, shot_groups,
 )
 from fedlt.messages import Message, Reply, payload_nbytes
 
@@ -156,6 +157,38 @@ def test_mean_local_accuracy_is_unweighted_and_skips_empty_clients() -> None:
 def test_mean_local_accuracy_without_any_local_test_is_none() -> None:
     assert mean_local_accuracy([]) is None
     assert mean_local_accuracy([torch.zeros(0, dtype=torch.bool)] * 3) is None
+
+
+def summable(correct: torch.Tensor, prefix: str = "pm", suffix: str = "") -> dict:
+    """A client's evaluation entries for one local set, as the client runtime builds them."""
+    return {f"{prefix}_sum{suffix}": local_accuracy(correct) or 0.0, f"{prefix}_n{suffix}": int(correct.numel() > 0)}
+
+
+def test_summed_accuracies_give_the_mean_over_clients_to_the_last_digit() -> None:
+    """From one reply per client the summable entries give mean_local_accuracy exactly (same sum, same
+    division), empty clients left out; from one secure sum of them, sum / count."""
+    gen = torch.Generator().manual_seed(0)
+    per_client = [torch.rand(n, generator=gen) < 0.6 for n in (7, 0, 13, 1, 29, 3, 11, 17, 5, 0, 19)]
+    replies = [Reply(payload=summable(c)) for c in per_client]
+    assert mean_of_summed_accuracies(replies, "pm") == mean_local_accuracy(per_client)
+    summed = {k: sum(r.payload[k] for r in replies) for k in replies[0].payload}
+    assert summed["pm_n"] == 9
+    assert mean_of_summed_accuracies([Reply(payload=summed)], "pm") == pytest.approx(mean_local_accuracy(per_client),
+                                                                                     rel=1e-15)
+    assert mean_of_summed_accuracies([Reply(payload=summable(per_client[1]))], "pm") is None
+    assert mean_of_summed_accuracies([Reply(payload={})], "val_pm") is None
+
+
+def test_personalized_figures_read_each_reading_and_the_validation_sets() -> None:
+    right, wrong = torch.tensor([True, True, False, True]), torch.tensor([False, True, False, False])
+    replies = [Reply(payload={**summable(right), **summable(wrong, "val_pm"), **summable(wrong, suffix="/other"),
+                              **summable(right, "val_pm", "/other")}),
+               Reply(payload={**summable(wrong), **summable(wrong, "val_pm"), **summable(wrong, suffix="/other"),
+                              **summable(torch.zeros(0, dtype=torch.bool), "val_pm", "/other")})]
+    figures = personalized_figures(replies, with_val=True)
+    assert figures == {"pm_acc": 50.0, "val_pm_acc": 25.0,
+                       "pm_variants": {"other": {"pm_acc": 25.0, "val_pm_acc": 75.0}}}
+    assert personalized_figures(replies, with_val=False)["pm_variants"] == {"other": {"pm_acc": 25.0}}
 
 
 # ---- predict ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 pytest.importorskip("flwr")
@@ -187,7 +188,8 @@ def test_the_engines_counts_and_evaluation_reach_the_server_as_sums_unless_leaks
         grid = NodeGrid(nodes_of(exported))
         runs[name], kinds[name] = node_run(node_tree(tmp_path, name, exported, **top), grid), grid.kinds
     default = runs["default"].summary["secure_aggregation"]
-    assert default["phases"] == {"counts": "sum", "evaluate_counts": "sum"} and "fit" in default["in_clear"]
+    assert default["phases"] == {"counts": "sum", "evaluate_counts": "sum", "evaluate": "sum"}
+    assert "fit" in default["in_clear"]
     assert "secagg:keys" in kinds["default"]
     assert "secure_aggregation" not in runs["clear"].summary and not any(k.startswith("secagg:") for k in kinds["clear"])
     secure = runs["secure"].summary["secure_aggregation"]
@@ -200,6 +202,53 @@ def test_the_engines_counts_and_evaluation_reach_the_server_as_sums_unless_leaks
         assert b["loss"] == pytest.approx(a["loss"], abs=tolerance("loss"))
     for a, b in zip(runs["clear"].metrics, runs["secure"].metrics):
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-3)  # the models were averaged in fixed point too
+
+
+class RecordingReplies(NodeGrid):
+    """A grid that keeps the payload of every reply of one exchange kind the server receives."""
+
+    def __init__(self, folders: dict[str, Path], kind: str):
+        super().__init__(folders)
+        self.kind, self.payloads = kind, []
+
+    def send_and_receive(self, messages, *, timeout):
+        from fedlt.engine.flower_codec import decode_meta, decode_reply
+
+        kinds = [decode_meta(m.content)["kind"] for m in messages]
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for kind, reply in zip(kinds, replies):
+            if kind == self.kind:
+                self.payloads.append(decode_reply(reply.content, torch.device("cpu")).payload)
+        return replies
+
+
+def test_a_nodes_personalized_accuracy_leaves_it_only_as_a_secure_sum(tmp_path, exported, server_identity):
+    """A personalized method's nodes send their accuracy, never which of their test images they got
+    right: in the clear (privacy.allow_leaks=true) each reply holds only summable numbers (FedLoGe:
+    one pair for its own personal model and for each other reading); by default the server receives
+    one secure sum, and the personalized accuracies equal the clear run's to the fixed point."""
+    extra = {"method": "fedloge", "loss": {"name": "ce"}, "method_args": {"sse_steps": 5},
+             "eval": {"test_data": str(exported / "server" / "test")}}
+    clear_grid = RecordingReplies(nodes_of(exported), "evaluate")
+    clear = node_run(node_tree(tmp_path, "clear", exported, privacy={"allow_leaks": True}, **extra), clear_grid)
+    assert len(clear_grid.payloads) == 3 * 2  # three nodes, two evaluations
+    readings = sorted(clear.metrics[-1]["pm_variants"])
+    assert readings == ["la_fr", "psi_plus_phi"]
+    for payload in clear_grid.payloads:
+        suffixes = ["", *(f"/{r}" for r in readings)]
+        assert set(payload) == {f"pm_{part}{suffix}" for part in ("sum", "n") for suffix in suffixes}
+        assert all(isinstance(v, (int, float)) for v in payload.values()), payload
+        assert payload["pm_n"] == 1 and 0 <= payload["pm_sum"] <= 100
+    secure_grid = RecordingReplies(nodes_of(exported), "evaluate")
+    secure = node_run(node_tree(tmp_path, "secure", exported, **extra), secure_grid)
+    assert "evaluate" in secure.summary["secure_aggregation"]["phases"]
+    assert "evaluate" not in secure.summary["secure_aggregation"]["in_clear"]
+    assert len(secure_grid.payloads) == 3 * 2 and all(set(p) == {"masked", "schema"} for p in secure_grid.payloads)
+    for a, b in zip(clear.metrics, secure.metrics):
+        assert b["pm_acc"] == pytest.approx(a["pm_acc"], abs=tolerance("pm_acc"))
+        for name in readings:
+            assert b["pm_variants"][name]["pm_acc"] == pytest.approx(a["pm_variants"][name]["pm_acc"],
+                                                                     abs=tolerance("pm_acc"))
 
 
 class SilentInSecureRound(NodeGrid):

@@ -209,25 +209,42 @@ def validation_figures(correct: torch.Tensor, losses: torch.Tensor, val: ImageDa
     return {f"val_{k}": metrics[k] for k in HEADLINE_METRICS}
 
 
+def local_accuracy(correct: torch.Tensor) -> float | None:
+    """One client's accuracy in percent on its local set (None when the set is empty)."""
+    return 100 * correct.double().mean().item() if correct.numel() else None
+
+
 def mean_local_accuracy(correct_per_client: list[torch.Tensor]) -> float | None:
     """Personalized accuracy: the arithmetic mean over clients (with a local test set) of their accuracy."""
-    accs = [100 * c.double().mean().item() for c in correct_per_client if c.numel() > 0]
+    accs = [local_accuracy(c) for c in correct_per_client if c.numel() > 0]
     return float(np.mean(accs)) if accs else None
+
+
+def mean_of_summed_accuracies(replies: list, prefix: str, suffix: str = "") -> float | None:
+    """The mean over clients of the accuracies their replies carry as ``PREFIX_sumSUFFIX`` (100 x
+    accuracy) and ``PREFIX_nSUFFIX`` (1, or 0 for a client without the local set). A reply is one
+    client's or the secure sum of several; either way the sums over the count, which for one client
+    a reply is :func:`mean_local_accuracy`'s mean to the last digit."""
+    sums, counts = f"{prefix}_sum{suffix}", f"{prefix}_n{suffix}"
+    answered = [r.payload for r in replies if float(r.payload.get(counts, 0)) > 0]
+    if not answered:
+        return None
+    total = np.add.reduce(np.array([float(p[sums]) for p in answered], dtype=np.float64))
+    return float(total / sum(float(p[counts]) for p in answered))
 
 
 def personalized_figures(replies: list, with_val: bool) -> dict:
     """``pm_acc`` (and ``val_pm_acc`` where the run has local validation sets) from the clients'
-    evaluation replies, and ``pm_variants``: the same for each other personal reading they answered
-    (``correct/NAME``)."""
+    evaluation replies (their summable accuracy entries, or one secure sum of them), and
+    ``pm_variants``: the same for each other personal reading they answered (``pm_sum/NAME``)."""
     def figures(suffix: str) -> dict:
-        out = {"pm_acc": mean_local_accuracy([r.payload["correct" + suffix] for r in replies])}
+        out = {"pm_acc": mean_of_summed_accuracies(replies, "pm", suffix)}
         if with_val:
-            out["val_pm_acc"] = mean_local_accuracy([r.payload["val_correct" + suffix] for r in replies
-                                                     if "val_correct" + suffix in r.payload])
+            out["val_pm_acc"] = mean_of_summed_accuracies(replies, "val_pm", suffix)
         return out
 
+    names = sorted({k.removeprefix("pm_sum/") for r in replies for k in r.payload if k.startswith("pm_sum/")})
     out = figures("")
-    names = sorted({k.removeprefix("correct/") for r in replies for k in r.payload if k.startswith("correct/")})
     if names:
         out["pm_variants"] = {name: figures("/" + name) for name in names}
     return out

@@ -18,18 +18,20 @@ from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
 from fedlt.engine import secure_aggregation as secagg
 from fedlt.engine.portable_model import decode_model
-from fedlt.evaluation import SharedEncoderFeatures, equal, head_of_features, per_class_counts, predict
+from fedlt.evaluation import (SharedEncoderFeatures, equal, head_of_features, local_accuracy, per_class_counts,
+                              predict)
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.seeding import seed_for
 
-#: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return
-#: which local test samples it classifies correctly (``payload["correct"]``), and local validation
-#: samples (``val_correct``) where the run has a validation set; each of the method's other
-#: personal readings (:meth:`~fedlt.methods.base.Client.personal_readings`) adds ``correct/NAME``
-#: and ``val_correct/NAME``
+#: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return its
+#: accuracy on this client's local test set as a sum the server can add up without seeing a sample:
+#: ``pm_sum`` (100 x accuracy, 0 without a local test set) and ``pm_n`` (1, or 0 without one), and
+#: ``val_pm_sum`` / ``val_pm_n`` on the local validation set where the run has one; each of the
+#: method's other personal readings (:meth:`~fedlt.methods.base.Client.personal_readings`) adds the
+#: same entries suffixed ``/NAME``
 EVALUATE = "evaluate"
 #: a real federation's engine kinds (``flower.node_data``), answered from the node's own data and
 #: only summed by the server: ``counts``, the client's training samples per class; ``evaluate_counts``,
@@ -133,9 +135,9 @@ class ClientRuntime:
         if kind.startswith("query:"):
             return self.client.query(kind.removeprefix("query:"), ctx, msg)
         if kind == EVALUATE:
-            payload = self._personalized_predictions(self.client, ctx, msg, "")
+            payload = self._personalized_accuracy(self.client, ctx, msg, "")
             for name, reading in self._readings.items():  # each from the initial worker, as the first
-                payload.update(self._personalized_predictions(reading, self.context(cid, rnd, state), msg, "/" + name))
+                payload.update(self._personalized_accuracy(reading, self.context(cid, rnd, state), msg, "/" + name))
             return Reply(payload=payload)
         if kind == COUNTS:
             return Reply(payload={"counts": ctx.data.class_counts().double()})
@@ -143,22 +145,23 @@ class ClientRuntime:
             return self._evaluate_counts(cid, msg)
         raise ValueError(f"unknown exchange kind '{kind}'")
 
-    def _personalized_predictions(self, client: Any, ctx: ClientContext, msg: Message, suffix: str
-                                  ) -> dict[str, torch.Tensor]:
-        """``client``'s personalized model, right or wrong on each sample of this client's local test
-        set and, where there is one, its local validation set."""
+    def _personalized_accuracy(self, client: Any, ctx: ClientContext, msg: Message, suffix: str) -> dict[str, Any]:
+        """``client``'s personalized model's accuracy on this client's local test set and, where
+        there is one, its local validation set, as ``EVALUATE``'s summable entries."""
         client.personalize(ctx, msg)
         data, batch_size = self.eval_data, self.cfg.eval.batch_size
         shared = head_of_features(self.worker) and keeps_sent_encoder(self.worker, msg)
-        out = {}
+        out: dict[str, Any] = {}
         for key, dataset, rows, features, worth in (
-                ("correct", data.test, data.local_test, self._test_features, self._share_test_features),
-                ("val_correct", data.val, data.local_val, self._val_features, self._share_val_features)):
+                ("pm", data.test, data.local_test, self._test_features, self._share_test_features),
+                ("val_pm", data.val, data.local_val, self._val_features, self._share_val_features)):
             if dataset is None or rows is None:
                 continue
             on = features.of(self.worker, dataset, batch_size) if worth and shared else None
             idx = torch.as_tensor(rows[ctx.cid], dtype=torch.int64, device=dataset.labels.device)
-            out[key + suffix] = predict(self.worker, dataset, batch_size, indices=idx, features=on)[0]
+            correct = predict(self.worker, dataset, batch_size, indices=idx, features=on)[0]
+            out[f"{key}_sum{suffix}"] = local_accuracy(correct) or 0.0
+            out[f"{key}_n{suffix}"] = int(correct.numel() > 0)
         return out
 
     def forget_test_features(self) -> None:
@@ -179,6 +182,5 @@ class ClientRuntime:
             hits, totals, loss = per_class_counts(correct, losses, test.labels[idx], test.num_classes)
             payload.update({f"hits/{name}": hits, f"loss/{name}": loss, "totals": totals})
             if i == 0:
-                payload.update(pm_sum=100 * correct.double().mean().item() if correct.numel() else 0.0,
-                               pm_n=int(correct.numel() > 0))
+                payload.update(pm_sum=local_accuracy(correct) or 0.0, pm_n=int(correct.numel() > 0))
         return Reply(payload=payload)

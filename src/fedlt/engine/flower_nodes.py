@@ -5,9 +5,10 @@ The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (clien
 k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
 ``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
 without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
-(``evaluate_counts``, also summed). Both are secure phases with two nodes or more (unless
-``privacy.allow_leaks=true`` without ``secagg.enabled``), so the server sees only their sums; a round
-whose secure evaluation lost too many nodes to be summed is left unevaluated. Everything
+(``evaluate_counts``, also summed), and a personalized method's nodes reply their personalized
+models' accuracies as summable entries (``evaluate``). All three are secure phases with two nodes or
+more (unless ``privacy.allow_leaks=true`` without ``secagg.enabled``), so the server sees only their
+sums; a round whose secure evaluation lost too many nodes to be summed is left unevaluated. Everything
 else, the round loop, the client runtime and the messages, is the Flower engine's.
 """
 
@@ -27,14 +28,14 @@ from fedlt.data.dataset import ImageDataset
 from fedlt.data.declaration import declared_dataset
 from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
-from fedlt.engine.clients import COUNTS, EVALUATE_COUNTS, ClientRuntime
+from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
 from fedlt.engine.flower_app import HELLO, FlowerSimulation
 from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSum
 from fedlt.errors import ConfigError, FedltError
-from fedlt.evaluation import HEADLINE_METRICS, count_metrics, shot_groups, validation_metrics
+from fedlt.evaluation import HEADLINE_METRICS, count_metrics, mean_of_summed_accuracies, shot_groups, validation_metrics
 from fedlt.messages import Message, Reply
 from fedlt.run_parts import setup_runtime
 
@@ -122,12 +123,12 @@ class NodeDataSimulation(FlowerSimulation):
         self._told_late: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
-        engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum"}
+        engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum", EVALUATE: "sum"}
         if self.secure is not None:
             self.secure.phases.update(engine_sums)
         elif len(names) > 1 and not cfg.privacy.allow_leaks:
             # the server needs only the sums of the nodes' class counts and evaluation figures, never one
-            # node's: those two exchanges are secure even where the method's own are not
+            # node's: those exchanges are secure even where the method's own are not
             self.secure = SecureAggregation(cfg.secagg, engine_sums, cfg.seed, device)
 
     def _wait_for_nodes(self) -> dict[int, str]:
@@ -198,7 +199,10 @@ class NodeDataSimulation(FlowerSimulation):
                 models = {GLOBAL: model}
             out.update(self._federated_metrics(rnd, models, on_server))
         if personalized and self.spec.client.personalized:
-            out.update(self._personalized_metrics(rnd, None, None))
+            try:
+                out.update(self._personalized_metrics(rnd, None, None))
+            except TooFewForSecureSum as err:
+                log(f"fedlt: round {rnd}'s personalized accuracy is not evaluated: {err}")
         return out
 
     def _federated_metrics(self, rnd: int, models: dict[str, Any], pm_only: bool) -> dict[str, Any]:
@@ -212,8 +216,7 @@ class NodeDataSimulation(FlowerSimulation):
             return {}
         out: dict[str, Any] = {}
         if self.cfg.eval.personalized and not self.spec.client.personalized and GLOBAL in models:
-            n = sum(r.payload["pm_n"] for r in replies)
-            out["pm_acc"] = sum(r.payload["pm_sum"] for r in replies) / n if n else None
+            out["pm_acc"] = mean_of_summed_accuracies(replies, "pm")
         if pm_only:
             return out
         totals = _summed(replies, "totals")
