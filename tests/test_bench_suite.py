@@ -612,13 +612,16 @@ def test_report_states_the_cost_its_bench_log_measured(tiny_suite, tmp_path):
     assert cost.span_s == pytest.approx((max(ends) - min(starts)).total_seconds())
     text = write_report(out, tmp_path / "report", with_plots=False).markdown
     assert f"Measured by this run (bench-log.jsonl): 4 cells, {cost.cpu_s / 60:.1f} CPU-minutes" in text
-    log = tmp_path / "log.jsonl"  # a retried cell counts once (its last ok record); a torn line is skipped
+    log = out / "log.jsonl"  # a retried cell counts once (its last ok record); a torn line is skipped
     log.write_text(json.dumps({**ok[0], "cpu_s": 1.0}) + "\n" + json.dumps({**ok[0], "cpu_s": 2.0}) + "\n{\"cut")
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 2.0
     moved = {**ok[0], "cpu_s": 3.0, "run_dir": str(Path("/elsewhere") / Path(ok[0]["run_dir"]).relative_to(out))}
     log.write_text(json.dumps(ok[0]) + "\n" + json.dumps(moved) + "\n")  # the same cell, its folder named otherwise
     assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == 3.0
     assert suite_cost(tmp_path / "absent.jsonl") is None
+    gone = {**ok[1], "run_dir": str(Path(ok[1]["run_dir"]).parent / "seed99")}  # a cell whose folder was deleted
+    log.write_text(json.dumps(ok[0]) + "\n" + json.dumps(gone) + "\n")
+    assert suite_cost(log).cells == 1 and suite_cost(log).cpu_s == ok[0]["cpu_s"]
     log.write_text("\n".join(json.dumps(r) for r in [{**ok[0], "time": "yesterday"}, {**ok[0], "time": 3}, [1],
                                                      {k: v for k, v in ok[1].items() if k != "time"},
                                                      {**ok[1], "wall_s": "long"}, {**ok[1], "run_dir": 7},

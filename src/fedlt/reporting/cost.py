@@ -33,7 +33,8 @@ def _minutes(seconds: float) -> str:
 def finished_records(log: Path) -> list[dict]:
     """The last ``ok`` record of each cell (by its place in the suite: setting/row/seed folders, so
     a folder named absolutely in one run and relatively in another is one cell; else by cell
-    label); empty without a log."""
+    label) whose folder is still beside the log: a cell deleted to be run again, or dropped from
+    the suite, no longer counts. Empty without a log."""
     if not log.is_file():
         return []
     last: dict[str, dict] = {}
@@ -45,7 +46,7 @@ def finished_records(log: Path) -> list[dict]:
         if _well_formed(record) and record.get("status") == "ok":
             where = record.get("run_dir")
             last["/".join(Path(where).parts[-3:]) if where else record.get("cell")] = record
-    return list(last.values())
+    return [r for place, r in last.items() if not r.get("run_dir") or (log.parent / place).is_dir()]
 
 
 def _well_formed(record: object) -> bool:
