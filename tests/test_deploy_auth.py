@@ -75,6 +75,7 @@ def test_node_data_plans_one_supernode_per_site_folder_that_flower_reads_back(tm
         assert parse_config_args([site.node_config]) == {"data": str((folder / site.name).resolve()), "name": site.name}
     cfg = load_config(str(plan.config), plan.overrides)
     assert cfg.flower.node_data and cfg.flower.min_nodes == 3 and cfg.eval.test_data == str(test.resolve())
+    assert cfg.data.num_clients == 3  # one client per site, whatever the exported config said
     assert cfg.engine == "flower" and Path(cfg.run.out_dir).is_absolute()
 
     ca, key = tmp_path / "ca.crt", tmp_path / "keys" / "supernode1"
@@ -98,16 +99,31 @@ def test_node_data_plans_one_supernode_per_site_folder_that_flower_reads_back(tm
 
 
 def test_a_site_without_the_test_folder_the_run_evaluates_on_is_refused_before_anything_starts(tmp_path, exported):
-    from fedlt.errors import FedltError
+    from fedlt.errors import DataError
 
     folder = _filled(_sites(tmp_path, "a", "b"), exported)
     shutil.rmtree(folder / "b" / "test")
-    with pytest.raises(FedltError, match=rf"^{re.escape(str(folder / 'b'))} has no test/ folder, which the run "
+    with pytest.raises(DataError, match=rf"^{re.escape(str(folder / 'b'))} has no test/ folder, which the run "
                                          r"evaluates on .*eval.test_data=PATH$"):
         plan_deployment(SMOKE, ["fl.rounds=1"], node_data=folder)
     # without personalized accuracy and with the server's test set, no site needs one
     plan_deployment(SMOKE, ["fl.rounds=1", "eval.personalized=false"], node_data=folder,
                     server_test=exported / "server" / "test")
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (["method=fedyoyo", "data.augment=crop_flip"], "fedyoyo builds its own weak and strong views; remove data.augment"),
+    (["method=gbme", "loss.name=bsm", "loss.prior=global"], "method gbme takes its prior from method_args.prior"),
+    (["method=gbme", "loss.name=bsm", "data.num_clients=20", "method_args.num_experts=3"],
+     "method_args.num_experts=3 needs at least as many clients (data.num_clients=2)"),
+])
+def test_a_methods_own_refusals_end_the_plan_before_anything_starts(tmp_path, exported, overrides, refusal):
+    """What a method's server refuses of the config is refused by the plan, with the site count as the
+    number of clients (two sites here, whatever data.num_clients says), not by a ServerApp after the
+    SuperLink and SuperNodes started."""
+    folder = _filled(_sites(tmp_path, "a", "b"), exported)
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        plan_deployment(SMOKE, ["fl.rounds=1", *overrides], node_data=folder)
 
 
 def test_a_node_key_is_an_openssh_p384_key_pair_flower_loads(tmp_path):

@@ -188,7 +188,9 @@ def test_the_engines_counts_and_evaluation_reach_the_server_as_sums_unless_leaks
         grid = NodeGrid(nodes_of(exported))
         runs[name], kinds[name] = node_run(node_tree(tmp_path, name, exported, **top), grid), grid.kinds
     default = runs["default"].summary["secure_aggregation"]
-    assert default["phases"] == {"counts": "sum", "evaluate_counts": "sum", "evaluate": "sum"}
+    # FedAvg's class-count query is declared summed too (it runs only for loss.prior=global)
+    assert default["phases"] == {"counts": "sum", "evaluate_counts": "sum", "evaluate": "sum",
+                                 "query:class_counts": "sum"}
     assert "fit" in default["in_clear"]
     assert "secagg:keys" in kinds["default"]
     assert "secure_aggregation" not in runs["clear"].summary and not any(k.startswith("secagg:") for k in kinds["clear"])
@@ -249,6 +251,28 @@ def test_a_nodes_personalized_accuracy_leaves_it_only_as_a_secure_sum(tmp_path, 
         for name in readings:
             assert b["pm_variants"][name]["pm_acc"] == pytest.approx(a["pm_variants"][name]["pm_acc"],
                                                                      abs=tolerance("pm_acc"))
+
+
+@pytest.mark.parametrize(("query", "top"), [
+    ("query:class_counts", {"loss": {"name": "bsm", "prior": "global"}}),  # the global prior's class counts
+    ("query:calibration_stats", {"method": "fedncm", "loss": {"name": "ce"}}),  # per-class feature sums and counts
+])
+def test_a_methods_summed_queries_reach_the_server_as_secure_sums(tmp_path, exported, server_identity, query, top):
+    """A query the method only sums shows each node's label histogram; in a real federation it is a
+    secure phase whatever secagg.enabled says, as the engine's counts are, and the run gives the clear
+    run's figures (privacy.allow_leaks=true) to the fixed point."""
+    extra = {**top, "eval": {"test_data": str(exported / "server" / "test")}}
+    clear = node_run(node_tree(tmp_path, "clear", exported, privacy={"allow_leaks": True}, **extra),
+                     NodeGrid(nodes_of(exported)))
+    grid = RecordingReplies(nodes_of(exported), query)
+    secure = node_run(node_tree(tmp_path, "secure", exported, **extra), grid)
+    record = secure.summary["secure_aggregation"]
+    assert record["phases"][query] == "sum" and query not in record["in_clear"] and "fit" in record["in_clear"]
+    assert grid.payloads and all(set(p) == {"masked", "schema"} for p in grid.payloads)
+    for a, b in zip(clear.metrics, secure.metrics):  # integer counts are exact in the fixed point: the same training
+        assert (b["acc"], b["train_loss"]) == (a["acc"], a["train_loss"])
+        for name, variant in a.get("variants", {}).items():  # a calibrated head from sums rounded to 2^-24
+            assert b["variants"][name]["acc"] == pytest.approx(variant["acc"], abs=0.5), name
 
 
 class SilentInSecureRound(NodeGrid):
@@ -325,7 +349,7 @@ def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
 @pytest.mark.parametrize(("top", "refusal"), [
     ({"engine": "inprocess"}, "flower.node_data=true is a real federation of SuperNodes; run it with engine=flower"),
     ({"method": "centralized"}, "trains on pooled data"),
-    ({"loss": {"prior": "global"}}, "loss.prior=global (without secagg.enabled=true) shows the server"),
+    ({"method": "gbme", "method_args": {"grouping": "label"}}, "method_args.grouping=label shows the server"),
     ({"method": "gbme", "method_args": {"diagnose_gpi": True}}, "method_args.diagnose_gpi=true shows the server"),
     ({"calibration": ["oracle"]}, "calibration=oracle (uploads real features)"),
     ({"data": {"val_per_class": 5}}, "data.val_per_class draws a validation set"),

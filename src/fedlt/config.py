@@ -324,8 +324,8 @@ class PrivacyConfig(_Section):
 
     allow_leaks: bool = Field(False, description="allow options that send a node's label histogram or real features "
                               "in the clear under flower.node_data (refused otherwise); without secagg.enabled the "
-                              "engine's class counts and evaluation sums then travel in the clear too, not as "
-                              "secure sums")
+                              "engine's class counts and evaluation sums, and the method's summed queries, then "
+                              "travel in the clear too, not as secure sums")
 
 
 class SecAggConfig(_Section):

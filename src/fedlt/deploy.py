@@ -545,7 +545,8 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         if nodes is not None and nodes != len(sites):
             raise ConfigError(f"--nodes {nodes} conflicts with --node-data {node_data}, which has {len(sites)} site "
                               "folder(s), one SuperNode each; drop --nodes")
-        extra = ["flower.node_data=true", f"flower.min_nodes={len(sites)}"]
+        # one client per site: what the ServerApp will run, so every check sees the federation it gets
+        extra = ["flower.node_data=true", f"flower.min_nodes={len(sites)}", f"data.num_clients={len(sites)}"]
     else:
         sites = partition_sites(nodes if nodes is not None else 3)
     if server_test is not None:

@@ -195,7 +195,7 @@ def check_config(cfg: Config) -> MethodSpec:
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
     _check_client_gpus(cfg)
-    refusal = spec.server.model_refusal(cfg, method_args)
+    refusal = spec.server.model_refusal(cfg, method_args) or spec.server.config_refusal(cfg, method_args)
     if refusal:
         raise ConfigError(refusal)
     if not cfg.eval.personalized and not spec.server.has_global_model(cfg, method_args):

@@ -77,6 +77,10 @@ class CalibratedServer(Server):
         return cls.inner_cls.model_refusal(config, args)
 
     @classmethod
+    def config_refusal(cls, config, args):
+        return cls.inner_cls.config_refusal(config, args)
+
+    @classmethod
     def node_data_refusal(cls, config, args):
         return cls.inner_cls.node_data_refusal(config, args)
 

@@ -6,7 +6,8 @@ k-th name, whatever Flower's node ids are), learns the federation's class counts
 ``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
 without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
 (``evaluate_counts``, also summed), and a personalized method's nodes reply their personalized
-models' accuracies as summable entries (``evaluate``). All three are secure phases with two nodes or
+models' accuracies as summable entries (``evaluate``). These three, and the queries the method
+declares it only sums (``Server.secure_phases``), are secure phases with two nodes or
 more (unless ``privacy.allow_leaks=true`` without ``secagg.enabled``), so the server sees only their
 sums; a round whose secure evaluation lost too many nodes to be summed is left unevaluated. Everything
 else, the round loop, the client runtime and the messages, is the Flower engine's.
@@ -34,9 +35,9 @@ from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSum
-from fedlt.errors import ConfigError, FedltError
+from fedlt.errors import DataError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, mean_of_summed_accuracies, shot_groups, validation_metrics
-from fedlt.messages import Message, Reply
+from fedlt.messages import Message
 from fedlt.run_parts import setup_runtime
 
 GLOBAL = "global"
@@ -78,7 +79,7 @@ def require_test_folder(cfg: Config, folder: Path | str, has_test: bool) -> None
     """A site evaluates on its own test/ folder wherever the run measures personalized accuracy, or
     has no server test set to evaluate the global model on."""
     if not has_test and (cfg.eval.personalized or not cfg.eval.test_data):
-        raise FedltError(f"{folder} has no test/ folder, which the run evaluates on (personalized accuracy, or "
+        raise DataError(f"{folder} has no test/ folder, which the run evaluates on (personalized accuracy, or "
                          "federated evaluation without eval.test_data); add test/<class>/... or set "
                          "eval.personalized=false and eval.test_data=PATH")
 
@@ -128,8 +129,10 @@ class NodeDataSimulation(FlowerSimulation):
             self.secure.phases.update(engine_sums)
         elif len(names) > 1 and not cfg.privacy.allow_leaks:
             # the server needs only the sums of the nodes' class counts and evaluation figures, never one
-            # node's: those exchanges are secure even where the method's own are not
-            self.secure = SecureAggregation(cfg.secagg, engine_sums, cfg.seed, device)
+            # node's, nor of the method's queries it declares it only sums (a global prior's class counts,
+            # a calibration's per-class statistics): those exchanges are secure even where fit is not
+            queries = {k: mode for k, mode in spec.server.secure_phases(cfg).items() if k.startswith("query:")}
+            self.secure = SecureAggregation(cfg.secagg, {**engine_sums, **queries}, cfg.seed, device)
 
     def _wait_for_nodes(self) -> dict[int, str]:
         """Node id -> name of the SuperNodes that answered, once ``flower.min_nodes`` have, within

@@ -270,6 +270,13 @@ class Server:
         return None
 
     @classmethod
+    def config_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
+        """Why this method cannot run under ``config`` (another option it contradicts, too few
+        clients), as a one-line refusal naming the fix; None when it can. Checked with the rest of
+        the config before any data are read or any process starts. Default: None."""
+        return None
+
+    @classmethod
     def has_global_model(cls, config: Config, args: "MethodArgs") -> bool:
         """Whether :meth:`global_model` returns a model under these settings, as far as they tell
         without building it (checked before training: without one, only personalized evaluation

@@ -28,14 +28,6 @@ class FedAvgServer(Server):
     def secure_phases(cls, config):
         return {**super().secure_phases(config), "query:class_counts": "sum"}
 
-    @classmethod
-    def clear_uploads(cls, config, args):
-        """The global prior's count query, unless secure aggregation sums it."""
-        loss = config.loss
-        if loss.name in PRIOR_LOSSES and loss.prior == "global" and not config.secagg.enabled:
-            return ["loss.prior=global (without secagg.enabled=true)"]
-        return []
-
     def _needs_global_counts(self) -> bool:
         loss = self.ctx.config.loss
         return loss.name in PRIOR_LOSSES and loss.prior == "global"

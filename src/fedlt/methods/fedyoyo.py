@@ -100,7 +100,6 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
 
 from fedlt.data.augment import strong_view, weak_view
-from fedlt.errors import ConfigError
 from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
 from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, clone_state
@@ -297,12 +296,14 @@ def label_distribution(counts: torch.Tensor) -> torch.Tensor:
 class FedYoYoServer(FedAvgServer):
     """FedAvg of the models plus FedAvg of the client priors into ``pi_g``."""
 
+    @classmethod
+    def config_refusal(cls, config, args):
+        if config.data.augment != "none":
+            return f"fedyoyo builds its own weak and strong views; remove data.augment={config.data.augment}"
+        return None
+
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
-        if ctx.config.data.augment != "none":
-            raise ConfigError(
-                f"fedyoyo builds its own weak and strong views; remove data.augment={ctx.config.data.augment}"
-            )
         self.global_prior = torch.full((ctx.num_classes,), 1.0 / ctx.num_classes)
         #: the strong view's AutoAugment policy, resolved from the run's dataset and sent to the clients
         self.autoaugment_policy = autoaugment_policy_for(self.args.autoaugment_policy, ctx.config.data.dataset)

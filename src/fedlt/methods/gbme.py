@@ -118,7 +118,6 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fedlt.errors import ConfigError
 from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
@@ -559,15 +558,17 @@ class GBMEServer(Server):
                  "method_args.diagnose_gpi=true": args.diagnose_gpi}
         return [option for option, used in named.items() if used]
 
+    @classmethod
+    def config_refusal(cls, config, args):
+        if config.loss.prior != "local":
+            return "method gbme takes its prior from method_args.prior (gpi, local, global); remove loss.prior"
+        if args.ensemble and args.num_experts > config.data.num_clients:
+            return (f"method_args.num_experts={args.num_experts} needs at least as many clients "
+                    f"(data.num_clients={config.data.num_clients}); lower num_experts")
+        return None
+
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
-        a, cfg = self.args, ctx.config
-        if cfg.loss.prior != "local":
-            raise ConfigError("method gbme takes its prior from method_args.prior (gpi, local, global); "
-                              "remove loss.prior")
-        if a.ensemble and a.num_experts > ctx.num_clients:
-            raise ConfigError(f"method_args.num_experts={a.num_experts} needs at least as many clients "
-                              f"(data.num_clients={ctx.num_clients}); lower num_experts")
         self.lpis: dict[int, torch.Tensor] | None = None
         self.client_counts: dict[int, torch.Tensor] | None = None
         self.num_samples: dict[int, int] = {}
