@@ -419,7 +419,8 @@ def test_cli_export_writes_a_federation(tmp_path: Path) -> None:
     out = tmp_path / "fed"
     out.mkdir()  # an empty folder is fine
     proc = subprocess.run([sys.executable, "-m", "fedlt.cli", "data", "export", "data.dataset=synthetic",
-                           "data.num_clients=2", "fl.participation=1", "--out", str(out)], cwd=tmp_path, env=env,
+                           "data.num_clients=2", "fl.participation=1", "data.val_per_class=2", "--out", str(out)],
+                          cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"wrote {out} (2 nodes)") and "nodes 2/2 written" in proc.stderr
@@ -427,3 +428,5 @@ def test_cli_export_writes_a_federation(tmp_path: Path) -> None:
     assert deployed.flower.node_data and deployed.data.num_clients == 2 and deployed.data.classes
     assert sorted(p.name for p in (out / "nodes").iterdir()) == ["client-0", "client-1"]
     assert (out / "nodes" / "client-1" / "train").is_dir() and (out / "server" / "test").is_dir()
+    # the command it suggests evaluates on every set it wrote for the server
+    assert proc.stdout.rstrip().endswith(f"{out / 'federation.yaml'} eval.val_data={out / 'server' / 'val'}")

@@ -539,8 +539,10 @@ def data_export_cmd(
         except KeyboardInterrupt:
             typer.echo(f"fedlt: interrupted; nothing was written to {out}", err=True)
             raise typer.Exit(130) from None
+        val = folder / "server" / "val"
         typer.echo(f"wrote {folder} ({cfg.data.num_clients} nodes); deploy it with: fedlt deploy --node-data "
-                   f"{folder / 'nodes'} --server-test {folder / 'server' / 'test'} {folder / 'federation.yaml'}")
+                   f"{folder / 'nodes'} --server-test {folder / 'server' / 'test'} {folder / 'federation.yaml'}"
+                   + (f" eval.val_data={val}" if val.is_dir() else ""))
 
     _guard(go)
 

@@ -119,6 +119,14 @@ def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
     return schema, values
 
 
+def summed_entries(reply: Reply) -> list[str] | None:
+    """What a masked upload holds, from its layout: each entry as ``section/key [shape]`` (the
+    ledger's view of a secure phase); None for a reply that is not a masked upload."""
+    if set(reply.payload) != {"masked", "schema"} or not isinstance(reply.payload["schema"], str):
+        return None
+    return [f"{section}/{key} {shape}" for section, key, shape, _ in json.loads(reply.payload["schema"])]
+
+
 def unflatten(schema: list[list[Any]], values: np.ndarray, mode: str, device: torch.device) -> Reply:
     """The aggregate reply: sums, or sample-weighted means with the summed ``num_samples``."""
     n = int(round(values[-1]))

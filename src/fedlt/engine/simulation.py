@@ -26,7 +26,7 @@ from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_check
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
-from fedlt.engine.secure_aggregation import SecureAggregation
+from fedlt.engine.secure_aggregation import SecureAggregation, summed_entries
 from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError, TrainingDiverged
@@ -198,6 +198,8 @@ class Simulation:
         evaluation's."""
         if kind not in self.message_record:
             self.message_record[kind] = {"to_client": describe_message(msg), "from_client": describe_message(reply)}
+            if (summed := summed_entries(reply)) is not None:  # a secure phase's upload: what it masks
+                self.message_record[kind]["from_client"]["secure_sum_of"] = summed
         evaluation = (EVALUATE, EVALUATE_COUNTS)
         if kind in evaluation or (self.secure is not None and self.secure.phase in evaluation):
             return  # an evaluation, or a secure evaluation's key, share and unmask exchanges
