@@ -691,6 +691,56 @@ def test_prior_log_error_is_the_largest_logit_bias_of_the_prior_the_loss_reads()
         math.log(0.125 / 1e-8), rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["sequential", "graphed"])
+def test_sequential_expert_aggregation_runs_one_sub_round_per_expert_from_the_last_ones_model(tmp_path, backend):
+    """expert_aggregation=sequential (the released code): a per-expert round is M sub-rounds. Expert i's
+    trainers (its selection) receive the model sub-round i-1 produced and train expert i only; the
+    whole model is then their FedAvg; the fit phase itself trains no one. The round's train loss is
+    its sub-rounds'."""
+    from fedlt.api import prepare
+    from fedlt.methods.aggregation import weighted_average
+    from fedlt.methods.gbme import EXPERT_FIT_QUERY
+
+    cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, fl={**tiny(tmp_path)["fl"], "rounds": 1},
+               method_args={"expert_aggregation": "sequential", "joint_warmup": 0}, run={
+                   **tiny(tmp_path)["run"], "backend": backend})
+    sim = prepare(build_config(cfg))
+    server, seen, fits = sim.server, [], []
+    receive, exchange = server.receive, sim._exchange
+
+    def recording_receive(query, replies):
+        if query.name == EXPERT_FIT_QUERY:
+            seen.append((query, replies, {k: v.clone() for k, v in server.model.state_dict().items()}))
+        receive(query, replies)
+        if query.name == EXPERT_FIT_QUERY:
+            seen[-1] += ({k: v.clone() for k, v in server.model.state_dict().items()},)
+
+    def recording_exchange(kind, rnd, messages):
+        messages = list(messages)
+        if kind == "fit":
+            fits.append(messages)
+        return exchange(kind, rnd, messages)
+
+    server.receive, sim._exchange = recording_receive, recording_exchange
+    sim.setup()
+    metrics = sim.fit_round(1)
+    assert len(seen) == 3 and fits in ([], [[]])  # three experts; nobody trains in the fit phase
+    for expert, (query, replies, before, after) in enumerate(seen):
+        assert sorted(query.messages) == sorted(c for c, ex in server.selection.items() if expert in ex)
+        for msg in query.messages.values():
+            assert msg.payload["experts"].tolist() == [expert]
+            assert all(torch.equal(msg.weights[k], before[k]) for k in msg.weights)  # the previous sub-round's model
+        for reply in replies.values():  # the backbone and expert i, nothing of the frozen experts
+            assert set(reply.weights) == set(server.model.shared_keys()) | set(server.model.expert_keys(expert))
+        average = weighted_average(replies)
+        assert all(torch.equal(after[k], average[k].to(after[k].dtype)) for k in average)
+        frozen = [k for e in range(3) if e != expert for k in server.model.expert_keys(e)]
+        assert all(torch.equal(after[k], before[k]) for k in frozen)
+    losses = [(r.metrics["train_loss"], r.num_samples) for _, replies, _, _ in seen for r in replies.values()]
+    assert metrics["train_loss"] == pytest.approx(sum(l * n for l, n in losses) / sum(n for _, n in losses))
+    assert metrics["trainers"] == len(server.selection)
+
+
 def test_option_config_errors():
     with pytest.raises(ConfigError, match="lpi_steps"):
         fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
@@ -703,6 +753,9 @@ def test_option_config_errors():
                        method_args={"expert_loss": "per_expert", "ensemble": False}), quiet=True)
     with pytest.raises(ConfigError, match="lpi_steps"):
         fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, method_args={"lpi_steps": 0}), quiet=True)
+    with pytest.raises(ConfigError, match="expert_aggregation=sequential runs one sub-round per expert"):
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
+                       method_args={"expert_aggregation": "sequential", "ensemble": False}), quiet=True)
     with pytest.raises(ConfigError, match="gpi_counts"):
         fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, method_args={"gpi_counts": "x"}),
                   quiet=True)

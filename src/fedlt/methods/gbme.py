@@ -134,6 +134,8 @@ from fedlt.transfer import to_host
 
 LPI_QUERY = "gbme_lpi"
 COUNTS_QUERY = "class_counts"
+#: a sequential per-expert round's sub-round: the clients of one expert train it (as ``fit`` does)
+EXPERT_FIT_QUERY = "gbme_expert_fit"
 PHASE_KEY = "per_expert_phase"
 GBME_LOSSES = ("bsm", "la", "ldam")
 DIAG_KEY = "diag_nonprivate_gpi_pearson"
@@ -165,9 +167,11 @@ class GBMEArgs(MethodArgs):
     joint_warmup: float = Field(
         0.6, ge=0, le=1, description="fraction of the rounds in which every selected client trains all experts "
         "before the per-expert selection (released code: 0.6; 0 = per-expert selection from round 1, the paper text)")
-    expert_aggregation: Literal["all", "trainers"] = Field(
+    expert_aggregation: Literal["all", "trainers", "sequential"] = Field(
         "all", description="an expert's average: over every client of the round, a client that did not train "
-        "it counting the weights it received (Alg. 1, FedAvg of the clients' models); or over its trainers only")
+        "it counting the weights it received (Alg. 1, FedAvg of the clients' models); or over its trainers only; "
+        "or sequential (released code): a per-expert round is M sub-rounds, expert i's trainers start from the "
+        "model of sub-round i-1 and the whole model is averaged over them")
     expert_loss: Literal["mean_logits", "per_expert"] = Field(
         "mean_logits", description="the loss (bsm, la, ldam) on the mean of the experts' logits (mean_logits, "
         "Eq. 7); or per_expert (released code): its sum over the client's trained experts, each on its own "
@@ -216,6 +220,9 @@ class GBMEArgs(MethodArgs):
                              "under dp_epsilon); drop lpi_steps")
         if self.expert_loss == "per_expert" and not self.ensemble:
             raise ValueError("expert_loss=per_expert needs the experts; drop it or set ensemble=true")
+        if self.expert_aggregation == "sequential" and not self.ensemble:
+            raise ValueError("expert_aggregation=sequential runs one sub-round per expert and needs the experts; "
+                             "drop it or set ensemble=true")
         return self
 
     def pass_kind(self) -> str:
@@ -455,6 +462,8 @@ class GBMEClient(Client):
             return Reply(payload={"class_counts": ctx.data.class_counts().cpu()}, num_samples=len(ctx.data))
         if name == LPI_QUERY:
             return Reply(payload={"lpi": self.lpi(ctx, msg).cpu()}, num_samples=len(ctx.data))
+        if name == EXPERT_FIT_QUERY:
+            return self.fit(ctx, msg)
         return super().query(name, ctx, msg)
 
     def lpi(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
@@ -576,10 +585,18 @@ class GBMEServer(Server):
         self.groups: list[list[int]] | None = None
         self.selection: dict[int, list[int]] = {}
         self.joint = True
+        #: a sequential per-expert round: the experts whose sub-rounds are still to run, and the
+        #: (train loss, samples) of the sub-rounds run
+        self._sub_rounds: list[int] = []
+        self._sub_losses: list[tuple[float, int]] = []
         self._round_metrics: dict[str, float] = {}
 
     # -- setup ---------------------------------------------------------------------------
     def next_query(self, stage: Stage, rnd: int, clients: list[int]) -> Query | None:
+        if stage == "before_fit" and self._sub_rounds:
+            expert = self._sub_rounds.pop(0)
+            trainers = [cid for cid, experts in self.selection.items() if expert in experts]
+            return Query(EXPERT_FIT_QUERY, {cid: self._message(cid, [expert]) for cid in trainers})
         if stage != "setup":
             return None
         a = self.args
@@ -593,6 +610,11 @@ class GBMEServer(Server):
         return None
 
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
+        if query.name == EXPERT_FIT_QUERY:  # the sub-round's whole model, averaged over its trainers
+            super().aggregate(0, replies)
+            self._sub_losses += [(r.metrics["train_loss"], r.num_samples) for r in replies.values()
+                                 if r.num_samples > 0 and r.metrics.get("train_loss") is not None]
+            return
         key = {COUNTS_QUERY: "class_counts", LPI_QUERY: "lpi"}.get(query.name)
         if key is None:
             return super().receive(query, replies)
@@ -642,16 +664,23 @@ class GBMEServer(Server):
             return scheduled
         self.selection = select_for_experts(self.groups, self.args.alpha, self.per_expert(),
                                             self.ctx.rng(rnd, purpose=2))
+        if self.args.expert_aggregation == "sequential":  # the round runs as sub-rounds before fit, not in it
+            self._sub_rounds, self._sub_losses = list(range(self.args.num_experts)), []
+            return []
         return sorted(self.selection)
 
     def fit_message(self, rnd: int, cid: int) -> Message:
+        return self._message(cid, self.selection.get(cid))
+
+    def _message(self, cid: int, experts: list[int] | None) -> Message:
+        """What client ``cid`` trains on: the model, the prior, and the experts it trains."""
         payload: dict = {}
         if self.args.prior == "gpi":
             payload["prior"] = self.gpi_prior().float()
         elif self.args.prior == "global":
             payload["prior"] = self.global_counts().float()
         if self.args.ensemble:
-            payload["experts"] = torch.tensor(self.selection[cid], dtype=torch.int64)
+            payload["experts"] = torch.tensor(experts, dtype=torch.int64)
         if self.args.expert_loss == "per_expert":
             payload[PHASE_KEY] = not self.joint
         return Message(weights=clone_state(self.model), payload=payload)
@@ -661,7 +690,10 @@ class GBMEServer(Server):
             sent = self.model.state_dict()  # read before the average is loaded: no copy needed
             replies = {cid: replace(r, weights={**sent, **r.weights}) for cid, r in replies.items()}
         super().aggregate(rnd, replies)  # per entry, over the replies that carry it
-        m: dict[str, float] = {"trainers": float(len(replies))}
+        sequential = not self.joint and self.args.expert_aggregation == "sequential"
+        m: dict[str, float] = {"trainers": float(len(self.selection) if sequential else len(replies))}
+        if sequential and self._sub_losses:  # the round's loss is its sub-rounds'
+            m["train_loss"] = sum(loss * n for loss, n in self._sub_losses) / sum(n for _, n in self._sub_losses)
         for e in range(self.args.num_experts if self.args.ensemble else 0):
             m[f"expert{e}_trainers"] = float(sum(e in ex for ex in self.selection.values()))
         self._round_metrics = m
