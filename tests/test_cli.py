@@ -488,7 +488,10 @@ def test_an_output_folder_the_system_will_not_write_is_refused_before_any_work(t
     cli._check_out(tmp_path / "new" / "report", folder=True, writes=False)  # a dry run only reads
     monkeypatch.undo()
     cli._check_out(tmp_path / "new" / "report", folder=True)  # writable: no complaint, nothing made
-    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
+    if Path("/proc/self").is_dir():  # a file system that refuses new folders whatever the permissions say
+        with pytest.raises(ConfigError, match=r"^--out /proc/x: /proc is not writable \(.+\); choose a folder"):
+            cli._check_out(Path("/proc/x"), folder=True)
 
     def read_only():
         raise OSError(30, "Read-only file system", str(tmp_path / "x"))

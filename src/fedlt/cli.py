@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -200,6 +201,12 @@ def _check_out(path: Optional[Path], folder: bool, flag: str = "--out", writes: 
     parent = existing if existing.is_dir() else existing.parent
     if writes and not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
         raise ConfigError(f"{flag} {path}: {parent} is not writable; choose a folder you can write")
+    if writes:  # what the permissions allow a file system may still refuse (root on /proc): try, leave nothing
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".fedlt-probe-", dir=parent))
+        except OSError as err:
+            raise ConfigError(f"{flag} {path}: {parent} is not writable ({err.strerror}); choose a folder you "
+                              "can write") from None
 
 
 def _check_at_least_one(value: int, flag: str, what: str) -> None:

@@ -77,6 +77,9 @@ Choices where the paper is silent (also in the README):
   clients, and at a constant lr the per-expert phase diverges (main job, joint warm-up 0.6:
   75.2% at round 15, 10.3% at round 25, the experts' feature norms up 20x; ``all``: 78.1% at
   round 25, norms steady; +65.37 [51.77, 78.96] over three seeds, docs/methods/gbme.md).
+  ``sequential`` is the released code's per-expert round: M sub-rounds (queries that train, run
+  before the fit phase, which then trains no one), expert i's trainers starting from the model
+  sub-round i-1 averaged, the whole model averaged over them.
 * Expert heads are cosine heads, ``s * cos(w_c, h)`` with s = 30 (``expert_head``,
   ``cosine_scale``): the paper's code puts "normed" heads on its experts, and with plain linear
   heads the feature norm grows ~9x along the LPI epoch, late steps dominate the accumulated
