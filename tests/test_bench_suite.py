@@ -552,6 +552,36 @@ def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
             assert sorted({b[0] for b in built}) == ["cifar10", "cifar100"] and len(built) == 18
 
 
+@pytest.mark.parametrize(("methods", "claim", "refusal"), [
+    ([{"name": "A", "overrides": ["method=fedavg"], "variants": {"B": "nosuchvariant"}}], None,
+     "row 'A': its runs give no variant 'nosuchvariant' (they give: none); fix the row's variants"),
+    ([{"name": "A", "overrides": ["method=ccvr"], "variants": {"B": "ccvr"}}], None,
+     "row 'A': its runs give no variant 'ccvr' (they give: uncalibrated)"),
+    ([{"name": "A", "overrides": ["method=fedloge"], "select_variants": {"sse_c": "method_args.generic_head=fixed"},
+       "grid": {"method_args.gamma": [1, 4]}}], None,
+     "row 'A': its runs give no variant 'sse_c' (they give: psi_ga_fr, psi_raw)"),
+    ([{"name": "A", "overrides": ["method=fedavg"]}, {"name": "P", "overrides": ["method=fedper"]}],
+     {"row": "P", "against": "A", "metric": "acc"}, "claims[0] compares acc of 'P', whose runs have no global model"),
+    ([{"name": "A", "overrides": ["method=fedavg", "eval.personalized=false"]},
+      {"name": "B", "overrides": ["method=fedprox"]}],
+     {"row": "B", "against": "A", "metric": "pm_acc"}, "claims[0] compares pm_acc of 'A', whose runs have "
+     "eval.personalized=false"),
+    ([{"name": "A", "overrides": ["method=ccvr"], "variants": {"V": "uncalibrated"}}, {"name": "B", "overrides": []}],
+     {"row": "V", "against": "B", "metric": "pm_acc"}, "claims[0] compares pm_acc of 'V', whose runs have a variant"),
+])
+def test_what_a_suite_reads_of_its_runs_is_checked_before_any_cell_trains(tmp_path, methods, claim, refusal):
+    """A variant or a claim's metric the rows' runs cannot give is refused by the dry run, not found
+    missing in the report after every cell trained."""
+    tree = {**TINY_SUITE, "seeds": [0, 1], "overrides": [*TINY_SUITE["overrides"], "data.val_per_class=2"],
+            "methods": methods}
+    if claim is not None:
+        tree["claims"] = [{"paper": "P", "claim": "c", **claim}]
+    path = write_suite(tmp_path / "s.yaml", tree)
+    result = CliRunner().invoke(app, ["bench", str(path), "--out", str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 2 and refusal in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_an_impossible_partition_stops_a_suite_before_any_cell_trains(tmp_path):
     tree = {**TINY_SUITE, "seeds": [0], "methods": [
         TINY_SUITE["methods"][1], {"name": "Crowded", "overrides": ["data.num_clients=100000"]}]}

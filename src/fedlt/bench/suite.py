@@ -438,6 +438,34 @@ def calibration_args_difference(summary: dict[str, Any], saved: dict[str, Any], 
                              {f"calibration_args.{k}": v for k, v in resolved.items() if read(k)})
 
 
+def check_row_reads(suite: Suite, row: MethodRow, cfg: Config, spec) -> None:
+    """What the suite reads from a row's runs, they give: the variants its labels and selection read,
+    and the metric of each claim on it (a method without a global model has no global accuracy, a
+    run without personalized evaluation no PM, a variant no PM)."""
+    from fedlt.methods.registry import parse_method_args
+
+    args = parse_method_args(spec, cfg.method_args)
+    given = spec.server.variant_names(cfg, args)
+    for key in [*row.variants.values(), *row.select_variants]:
+        if key not in given:
+            raise ConfigError(f"suite {suite.spec.name}, row '{row.name}': its runs give no variant '{key}' (they "
+                              f"give: {', '.join(sorted(given)) or 'none'}); fix the row's variants or select_variants")
+    for i, claim in enumerate(suite.spec.claims):
+        for label in (claim.row, claim.against):
+            if label == row.name:
+                missing = ("eval.personalized=false: no personalized accuracy" if claim.metric == "pm_acc"
+                           and not cfg.eval.personalized else "no global model" if claim.metric != "pm_acc"
+                           and not spec.server.has_global_model(cfg, args) else None)
+            elif label in row.variants:
+                missing = "a variant of the global model, without personalized accuracy" \
+                    if claim.metric == "pm_acc" else None
+            else:
+                continue
+            if missing:
+                raise ConfigError(f"suite {suite.spec.name}, claims[{i}] compares {claim.metric} of '{label}', whose "
+                                  f"runs have {missing}; compare another metric or row")
+
+
 def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, classify its folder, and build the federation of every cell
     still to train (its files, long tail, validation split and partition), before anything trains."""
@@ -448,12 +476,14 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     federations: dict[str, tuple[Config, str]] = {}  # data settings and federation seed -> one such cell
     selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
     personal = {m.name for m in suite.spec.methods if m.select_personal}  # rows whose personal reading is chosen
+    rows = {m.name: m for m in suite.spec.methods}
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
-            check_config(cfg)
+            spec = check_config(cfg)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
+        check_row_reads(suite, rows[cell.row], cfg, spec)
         if (cell.row in selected or cell.row in personal) and cfg.data.val_per_class == 0:
             what = f"its grid is selected on {suite.spec.select_on}" if cell.row in selected \
                 else "its personalized model is selected on val_pm_acc"

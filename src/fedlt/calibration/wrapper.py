@@ -81,6 +81,12 @@ class CalibratedServer(Server):
         return cls.inner_cls.config_refusal(config, args)
 
     @classmethod
+    def variant_names(cls, config, args):
+        """The inner method's, the uncalibrated model and every calibration after the first."""
+        uncalibrated = {"uncalibrated"} if cls.inner_cls.has_global_model(config, args) else set()
+        return cls.inner_cls.variant_names(config, args) | uncalibrated | set(cls.names[1:])
+
+    @classmethod
     def node_data_refusal(cls, config, args):
         return cls.inner_cls.node_data_refusal(config, args)
 

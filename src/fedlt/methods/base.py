@@ -277,6 +277,12 @@ class Server:
         return None
 
     @classmethod
+    def variant_names(cls, config: Config, args: "MethodArgs") -> set[str]:
+        """The names :meth:`extra_models` can give under these settings (a suite checks the variants
+        its rows read against them before anything trains). Default: none."""
+        return set()
+
+    @classmethod
     def has_global_model(cls, config: Config, args: "MethodArgs") -> bool:
         """Whether :meth:`global_model` returns a model under these settings, as far as they tell
         without building it (checked before training: without one, only personalized evaluation

@@ -278,15 +278,20 @@ class FedLoGeServer(Server):
             return self.model
         return self._view("global", *global_head(*psi_of(self.model.head), self.args.ga_fr))
 
+    @classmethod
+    def variant_names(cls, config, args):
+        """The heads the global model does not use: the fixed classifier, psi with and without GA-FR."""
+        used = args.classifier if args.generic_head == "fixed" else "psi_ga_fr" if args.ga_fr else "psi_raw"
+        return {args.classifier, "psi_ga_fr", "psi_raw"} - {used}
+
     def extra_models(self) -> dict[str, FedModel]:
-        """The heads the global model does not use, evaluated on the same backbone: the fixed
-        classifier itself, psi with and without GA-FR (the generic-head and GA-FR ablations)."""
+        """The heads the global model does not use, evaluated on the same backbone (the generic-head
+        and GA-FR ablations)."""
         psi = psi_of(self.model.head)
         models = {self.args.classifier: self.model, "psi_ga_fr": self._view("psi_ga_fr", *global_head(*psi, True)),
                   "psi_raw": self._view("psi_raw", *global_head(*psi, False))}
-        used = self.args.classifier if self.args.generic_head == "fixed" else "psi_ga_fr" if self.args.ga_fr \
-            else "psi_raw"
-        return {name: model for name, model in models.items() if name != used}
+        names = self.variant_names(self.ctx.config, self.args)
+        return {name: model for name, model in models.items() if name in names}
 
     def eval_message(self, cid: int) -> Message:
         return Message(weights=clone_state(self.model))
