@@ -753,6 +753,14 @@ def test_option_config_errors():
                        method_args={"expert_loss": "per_expert", "ensemble": False}), quiet=True)
     with pytest.raises(ConfigError, match="lpi_steps"):
         fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, method_args={"lpi_steps": 0}), quiet=True)
+    with pytest.raises(ConfigError, match="calibration=creff reads each client's fit reply, but method gbme under "
+                                          "these options trains outside the fit phase"):  # CReFF would see no replies
+        fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, calibration=["creff"],
+                       method_args={"expert_aggregation": "sequential"}), quiet=True)
+    from fedlt.run_parts import check_config
+
+    check_config(build_config(tiny("/nonexistent", method="gbme", loss={"name": "bsm"}, calibration=["ccvr"],
+                                   method_args={"expert_aggregation": "sequential"})))  # a post-hoc one reads no fit
     with pytest.raises(ConfigError, match="expert_aggregation=sequential runs one sub-round per expert"):
         fedlt.run(tiny("/nonexistent", method="gbme", loss={"name": "bsm"},
                        method_args={"expert_aggregation": "sequential", "ensemble": False}), quiet=True)

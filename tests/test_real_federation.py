@@ -277,6 +277,19 @@ def test_a_methods_summed_queries_reach_the_server_as_secure_sums(tmp_path, expo
             assert b["variants"][name]["acc"] == pytest.approx(variant["acc"], abs=0.5), name
 
 
+def test_a_method_that_needs_more_clients_than_nodes_came_is_refused_before_the_run_starts(tmp_path, exported,
+                                                                                           server_identity):
+    """The config may promise more clients than nodes join: the server checks it again against the
+    nodes that came (GBME's 4 experts need 4 clients; 3 nodes), before any run folder is written."""
+    cfg = node_tree(tmp_path, "g", exported, method="gbme", loss={"name": "bsm"},
+                    method_args={"num_experts": 4, "joint_warmup": 0},
+                    eval={"test_data": str(exported / "server" / "test"), "personalized": False})
+    cfg["data"]["num_clients"] = 10
+    with pytest.raises(ConfigError, match=r"num_experts=4 needs at least as many clients \(data.num_clients=3\)"):
+        node_run(cfg, NodeGrid(nodes_of(exported)))
+    assert not (tmp_path / "runs").exists()
+
+
 class SilentInSecureRound(NodeGrid):
     """A grid whose node ``silent`` stops answering secure aggregation's messages in round ``rnd``."""
 

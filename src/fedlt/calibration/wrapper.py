@@ -78,6 +78,13 @@ class CalibratedServer(Server):
 
     @classmethod
     def config_refusal(cls, config, args):
+        """The inner method's, and a calibration that reads fit replies on a method whose training
+        does not come back as fit replies (GBME's sequential sub-rounds)."""
+        readers = [n for n in cls.names if CALIBRATORS[n].reads_fit_replies]
+        if readers and not cls.inner_cls.trains_in_fit(config, args):
+            return (f"calibration={readers[0]} reads each client's fit reply, but method {config.method} under these "
+                    "options trains outside the fit phase (GBME: method_args.expert_aggregation=sequential); "
+                    "drop the calibration or use another expert_aggregation")
         return cls.inner_cls.config_refusal(config, args)
 
     @classmethod

@@ -38,7 +38,7 @@ from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSu
 from fedlt.errors import DataError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, mean_of_summed_accuracies, shot_groups, validation_metrics
 from fedlt.messages import Message
-from fedlt.run_parts import setup_runtime
+from fedlt.run_parts import check_config, setup_runtime
 
 GLOBAL = "global"
 
@@ -117,6 +117,7 @@ class NodeDataSimulation(FlowerSimulation):
         found = self._wait_for_nodes()
         names = sorted(found, key=found.get)
         cfg = build_config({**cfg.dump(), "data": {**cfg.dump()["data"], "num_clients": len(names)}})
+        check_config(cfg)  # against the clients that came (a method may need more: GBME's experts)
         test, val = (server_set(cfg, path, device) for path in (cfg.eval.test_data, cfg.eval.val_data))
         data = server_federation(declared_shape(cfg).to(device), len(names), test, val)
         super().__init__(cfg, spec, data, device, grid, prompt)

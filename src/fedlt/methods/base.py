@@ -277,6 +277,12 @@ class Server:
         return None
 
     @classmethod
+    def trains_in_fit(cls, config: Config, args: "MethodArgs") -> bool:
+        """Whether every client's training of a round comes back as a reply of the ``fit`` phase (a
+        calibration that reads fit replies, CReFF's, needs it). Default: yes."""
+        return True
+
+    @classmethod
     def variant_names(cls, config: Config, args: "MethodArgs") -> set[str]:
         """The names :meth:`extra_models` can give under these settings (a suite checks the variants
         its rows read against them before anything trains). Default: none."""

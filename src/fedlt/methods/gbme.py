@@ -571,6 +571,11 @@ class GBMEServer(Server):
         return [option for option, used in named.items() if used]
 
     @classmethod
+    def trains_in_fit(cls, config, args):
+        """Not with sequential per-expert sub-rounds: those rounds train in queries, their fit phase is empty."""
+        return not (args.ensemble and args.expert_aggregation == "sequential")
+
+    @classmethod
     def config_refusal(cls, config, args):
         if config.loss.prior != "local":
             return "method gbme takes its prior from method_args.prior (gpi, local, global); remove loss.prior"
