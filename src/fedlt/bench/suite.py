@@ -451,16 +451,15 @@ def check_row_reads(suite: Suite, row: MethodRow, cfg: Config, spec) -> None:
             raise ConfigError(f"suite {suite.spec.name}, row '{row.name}': its runs give no variant '{key}' (they "
                               f"give: {', '.join(sorted(given)) or 'none'}); fix the row's variants or select_variants")
     for i, claim in enumerate(suite.spec.claims):
+        personal = claim.metric == "pm_acc"
         for label in (claim.row, claim.against):
-            if label == row.name:
-                missing = ("eval.personalized=false: no personalized accuracy" if claim.metric == "pm_acc"
-                           and not cfg.eval.personalized else "no global model" if claim.metric != "pm_acc"
-                           and not spec.server.has_global_model(cfg, args) else None)
-            elif label in row.variants:
-                missing = "a variant of the global model, without personalized accuracy" \
-                    if claim.metric == "pm_acc" else None
-            else:
-                continue
+            missing = None
+            if label == row.name and personal and not cfg.eval.personalized:
+                missing = "eval.personalized=false: no personalized accuracy"
+            elif label == row.name and not personal and not spec.server.has_global_model(cfg, args):
+                missing = "no global model"
+            elif label in row.variants and personal:
+                missing = "a variant of the global model, without personalized accuracy"
             if missing:
                 raise ConfigError(f"suite {suite.spec.name}, claims[{i}] compares {claim.metric} of '{label}', whose "
                                   f"runs have {missing}; compare another metric or row")
