@@ -52,6 +52,27 @@ def test_weighted_average_arithmetic():
     assert out["n"].dtype == torch.int64 and out["n"].item() == round((4 + 30) / 4)
 
 
+def test_weighted_average_of_integer_buffers_converts_once_a_round_not_per_client():
+    """Integer buffers are summed exactly in int64 and converted once, whatever the number of replies;
+    an int32 buffer keeps its dtype and the mean rounds half to even, as the float64 sum did."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Conversions(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Conversions.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    replies = {c: Reply(weights={"n": torch.tensor(2 * c + 1), "m": torch.tensor([c, 3], dtype=torch.int32)},
+                        num_samples=1) for c in range(4)}
+    with Conversions():
+        out = weighted_average(replies)
+    assert out["n"].dtype == torch.int64 and out["n"].item() == 4  # (1+3+5+7)/4
+    assert out["m"].dtype == torch.int32 and out["m"].tolist() == [2, 3]  # 1.5 rounds to 2
+    assert Conversions.count == 2 * 2 + 4  # each buffer to float64 and back once; m to int64 per reply
+
+
 def test_weighted_average_over_clients_that_sent_the_entry():
     a = Reply(weights={"body": torch.tensor([2.0]), "head": torch.tensor([1.0])}, num_samples=2)
     b = Reply(weights={"body": torch.tensor([4.0])}, num_samples=2)

@@ -4,6 +4,7 @@ simulation engine), and a real SuperLink with SuperNodes on 127.0.0.1, one of wh
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -22,6 +23,7 @@ from flower_loopback import LoopbackGrid, deployment_pids  # noqa: E402
 import fedlt  # noqa: E402
 from fedlt.config import build_config  # noqa: E402
 from fedlt.engine.flower_codec import decode_reply, encode_message, get_tree, put_tree  # noqa: E402
+from fedlt.errors import FedltError  # noqa: E402
 from fedlt.messages import Reply  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -569,3 +571,37 @@ def test_ctrl_c_stops_a_flower_simulation_at_once_and_its_summary_says_so(tmp_pa
     summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
     assert summary["status"] == "aborted" and summary["reason"] == "the ServerApp was stopped by a signal"
     assert summary["dropped"] == [] and summary["rounds_done"] == 0
+
+
+def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps_the_others(tmp_path, monkeypatch):
+    """Flower's deprecation of run_simulation and Ray's GPU-masking tip were printed by every simulation;
+    Flower's runtime is replaced by one that emits them beside a warning and a log line that must stay."""
+    import warnings
+
+    import flwr.simulation
+    from flwr.common.logger import log, warn_deprecated_feature
+
+    from fedlt.engine import flower_app
+
+    def runtime(server_app, client_app, num_supernodes, backend_config):
+        warn_deprecated_feature("The `run_simulation` function is deprecated and will be removed")
+        warnings.warn("Tip: In future versions of Ray, Ray will no longer override accelerator", FutureWarning)
+        warnings.warn("a warning of the run", FutureWarning)
+        log(logging.WARNING, "a line of Flower's own")
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    shown: list[str] = []
+    monkeypatch.setattr(flwr.simulation, "run_simulation", runtime)
+    flower_log = logging.getLogger("flwr")
+    flower_log.addHandler(lines := Lines())
+    try:
+        with pytest.raises(FedltError, match="ended without a result"), pytest.warns(FutureWarning) as caught:
+            flower_app.simulate(build_config({**tiny(tmp_path, "fedavg", "noticed"), "engine": "flower"}), quiet=True)
+    finally:
+        flower_log.removeHandler(lines)
+    assert [str(w.message) for w in caught] == ["a warning of the run"]
+    assert shown == ["a line of Flower's own"]
+    assert flower_app.logging.getLogger("flwr").filters == []  # Flower's logger as it was

@@ -18,12 +18,15 @@ its own folder (``flower.node_data``, :mod:`fedlt.engine.flower_nodes`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shlex
 import socket
 import threading
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -393,6 +396,25 @@ def simulation_backend(cfg: Config) -> dict[str, Any]:
     return {"client_resources": resources, "init_args": {"include_dashboard": False}}
 
 
+@contextmanager
+def without_runtime_notices() -> Iterator[None]:
+    """Silences two notices every simulation printed that its user cannot act on: Flower's deprecation
+    of ``run_simulation`` (the Python entry point fedlt's simulation is built on) and Ray's tip on a
+    future default of its GPU masking. Flower's other log lines and every other warning still show."""
+    flower_log = logging.getLogger("flwr")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "`run_simulation` function is deprecated" not in record.getMessage()
+
+    flower_log.addFilter(keep)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            yield
+    finally:
+        flower_log.removeFilter(keep)
+
+
 def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     """``fedlt run ... engine=flower``: ``cfg`` on Flower's simulation engine (Ray), one virtual
     SuperNode per client."""
@@ -424,7 +446,9 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
     try:
-        run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients, backend_config=simulation_backend(cfg))
+        with without_runtime_notices():
+            run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
+                           backend_config=simulation_backend(cfg))
     except KeyboardInterrupt:  # Ctrl-C reaches this thread; the ServerApp's ends at its next wait for replies
         stop.set()
         ended.wait(30)  # its summary written

@@ -26,8 +26,8 @@ def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -
         names = [name for name in reply.weights if keys is None or name in keys]
         values = [reply.weights[name] for name in names]
         with torch.no_grad():  # as detached values: one switch, not a detach per tensor
-            weighted = fused.scaled([v if v.is_floating_point() else v.to(torch.float64) for v in values],
-                                    reply.num_samples)
+            weighted = fused.scaled([v if v.is_floating_point() or v.dtype == torch.int64 else v.to(torch.int64)
+                                     for v in values], reply.num_samples)
             seen = [i for i, name in enumerate(names) if name in sums]
             fused.add_([sums[names[i]] for i in seen], [weighted[i] for i in seen])
         for name, value, term in zip(names, values, weighted):
@@ -36,6 +36,8 @@ def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -
             totals[name] = totals.get(name, 0.0) + reply.num_samples
     out = {}
     for name, total in sums.items():
-        mean = total / totals[name]
-        out[name] = mean.round().to(dtypes[name]) if not dtypes[name].is_floating_point else mean.to(dtypes[name])
+        if dtypes[name].is_floating_point:
+            out[name] = (total / totals[name]).to(dtypes[name])
+        else:
+            out[name] = (total.to(torch.float64) / totals[name]).round().to(dtypes[name])
     return out
