@@ -1,7 +1,7 @@
 """What the host does per graphed client besides its captured step, counted on any device: the host
-synchronisations of a round (fedlt.bench.host_syncs.HostSyncs) and the torch operations it
-dispatches per client (batch making, the client's start and reply, the aggregation), with the step
-itself replaced by nothing, and the time that takes per client. On a GPU each operation is host
+synchronisations of a round (fedlt.bench.host_syncs.HostSyncs), the torch operations it dispatches
+per client and the tensors they make (batch making, the client's start and reply, the aggregation),
+with the step itself replaced by nothing, and the time that takes per client. On a GPU each operation is host
 time (a kernel launch or an allocation) and each synchronisation stalls the host until the device
 catches up; on a CPU the time also holds the copies' arithmetic. With --profile it also lists the
 Python functions that take most of that time (their own time, per client, in one more round).
@@ -17,7 +17,9 @@ import sys
 import time
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fedlt.api import prepare
 from fedlt.bench.host_syncs import HostSyncs
@@ -31,13 +33,20 @@ PROFILE_ROWS = 20
 
 
 class Operations(TorchDispatchMode):
+    """The operations dispatched, and the tensors they make (outputs that are none of their inputs):
+    on a GPU each made tensor is an allocation from the caching allocator."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count: Counter[str] = Counter()
+        self.made = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.made += sum(isinstance(t, torch.Tensor) and id(t) not in inputs for t in tree_flatten(out)[0])
+        return out
 
 
 def main(clients: int, overrides: list[str], profile: bool = False) -> None:
@@ -64,7 +73,8 @@ def main(clients: int, overrides: list[str], profile: bool = False) -> None:
         seconds.append(time.perf_counter() - start)
     print(f"{cfg.model.name}, {clients} clients, {cfg.method}, {sim.device}: "
           f"{syncs.total} host synchronisations a round {dict(syncs.calls)}; "
-          f"{sum(ops.count.values()) / clients:.1f} operations per client; most frequent: {ops.count.most_common(5)}; "
+          f"{sum(ops.count.values()) / clients:.1f} operations per client, making {ops.made / clients:.1f} tensors; "
+          f"most frequent: {ops.count.most_common(5)}; "
           f"{1000 * min(seconds) / clients:.2f} ms per client (the fastest of {TIMED_ROUNDS} rounds)")
     if profile:
         profiler = cProfile.Profile()

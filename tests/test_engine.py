@@ -12,6 +12,7 @@ import torch
 import fedlt
 from conftest import run_until_crash_in_round_3
 from fedlt.api import prepare
+from fedlt.config import build_config
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.messages import Reply
@@ -73,11 +74,76 @@ def test_weighted_average_of_integer_buffers_converts_once_a_round_not_per_clien
     assert Conversions.count == 2 * 2 + 4  # each buffer to float64 and back once; m to int64 per reply
 
 
+def test_weighted_average_rewriting_the_last_replys_products_equals_new_ones_bitwise(monkeypatch):
+    """On a GPU a reply's weighted entries are written into the previous reply's tensors instead of new
+    ones (tried here on the CPU): the same products and sums, bit for bit, for every dtype a state holds
+    and for entries some replies lack; the round makes two tensors per entry, not one per entry and reply."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fedlt.methods import aggregation
+
+    class Products(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Products.made += len(out) if func is torch.ops.aten._foreach_mul.Scalar else 0
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    replies = {c: Reply(weights={"w": torch.randn(5, 3, generator=g), "d": torch.randn(4, generator=g).double(),
+                                 "h": torch.randn(6, generator=g).half(), "n": torch.tensor(c * 7 + 1),
+                                 "m": torch.tensor([c, 2 * c], dtype=torch.int32),
+                                 **({"head": torch.randn(2, generator=g)} if c % 2 else {})},
+                        num_samples=3 + 5 * c) for c in range(6)}
+    with Products():
+        plain = weighted_average(replies)
+    assert Products.made == 6 * 5 + 3  # a product per entry and reply
+    monkeypatch.setattr(aggregation, "REWRITTEN_ON", frozenset({"cpu"}))
+    Products.made = 0
+    with Products():
+        rewritten = weighted_average(replies)
+    assert Products.made == 2 * 6  # the sum and one product per entry
+    assert plain.keys() == rewritten.keys() == {"w", "d", "h", "n", "m", "head"}
+    for name in plain:
+        assert plain[name].dtype == rewritten[name].dtype == replies[1].weights[name].dtype
+        assert torch.equal(plain[name], rewritten[name]), name
+    assert all(torch.equal(r.weights["m"], torch.tensor([c, 2 * c], dtype=torch.int32)) for c, r in replies.items())
+
+
 def test_weighted_average_over_clients_that_sent_the_entry():
     a = Reply(weights={"body": torch.tensor([2.0]), "head": torch.tensor([1.0])}, num_samples=2)
     b = Reply(weights={"body": torch.tensor([4.0])}, num_samples=2)
     out = weighted_average({0: a, 1: b})
     assert out["body"].item() == 3.0 and out["head"].item() == 1.0
+
+
+def test_a_servers_messages_share_one_copy_of_its_model_until_the_model_changes():
+    """The model a server sends is copied once for all of a round's clients, not once per client; any
+    change to the model (an aggregation, a step, a replaced tensor) makes a new copy, and a copy a
+    receiver wrote to is refused instead of sent to the next client."""
+    from fedlt.methods.base import broadcast_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    sent = [broadcast_state(model) for _ in range(3)]
+    assert all(a[k] is sent[0][k] for a in sent for k in a) and sent[0] is not sent[1]  # one copy, a dict each
+    assert all(torch.equal(sent[0][k], v) and sent[0][k] is not v for k, v in model.state_dict().items())
+    model.load_state_dict({**model.state_dict(), "0.bias": torch.tensor([1.0, 2.0])})  # an aggregation
+    after = broadcast_state(model)
+    assert after["0.bias"].tolist() == [1.0, 2.0] and after["0.weight"] is not sent[0]["0.weight"]
+    assert sent[0]["0.bias"].tolist() != [1.0, 2.0]  # what was sent before stays what was sent
+    model[0].weight = torch.nn.Parameter(torch.ones(2, 3))  # a replaced tensor
+    assert broadcast_state(model)["0.weight"].tolist() == [[1.0] * 3] * 2
+    broadcast_state(model)["1.running_mean"].add_(1)  # a receiver writing to what it was sent
+    with pytest.raises(RuntimeError, match=r"a receiver wrote to the weights the server sent \(1.running_mean\)"):
+        broadcast_state(model)
+    with torch.inference_mode():  # no versions to check: a copy of its own
+        assert broadcast_state(model)["0.weight"] is not broadcast_state(model)["0.weight"]
+    for method, loss in (("fedavg", "ce"), ("sfd", "ce"), ("fedyoyo", "ce")):  # the servers' fit messages share it
+        sim = prepare(build_config(tiny("unused", method=method, loss={"name": loss})))
+        sim.setup()
+        first, second = (sim.server.fit_message(1, cid).weights for cid in (0, 1))
+        assert first.keys() == second.keys() and all(first[k] is second[k] for k in first), method
 
 
 def test_sampling_schedule_is_seeded_and_valid():

@@ -189,7 +189,7 @@ def test_the_host_work_script_counts_a_graphed_clients_operations_and_profiles_t
     assert done.returncode == 0, done.stderr
     first, heading, *rows = done.stdout.splitlines()
     assert first.startswith("cnn, 3 clients, fedavg, cpu: 1 host synchronisations a round")
-    assert re.search(r"; [0-9.]+ operations per client; .*; [0-9.]+ ms per client", first)
+    assert re.search(r"; [0-9.]+ operations per client, making [0-9.]+ tensors; .*; [0-9.]+ ms per client", first)
     assert heading.startswith("profiled round") and len(rows) == 20
     assert all(re.match(r" +[0-9.]+ +[0-9.]+  \S", row) for row in rows)
     refused = subprocess.run([sys.executable, str(script), "0"], capture_output=True, text=True, timeout=60)

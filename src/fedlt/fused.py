@@ -65,6 +65,12 @@ def scaled(tensors: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
     return out
 
 
+def mul_(tensors: list[torch.Tensor], factor: float) -> None:
+    """``t *= factor`` for each tensor."""
+    for group in groups(tensors):
+        torch._foreach_mul_([tensors[i] for i in group], factor)
+
+
 def add_(totals: list[torch.Tensor], terms: list[torch.Tensor]) -> None:
     """``total += term`` for each pair."""
     for group in groups(totals, terms):

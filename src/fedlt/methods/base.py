@@ -23,6 +23,7 @@ must remember between rounds lives in ``ctx.state``, which the engine keeps per 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal
 
@@ -246,6 +247,41 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(zip(state, fused.clones(list(state.values()))))
 
 
+@dataclass
+class _Broadcast:
+    sources: list[torch.Tensor]  # the model's state tensors the copy was made from
+    source_versions: list[int]
+    copy: dict[str, torch.Tensor]
+    copy_versions: list[int]
+
+
+_broadcasts: weakref.WeakKeyDictionary[nn.Module, _Broadcast] = weakref.WeakKeyDictionary()
+
+
+def broadcast_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``clone_state`` for what a server sends: one copy, shared by the messages it makes until the model
+    changes, instead of one per client (on a GPU an allocation per tensor and client, the largest share
+    of a client's host time). A change is an in-place write (it raises a tensor's version: a step, an
+    aggregation, a calibration) or a replaced tensor. Receivers load the weights into their own model
+    and never write to them, as over a network; a copy found written to is refused, not sent on."""
+    state = model.state_dict(keep_vars=True)
+    sources = list(state.values())
+    if torch.is_inference_mode_enabled():  # inference tensors keep no versions to check
+        return dict(zip(state, fused.clones(sources)))
+    made = _broadcasts.get(model)
+    if made is not None and len(made.sources) == len(sources) and made.copy.keys() == state.keys() \
+            and all(a is b for a, b in zip(made.sources, sources)) \
+            and [t._version for t in sources] == made.source_versions:
+        written = [k for k, v in zip(made.copy, made.copy_versions) if made.copy[k]._version != v]
+        if written:
+            raise RuntimeError(f"a receiver wrote to the weights the server sent ({', '.join(written[:3])}); "
+                               "a client must copy them into its own model, not change them")
+        return dict(made.copy)
+    copy = dict(zip(state, fused.clones(sources)))
+    _broadcasts[model] = _Broadcast(sources, [t._version for t in sources], copy, [t._version for t in copy.values()])
+    return dict(copy)
+
+
 class Server:
     """Server side of a method. The default is FedAvg's: broadcast the model, average updates."""
 
@@ -324,7 +360,7 @@ class Server:
 
     def fit_message(self, rnd: int, cid: int) -> Message | None:
         """What sampled client ``cid`` receives to train; None: it sits this round out."""
-        return Message(weights=clone_state(self.model))
+        return Message(weights=broadcast_state(self.model))
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
         from fedlt.methods.aggregation import weighted_average
@@ -357,7 +393,7 @@ class Server:
 
     def eval_message(self, cid: int) -> Message:
         """What a client receives to build its personalized model for evaluation."""
-        return Message(weights=clone_state(self.global_model() or self.model))
+        return Message(weights=broadcast_state(self.global_model() or self.model))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; extend for method state (features, optimisers ...)."""

@@ -13,7 +13,7 @@ import torch
 
 from fedlt.losses import PRIOR_LOSSES, make_loss
 from fedlt.messages import Message, Query, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, Server, Stage, broadcast_state, clone_state
 from fedlt.training.sequential import BatchLoss, train_local
 from fedlt.transfer import to_host
 
@@ -43,7 +43,7 @@ class FedAvgServer(Server):
         self.global_counts = sum(r.payload["class_counts"] for r in replies.values())
 
     def fit_message(self, rnd: int, cid: int) -> Message:
-        msg = Message(weights=clone_state(self.model))
+        msg = Message(weights=broadcast_state(self.model))
         if self.global_counts is not None:
             msg.payload["class_counts"] = self.global_counts
         return msg

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, ServerContext, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, ServerContext, broadcast_state
 from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
 from fedlt.models import FedModel
 from fedlt.training.sequential import fit_objective
@@ -36,11 +36,11 @@ class FedBNServer(Server):
         self.bn_keys = set(batchnorm_keys(self.model))
 
     def fit_message(self, rnd: int, cid: int) -> Message:
-        return Message(weights={k: v for k, v in clone_state(self.model).items() if k not in self.bn_keys})
+        return Message(weights={k: v for k, v in broadcast_state(self.model).items() if k not in self.bn_keys})
 
     def eval_message(self, cid: int) -> Message:
         """The GM with its averaged BatchNorm (``global_bn``), for a client without its own yet."""
-        return Message(weights=clone_state(self.model)) if self.args.global_bn else self.fit_message(0, cid)
+        return Message(weights=broadcast_state(self.model)) if self.args.global_bn else self.fit_message(0, cid)
 
     def global_model(self) -> FedModel | None:
         return self.model if self.args.global_bn or not self.bn_keys else None

@@ -76,8 +76,8 @@ from torch import nn
 from fedlt.config import Config
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, clone_state,
-    parse_args,
+    Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, broadcast_state,
+    clone_state, parse_args,
 )
 from fedlt.methods.personal import (
     at_evaluation_lr, fresh_linear, load_personal, personal_module, store_module, store_personal, train_on_features,
@@ -240,7 +240,7 @@ class FedLoGeServer(Server):
 
     def next_query(self, stage, rnd, clients):
         if stage == "setup" and self.gamma is None:
-            return Query(NORM_QUERY, {cid: Message(weights=clone_state(self.model)) for cid in clients})
+            return Query(NORM_QUERY, {cid: Message(weights=broadcast_state(self.model)) for cid in clients})
         return None
 
     def receive(self, query: Query, replies: dict[int, Reply]) -> None:
@@ -263,7 +263,7 @@ class FedLoGeServer(Server):
         self.gamma = state.get("gamma", self.gamma)
 
     def fit_message(self, rnd: int, cid: int) -> Message:
-        return Message(weights=clone_state(self.model))  # backbone, psi and the frozen SSE-C
+        return Message(weights=broadcast_state(self.model))  # backbone, psi and the frozen SSE-C
 
     def _view(self, name: str, head: torch.Tensor, bias: torch.Tensor | None = None) -> FedModel:
         """The current backbone with ``head`` in the classifier slot (a separate model object)."""
@@ -294,7 +294,7 @@ class FedLoGeServer(Server):
         return {name: model for name, model in models.items() if name in names}
 
     def eval_message(self, cid: int) -> Message:
-        return Message(weights=clone_state(self.model))
+        return Message(weights=broadcast_state(self.model))
 
 
 def mean_feature_norm(ctx: ClientContext) -> float:

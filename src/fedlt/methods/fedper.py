@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, ModelHead, Server, clone_state
+from fedlt.methods.base import Client, ClientContext, LocalObjective, ModelHead, Server, broadcast_state
 from fedlt.methods.personal import keys_with_prefix, load_personal, personal_module, store_personal
 from fedlt.models import FedModel
 from fedlt.training.sequential import fit_objective
@@ -25,7 +25,7 @@ FEDPER_HEAD = ModelHead("personal heads only (the server's head is never trained
 
 class FedPerServer(Server):
     def fit_message(self, rnd: int, cid: int) -> Message:
-        return Message(weights=keys_with_prefix(clone_state(self.model), ["encoder."]))
+        return Message(weights=keys_with_prefix(broadcast_state(self.model), ["encoder."]))
 
     def eval_message(self, cid: int) -> Message:
         return self.fit_message(0, cid)

@@ -102,7 +102,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from fedlt.data.augment import strong_view, weak_view
 from fedlt.losses import log_prior
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, clone_state
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, broadcast_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.training.sequential import epoch_batches, fit_objective, steps_per_epoch
 from fedlt.transfer import to_device
@@ -333,7 +333,7 @@ class FedYoYoServer(FedAvgServer):
             payload["global_prior"] = self.global_prior.clone()
         if self.args.uses_autoaugment():  # the clients do not know the dataset's name
             payload["autoaugment_policy"] = self.autoaugment_policy
-        return Message(weights=clone_state(self.model), payload=payload)
+        return Message(weights=broadcast_state(self.model), payload=payload)
 
     def aggregate(self, rnd, replies):
         super().aggregate(rnd, replies)

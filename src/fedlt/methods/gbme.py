@@ -124,7 +124,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
-    LINEAR_HEAD, Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, Stage, clone_state,
+    LINEAR_HEAD, Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, Stage,
+    broadcast_state, clone_state,
 )
 from fedlt.methods.proxy_prior import (
     analytic_sigma, cosine_scores, count_proxy, epsilon_achieved, gaussian_sigma, global_proxy, local_proxy, pearson,
@@ -611,7 +612,7 @@ class GBMEServer(Server):
         if a.needs_counts() and self.client_counts is None:
             return Query(COUNTS_QUERY, {cid: Message() for cid in clients})
         if a.needs_lpi() and self.lpis is None:
-            weights = clone_state(self.model)
+            weights = broadcast_state(self.model)
             return Query(LPI_QUERY, {cid: Message(weights=weights) for cid in clients})
         if a.ensemble and self.groups is None:
             self.groups = self._group(clients)
@@ -691,7 +692,7 @@ class GBMEServer(Server):
             payload["experts"] = torch.tensor(experts, dtype=torch.int64)
         if self.args.expert_loss == "per_expert":
             payload[PHASE_KEY] = not self.joint
-        return Message(weights=clone_state(self.model), payload=payload)
+        return Message(weights=broadcast_state(self.model), payload=payload)
 
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
         if self.args.ensemble and self.args.expert_aggregation == "all":  # frozen experts count as sent

@@ -30,7 +30,7 @@ from torch import nn
 
 from fedlt.config import Config
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, clone_state, parse_args
+from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, broadcast_state, parse_args
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon, released_supcon
 from fedlt.models import FedModel, create_model
 from fedlt.training.sequential import fit_objective
@@ -95,7 +95,7 @@ class SFDServer(Server):
 
     def fit_message(self, rnd: int, cid: int) -> Message:
         weight = scl_weight_at(self.args, self.ctx.num_classes, rnd, self.ctx.config.fl.rounds)
-        return Message(weights=clone_state(self.model), payload={"sfd/scl_weight": weight})
+        return Message(weights=broadcast_state(self.model), payload={"sfd/scl_weight": weight})
 
 
 def abbl_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, *, offset: torch.Tensor, contrast: bool,
