@@ -170,6 +170,9 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch)
     assert len(failed) == 1 and "simulated crash" in failed[0]["error"] and "FedProx" in failed[0]["cell"]
     table = write_report(tmp_path / "out", with_plots=False).markdown
     assert "| FedProx (0/1 seeds) | - |" in table
+    assert "| FedProx (0/1 seeds) | - | no finished seed (see the notes) | - | - | - |" in table.split("## At a glance")[1]
+    assert "row 'FedProx': seed 0 failed: RuntimeError: simulated crash in local training; `fedlt bench` runs it " \
+           "again" in table
     monkeypatch.undo()  # fixed: the re-run runs only the failed cell, and clears failed.json
     (tmp_path / "out" / "failed.json").write_bytes(b'[{"run_dir": 3}, "x"\xff')  # damaged meanwhile: no matter
     again = run_suite(suite, tmp_path / "out", echo=lambda line: None)
@@ -501,6 +504,11 @@ BAD_SUITES = {
                           "of: FedAvg + CCVR, FedAvg, FedProx"),
     "row_seed_outside_suite": ({**TINY_SUITE, "methods": [{**TINY_SUITE["methods"][1], "seeds": [0, 7]}]},
                                "methods[0].seeds names seed 7, which the suite does not run; use some of: 0, 1"),
+    "no_settings": ({**TINY_SUITE, "settings": []}, "settings is empty; list at least one"),
+    "empty_row_name": ({**TINY_SUITE, "methods": [{"name": " ", "overrides": ["method=fedavg"]}]},
+                       "methods[0].name is empty; give it a name"),
+    "seeds_not_a_list": ({**TINY_SUITE, "seeds": 0}, "seeds: Input should be a valid list, got 0 (see the suite format "
+                         "in docs/benchmarks.md)"),
     "method_typo_in_last_cell": ({**TINY_SUITE, "methods": [*TINY_SUITE["methods"],
                                                             {"name": "Typo", "overrides": ["method=fedavgg"]}]},
                                  "cell 'IF=10, alpha=0.5 / Typo / seed 0': unknown method 'fedavgg'"),
@@ -733,3 +741,93 @@ def test_paper_suites_train_locally_with_their_papers_sgd(tmp_path, name, moment
             assert cfg.data.hflip is True, cell.label  # the paper's weak view flips, digits too
     if name == "paper-gbme":
         assert {load_config(suite.base, c.overrides).fl.rounds for c in expand(suite, tmp_path)} == {2000}
+
+
+@pytest.mark.parametrize("signum", [2, 15])  # SIGINT, SIGTERM: sent to the bench alone, not to its workers
+def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path, signum):
+    """With --workers 2, an interrupt of the bench left its pool to go on: after SIGINT the queued cells
+    still ran (and were not logged), after SIGTERM the workers outlived the bench and started new cells.
+    Now the running cells are interrupted (they resume later), the queued ones never start, and no
+    process of the bench is left."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    tree = {**TINY_SUITE, "seeds": [0, 1, 2, 3], "methods": [TINY_SUITE["methods"][1]],
+            "overrides": [*TINY_SUITE["overrides"], "fl.rounds=400", "eval.every=100", "run.checkpoint_every=1"]}
+    path = write_suite(tmp_path / "s.yaml", tree)
+    out = tmp_path / "out"
+    bench = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "bench", str(path), "--out", str(out), "--workers",
+                              "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cells = [cell_dir(out, "IF=10, alpha=0.5", "FedProx", seed) for seed in range(4)]
+    deadline = time.monotonic() + 240
+    while not all((c / "checkpoint.pt").is_file() for c in cells[:2]):
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.2)
+    os.kill(bench.pid, signum)
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode == 128 + signum, err
+    assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
+    deadline = time.monotonic() + 10  # the workers were stopped before the bench ended
+    while True:
+        try:
+            os.killpg(bench.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a process of the bench outlived it"
+        time.sleep(0.2)
+    assert not cells[2].exists() and not cells[3].exists()  # queued: never started
+    states = {c.seed: c.state for c in run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells}
+    assert states == {0: "resume", 1: "resume", 2: "new", 3: "new"}
+    assert not (out / "bench-log.jsonl").exists() and not (out / "failed.json").exists()
+
+
+def test_a_diverged_cell_kept_from_an_earlier_call_still_fails_the_bench_and_is_named(tmp_path):
+    """A diverged cell is a result (its method's failure), kept like a finished one; a later call said
+    '0 failed' and exited 0 where the first exited 1. Every call now names it and exits 1."""
+    tree = {**TINY_SUITE, "seeds": [0], "methods": [{"name": "FedAvg", "overrides": ["method=fedavg"]},
+                                                    {"name": "Wild", "overrides": ["method=fedavg", "fl.lr=1000000"]}]}
+    path = write_suite(tmp_path / "s.yaml", tree)
+    out = tmp_path / "out"
+    for call in range(2):
+        result = CliRunner().invoke(app, ["bench", str(path), "--out", str(out), "--no-report"])
+        assert result.exit_code == 1, (call, result.stderr)
+        footer = [line for line in result.stderr.splitlines() if " ran, " in line][0]
+        assert footer.split("] ")[1].startswith(["1 ran, 0 skipped (finished before), 1 failed (see ",
+                                                 "0 ran, 2 skipped (finished before, 1 of them diverged), 0 failed "
+                                                 "(see "][call]), footer
+        assert "failed: IF=10, alpha=0.5 / Wild / seed 0: " in result.stderr
+    assert "diverged (kept from an earlier call)" in result.stderr
+    assert json.loads((out / "failed.json").read_text())[0]["cell"] == "IF=10, alpha=0.5 / Wild / seed 0"
+    table = write_report(out, with_plots=False).markdown
+    assert "row 'Wild': seed 0 diverged in round 1" in table
+
+
+def test_a_call_for_some_rows_or_seeds_refuses_a_folder_whose_other_runs_are_of_an_edited_row(tiny_suite, tmp_path):
+    """`--row` and `--seeds` checked only the cells they ran, yet rewrote the folder's suite file from the
+    edited suite: a row's finished runs of its old settings were then reported as its new ones."""
+    _, reference, _ = tiny_suite
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    rows = [TINY_SUITE["methods"][0], {"name": "FedProx", "overrides": ["method=fedprox", "fl.lr=0.02"]}]
+    edited = load_suite(write_suite(tmp_path / "edited.yaml", {**TINY_SUITE, "methods": rows}))
+    for call in ({"rows": ["FedAvg + CCVR"]}, {"seeds": [2]}):
+        with pytest.raises(ConfigError, match=r"cell 'IF=10, alpha=0.5 / FedProx / seed 0': .* holds a run of another "
+                                              r"config \(fl.lr: 0.05 -> 0.02\); delete that folder"):
+            run_suite(edited, out, dry_run=True, echo=lambda line: None, **call)
+    kept = load_suite(write_suite(tmp_path / "kept.yaml", TINY_SUITE))  # unedited: the same calls pass
+    assert [c.state for c in run_suite(kept, out, dry_run=True, seeds=[2], echo=lambda line: None).cells] == ["new"] * 2
+
+
+def test_a_cell_whose_config_file_is_empty_is_refused_and_left_out_of_the_report(tiny_suite, tmp_path):
+    """An empty config.yaml matched any settings: the bench kept the cell as finished."""
+    path, reference, _ = tiny_suite
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    emptied = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 0) / "config.yaml"
+    emptied.write_text("")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(emptied))} is empty, so what the cell ran is unknown; "
+                                          "delete .* to run the cell afresh"):
+        run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None)
+    assert f"{emptied.parent}: its config.yaml is empty" in write_report(out, with_plots=False).markdown

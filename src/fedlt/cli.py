@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 import typer
 from typer.core import TyperGroup
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, Terminated
 
 
 class _SuiteGroup(TyperGroup):
@@ -51,11 +51,12 @@ def _guard(fn: Callable[[], None]) -> None:
     except FedltError as err:
         typer.echo(f"fedlt: error: {err}", err=True)
         raise typer.Exit(2)
-    except KeyboardInterrupt:
-        typer.echo("fedlt: interrupted; `fedlt run --resume RUN_DIR` resumes an in-process run from its last "
+    except KeyboardInterrupt as stop:
+        by = " by SIGTERM" if isinstance(stop, Terminated) else ""
+        typer.echo(f"fedlt: interrupted{by}; `fedlt run --resume RUN_DIR` resumes an in-process run from its last "
                    "checkpoint (an engine=flower run starts again), and `fedlt bench` run again its unfinished cells",
                    err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(143 if by else 130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
         if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:
             raise
@@ -460,7 +461,7 @@ def bench_run_cmd(
             written = write_report(folder)
             typer.echo(written.markdown)
             typer.echo(f"report: {written.out} ({len(written.files)} files)", err=True)
-        if result.failed:
+        if result.failed or result.diverged_before:  # the same exit code for the same folder, whichever call
             raise typer.Exit(1)
 
     _guard(go)

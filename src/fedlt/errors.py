@@ -20,3 +20,8 @@ class DataError(FedltError):
 
 class TrainingDiverged(FedltError):
     """The clients' training loss became NaN or infinite: the optimiser settings do not suit the run."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A command that stops worker processes got SIGTERM: it unwinds as after Ctrl-C, stopping them on
+    the way, and exits with 143 instead of 130."""

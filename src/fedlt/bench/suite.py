@@ -9,7 +9,8 @@ arguments) is skipped, an interrupted one continues from its checkpoint, and a f
 *different* config is an error, never silently mixed into a table. A row whose finished cells ran
 other code, or a folder measured on another machine type, takes no new cells either. Every cell's
 config is validated before the first cell trains.
-A failing cell is logged to ``OUT/failed.json`` and the others go on.
+A failing cell is logged to ``OUT/failed.json`` and the others go on. An interrupted bench stops its
+workers' cells where they can resume and starts no other (:mod:`fedlt.bench.workers`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ import time
 import traceback
 import zipfile
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
@@ -36,6 +34,7 @@ from pydantic import (
 
 from fedlt.environment import code_version, same_code
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
+from fedlt.bench.workers import run_in_workers
 from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
@@ -69,17 +68,21 @@ def _overrides_ok(values: list[str]) -> list[str]:
 Overrides = Annotated[list[str], AfterValidator(_overrides_ok)]
 
 
+#: a setting's or row's name: the tables' label and (as a slug) a folder name
+Name = Annotated[str, Field(min_length=1, pattern=r"\S")]
+
+
 class SettingSpec(_Strict):
     """One table: a group of cells that differ only by method and seed."""
 
-    name: str
+    name: Name
     overrides: Overrides = []
 
 
 class MethodRow(_Strict):
     """One table row (the run's headline model), plus extra rows read from the same runs."""
 
-    name: str
+    name: Name
     overrides: Overrides = []
     variants: dict[str, str] = Field(default_factory=dict, description="row label -> key of summary final.variants")
     settings: list[str] | None = Field(None, description="run this row only in these settings")
@@ -166,6 +169,8 @@ class SuiteSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SuiteSpec":
+        if not self.settings:
+            raise ValueError("settings is empty; list at least one, e.g. - {name: default}, or leave the key out")
         names = [s.name for s in self.settings]
         _unique("settings", [slug(n) for n in names], names)
         if not self.methods:
@@ -255,7 +260,12 @@ def _describe(err: ValidationError) -> str:
         return f"unknown key '{where}'; remove it or fix its spelling (see the suite format in docs/benchmarks.md)"
     if first["type"] == "missing":
         return f"key '{where}' is missing; add it (see the suite format in docs/benchmarks.md)"
-    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+    if first["type"] in ("string_too_short", "string_pattern_mismatch") and where.endswith(".name"):
+        return f"{where} is empty; give it a name, the label its table shows"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"].endswith(("_type", "_parsing")) or first["type"] == "list_type":  # a value of the wrong kind
+        return f"{where}: {message}, got {first['input']!r} (see the suite format in docs/benchmarks.md)"
+    return f"{where}: {message}"
 
 
 def parse_suite(tree: Any, source: str) -> SuiteSpec:
@@ -310,6 +320,7 @@ class Cell:
     state: str = "new"  # new | done | resume
     threads: int | None = None  # run.threads the cell's own config sets
     row: str = ""  # the suite row it belongs to: ``method``, or the grid row ``method`` is a candidate of
+    diverged: bool = False  # done, and its training diverged (a result, kept; a failure of its method)
 
     def __post_init__(self) -> None:
         self.row = self.row or self.method
@@ -504,6 +515,27 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
             raise ConfigError(f"suite {suite.spec.name}, cell '{label}': {err}") from None
 
 
+def check_kept_cells(suite: Suite, out: Path, cells: list[Cell], overrides: list[str] | None) -> None:
+    """Check the folder's other runs against the suite as it is now: those of rows ``--row`` leaves out
+    and of seeds ``--seeds`` leaves out (earlier calls' extra seeds included). The folder's suite file
+    is rewritten from this suite and its report reads every seed folder of a row, so a run of an
+    edited row's old settings would pass for the new ones."""
+    from fedlt.config import load_config
+
+    given = {c.run_dir for c in cells}
+    seeds = set(suite.spec.seeds)
+    for folder in out.glob("*/*/seed*"):
+        if re.fullmatch(r"seed\d+", folder.name) and folder.is_dir():
+            seeds.add(int(folder.name[4:]))
+    for cell in expand(suite, out, sorted(seeds), overrides):
+        if cell.run_dir not in given and (cell.run_dir / "summary.json").is_file():  # what a report reads
+            try:
+                cfg = load_config(suite.base, cell.overrides)
+            except FedltError as err:
+                raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
+            validate_cell_folder(cell, cfg)
+
+
 def validate_cell_folder(cell: Cell, cfg: Config) -> None:
     """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error (a
     run of another config, or of other resolved method arguments where its summary records them)."""
@@ -518,6 +550,9 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         cell.state = "new"
         return
     saved = read_yaml_mapping(saved_path, f"cell '{cell.label}': run config")
+    if not saved:  # an empty file would match any config
+        raise ConfigError(f"cell '{cell.label}': {saved_path} is empty, so what the cell ran is unknown; delete "
+                          f"{cell.run_dir} to run the cell afresh")
     try:
         summary = read_summary(cell.run_dir) if (cell.run_dir / SUMMARY_FILE).is_file() else None
     except FedltError:  # a cut-off or foreign summary: unfinished, so resuming rewrites it
@@ -539,7 +574,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
                           "delete that folder or pass --out to a fresh one")
     if summary:
-        cell.state = "done"
+        cell.state, cell.diverged = "done", summary.get("status") == "diverged"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
         if not zipfile.is_zipfile(cell.run_dir / CHECKPOINT_FILE):  # torch's format: cut off, it has no directory
             raise ConfigError(f"cell '{cell.label}': {cell.run_dir / CHECKPOINT_FILE} is cut off or damaged, so the "
@@ -589,6 +624,11 @@ class SuiteResult:
     ran: list[Cell] = field(default_factory=list)
     skipped: list[Cell] = field(default_factory=list)
     failed: list[tuple[Cell, str]] = field(default_factory=list)
+
+    @property
+    def diverged_before(self) -> list[Cell]:
+        """Cells kept from an earlier call whose training diverged: that call counted them as failed."""
+        return [c for c in self.skipped if c.diverged]
 
 
 def _duration(seconds: float) -> str:
@@ -692,6 +732,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
         raise ConfigError(f"'{bad[0]}' is not key=value; after the suite give overrides like data.root=/data")
     cells = expand(suite, out, seeds, overrides, rows)
     validate_cells(suite, cells)
+    check_kept_cells(suite, out, cells, overrides)
     result = SuiteResult(out, cells, skipped=[c for c in cells if c.state == "done"])
     todo = [c for c in cells if c.state != "done"]
     if not mixed_machines:
@@ -739,18 +780,13 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
         for cell, a in args:
             finished(cell, run_cell(*a))
     else:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(run_cell, *a): cell for cell, a in args}
-            for fut in as_completed(futures):
-                try:
-                    info = fut.result()
-                except BrokenProcessPool as err:  # a worker died (killed, out of memory)
-                    info = {"status": "failed", "error": f"worker process died: {err}", "wall_s": 0.0, "cpu_s": 0.0,
-                            "environment": collect_environment()}
-                finished(futures[fut], info)
-    echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before), "
-         f"{len(result.failed)} failed" + (f" (see {out / FAILED_FILE})" if result.failed else "")
-         + f"; {_duration(time.perf_counter() - t0)}")
+        run_in_workers(args, workers, run_cell, finished)
+    kept = result.diverged_before
+    echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before"
+         + (f", {len(kept)} of them diverged" if kept else "") + f"), {len(result.failed)} failed"
+         + (f" (see {out / FAILED_FILE})" if result.failed or kept else "") + f"; {_duration(time.perf_counter() - t0)}")
+    for cell, error in [*result.failed, *((c, "diverged (kept from an earlier call)") for c in kept)]:
+        echo(f"[bench {name}] failed: {cell.label}: {error}")
     return result
 
 

@@ -9,6 +9,8 @@ that row is in the setting, else the setting's first row.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -225,6 +227,7 @@ def _collect_suite(path: Path) -> Collection:
     selections = {m.name: _select(path, spec, m) for m in spec.methods if m.grid}
     personal = {m.name: _select_personal(path, spec, m, selections.get(m.name)) for m in spec.methods
                 if m.select_personal}
+    failed = _failed_cells(path)
     settings = []
     for s in spec.settings:
         rows, warnings = [], []
@@ -239,6 +242,9 @@ def _collect_suite(path: Path) -> Collection:
                 folder = selections[m.name].folder(chosen) if chosen else folder
                 variant = selections[m.name].variants.get(chosen) if chosen else None
             runs = _seed_runs(cell_dir(path, s.name, folder, 0).parent)
+            warnings += [f"row '{m.name}': seed {seed} failed: {error}; `fedlt bench` runs it again"
+                         for seed, error in failed.get(cell_dir(path, s.name, folder, 0).parent.parts[-2:], {}).items()
+                         if seed not in {r.seed for r in runs}]
             runs, foreign = _one_config(runs, [*spec.overrides, *s.overrides, *m.overrides])
             warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
@@ -281,6 +287,25 @@ def _collect_suite(path: Path) -> Collection:
                       [*selections.values(), *personal.values()])
 
 
+def _failed_cells(path: Path) -> dict[tuple[str, ...], dict[int, str]]:
+    """The cells ``fedlt bench`` recorded as failed in ``failed.json``: (setting folder, row folder) ->
+    seed -> error, wherever the suite's folder has moved since. A damaged file names none (the bench
+    runs its unfinished cells again either way)."""
+    from fedlt.bench.suite import FAILED_FILE
+
+    try:
+        records = json.loads((path / FAILED_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    found: dict[tuple[str, ...], dict[int, str]] = {}
+    for record in records if isinstance(records, list) else []:
+        if isinstance(record, dict) and isinstance(record.get("run_dir"), str):
+            cell = Path(record["run_dir"])
+            if re.fullmatch(r"seed\d+", cell.name):
+                found.setdefault(cell.parent.parts[-2:], {})[int(cell.name[4:])] = str(record.get("error", "?"))
+    return found
+
+
 def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]]:
     """A row's runs that are one config at their folders' seeds, and why each other one is left out:
     a run copied in from elsewhere, which `fedlt bench` refuses to keep (runs without a config pass).
@@ -290,6 +315,9 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
     kept, foreign, first = [], [], None
     for run in runs:
         cfg = read_yaml_mapping(run.path / "config.yaml", "run config") if (run.path / "config.yaml").is_file() else None
+        if cfg == {}:
+            foreign.append(f"{run.path}: its config.yaml is empty, so what it ran is unknown")
+            continue
         expected = _seeds_of(run.seed, given)
         ran = (cfg.get("seed"), (cfg.get("data") or {}).get("seed")) if cfg is not None else expected
         if ran != expected:

@@ -225,14 +225,19 @@ def glance_section(tables: list[Table]) -> list[str]:
     interval and verdict, its shot groups and what one run took; empty without a reference row."""
     lines = []
     for t in tables:
-        if not t.rows or not t.rows[t.reference].runs:
+        if not t.rows:
             continue
         ref = t.rows[t.reference].label
-        lines += ["", *([f"**{t.setting.name}**", ""] if len(tables) > 1 else []),
-                  f"| method | GM acc | Δ GM vs {ref} [95% CI] | verdict | many / medium / few | minutes per run |",
+        lines += ["", *([f"**{t.setting.name}**", ""] if len(tables) > 1 else [])]
+        if not t.rows[t.reference].runs:
+            lines.append(f"The reference row {ref} has no finished seed, so no row has a difference; the notes "
+                         "below say why.")
+            continue
+        lines += [f"| method | GM acc | Δ GM vs {ref} [95% CI] | verdict | many / medium / few | minutes per run |",
                   "|---|---|---|---|---|---|"]
         for i, row in enumerate(t.rows):
             if not row.runs:
+                lines.append(f"| {_label(row).replace('|', '/')} | - | no finished seed (see the notes) | - | - | - |")
                 continue
             shots = " / ".join("-" if t.cells[i][m] is None else f"{t.cells[i][m].mean:.1f}"
                                for m in ("many_acc", "medium_acc", "few_acc"))

@@ -1,0 +1,119 @@
+"""A suite's cells in worker processes, stopped together. An interrupt of the bench (Ctrl-C, or
+SIGTERM sent to it alone) cancels the cells not started, interrupts the running ones as Ctrl-C
+interrupts a run (each keeps what its folder needs to resume), and leaves no worker behind: a
+process pool left to itself would go on starting the queued cells, or outlive the bench."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from multiprocessing import get_context
+from typing import Any
+
+from fedlt.environment import collect as collect_environment
+from fedlt.errors import Terminated
+
+#: seconds the running cells get to stop after an interrupt before their workers are killed
+STOP_GRACE_S = 60.0
+
+_stop: Any = None  # in a worker: the pool's stop event
+_in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
+
+
+def _raise_terminated(signum: int, _frame) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in this process while inside, so the workers are stopped
+    (the default action would end this process alone and leave them running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _start_worker(stop) -> None:
+    global _stop
+    _stop = stop
+    signal.signal(signal.SIGINT, _interrupt_cell)
+
+
+def _interrupt_cell(signum: int, _frame) -> None:
+    """A worker's SIGINT interrupts its cell, once (a second would cut short what the first makes the
+    run save); an idle worker ignores it, and the cell it would take next is cancelled."""
+    global _in_cell
+    if _in_cell:
+        _in_cell = False
+        raise KeyboardInterrupt
+
+
+def _cell(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    global _in_cell
+    _in_cell = True
+    try:
+        if _stop.is_set():  # queued before the interrupt; read after _in_cell is set, so no SIGINT is lost
+            return {"status": "cancelled"}
+        return fn(*args)
+    except KeyboardInterrupt:
+        return {"status": "interrupted"}
+    finally:
+        _in_cell = False
+
+
+def _outcome(future: Future) -> dict[str, Any]:
+    try:
+        info = future.result()
+    except BrokenProcessPool as err:  # a worker died (killed, out of memory)
+        info = {"status": "failed", "error": f"worker process died: {err}"}
+    if info["status"] in ("interrupted", "cancelled"):  # a worker signalled alone: the cell resumes next time
+        info = {"status": "failed", "error": "KeyboardInterrupt: its worker was interrupted; run the bench again "
+                                             "to resume the cell"}
+    if info["status"] == "failed" and "environment" not in info:
+        info.update(wall_s=0.0, cpu_s=0.0, environment=collect_environment())
+    return info
+
+
+def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[..., dict[str, Any]],
+                   done: Callable[[Any, dict[str, Any]], None]) -> None:
+    """``fn(*args)`` of every ``(key, args)`` job in ``workers`` spawned processes; ``done(key, info)``
+    as each ends (``fn`` returns its info and never raises). On an interrupt the cells that ended
+    before the workers stopped are still passed to ``done``, then the interrupt is raised again."""
+    context = get_context("spawn")
+    stop = context.Event()
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(stop,))
+    futures = {pool.submit(_cell, fn, *args): key for key, args in jobs}
+    reported: set[Future] = set()
+    try:
+        with terminate_as_interrupt():
+            for future in as_completed(futures):
+                reported.add(future)
+                done(futures[future], _outcome(future))
+    except BaseException:
+        stop.set()
+        processes = list((pool._processes or {}).values())  # the pool keeps its workers there (CPython 3.9+)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGINT)  # as Ctrl-C in a terminal would; a second one is ignored
+        wait([f for f in futures if not f.done()], timeout=STOP_GRACE_S)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for future in futures:  # what ended before the workers stopped; not the cells they interrupted
+            if future.done() and not future.cancelled() and future not in reported and future.exception() is None \
+                    and future.result()["status"] in ("ok", "failed"):
+                done(futures[future], _outcome(future))
+        raise
+    finally:
+        pool.shutdown(wait=True)
