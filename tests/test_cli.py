@@ -525,3 +525,19 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch):
     assert result.exit_code == 130 and len(lines) == 1
     assert "`fedlt run --resume RUN_DIR` resumes an in-process run" in lines[0]
     assert "an engine=flower run starts again" in lines[0] and "`fedlt bench` run again" in lines[0]
+
+
+def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():
+    """Importing the package loaded torch (seconds) before the arguments were read: Ctrl-C in that window
+    ended in a traceback, and --help waited for it. fedlt.run and fedlt.resume load it on first use."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, fedlt, fedlt.cli; before = 'torch' in sys.modules; from fedlt import run, resume; "
+             "print(before, 'torch' in sys.modules, run.__module__, resume.__name__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True", "fedlt.api", "resume"], done.stderr
+    with pytest.raises(AttributeError, match="module 'fedlt' has no attribute 'rnu'"):
+        import fedlt
+
+        fedlt.rnu

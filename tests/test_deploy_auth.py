@@ -114,16 +114,42 @@ def test_a_site_without_the_test_folder_the_run_evaluates_on_is_refused_before_a
 @pytest.mark.parametrize(("overrides", "refusal"), [
     (["method=fedyoyo", "data.augment=crop_flip"], "fedyoyo builds its own weak and strong views; remove data.augment"),
     (["method=gbme", "loss.name=bsm", "loss.prior=global"], "method gbme takes its prior from method_args.prior"),
-    (["method=gbme", "loss.name=bsm", "data.num_clients=20", "method_args.num_experts=3"],
+    (["method=gbme", "loss.name=bsm", "method_args.num_experts=3"],
      "method_args.num_experts=3 needs at least as many clients (data.num_clients=2)"),
 ])
 def test_a_methods_own_refusals_end_the_plan_before_anything_starts(tmp_path, exported, overrides, refusal):
     """What a method's server refuses of the config is refused by the plan, with the site count as the
-    number of clients (two sites here, whatever data.num_clients says), not by a ServerApp after the
+    number of clients (two sites here, whatever the config file's data.num_clients says), not by a ServerApp after the
     SuperLink and SuperNodes started."""
     folder = _filled(_sites(tmp_path, "a", "b"), exported)
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         plan_deployment(SMOKE, ["fl.rounds=1", *overrides], node_data=folder)
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (["data.num_clients=5"], "data.num_clients=5 contradicts --node-data {folder} (2 site folders), which sets "
+                             "data.num_clients=2; drop the override"),
+    (["flower.node_data=false"], "flower.node_data=false contradicts --node-data"),
+    (["engine=inprocess"], "a deployment runs on Flower; drop the engine= override"),
+    (['run.name=q"x'], "override 'run.name=q\"x' holds a double quote or a backslash"),
+    (["eval.val_data=/nonexistent/val"], "eval.val_data=/nonexistent/val is not a folder; give the server's set"),
+    (["run.out_dir={tmp}/afile"], "run.out_dir {tmp}/afile is a file; give a folder"),
+])
+def test_what_a_deployment_would_fail_on_after_starting_is_refused_by_its_plan(tmp_path, exported, overrides, refusal):
+    """Overrides that contradict the sites (they were silently replaced), that Flower's run config cannot
+    carry, or that name a server set or output folder the ServerApp cannot use: each ended a started
+    federation after half a minute (exit 1 where bad input is 2), or not at all; now one line first."""
+    from fedlt.errors import DataError
+
+    folder = _filled(_sites(tmp_path, "a", "b"), exported)
+    (tmp_path / "afile").write_text("")  # where the run folder would go
+    given = {"{folder}": str(folder), "{tmp}": str(tmp_path)}
+    for placeholder, value in given.items():
+        overrides, refusal = [o.replace(placeholder, value) for o in overrides], refusal.replace(placeholder, value)
+    with pytest.raises((ConfigError, DataError)) as err:
+        plan_deployment(SMOKE, ["fl.rounds=1", *overrides], node_data=folder)
+    assert refusal in str(err.value) and "\n" not in str(err.value)
+    plan_deployment(SMOKE, ["fl.rounds=1", "data.num_clients=2", "flower.node_data=true"], node_data=folder)
 
 
 def test_a_node_key_is_an_openssh_p384_key_pair_flower_loads(tmp_path):

@@ -390,9 +390,11 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
     finally:
         proc.kill()
     assert proc.returncode == 1, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith(
-        "fedlt: error: the SuperLink exited (code -9) during the run (the run was aborted after 2 round(s): "
-        "the SuperLink is gone"), err
+    *shown, error = err.strip().splitlines()  # the progress of the rounds that reached the log, then one error
+    rounds = [line.split(" | ")[0] for line in shown]
+    assert rounds == [f"[fedavg/ce sequential] round {r}/3" for r in range(1, len(rounds) + 1)] and len(rounds) <= 2, err
+    assert error.startswith("fedlt: error: the SuperLink exited (code -9) during the run (the run was aborted after "
+                            "2 round(s): the SuperLink is gone"), err
     wait_for(lambda: deployment_pids(work) == [], 15, "every process of the deployment gone")
     assert (work / "certs" / "server.pem").is_file()
     done = rows()

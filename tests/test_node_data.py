@@ -410,6 +410,11 @@ def test_cli_export_refuses_a_non_empty_folder_and_a_bad_config(
     assert "data.alpha" in line
     line = cli_error(["data", "export", *SYNTHETIC, "data.classes=[a, b]", "--out", str(new)], capsys, monkeypatch)
     assert "data.classes lists 2 names but synthetic has 10 classes" in line
+    # what the federation's deployment would refuse: refused before anything is written
+    line = cli_error(["data", "export", *SYNTHETIC, "method=centralized", "--out", str(new)], capsys, monkeypatch)
+    assert "method centralized trains on pooled data" in line
+    line = cli_error(["data", "export", *SYNTHETIC, "calibration=creff", "--out", str(new)], capsys, monkeypatch)
+    assert "calibration=creff" in line and "privacy.allow_leaks=true" in line
     assert [p.name for p in tmp_path.iterdir()] == ["full"]  # no export folder, no staging folder
 
 

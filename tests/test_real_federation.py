@@ -5,6 +5,7 @@ federation; federated evaluation gives the server test set's accuracy."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -412,6 +413,10 @@ def test_fedlt_deploy_over_exported_node_folders_gives_the_in_process_run(tmp_pa
                            "--timeout", "240", str(config)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = local.summary["rounds"]  # shown while the run went, once each
+    shown = [line for line in proc.stderr.splitlines() if re.match(r"\[fedavg/bsm [^\]]+\] round \d+/\d+ \|", line)]
+    assert len(shown) == len({line.split(" | ")[0] for line in shown}) >= 1 and f"round {rounds}/{rounds}" in shown[-1]
+    assert not any(line in proc.stdout.splitlines() for line in shown)
     summary = json.loads((tmp_path / "runs" / "deployed" / "summary.json").read_text())
     assert summary["nodes"] == sorted(nodes_of(exported)) and summary["engine"] == "flower"
     assert summary["train_class_counts"] == local.summary["train_class_counts"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -185,29 +184,12 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
 
 
 def _check_out(path: Optional[Path], folder: bool, flag: str = "--out", writes: bool = True) -> None:
-    """Refuse an output path that cannot be written, before any work starts: a file where a
-    folder must go (or the reverse), a file on the way to it, or (when the command ``writes``) a
-    folder the system will not let it write."""
-    from fedlt.errors import ConfigError
+    """Refuse an output path that cannot be written, before any work starts
+    (:func:`fedlt.results.check_output_path`)."""
+    from fedlt.results import check_output_path
 
-    if path is None:
-        return
-    existing = next((p for p in [path, *path.parents] if p.exists()), path)  # the nearest existing one
-    if existing == path and folder and not path.is_dir():
-        raise ConfigError(f"{flag} {path} is a file; give a folder (it is created if missing)")
-    if existing == path and not folder and path.is_dir():
-        raise ConfigError(f"{flag} {path} is a folder; give the path of a file to write")
-    if existing != path and not existing.is_dir():
-        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
-    parent = existing if existing.is_dir() else existing.parent
-    if writes and not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
-        raise ConfigError(f"{flag} {path}: {parent} is not writable; choose a folder you can write")
-    if writes:  # what the permissions allow a file system may still refuse (root on /proc): try, leave nothing
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".fedlt-probe-", dir=parent))
-        except OSError as err:
-            raise ConfigError(f"{flag} {path}: {parent} is not writable ({err.strerror}); choose a folder you "
-                              "can write") from None
+    if path is not None:
+        check_output_path(path, folder, flag, writes)
 
 
 def _check_at_least_one(value: int, flag: str, what: str) -> None:
@@ -537,11 +519,14 @@ def data_export_cmd(
     def go() -> None:
         from fedlt.config import load_config
         from fedlt.data.export import check_export_folder, export_federation
+        from fedlt.deploy import check_deployable
 
         _check_out(out, folder=True)
         check_export_folder(out)
         config = args.pop(0) if args and "=" not in args[0] else None
         cfg = load_config(config, args)
+        # what its deployment will refuse (pooled training, options a node cannot serve), refused before writing
+        check_deployable(config, [*args, "flower.node_data=true", "data.val_per_class=0"])
         try:
             folder = export_federation(cfg, out, progress=lambda line: typer.echo(line, err=True))
         except KeyboardInterrupt:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError
-from fedlt.results import OUTCOME_ENV
+from fedlt.results import OUTCOME_ENV, check_output_path
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
@@ -304,8 +305,12 @@ class Federation:
         flwr = self.start("flwr-run.log", str(Path(sys.executable).with_name("flwr")), "run", str(APP_DIR),
                           "deploy", "--stream", "--run-config", run_config)
         deadline = time.monotonic() + timeout
+        log = GrowingFile(self.workdir / "flwr-run.log")
         try:
             while flwr.poll() is None and self.superlink.poll() is None and time.monotonic() < deadline:
+                for line in log.new_lines():  # the ServerApp's progress, as the run goes
+                    if is_progress(line):
+                        print(line, file=sys.stderr, flush=True)
                 self.track()
                 for node, worker in zip(self.nodes, self.workers):  # a SuperNode and its ClientApp go together
                     if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
@@ -330,6 +335,33 @@ class Federation:
             error = ConfigError if result.get("config_error") else FedltError
             raise error(_aborted(result))
         return subprocess.CompletedProcess(flwr.args, 0, log, "")
+
+
+#: a run's progress line, as the ServerApp prints it into Flower's log stream (colour codes removed)
+_PROGRESS = re.compile(r"\[[^\]]+\] round \d+/\d+ \|")
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def is_progress(line: str) -> bool:
+    return _PROGRESS.match(_COLOUR.sub("", line)) is not None
+
+
+class GrowingFile:
+    """The complete lines a file (a process's log) has gained since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rest = path, 0, b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:  # not written yet
+            return []
+        self.offset += len(chunk)
+        *lines, self.rest = (self.rest + chunk).split(b"\n")
+        return [line.decode(errors="replace").rstrip("\r") for line in lines]
 
 
 def _read_outcome(path: Path) -> dict | None:
@@ -501,9 +533,9 @@ def check_deployable(config: str, overrides: list[str]):
     return cfg
 
 
-def check_site_folders(cfg, folders: list[Path], server_test: Path | None) -> None:
-    """Read every site's folder (and the server's test set) as its SuperNode will: a malformed
-    folder is one DataError line naming the file, before any process starts."""
+def check_site_folders(cfg, folders: list[Path]) -> None:
+    """Read every site's folder (and the server's test and validation sets) as its SuperNode and the
+    ServerApp will: a malformed folder is one DataError line naming the file, before any process starts."""
     from fedlt.data.declaration import declared_dataset
     from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 
@@ -512,8 +544,13 @@ def check_site_folders(cfg, folders: list[Path], server_test: Path | None) -> No
     declared = declared_dataset(cfg.data)
     for folder in folders:
         require_test_folder(cfg, folder, load_node_data(folder, declared).test is not None)
-    if server_test is not None:
-        load_image_folder(server_test.resolve().parent, server_test.resolve().name, declared)
+    for key, path in (("eval.test_data", cfg.eval.test_data), ("eval.val_data", cfg.eval.val_data)):
+        if path:  # --server-test sets eval.test_data; either may be an override
+            folder = Path(path).expanduser().resolve()
+            if not folder.is_dir():
+                raise DataError(f"{key}={path} is not a folder; give the server's set as an image-folder tree "
+                                "(one subfolder per class)")
+            load_image_folder(folder.parent, folder.name, declared)
 
 
 @dataclass(frozen=True)
@@ -528,6 +565,22 @@ class Plan:
     auth: bool
 
 
+def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> None:
+    """An override of a key the deployment settles (``settled``, ``key=value``) to another value is
+    refused, not silently replaced; the same value passes."""
+    import yaml
+
+    wanted = dict(o.split("=", 1) for o in settled)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.strip()
+        if key in wanted and yaml.safe_load(value) != yaml.safe_load(wanted[key]):
+            raise ConfigError(f"{override} contradicts {by}, which sets {key}={wanted[key]}; drop the override")
+    if any(o.partition("=")[0].strip() == "engine" and yaml.safe_load(o.partition("=")[2]) != "flower"
+           for o in overrides):
+        raise ConfigError("a deployment runs on Flower; drop the engine= override")
+
+
 def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False,
                     auth: bool = False, node_data: Path | None = None, server_test: Path | None = None) -> Plan:
     """Check the options and the config and decide the SuperNodes and the run's overrides; bad input
@@ -539,6 +592,10 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         raise ConfigError(AUTH_NEEDS_TLS)
     if nodes is not None and nodes < 1:
         raise ConfigError(f"--nodes {nodes}: use 1 or more SuperNodes")
+    for override in overrides:
+        if '"' in override or "\\" in override:  # inside the quoted string of Flower's --run-config
+            raise ConfigError(f"override {override!r} holds a double quote or a backslash, which the deployed run's "
+                              "config cannot carry; write the value without them (a YAML config file can hold it)")
     extra = []
     if node_data is not None:
         sites = node_data_sites(node_data)
@@ -549,6 +606,7 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         extra = ["flower.node_data=true", f"flower.min_nodes={len(sites)}", f"data.num_clients={len(sites)}"]
     else:
         sites = partition_sites(nodes if nodes is not None else 3)
+    refuse_contradictions(overrides, extra, f"--node-data {node_data} ({len(sites)} site folders)")
     if server_test is not None:
         if node_data is None:
             raise ConfigError("--server-test is the server's test set of a federation whose sites hold their data; "
@@ -563,12 +621,13 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         raise ConfigError("flower.node_data=true needs SuperNodes that hold their data; "
                           "use --node-data DIR (one subfolder per site) instead of the override")
     if node_data is not None:
-        check_site_folders(cfg, [node_data / site.name for site in sites], server_test)
+        check_site_folders(cfg, [node_data / site.name for site in sites])
     elif len(sites) > cfg.data.num_clients:  # a SuperNode would serve no client: a process for nothing
         raise ConfigError(f"--nodes {len(sites)}: the federation has {cfg.data.num_clients} clients "
                           f"(data.num_clients) and each SuperNode serves at least one; use --nodes "
                           f"{cfg.data.num_clients} or fewer")
     out_dir = Path(cfg.run.out_dir).resolve()  # the ServerApp runs elsewhere
+    check_output_path(out_dir, True, "run.out_dir")
     return Plan(Path(config), [*given, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
 
 
@@ -586,7 +645,7 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
                                server_test=server_test)
         with local_federation(workdir.resolve(), tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
             done = fed.run(plan.config, plan.overrides, timeout)
-        print(done.stdout[-4000:])
+        print("\n".join(line for line in done.stdout[-4000:].splitlines() if not is_progress(line)))  # shown above
         return 0
     except (ConfigError, DataError) as err:  # bad input, found before anything started
         print(f"fedlt: error: {err}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,28 @@ def _figures_problem(figures: dict[str, Any], where: str) -> str | None:
             if problem:
                 return problem
     return None
+
+
+def check_output_path(path: Path, folder: bool, flag: str = "--out", writes: bool = True) -> None:
+    """Refuse an output path that cannot be written, before any work starts: a file where a
+    folder must go (or the reverse), a file on the way to it, or (when the command ``writes``) a
+    folder the system will not let it write. ``flag`` names the option or key in the message."""
+    existing = next((p for p in [path, *path.parents] if p.exists()), path)  # the nearest existing one
+    if existing == path and folder and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a folder (it is created if missing)")
+    if existing == path and not folder and path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give the path of a file to write")
+    if existing != path and not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+    parent = existing if existing.is_dir() else existing.parent
+    if writes and not os.access(parent, os.W_OK | os.X_OK):  # read-only file systems too, even for root
+        raise ConfigError(f"{flag} {path}: {parent} is not writable; choose a folder you can write")
+    if writes:  # what the permissions allow a file system may still refuse (root on /proc): try, leave nothing
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".fedlt-probe-", dir=parent))
+        except OSError as err:
+            raise ConfigError(f"{flag} {path}: {parent} is not writable ({err.strerror}); choose a folder you "
+                              "can write") from None
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -68,6 +68,9 @@ def server_set(cfg: Config, path: str | None, device: torch.device) -> ImageData
     if not path:
         return None
     folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise DataError(f"the server's set {folder} is not a folder; give an image-folder tree (one subfolder "
+                        "per class)")
     return load_image_folder(folder.parent, folder.name, declared_dataset(cfg.data)).to(device)
 
 
