@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from conftest import TINY_SUITE, write_suite
 from fedlt.bench.suite import (REPO_ROOT, cell_dir, load_suite, method_args_difference, run_suite, slug,
                                write_suite_file)
+from fedlt.bench.workers import STOP_GRACE_S
 from fedlt.config import load_config
 from fedlt.cli import app
 from fedlt.errors import ConfigError, FedltError
@@ -766,8 +767,10 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
         assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
         time.sleep(0.2)
     os.kill(bench.pid, signum)
+    signalled = time.monotonic()
     _, err = bench.communicate(timeout=120)
     assert bench.returncode == 128 + signum, err
+    assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the cells stopped at once: no grace waited out
     assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
     deadline = time.monotonic() + 10  # the workers were stopped before the bench ended
     while True:

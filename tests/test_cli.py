@@ -534,9 +534,11 @@ def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():
     import sys
 
     probe = ("import sys, fedlt, fedlt.cli; before = 'torch' in sys.modules; from fedlt import run, resume; "
-             "print(before, 'torch' in sys.modules, run.__module__, resume.__name__)")
+             "print(before, 'torch' in sys.modules, run.__module__, resume.__name__, fedlt.api.run is run, "
+             "fedlt.methods.registry.__name__)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.stdout.split() == ["False", "True", "fedlt.api", "resume"], done.stderr
+    assert done.stdout.split() == ["False", "True", "fedlt.api", "resume", "True", "fedlt.methods.registry"], \
+        done.stderr
     with pytest.raises(AttributeError, match="module 'fedlt' has no attribute 'rnu'"):
         import fedlt
 

@@ -22,7 +22,7 @@ from fedlt.data.federated import build_federated_data
 from fedlt.data.registry import DATASETS, list_datasets, load_dataset
 from fedlt.data.sources import cinic, common, idx, listfile
 from fedlt.data.sources.synthetic import make_synthetic
-from fedlt.errors import DataError
+from fedlt.errors import ConfigError, DataError
 
 RNG = np.random.default_rng(0)
 
@@ -423,6 +423,7 @@ def test_cinic_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(common, "_PARALLEL_MIN", 2)  # decode on the thread pool, as for the real 90k images
     pixels = write_cinic(tmp_path)
     (tmp_path / "train" / ".cache").mkdir()  # hidden folders are not classes
+    (tmp_path / "train" / "cat" / "._train-cat-a.png").write_bytes(b"\x00\x05\x16\x07Mac OS X")  # nor images
     pair = load_dataset("cinic10", root=str(tmp_path))
     assert pair.train.classes == CINIC_CLASSES and pair.test.classes == CINIC_CLASSES
     assert pair.train.images.shape == (20, 3, 32, 32) and len(pair.test) == 20
@@ -575,9 +576,14 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
             centre = image[:, 4, 4].tolist()
             assert all(abs(a - b) <= 6 for a, b in zip(centre, colours[label])), (centre, label)
     (root / "train2018.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "x.jpg"}],
-                                                     "annotations": [{"image_id": 2, "category_id": 0}],
+                                                     "annotations": [{"id": 7, "image_id": 2, "category_id": 0}],
                                                      "categories": []}))
-    with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*KeyError: 2"):
+    with pytest.raises(DataError, match=r"train2018\.json: annotation 7 names image_id 2, which is not among its "
+                                        r"images; "):
+        load_dataset("inat", image_size=8)
+    (root / "train2018.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "x.jpg"}],
+                                                     "annotations": [{"image_id": 1}], "categories": []}))
+    with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*KeyError"):
         load_dataset("inat", image_size=8)
 
 
@@ -917,3 +923,42 @@ def test_deeply_nested_annotation_json_is_a_data_error(tmp_path: Path) -> None:
     (root / "val2018.json").write_text("{}")
     message = error_of("inat", root, image_size=8)
     assert "train2018.json is not a COCO-style annotation file" in message and "RecursionError" in message
+
+
+def test_a_source_long_tailed_as_distributed_is_federated_as_it_is(tmp_path: Path) -> None:
+    """ImageNet-LT's training list is long-tailed already: long-tail subsampling took its smallest class
+    as the head's size, so any IF above it was refused and IF=1 left a few images per class, balanced."""
+    from fedlt.config import build_config
+    from fedlt.data.federated import build_federated_data
+    from fedlt.reporting.collect import setting_label
+    from fedlt.run_parts import check_config
+
+    root = tmp_path / "imagenet"
+    sizes = [8, 4, 2, 2, 1]  # the training list's own long tail (IF 8)
+    train = [(f"train/c{c}/{i}.jpg", c) for c, n in enumerate(sizes) for i in range(n)]
+    test = [(f"val/{c}.jpg", c) for c in range(5)]
+    for rel, label in train + test:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (10, 10), (40 * label, 10, 10)).save(root / rel)
+    (root / "ImageNet_LT_train.txt").write_text("".join(f"{rel} {label}\n" for rel, label in train))
+    (root / "ImageNet_LT_test.txt").write_text("".join(f"{rel} {label}\n" for rel, label in test))
+    tree = {"data": {"dataset": "imagenet_lt", "root": str(root), "image_size": 8, "num_clients": 2,
+                     "partition": "iid", "imbalance_factor": 100}, "fl": {"participation": 1.0}}
+    data = build_federated_data(build_config(tree).data, 0)
+    assert torch.bincount(data.train.labels).tolist() == sizes  # all of it, whatever data.imbalance_factor says
+    half = build_federated_data(build_config({**tree, "data": {**tree["data"], "train_fraction": 0.5}}).data, 0)
+    assert torch.bincount(half.train.labels).tolist() == [4, 2, 1, 1, 1]
+    with pytest.raises(ConfigError, match="imagenet_lt is long-tailed as distributed, .*; drop data.class_order"):
+        check_config(build_config({**tree, "data": {**tree["data"], "class_order": "shuffled"}}))
+    label = setting_label({}, build_config(tree).dump())
+    assert label.startswith("imagenet_lt-LT, as distributed, iid, 2 clients")
+
+
+@pytest.mark.parametrize("names", [None, 10, b"abcdefghij"])
+def test_cifar_class_names_that_are_no_list_of_names_are_refused(tmp_path: Path, names) -> None:
+    """A batches.meta whose label_names was None or a number ended in a traceback; bytes gave the classes
+    the names '97', '98', ... (its byte values)."""
+    write_cifar10(tmp_path)
+    dump(tmp_path / "cifar-10-batches-py" / "batches.meta", {b"label_names": names})
+    message = error_of("cifar10", tmp_path)
+    assert "b'label_names' in " in message and "batches.meta is not a list of class names" in message

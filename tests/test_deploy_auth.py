@@ -131,6 +131,8 @@ def test_a_methods_own_refusals_end_the_plan_before_anything_starts(tmp_path, ex
                              "data.num_clients=2; drop the override"),
     (["flower.node_data=false"], "flower.node_data=false contradicts --node-data"),
     (["engine=inprocess"], "a deployment runs on Flower; drop the engine= override"),
+    (["engine=[x"], "a deployment runs on Flower; drop the engine= override"),
+    (["data.num_clients=[1"], "data.num_clients=[1 contradicts --node-data"),
     (['run.name=q"x'], "override 'run.name=q\"x' holds a double quote or a backslash"),
     (["eval.val_data=/nonexistent/val"], "eval.val_data=/nonexistent/val is not a folder; give the server's set"),
     (["run.out_dir={tmp}/afile"], "run.out_dir {tmp}/afile is a file; give a folder"),
@@ -150,6 +152,19 @@ def test_what_a_deployment_would_fail_on_after_starting_is_refused_by_its_plan(t
         plan_deployment(SMOKE, ["fl.rounds=1", *overrides], node_data=folder)
     assert refusal in str(err.value) and "\n" not in str(err.value)
     plan_deployment(SMOKE, ["fl.rounds=1", "data.num_clients=2", "flower.node_data=true"], node_data=folder)
+
+
+def test_a_deployments_server_sets_are_one_folder_each_and_go_to_the_serverapp_as_checked(tmp_path, exported,
+                                                                                         monkeypatch):
+    """--server-test with another eval.test_data was settled by whichever came last; a relative server set
+    was checked against this folder but read by a ServerApp running in the deployment's own."""
+    folder = _filled(_sites(tmp_path, "a", "b"), exported)
+    test = exported / "server" / "test"
+    with pytest.raises(ConfigError, match=r"eval.test_data=/elsewhere contradicts --node-data .* and --server-test "):
+        plan_deployment(SMOKE, ["eval.test_data=/elsewhere"], node_data=folder, server_test=test)
+    monkeypatch.chdir(exported)
+    plan = plan_deployment(SMOKE, ["fl.rounds=1", "eval.test_data=server/test"], node_data=folder)
+    assert f"eval.test_data={test.resolve()}" in plan.overrides
 
 
 def test_a_node_key_is_an_openssh_p384_key_pair_flower_loads(tmp_path):

@@ -93,18 +93,20 @@ def test_weighted_average_rewriting_the_last_replys_products_equals_new_ones_bit
     g = torch.Generator().manual_seed(0)
     replies = {c: Reply(weights={"w": torch.randn(5, 3, generator=g), "d": torch.randn(4, generator=g).double(),
                                  "h": torch.randn(6, generator=g).half(), "n": torch.tensor(c * 7 + 1),
+                                 "b": torch.randn(50, generator=g).bfloat16(),
                                  "m": torch.tensor([c, 2 * c], dtype=torch.int32),
                                  **({"head": torch.randn(2, generator=g)} if c % 2 else {})},
-                        num_samples=3 + 5 * c) for c in range(6)}
+                        num_samples=12345 + 1001 * c) for c in range(6)}  # counts half precision cannot hold
     with Products():
         plain = weighted_average(replies)
-    assert Products.made == 6 * 5 + 3  # a product per entry and reply
+    assert Products.made == 6 * 6 + 3  # a product per entry and reply
     monkeypatch.setattr(aggregation, "REWRITTEN_ON", frozenset({"cpu"}))
     Products.made = 0
     with Products():
         rewritten = weighted_average(replies)
-    assert Products.made == 2 * 6  # the sum and one product per entry
-    assert plain.keys() == rewritten.keys() == {"w", "d", "h", "n", "m", "head"}
+    # the sum and one product per entry; half-precision entries (rounded otherwise in place) a product per reply
+    assert Products.made == 7 + 5 + 2 * 5
+    assert plain.keys() == rewritten.keys() == {"w", "d", "h", "b", "n", "m", "head"}
     for name in plain:
         assert plain[name].dtype == rewritten[name].dtype == replies[1].weights[name].dtype
         assert torch.equal(plain[name], rewritten[name]), name

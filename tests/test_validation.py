@@ -104,6 +104,9 @@ def test_the_draw_is_deterministic_per_federation_seed():
     ({"val_from": "train", "val_per_class": 295},
      "data.val_per_class=295 held out of synthetic's training source leaves 5 images in its smallest class, too few "
      "for data.imbalance_factor=10 (the tail would get none); use data.val_per_class <= 290 or data.val_from=test"),
+    ({"val_from": "train", "val_per_class": 300},  # the largest N named is one the imbalance factor allows too
+     "data.val_per_class=300 held out of synthetic's training source leaves 0 images in its smallest class, too few "
+     "for data.imbalance_factor=10 (the tail would get none); use data.val_per_class <= 290 or data.val_from=test"),
     ({"val_from": "dataset", "val_per_class": 5},
      "data.val_from=dataset: synthetic has no validation list of its own; use data.val_from=train or test (or auto)"),
 ])

@@ -13,8 +13,15 @@ __all__ = ["Config", "load_config", "resume", "run", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("run", "resume"):
-        from fedlt import api
+    """``fedlt.run``, ``fedlt.resume``, and a subpackage reached as an attribute (``fedlt.api``), as
+    when importing the package imported them."""
+    import importlib
 
-        return getattr(api, name)
+    if name in ("run", "resume"):
+        return getattr(importlib.import_module("fedlt.api"), name)
+    try:
+        return importlib.import_module(f"fedlt.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"fedlt.{name}":
+            raise
     raise AttributeError(f"module 'fedlt' has no attribute {name!r}")

@@ -316,6 +316,9 @@ class Federation:
                     if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
                         self.stop(node)
                 time.sleep(0.5)
+            for line in log.new_lines():  # what came during the last wait
+                if is_progress(line):
+                    print(line, file=sys.stderr, flush=True)
             if self.superlink.poll() is not None:  # give the ServerApp time to write its summary
                 end = time.monotonic() + 10
                 while not outcome.is_file() and time.monotonic() < end:
@@ -570,15 +573,20 @@ def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> 
     refused, not silently replaced; the same value passes."""
     import yaml
 
+    def read(value: str):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:  # not a value: it differs from any, and the config check names it
+            return value
+
     wanted = dict(o.split("=", 1) for o in settled)
     for override in overrides:
         key, _, value = override.partition("=")
         key = key.strip()
-        if key in wanted and yaml.safe_load(value) != yaml.safe_load(wanted[key]):
+        if key in wanted and read(value) != read(wanted[key]):
             raise ConfigError(f"{override} contradicts {by}, which sets {key}={wanted[key]}; drop the override")
-    if any(o.partition("=")[0].strip() == "engine" and yaml.safe_load(o.partition("=")[2]) != "flower"
-           for o in overrides):
-        raise ConfigError("a deployment runs on Flower; drop the engine= override")
+        if key == "engine" and read(value) != "flower":
+            raise ConfigError("a deployment runs on Flower; drop the engine= override")
 
 
 def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False,
@@ -606,7 +614,6 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         extra = ["flower.node_data=true", f"flower.min_nodes={len(sites)}", f"data.num_clients={len(sites)}"]
     else:
         sites = partition_sites(nodes if nodes is not None else 3)
-    refuse_contradictions(overrides, extra, f"--node-data {node_data} ({len(sites)} site folders)")
     if server_test is not None:
         if node_data is None:
             raise ConfigError("--server-test is the server's test set of a federation whose sites hold their data; "
@@ -615,6 +622,9 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
             raise ConfigError(f"--server-test {server_test} is not a folder; give the server's test set "
                               "(an image-folder tree, one subfolder per class)")
         extra.append(f"eval.test_data={server_test.resolve()}")
+    by = f"--node-data {node_data} ({len(sites)} site folders)" + (f" and --server-test {server_test}"
+                                                                  if server_test is not None else "")
+    refuse_contradictions(overrides, extra, by)
     given = [*overrides, *extra]
     cfg = check_deployable(config, given)
     if node_data is None and cfg.flower.node_data:
@@ -628,7 +638,9 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
                           f"{cfg.data.num_clients} or fewer")
     out_dir = Path(cfg.run.out_dir).resolve()  # the ServerApp runs elsewhere
     check_output_path(out_dir, True, "run.out_dir")
-    return Plan(Path(config), [*given, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
+    sets = [f"eval.{key}={Path(path).expanduser().resolve()}" for key in ("test_data", "val_data")
+            if (path := getattr(cfg.eval, key))]  # as checked here, whatever folder the ServerApp runs in
+    return Plan(Path(config), [*given, *sets, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
 
 
 def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False, auth: bool = False,

@@ -185,6 +185,9 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
     check_model_input(cfg.model.name, cfg.data, DATASETS[cfg.data.dataset])
+    if DATASETS[cfg.data.dataset].long_tailed and cfg.data.class_order != "natural":
+        raise ConfigError(f"{cfg.data.dataset} is long-tailed as distributed, each class keeping its own size, so "
+                          "no class order applies; drop data.class_order")
     check_tracking(cfg)
     given = [k for k in ("test_data", "val_data") if getattr(cfg.eval, k) is not None]
     if given and not cfg.flower.node_data:

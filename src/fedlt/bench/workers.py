@@ -43,6 +43,20 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _workers_born_deaf() -> Iterator[None]:
+    """Workers spawned inside start with SIGINT ignored (a disposition a new process inherits), until
+    :func:`_start_worker` installs theirs: Ctrl-C while they import torch would end each in a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _start_worker(stop) -> None:
     global _stop
     _stop = stop
@@ -92,7 +106,8 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
     context = get_context("spawn")
     stop = context.Event()
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(stop,))
-    futures = {pool.submit(_cell, fn, *args): key for key, args in jobs}
+    with _workers_born_deaf():
+        futures = {pool.submit(_cell, fn, *args): key for key, args in jobs}
     reported: set[Future] = set()
     try:
         with terminate_as_interrupt():
@@ -101,6 +116,8 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
                 done(futures[future], _outcome(future))
     except BaseException:
         stop.set()
+        for future in futures:  # here, not by the pool's thread: a future cancelled there never wakes wait()
+            future.cancel()
         processes = list((pool._processes or {}).values())  # the pool keeps its workers there (CPython 3.9+)
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:

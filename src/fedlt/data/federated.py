@@ -12,7 +12,7 @@ from fedlt.config import DataConfig
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.declaration import class_names
 from fedlt.data.local_test import local_test_indices
-from fedlt.data.longtail import longtail_indices, resolve_class_order
+from fedlt.data.longtail import distributed_indices, longtail_indices, resolve_class_order
 from fedlt.data.partition import (
     Partition, dirichlet_partition, grouped_dirichlet_partition, iid_partition, pathological_partition,
 )
@@ -118,8 +118,8 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
 
 def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu", *,
                          loaded: dict[tuple, DatasetPair] | None = None) -> FederatedData:
-    """Load the source, hold out the validation set, subsample it long-tailed (IF), split it over
-    clients, draw local test sets.
+    """Load the source, hold out the validation set, subsample it long-tailed (IF; a source that is
+    long-tailed as distributed is kept as it is), split it over clients, draw local test sets.
 
     All randomness comes from the federation seed's ``validation``, ``data``, ``class_order``,
     ``local_test`` and ``local_val`` streams, so every method run with the same seed sees the same federation, and
@@ -144,11 +144,15 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     seed = federation_seed(cfg, seed)
     source_train, test, val = pair.train, pair.test, None
     if source is not None:
-        source_train, test, val = _hold_out_validation(cfg, source, pair, numpy_rng(seed, "validation"))
+        source_train, test, val = _hold_out_validation(cfg, source, pair, numpy_rng(seed, "validation"),
+                                                       info is not None and info.long_tailed)
     rng = numpy_rng(seed, "data")
     order = resolve_class_order(cfg.class_order, pair.num_classes, numpy_rng(seed, "class_order"))
-    keep = longtail_indices(source_train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
-                            num_classes=pair.num_classes, class_order=order)
+    if info is not None and info.long_tailed:  # its own long tail: data.imbalance_factor and class_order do not apply
+        keep = distributed_indices(source_train.labels.numpy(), rng, cfg.train_fraction)
+    else:
+        keep = longtail_indices(source_train.labels.numpy(), cfg.imbalance_factor, rng, cfg.train_fraction,
+                                num_classes=pair.num_classes, class_order=order)
     train = source_train.subset(torch.as_tensor(keep, dtype=torch.int64))
     partition = build_partition(cfg, train.labels.numpy(), rng)
     local = local_test_indices(partition.counts, test.labels.numpy(), numpy_rng(seed, "local_test"))
@@ -158,8 +162,8 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
                          val.to(device) if val is not None else None, source, local_val)
 
 
-def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: np.random.Generator
-                         ) -> tuple[ImageDataset, ImageDataset, ImageDataset]:
+def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: np.random.Generator,
+                         long_tailed: bool = False) -> tuple[ImageDataset, ImageDataset, ImageDataset]:
     """(training source, test set, validation set) with ``cfg.val_per_class`` images of every class
     moved from ``source`` into the validation set."""
     n, classes = cfg.val_per_class, pair.num_classes
@@ -169,14 +173,16 @@ def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: n
         return pair.train, pair.test, pair.val.subset(torch.as_tensor(rows))
     split = pair.train if source == "train" else pair.test
     other = "test" if source == "train" else "train"
+    if source == "train" and not long_tailed:  # what is left must still reach the tail: checked first, so the
+        smallest = int(split.class_counts().min())  # largest N named is one that fits both rules
+        most = smallest - max(math.ceil(cfg.imbalance_factor), 1)
+        if n > most:
+            raise DataError(
+                f"data.val_per_class={n} held out of {cfg.dataset}'s training source leaves {smallest - n} images in "
+                f"its smallest class, too few for data.imbalance_factor={cfg.imbalance_factor:g} (the tail would get "
+                f"none); use data.val_per_class <= {max(most, 0)} or data.val_from=test")
     rows = balanced_indices(split.labels.numpy(), n, classes, rng, keep_one=True,
                             where=f"the {source} split of {cfg.dataset}", fix=f" or data.val_from={other}")
     rest = split.subset(torch.as_tensor(complement(len(split), rows)))
-    smallest = int(rest.class_counts().min())
-    if source == "train" and smallest < cfg.imbalance_factor:
-        raise DataError(
-            f"data.val_per_class={n} held out of {cfg.dataset}'s training source leaves {smallest} images in its "
-            f"smallest class, too few for data.imbalance_factor={cfg.imbalance_factor:g} (the tail would get none); "
-            f"use data.val_per_class <= {smallest + n - math.ceil(cfg.imbalance_factor)} or data.val_from=test")
     held = split.subset(torch.as_tensor(rows))
     return (rest, pair.test, held) if source == "train" else (pair.train, rest, held)

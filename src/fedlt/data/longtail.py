@@ -83,6 +83,20 @@ def longtail_indices(labels: np.ndarray, imbalance_factor: float, rng: np.random
     return np.sort(np.concatenate(kept)).astype(np.int64)
 
 
+def distributed_indices(labels: np.ndarray, rng: np.random.Generator, fraction: float = 1.0) -> np.ndarray:
+    """Sorted indices of a training split that is long-tailed as distributed (ImageNet-LT, iNaturalist):
+    all of it, or with ``fraction`` < 1 ``max(1, round(fraction x count))`` of each class, drawn from
+    ``rng``. Long-tail subsampling would take its smallest class as the head's size and flatten it."""
+    labels = np.asarray(labels)
+    if fraction >= 1:
+        return np.arange(labels.size, dtype=np.int64)
+    kept = []
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        kept.append(rng.permutation(members)[:max(1, round(fraction * members.size))])
+    return np.sort(np.concatenate(kept)).astype(np.int64)
+
+
 def resolve_class_order(order: str | list[int], num_classes: int, rng: np.random.Generator) -> np.ndarray:
     """The head-to-tail class order a config asks for: ``natural`` (0, 1, ..., C-1), ``shuffled``
     (a permutation drawn from ``rng``, its own seeded stream) or an explicit permutation."""

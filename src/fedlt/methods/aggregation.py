@@ -11,6 +11,9 @@ from fedlt.messages import Reply
 #: devices where a reply's weighted entries are written into the previous reply's instead of new tensors:
 #: an allocation per tensor costs a GPU's host more than a copy into an existing one; a CPU, less
 REWRITTEN_ON = frozenset({"cuda"})
+#: dtypes whose in-place product by a sample count is the new tensor's, bit for bit (an in-place
+#: half-precision product rounds the factor to the tensor's dtype first)
+EXACT_IN_PLACE = frozenset({torch.float32, torch.float64, torch.int64})
 
 
 def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -36,7 +39,8 @@ def weighted_average(replies: dict[int, Reply], keys: list[str] | None = None) -
                   for v in (reply.weights[name] for name in names)]
         first = [i for i, name in enumerate(names) if name not in sums]
         later = [i for i, name in enumerate(names) if name in sums]
-        fresh = [i for i in later if names[i] not in terms or values[i].device.type not in REWRITTEN_ON]
+        fresh = [i for i in later if names[i] not in terms or values[i].device.type not in REWRITTEN_ON
+                 or values[i].dtype not in EXACT_IN_PLACE]
         reused = [i for i in later if i not in fresh]
         with torch.no_grad():  # as detached values: one switch, not a detach per tensor
             # the same products either way: new tensors, or on a GPU the last reply's rewritten in place

@@ -179,10 +179,13 @@ def _run_label(run: Run) -> str:
 def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return summary.get("dataset", "run")
+    from fedlt.data.registry import DATASETS
+
     d = cfg["data"]
     part = partition_label(d["partition"], d["alpha"]) if d["partition"] in DIRICHLET_PARTITIONS else d["partition"]
-    return (f"{d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {d['num_clients']} clients, "
-            f"{cfg['fl']['rounds']} rounds")
+    info = DATASETS.get(d["dataset"])
+    tail = "as distributed" if info is not None and info.long_tailed else f"IF={d['imbalance_factor']:g}"
+    return f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
 
 
 def collect(path: Path) -> Collection:

@@ -206,6 +206,8 @@ def _field(layout: _Layout, path: Path, content: dict, key: bytes) -> Any:
 
 def _read_names(layout: _Layout, path: Path) -> list[str]:
     raw = _field(layout, path, _unpickle(layout, path), layout.names_key)
+    if not isinstance(raw, (list, tuple, np.ndarray)) or not all(isinstance(n, (bytes, str, np.str_)) for n in raw):
+        raise DataError(f"{layout.dataset}: {layout.names_key!r} in {path} is not a list of class names; {_fix(layout)}")
     names = [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in raw]
     if len(names) != layout.num_classes:
         raise DataError(

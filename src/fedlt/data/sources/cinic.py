@@ -71,7 +71,8 @@ def _read_split(split: Path, classes: list[str]) -> tuple[torch.Tensor, torch.Te
     paths: list[Path] = []
     labels: list[int] = []
     for label, name in enumerate(classes):
-        files = sorted(p for p in (split / name).iterdir() if p.suffix.lower() == ".png" and p.is_file())
+        files = sorted(p for p in (split / name).iterdir()  # not a dot-file: macOS's ._ metadata, for one
+                       if p.suffix.lower() == ".png" and not p.name.startswith(".") and p.is_file())
         if not files:
             raise DataError(f"{DATASET}: class folder {split / name} holds no .png files; {_FIX}")
         paths.extend(files)

@@ -210,9 +210,13 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
         tree = json.loads(path.read_bytes())
         files = {image["id"]: image["file_name"] for image in tree["images"]}
         categories = sorted((c["id"], str(c["name"])) for c in tree["categories"])
+        orphan = next((a for a in tree["annotations"] if a["image_id"] not in files), None)
+        if orphan is not None:
+            raise DataError(f"{layout.dataset}: {path}: annotation {orphan.get('id', '?')!r} names image_id "
+                            f"{orphan['image_id']!r}, which is not among its images; {layout.fix}")
         pairs = [(files[a["image_id"]], a["category_id"]) for a in tree["annotations"]]
     except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON (nested too deep), bytes,
-        # shape, or an image no annotation has
+        # or shape
         raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
                         f"and categories ({type(exc).__name__}: {exc}); {layout.fix}") from None
     ids = ids if ids is not None else {cid: label for label, (cid, _) in enumerate(categories)}
