@@ -69,7 +69,8 @@ class DataConfig(_Section):
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, ge=1, le=1024, description="resize for datasets of variable image size "
                                    "(imagenet_lt, inat); at most 1024")
-    imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set")
+    imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set (not "
+                                    "applied to ImageNet-LT and iNaturalist, long-tailed as distributed)")
     seed: int | None = Field(None, ge=0, description="seed of the federation: long-tail draw, class order, partition, "
                              "local test sets and client sampling (default: the run's seed); fix it and vary the run's "
                              "seed to measure the training noise of one federation")

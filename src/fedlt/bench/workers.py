@@ -20,6 +20,7 @@ from fedlt.errors import Terminated
 
 #: seconds the running cells get to stop after an interrupt before their workers are killed
 STOP_GRACE_S = 60.0
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 _stop: Any = None  # in a worker: the pool's stop event
 _in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
@@ -115,6 +116,7 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
                 reported.add(future)
                 done(futures[future], _outcome(future))
     except BaseException:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # a second Ctrl-C must not cut the stopping short
         stop.set()
         for future in futures:  # here, not by the pool's thread: a future cancelled there never wakes wait()
             future.cancel()
@@ -134,3 +136,4 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
         raise
     finally:
         pool.shutdown(wait=True)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
