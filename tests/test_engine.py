@@ -136,6 +136,11 @@ def test_a_servers_messages_share_one_copy_of_its_model_until_the_model_changes(
     assert sent[0]["0.bias"].tolist() != [1.0, 2.0]  # what was sent before stays what was sent
     model[0].weight = torch.nn.Parameter(torch.ones(2, 3))  # a replaced tensor
     assert broadcast_state(model)["0.weight"].tolist() == [[1.0] * 3] * 2
+    with torch.no_grad():
+        model[0].weight.data = torch.full((2, 3), 2.0)  # replaced storage: no version is raised
+    assert broadcast_state(model)["0.weight"].tolist() == [[2.0] * 3] * 2
+    model.double()  # so does a conversion
+    assert broadcast_state(model)["0.weight"].dtype == torch.float64
     broadcast_state(model)["1.running_mean"].add_(1)  # a receiver writing to what it was sent
     with pytest.raises(RuntimeError, match=r"a receiver wrote to the weights the server sent \(1.running_mean\)"):
         broadcast_state(model)

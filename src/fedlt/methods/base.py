@@ -250,7 +250,7 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass
 class _Broadcast:
     sources: list[torch.Tensor]  # the model's state tensors the copy was made from
-    source_versions: list[int]
+    source_versions: list[tuple[int, int]]  # each one's version and storage address
     copy: dict[str, torch.Tensor]
     copy_versions: list[int]
 
@@ -262,8 +262,10 @@ def broadcast_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``clone_state`` for what a server sends: one copy, shared by the messages it makes until the model
     changes, instead of one per client (on a GPU an allocation per tensor and client, the largest share
     of a client's host time). A change is an in-place write (it raises a tensor's version: a step, an
-    aggregation, a calibration) or a replaced tensor. Receivers load the weights into their own model
-    and never write to them, as over a network; a copy found written to is refused, not sent on."""
+    aggregation, a calibration), a replaced tensor, or replaced storage (``.data =``, ``module.to``,
+    ``double()``); an in-place write through ``.data`` is the one change it cannot see. Receivers load
+    the weights into their own model and never write to them, as over a network; a copy found written
+    to is refused, not sent on."""
     state = model.state_dict(keep_vars=True)
     sources = list(state.values())
     if torch.is_inference_mode_enabled():  # inference tensors keep no versions to check
@@ -271,14 +273,15 @@ def broadcast_state(model: nn.Module) -> dict[str, torch.Tensor]:
     made = _broadcasts.get(model)
     if made is not None and len(made.sources) == len(sources) and made.copy.keys() == state.keys() \
             and all(a is b for a, b in zip(made.sources, sources)) \
-            and [t._version for t in sources] == made.source_versions:
+            and [(t._version, t.data_ptr()) for t in sources] == made.source_versions:
         written = [k for k, v in zip(made.copy, made.copy_versions) if made.copy[k]._version != v]
         if written:
             raise RuntimeError(f"a receiver wrote to the weights the server sent ({', '.join(written[:3])}); "
                                "a client must copy them into its own model, not change them")
         return dict(made.copy)
     copy = dict(zip(state, fused.clones(sources)))
-    _broadcasts[model] = _Broadcast(sources, [t._version for t in sources], copy, [t._version for t in copy.values()])
+    _broadcasts[model] = _Broadcast(sources, [(t._version, t.data_ptr()) for t in sources], copy,
+                                    [t._version for t in copy.values()])
     return dict(copy)
 
 
