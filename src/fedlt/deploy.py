@@ -308,17 +308,13 @@ class Federation:
         log = GrowingFile(self.workdir / "flwr-run.log")
         try:
             while flwr.poll() is None and self.superlink.poll() is None and time.monotonic() < deadline:
-                for line in log.new_lines():  # the ServerApp's progress, as the run goes
-                    if is_progress(line):
-                        print(line, file=sys.stderr, flush=True)
+                show_progress(log)  # the ServerApp's, as the run goes
                 self.track()
                 for node, worker in zip(self.nodes, self.workers):  # a SuperNode and its ClientApp go together
                     if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
                         self.stop(node)
                 time.sleep(0.5)
-            for line in log.new_lines():  # what came during the last wait
-                if is_progress(line):
-                    print(line, file=sys.stderr, flush=True)
+            show_progress(log)  # what came during the last wait
             if self.superlink.poll() is not None:  # give the ServerApp time to write its summary
                 end = time.monotonic() + 10
                 while not outcome.is_file() and time.monotonic() < end:
@@ -347,6 +343,12 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 def is_progress(line: str) -> bool:
     return _PROGRESS.match(_COLOUR.sub("", line)) is not None
+
+
+def show_progress(log: "GrowingFile") -> None:
+    for line in log.new_lines():
+        if is_progress(line):
+            print(line, file=sys.stderr, flush=True)
 
 
 class GrowingFile:
@@ -540,20 +542,15 @@ def check_site_folders(cfg, folders: list[Path]) -> None:
     """Read every site's folder (and the server's test and validation sets) as its SuperNode and the
     ServerApp will: a malformed folder is one DataError line naming the file, before any process starts."""
     from fedlt.data.declaration import declared_dataset
-    from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
+    from fedlt.data.sources.imagefolder import load_node_data
 
-    from fedlt.engine.flower_nodes import require_test_folder
+    from fedlt.engine.flower_nodes import require_test_folder, server_set
 
     declared = declared_dataset(cfg.data)
     for folder in folders:
         require_test_folder(cfg, folder, load_node_data(folder, declared).test is not None)
-    for key, path in (("eval.test_data", cfg.eval.test_data), ("eval.val_data", cfg.eval.val_data)):
-        if path:  # --server-test sets eval.test_data; either may be an override
-            folder = Path(path).expanduser().resolve()
-            if not folder.is_dir():
-                raise DataError(f"{key}={path} is not a folder; give the server's set as an image-folder tree "
-                                "(one subfolder per class)")
-            load_image_folder(folder.parent, folder.name, declared)
+    for key in ("test_data", "val_data"):  # --server-test sets eval.test_data; either may be an override
+        server_set(cfg, key, "cpu")
 
 
 @dataclass(frozen=True)

@@ -751,7 +751,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     echo(f"[bench {name}] {len(cells)} cells, {len(result.skipped)} already finished, {len(todo)} to run"
          f" with {workers} worker(s) -> {out}")
     t0 = time.perf_counter()
-    failures = _load_failures(out, {str(c.run_dir) for c in todo})
+    failures = load_failures(out, {str(c.run_dir) for c in todo})
     walls: list[float] = []
 
     def finished(cell: Cell, info: dict[str, Any]) -> None:
@@ -790,8 +790,9 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     return result
 
 
-def _load_failures(out: Path, pending: set[str]) -> dict[str, Any]:
-    """Earlier failures, minus the cells about to be run again (they get a fresh verdict)."""
+def load_failures(out: Path, pending: set[str] = frozenset()) -> dict[str, Any]:
+    """Earlier failures (``run_dir`` -> record), minus the cells about to be run again (they get a fresh
+    verdict); a damaged file holds none."""
     path = out / FAILED_FILE
     try:
         old = json.loads(path.read_bytes()) if path.is_file() else []

@@ -63,14 +63,16 @@ def declared_shape(cfg: Config) -> ImageDataset:
     return ImageDataset(images, torch.zeros(0, dtype=torch.int64), list(d.classes), d.mean, d.std)
 
 
-def server_set(cfg: Config, path: str | None, device: torch.device) -> ImageDataset | None:
-    """The server's own balanced test or validation set: an image-folder split at ``path``."""
+def server_set(cfg: Config, key: str, device: torch.device | str) -> ImageDataset | None:
+    """The server's own balanced test or validation set (``key``: ``test_data`` or ``val_data`` of
+    ``cfg.eval``): an image-folder split at that path, or None where none is given."""
+    path = getattr(cfg.eval, key)
     if not path:
         return None
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise DataError(f"the server's set {folder} is not a folder; give an image-folder tree (one subfolder "
-                        "per class)")
+        raise DataError(f"eval.{key}={path} is not a folder; give the server's set as an image-folder tree (one "
+                        "subfolder per class)")
     return load_image_folder(folder.parent, folder.name, declared_dataset(cfg.data)).to(device)
 
 
@@ -121,7 +123,7 @@ class NodeDataSimulation(FlowerSimulation):
         names = sorted(found, key=found.get)
         cfg = build_config({**cfg.dump(), "data": {**cfg.dump()["data"], "num_clients": len(names)}})
         check_config(cfg)  # against the clients that came (a method may need more: GBME's experts)
-        test, val = (server_set(cfg, path, device) for path in (cfg.eval.test_data, cfg.eval.val_data))
+        test, val = (server_set(cfg, key, device) for key in ("test_data", "val_data"))
         data = server_federation(declared_shape(cfg).to(device), len(names), test, val)
         super().__init__(cfg, spec, data, device, grid, prompt)
         self.nodes = dict(enumerate(names))

@@ -9,7 +9,6 @@ that row is in the setting, else the setting's first row.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,20 +291,14 @@ def _collect_suite(path: Path) -> Collection:
 
 def _failed_cells(path: Path) -> dict[tuple[str, ...], dict[int, str]]:
     """The cells ``fedlt bench`` recorded as failed in ``failed.json``: (setting folder, row folder) ->
-    seed -> error, wherever the suite's folder has moved since. A damaged file names none (the bench
-    runs its unfinished cells again either way)."""
-    from fedlt.bench.suite import FAILED_FILE
+    seed -> error, wherever the suite's folder has moved since."""
+    from fedlt.bench.suite import load_failures
 
-    try:
-        records = json.loads((path / FAILED_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
     found: dict[tuple[str, ...], dict[int, str]] = {}
-    for record in records if isinstance(records, list) else []:
-        if isinstance(record, dict) and isinstance(record.get("run_dir"), str):
-            cell = Path(record["run_dir"])
-            if re.fullmatch(r"seed\d+", cell.name):
-                found.setdefault(cell.parent.parts[-2:], {})[int(cell.name[4:])] = str(record.get("error", "?"))
+    for run_dir, record in load_failures(path).items():
+        cell = Path(run_dir)
+        if re.fullmatch(r"seed\d+", cell.name):
+            found.setdefault(cell.parent.parts[-2:], {})[int(cell.name[4:])] = str(record.get("error", "?"))
     return found
 
 
