@@ -5,8 +5,12 @@ with the step itself replaced by nothing, and the time that takes per client. On
 time (a kernel launch or an allocation) and each synchronisation stalls the host until the device
 catches up; on a CPU the time also holds the copies' arithmetic. With --profile it also lists the
 Python functions that take most of that time (their own time, per client, in one more round).
+Where the paths chosen for a GPU and a CPU differ (a reply's state packed in one buffer per dtype, the
+aggregation's products rewritten in place), --as-on=gpu takes the GPU's on any device and --as-on=cpu
+the CPU's, to count the GPU's operations on a CPU or time both on one GPU.
 
-    python scripts/client_host_work.py [CLIENTS] [--profile] [override ...]    e.g. 40 model.name=resnet32
+    python scripts/client_host_work.py [CLIENTS] [--profile] [--as-on=cpu|gpu] [override ...]
+    e.g. python scripts/client_host_work.py 40 model.name=resnet32
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from fedlt.api import prepare
 from fedlt.bench.host_syncs import HostSyncs
 from fedlt.config import load_config
 from fedlt.errors import FedltError
+from fedlt.methods import aggregation
 from fedlt.training import graphed
 
 
@@ -33,8 +38,8 @@ PROFILE_ROWS = 20
 
 
 class Operations(TorchDispatchMode):
-    """The operations dispatched, and the tensors they make (outputs that are none of their inputs):
-    on a GPU each made tensor is an allocation from the caching allocator."""
+    """The operations dispatched, and the tensors they make in new memory (outputs whose storage is none
+    of their inputs'; views are not counted): on a GPU each is an allocation from the caching allocator."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,12 +49,16 @@ class Operations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count[str(func)] += 1
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        self.made += sum(isinstance(t, torch.Tensor) and id(t) not in inputs for t in tree_flatten(out)[0])
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
+        self.made += sum(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+                         for t in tree_flatten(out)[0])
         return out
 
 
-def main(clients: int, overrides: list[str], profile: bool = False) -> None:
+def main(clients: int, overrides: list[str], profile: bool = False, as_on: str | None = None) -> None:
+    if as_on is not None:  # the devices on which each of those paths is taken
+        graphed.PACKED_ON = aggregation.REWRITTEN_ON = frozenset({"cpu", "cuda"} if as_on == "gpu" else ())
     cfg = load_config(None, ["data.dataset=synthetic", "data.image_size=32", "data.partition=iid",
                              "data.imbalance_factor=1", f"data.num_clients={clients}", "fl.participation=1.0",
                              "fl.local_epochs=2", "model.name=resnet8", "run.backend=graphed", "run.threads=1",
@@ -73,7 +82,8 @@ def main(clients: int, overrides: list[str], profile: bool = False) -> None:
         seconds.append(time.perf_counter() - start)
     print(f"{cfg.model.name}, {clients} clients, {cfg.method}, {sim.device}: "
           f"{syncs.total} host synchronisations a round {dict(syncs.calls)}; "
-          f"{sum(ops.count.values()) / clients:.1f} operations per client, making {ops.made / clients:.1f} tensors; "
+          f"{sum(ops.count.values()) / clients:.1f} operations per client, making {ops.made / clients:.1f} tensors "
+          "in new memory; "
           f"most frequent: {ops.count.most_common(5)}; "
           f"{1000 * min(seconds) / clients:.2f} ms per client (the fastest of {TIMED_ROUNDS} rounds)")
     if profile:
@@ -88,12 +98,16 @@ def main(clients: int, overrides: list[str], profile: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    arguments = [a for a in sys.argv[1:] if a != "--profile"]
+    arguments = [a for a in sys.argv[1:] if a != "--profile" and not a.startswith("--as-on")]
     count = arguments[0] if arguments else "40"
+    paths = [a for a in sys.argv[1:] if a.startswith("--as-on")]
     try:
         if not count.isdigit() or int(count) < 1:
             raise FedltError(f"CLIENTS must be a whole number of at least 1, got '{count}'")
-        main(int(count), arguments[1:], profile="--profile" in sys.argv)
+        if paths and paths[-1] not in ("--as-on=cpu", "--as-on=gpu"):
+            raise FedltError(f"{paths[-1]}: write --as-on=cpu or --as-on=gpu")
+        main(int(count), arguments[1:], profile="--profile" in sys.argv,
+             as_on=paths[-1].removeprefix("--as-on=") if paths else None)
     except FedltError as error:
         print(f"client_host_work: error: {error}", file=sys.stderr)
         sys.exit(2)

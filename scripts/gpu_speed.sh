@@ -2,7 +2,8 @@
 # The GPU figures of docs/results/speed.md: the CUDA tests, every backend against the peer-style loop and
 # the limit of one model at batch K x B (fedlt bench speed --backends), where a local step's time goes
 # (fedlt bench profile), what a round of each paper's own method costs (fedlt bench paper-rounds), and
-# where the host's time per client goes besides its steps (scripts/client_host_work.py --profile).
+# where the host's time per client goes besides its steps (scripts/client_host_work.py --profile), with the
+# GPU's own paths and with the CPU's (--as-on=gpu, --as-on=cpu: a reply packed or not, on one machine).
 # All on synthetic CIFAR-shaped data (3 x 32 x 32), so no dataset files are needed. The backends and the
 # profile train clients of the papers' size: the 3,000 balanced synthetic images split IID over the
 # sampled clients (300 images, 20 steps of batch 32 a round with 10 clients; 75 images, 6 steps with 40),
@@ -11,7 +12,7 @@
 # bench paper-rounds). Each step writes its table to OUT_DIR as soon as it ends.
 #
 #   scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]
-#       STEP: tests, backends, profile, paper-rounds, host-work (default: all, at most 960 s together); =SECONDS
+#       STEP: tests, backends, profile, paper-rounds, host-work (default: all, at most 1,020 s together); =SECONDS
 #       replaces a step's time limit (e.g. paper-rounds=500). Run from
 #       the repository root; PYTHON=... picks the interpreter; SRC=DIR times another version's package
 #       (e.g. `git archive OLD src | tar -x -C DIR/..`), to compare two versions on one machine.
@@ -53,5 +54,6 @@ step profile 100 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled
 step paper-rounds 400 "${fedlt[@]}" bench paper-rounds paper-creff paper-fedloge paper-sfd paper-gbme paper-fedyoyo \
   --row paper-creff:CReFF --row paper-fedloge:FedLoGe --row paper-sfd:SFD --row paper-gbme:GBME \
   --row paper-fedyoyo:FedYoYo --backends sequential,graphed --out "$out/paper-rounds.md" run.device=cuda
-step host-work 60 bash -c 'for model in resnet8 resnet32; do "$0" scripts/client_host_work.py 40 --profile \
-  model.name=$model run.device=cuda run.channels_last=false || exit; done' "$py"
+step host-work 120 bash -c 'for model in resnet8 resnet32; do for paths in gpu cpu; do
+  "$0" scripts/client_host_work.py 40 --profile --as-on=$paths model.name=$model run.device=cuda \
+    run.channels_last=false || exit; done; done' "$py"

@@ -89,3 +89,42 @@ def test_scaled_and_add_equal_the_loop_to_the_last_bit():
     assert fused.groups(tensors, [t.clone() for t in tensors]) == [[0, 2, 4], [1, 3]]  # pairs that agree
     assert fused.groups([tensors[0], torch.zeros(2, device="meta"), tensors[2]]) == [[0, 2], [1]]  # by device
     assert fused.groups([], []) == []
+
+
+def test_packed_clones_lay_each_dense_group_in_one_buffer_and_copy_every_bit():
+    """A state handed to another stream is copied into one new buffer per device and dtype (one
+    allocation and one stream mark, not one per tensor): each copy a view of it with the original's
+    shape and strides (channels-last kept), starting on a 16-byte boundary, every bit equal; tensors
+    that fill no span of memory alone (a transposed slice) and lone members are copied by ``clones``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        made: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten._foreach_mul.Scalar):
+                self.made.append(str(func))
+            return out
+
+    specials = torch.tensor([-0.0, float("nan"), float("inf"), 1e-45, 3.5])
+    tensors = [*state(), specials, torch.tensor([5, -6]), torch.randn(6, 4)[::2].t(), torch.randn(3, 1, 1, 1)]
+    with Allocations() as allocations:
+        copies, buffers = fused.packed_clones(tensors)
+    # float32 (a buffer, the transposed and the sliced tensor copied alone), float64 (one tensor), int64
+    assert allocations.made == ["aten.empty.memory_format", "aten._foreach_mul.Scalar", "aten._foreach_mul.Scalar",
+                                "aten.empty.memory_format"]
+    float_buffer = buffers[0]
+    for t, c in zip(tensors, copies):
+        numbers = ~t.isnan()
+        assert c.dtype == t.dtype and c.shape == t.shape and c.stride() == t.clone().stride()
+        assert torch.equal(c.isnan(), ~numbers) and torch.equal(c[numbers], t[numbers])
+        assert torch.equal(c[numbers].view(torch.uint8), t[numbers].view(torch.uint8)) if t.dim() else True
+        assert c.data_ptr() != t.data_ptr() and c.data_ptr() % 16 == 0 and not c.requires_grad
+    in_float_buffer = [c.untyped_storage().data_ptr() == float_buffer.untyped_storage().data_ptr() for c in copies]
+    assert in_float_buffer == [True, False, True, False, False, True, False, False, True]
+    assert copies[0].is_contiguous(memory_format=torch.channels_last)
+    assert all(any(c.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+               for c in copies)  # every copy lies in a buffer handed back
+    copies[0].zero_()
+    assert tensors[0].abs().sum() > 0 and torch.equal(copies[2], tensors[2])  # copies, apart from each other

@@ -158,7 +158,8 @@ def test_a_resumed_gpu_run_keeps_its_host_state_on_the_host_and_ends_as_the_unin
 
 
 def test_fused_clones_on_a_gpu_are_exact_copies_in_each_tensors_layout():
-    """One multiplication by 1 per group (fedlt.fused.clones) copies a CUDA state as ``clone`` does."""
+    """One multiplication by 1 per group (fedlt.fused.clones) copies a CUDA state as ``clone`` does, and so
+    do a state's copies packed in one buffer per dtype (fedlt.fused.packed_clones, a graphed client's reply)."""
     from fedlt import fused
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -166,6 +167,10 @@ def test_fused_clones_on_a_gpu_are_exact_copies_in_each_tensors_layout():
     specials = torch.tensor([-0.0, float("inf"), 1e-45, 2.5], device="cuda")
     state = [conv, specials, specials.half(), torch.tensor(7, device="cuda"), torch.randn(3, 5, device="cuda").t(),
              torch.tensor([True, False], device="cuda")]
-    for t, c in zip(state, fused.clones(state)):
-        assert c.dtype == t.dtype and c.stride() == t.clone().stride() and c.data_ptr() != t.data_ptr()
-        assert torch.equal(c.view(torch.uint8), t.view(torch.uint8)) if t.is_contiguous() and t.dim() else torch.equal(c, t)
+    packed, buffers = fused.packed_clones(state)
+    assert len(buffers) == 5  # the conv and the specials in one, the transposed matrix alone, one per other dtype
+    for copies in (fused.clones(state), packed):
+        for t, c in zip(state, copies):
+            assert c.dtype == t.dtype and c.stride() == t.clone().stride() and c.data_ptr() != t.data_ptr()
+            assert torch.equal(c.view(torch.uint8), t.view(torch.uint8)) if t.is_contiguous() and t.dim() \
+                else torch.equal(c, t)

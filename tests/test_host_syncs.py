@@ -189,8 +189,14 @@ def test_the_host_work_script_counts_a_graphed_clients_operations_and_profiles_t
     assert done.returncode == 0, done.stderr
     first, heading, *rows = done.stdout.splitlines()
     assert first.startswith("cnn, 3 clients, fedavg, cpu: 1 host synchronisations a round")
-    assert re.search(r"; [0-9.]+ operations per client, making [0-9.]+ tensors; .*; [0-9.]+ ms per client", first)
+    assert re.search(r"; [0-9.]+ operations per client, making [0-9.]+ tensors in new memory; .*; [0-9.]+ ms per "
+                     r"client", first)
     assert heading.startswith("profiled round") and len(rows) == 20
     assert all(re.match(r" +[0-9.]+ +[0-9.]+  \S", row) for row in rows)
+    # the GPU's paths, taken on the CPU: a reply's state in one buffer, the products rewritten in place
+    as_on_gpu = subprocess.run([sys.executable, str(script), "3", "--as-on=gpu", "model.name=cnn", "data.image_size=16",
+                                "run.device=cpu"], capture_output=True, text=True, timeout=300)
+    made = [float(re.search(r"making ([0-9.]+) tensors", line).group(1)) for line in (first, as_on_gpu.stdout)]
+    assert as_on_gpu.returncode == 0 and made[0] - made[1] >= 7, made  # the CNN's 8 tensors a reply in one buffer
     refused = subprocess.run([sys.executable, str(script), "0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and refused.stderr.strip().endswith("at least 1, got '0'")

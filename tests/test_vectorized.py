@@ -299,6 +299,9 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
         load(lane, *args)
 
     monkeypatch.setattr(module, "_load", load_after_waiting)
+    monkeypatch.setattr(module, "PACKED_ON", frozenset({"cpu"}))  # a state handed back as on a GPU
+    packed, pack = [], module.fused.packed_clones  # each client's state as handed back, and its buffers
+    monkeypatch.setattr(module.fused, "packed_clones", lambda tensors: packed.append(pack(tensors)) or packed[-1])
     handed = []  # SCAFFOLD's gradient sums, as the trainer hands them to the objective
     if method == "scaffold":
         from fedlt.methods.scaffold import ScaffoldClient
@@ -334,6 +337,10 @@ def test_the_gpu_path_of_the_graphed_trainer_run_on_a_cpu_with_replays_standing_
     # that called train, so the allocator does not give its memory to the lane while that stream reads it
     assert recorded and all(stream is main for _, stream in recorded)
     assert {id(t) for t in handed} <= {id(t) for t, _ in recorded} and (method != "scaffold" or handed)
+    # a client's state lies in one marked buffer per dtype, not a mark per tensor
+    marked = {t.untyped_storage().data_ptr() for t, _ in recorded}
+    assert packed and all(t.untyped_storage().data_ptr() in marked for state, _ in packed for t in state)
+    assert all(len(buffers) == len({t.dtype for t in state}) for state, buffers in packed)
     if method == "gbme":  # the joint round trains every parameter, a per-expert round a part of them
         assert len({len(trained) for lane in lanes for _, trained in lane.graphs}) > 1
 

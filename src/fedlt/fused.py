@@ -56,6 +56,49 @@ def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def packed_clones(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Detached copies of ``tensors``, as ``clones`` makes them (same values, shapes and strides), with
+    the dense ones of each device and dtype laid out in one new buffer and copied in one fused call;
+    and the buffers. What a client hands back to another stream then needs one allocation and one
+    ``record_stream`` a group, where ``clones`` makes (and a caller marks) one a tensor: on a GPU each
+    mark becomes an event the caching allocator records and polls. A copy keeps its whole buffer
+    alive: for copies that are consumed together, not kept one by one."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    buffers = []
+    with torch.no_grad():
+        for group in groups(tensors):
+            dense = [i for i in group if _dense(tensors[i])]
+            if len(dense) > 1:
+                first = tensors[dense[0]]
+                align = max(1, ALIGNMENT // first.element_size())
+                offsets, size = [], 0
+                for i in dense:
+                    offsets.append(size)
+                    size += -(-tensors[i].numel() // align) * align
+                buffers.append(torch.empty(size, dtype=first.dtype, device=first.device))
+                views = [buffers[-1].as_strided(tensors[i].shape, tensors[i].stride(), offset)
+                         for i, offset in zip(dense, offsets)]
+                torch._foreach_copy_(views, [tensors[i] for i in dense])
+                for i, view in zip(dense, views):
+                    out[i] = view
+            rest = [i for i in group if out[i] is None]
+            for i, copy in zip(rest, clones([tensors[i] for i in rest])):
+                out[i] = copy
+                buffers.append(copy)
+    return out, buffers
+
+
+#: bytes each packed copy starts on a multiple of, so that later fused kernels read it with vector loads
+ALIGNMENT = 16
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a span of storage of its size with no gaps or overlaps (contiguous in
+    some memory format), so that a view with its strides fits in ``numel`` elements of a buffer."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) \
+        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
 def scaled(tensors: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
     """``t * factor`` for each tensor (new tensors)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)

@@ -53,6 +53,11 @@ WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuDNN/cuBLAS 
 #: uncaptured on the lane's stream. A client's last, shorter batch is often a size no other client
 #: of the lane has, and a capture costs a device-wide synchronisation and two warm-up steps
 CAPTURE_AT_USE = 2
+#: devices where a client's trained state is handed back packed (``fused.packed_clones``): one buffer per
+#: dtype, its tensors views of it. There each new tensor is a caching-allocator call, and each mark for the
+#: stream that reads it (``record_stream``) an event the allocator records and later polls; on a CPU an
+#: allocation costs less than making the views
+PACKED_ON = frozenset({"cuda"})
 
 
 @dataclass
@@ -197,7 +202,8 @@ class GraphedTrainer:
         """A generator that trains clients from ``take`` on the lane, one batch per ``next``. A client's
         start is made on ``consumer`` (the stream ``train`` was called on), so the lane waits for that
         stream before loading it; what it hands back is made on the lane's stream and used on
-        ``consumer``, so it is recorded there: its memory is not reused before that stream is done with it."""
+        ``consumer``, so it is recorded there (a packed state by its buffers): its memory is not reused
+        before that stream is done with it."""
         with torch.cuda.stream(lane.stream):
             lane.model.train()
         while (taken := take()) is not None:  # made on the consumer's stream, outside the lane's
@@ -232,11 +238,13 @@ class GraphedTrainer:
                         objective.keep(kept, y)
                 yield
             with torch.cuda.stream(lane.stream):  # read on the host once every lane is done: no wait here
-                results[i] = (dict(zip(lane.state, fused.clones(list(lane.state.values())))),
-                              lane.total.clone(), len(plan), {k: v.detach().clone() for k, v in lane.extra.items()})
+                state, buffers = fused.packed_clones(list(lane.state.values())) if self.device.type in PACKED_ON \
+                    else (fused.clones(list(lane.state.values())), [])
+                results[i] = (dict(zip(lane.state, state)), lane.total.clone(), len(plan),
+                              {k: v.detach().clone() for k, v in lane.extra.items()})
                 sums = [s.clone() for s in lane.gradient_sums] if objective.correction is not None else []
                 if lane.stream is not None:
-                    for made in (*results[i][0].values(), results[i][1], *results[i][3].values(), *sums):
+                    for made in (*buffers, results[i][1], *results[i][3].values(), *sums):
                         made.record_stream(consumer)
                 if objective.correction is not None:
                     objective.correction.done(sums, len(plan))
