@@ -54,6 +54,21 @@ def run_until_crash_in_round_3(cfg: dict, monkeypatch) -> Path:
     return Path(cfg["run"]["out_dir"]) / cfg["run"]["name"]
 
 
+def wait_until_group_ends(leader: int, seconds: float = 10.0) -> None:
+    """Wait until no process is left in the process group (session) of ``leader``; fail after ``seconds``:
+    a worker outlived the command that started it."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.killpg(leader, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, "a process of the command outlived it"
+        time.sleep(0.2)
+
+
 def write_suite(path: Path, tree: dict) -> Path:
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path

@@ -16,7 +16,7 @@ import yaml
 from scipy import stats
 from typer.testing import CliRunner
 
-from conftest import TINY_SUITE, write_suite
+from conftest import TINY_SUITE, wait_until_group_ends, write_suite
 from fedlt.bench.suite import (REPO_ROOT, cell_dir, load_suite, method_args_difference, run_suite, slug,
                                write_suite_file)
 from fedlt.bench.workers import STOP_GRACE_S
@@ -772,14 +772,7 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
     assert bench.returncode == 128 + signum, err
     assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the cells stopped at once: no grace waited out
     assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
-    deadline = time.monotonic() + 10  # the workers were stopped before the bench ended
-    while True:
-        try:
-            os.killpg(bench.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "a process of the bench outlived it"
-        time.sleep(0.2)
+    wait_until_group_ends(bench.pid)  # the workers were stopped before the bench ended
     assert not cells[2].exists() and not cells[3].exists()  # queued: never started
     states = {c.seed: c.state for c in run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells}
     assert states == {0: "resume", 1: "resume", 2: "new", 3: "new"}

@@ -543,3 +543,41 @@ def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():
         import fedlt
 
         fedlt.rnu
+
+
+def test_a_run_ended_by_sigterm_stops_its_workers_and_names_its_folder(tmp_path):
+    """SIGTERM ended `fedlt run` at once: no line, no `finally` (a terminal's cursor left hidden), and the
+    worker processes of run.backend=parallel went on alone. It now unwinds as Ctrl-C does and exits 143
+    with the folder's resume command; a resume that would change the run is refused by name."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from typer.testing import CliRunner
+
+    from conftest import wait_until_group_ends
+    from fedlt.cli import app
+
+    run_dir = tmp_path / "r"
+    command = [sys.executable, "-m", "fedlt.cli", "run", "data.dataset=synthetic", "data.num_clients=4",
+               "fl.rounds=400", "eval.every=100", "run.checkpoint_every=1", "run.backend=parallel", "run.workers=2",
+               "run.threads=1", f"run.out_dir={tmp_path}", "run.name=r"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoint.pt").is_file():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.2)
+    os.kill(run.pid, signal.SIGTERM)  # the run alone, as a scheduler's kill would
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 143 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"fedlt: interrupted by SIGTERM; `fedlt run --resume {re.escape(str(run_dir))}` goes on from "
+                        r"its checkpoint of round \d+", last), last
+    wait_until_group_ends(run.pid)  # the workers were stopped before the run ended
+    refused = CliRunner().invoke(app, ["run", "--resume", str(run_dir), "fl.rounds=3"])
+    assert refused.exit_code == 2 and "fl.rounds: a resumed run goes on with its saved config" in refused.stderr
+    with open(run_dir / "config.yaml") as saved:
+        assert "backend: parallel" in saved.read()

@@ -591,3 +591,132 @@ def test_every_method_trains_and_evaluates_a_federation_with_a_client_left_witho
     result = sim.run(tmp_path / "run", quiet=True)
     final = result.summary["final"]
     assert all(math.isfinite(v) for v in final.values() if isinstance(v, float)), final
+
+
+def test_resume_refuses_a_folder_another_process_writes_and_checks_the_folder_before_the_data(tmp_path, monkeypatch):
+    """Two processes on one run folder interleaved their metrics and checkpoints; a resume read the data
+    (minutes on a large dataset) before it looked at the folder, and then blamed the data an edited
+    config pointed to. A held folder, an edited dataset and a lost round are refused before ``prepare``."""
+    import yaml
+
+    import fedlt.api
+    from fedlt.errors import ConfigError
+    from fedlt.results import writing
+
+    run_dir = run_until_crash_in_round_3(tiny(tmp_path, fl__local_epochs=1, run__name="cut"), monkeypatch)
+    monkeypatch.setattr(fedlt.api, "prepare", lambda cfg: pytest.fail("read the data before checking the folder"))
+    with writing(run_dir):  # another open file description: as another process holds it
+        with pytest.raises(FedltError, match=re.escape(f"{run_dir} is being written by another fedlt process (the "
+                                                       "run, or a resume of it, is still going); let it end or stop")):
+            fedlt.resume(run_dir, quiet=True)
+    saved = (run_dir / "config.yaml").read_text()
+    tree = yaml.safe_load(saved)
+    tree["data"]["dataset"] = "cifar10"  # whose files are nowhere here
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=re.escape("(data.dataset: 'synthetic' -> 'cifar10'); restore that value")):
+        fedlt.resume(run_dir, quiet=True)
+    (run_dir / "config.yaml").write_text(saved)
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(FedltError, match=re.escape("metrics.jsonl lacks round(s) 2 of the 1 evaluated")):
+        fedlt.resume(run_dir, quiet=True)
+
+
+def test_a_resume_may_move_the_data_and_change_how_it_runs_and_writes_that_into_its_config(tmp_path, monkeypatch):
+    """The data moved, or a resume on another machine: ``data.root`` and ``run.*`` may be given with the
+    resume (the CLI's --data-root and key=value), and the run's config.yaml then says so; anything else
+    is refused by name."""
+    import yaml
+
+    from fedlt.errors import ConfigError
+
+    over = dict(fl__local_epochs=1, run__name="cut")
+    full = fedlt.run(tiny(tmp_path / "a", **over), quiet=True)
+    run_dir = run_until_crash_in_round_3(tiny(tmp_path / "b", **over), monkeypatch)
+    monkeypatch.undo()
+    for refused in ("fl.rounds=5", "data.alpha=1"):
+        with pytest.raises(ConfigError, match=re.escape(f"{refused.split('=')[0]}: a resumed run goes on with its "
+                                                        "saved config; only run.*, data.root and eval.batch_size")):
+            fedlt.resume(run_dir, overrides=[refused], quiet=True)
+    moved = tmp_path / "moved"
+    resumed = fedlt.resume(run_dir, overrides=[f"data.root={moved}", "run.checkpoint_every=1"], quiet=True)
+    assert without_timing(resumed.metrics) == without_timing(full.metrics)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["data"]["root"] == str(moved) and saved["run"]["checkpoint_every"] == 1
+
+
+def test_a_checkpoint_the_disk_refuses_is_an_error_naming_the_file_and_leaves_nothing_half_written(tmp_path,
+                                                                                                  monkeypatch):
+    """torch's writer reported a full disk or a refused file as a RuntimeError naming nothing, which the
+    command line showed as a traceback; the previous checkpoint is kept and the part written removed."""
+    import errno
+
+    from fedlt.engine.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path, {"round": 1})
+    kept = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def disk_full(obj, handle):
+        handle.write(b"PK partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError) as refused:
+        save_checkpoint(tmp_path, {"round": 2})
+    assert refused.value.errno == errno.ENOSPC and refused.value.filename == str(tmp_path / "checkpoint.pt.tmp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == kept
+
+
+def test_an_interrupted_run_names_its_folder_and_whether_it_can_resume(tmp_path, monkeypatch):
+    """The interrupt's line named a placeholder RUN_DIR, and offered --resume to a run that had saved
+    no checkpoint yet. A run stopped while its summary is written is not taken for a finished one."""
+    import fedlt.results
+    from fedlt.engine.simulation import Simulation
+
+    original = Simulation.fit_round
+
+    def interrupted_in(round_: int, name: str) -> KeyboardInterrupt:
+        monkeypatch.setattr(Simulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                            if rnd == round_ else original(self, rnd))
+        with pytest.raises(KeyboardInterrupt) as stop:
+            fedlt.run(tiny(tmp_path, fl__local_epochs=1, run__name=name), quiet=True)
+        monkeypatch.undo()
+        return stop.value
+
+    run_dir = tmp_path / "cut"
+    assert interrupted_in(3, "cut").resume_hint == \
+        f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round 2"
+    assert interrupted_in(2, "early").resume_hint == (
+        f"{tmp_path / 'early'} stopped before its first checkpoint (run.checkpoint_every=2), so there is nothing to "
+        "resume; start the run again")
+    monkeypatch.setattr(fedlt.results, "plot_curves", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        fedlt.resume(run_dir, quiet=True)
+    assert not (run_dir / "summary.json").exists()  # not finished: resumed again, it writes all three
+    monkeypatch.undo()
+    assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 4
+    assert {"summary.json", "report.md", "curves.png"} <= {p.name for p in run_dir.iterdir()}
+
+
+def test_a_run_resumed_by_other_code_says_which_process_trained_which_rounds(tmp_path, monkeypatch):
+    """The summary of a resumed run named only the resuming process's code and settings, and a finished
+    run resumed with other settings was rewritten as if they had trained it. Each process that trained
+    rounds is now a segment; a report names a run trained by two code versions by both."""
+    import fedlt.engine.simulation as simulation
+    from fedlt.reporting.collect import Run
+    from fedlt.reporting.provenance import version
+
+    run_dir = run_until_crash_in_round_3(tiny(tmp_path, fl__local_epochs=1, run__name="cut"), monkeypatch)
+    real = simulation.collect_environment
+    monkeypatch.setattr(simulation, "collect_environment", lambda *args: {**real(*args), "source_hash": "later"})
+    summary = fedlt.resume(run_dir, quiet=True).summary
+    first = summary["segments"][0]["environment"]["source_hash"]
+    assert [s["from_round"] for s in summary["segments"]] == [1, 3] and first not in (None, "later")
+    assert summary["segments"][1]["environment"]["source_hash"] == summary["environment"]["source_hash"] == "later"
+    assert version(Run(run_dir, 3, summary)) == f"{first} then later"
+    monkeypatch.undo()
+    again = fedlt.resume(run_dir, overrides=["run.threads=2", "run.backend=vectorized"], quiet=True).summary
+    assert again["segments"] == summary["segments"] and again["environment"] == summary["environment"]
+    assert again["backend"] == "sequential" and again["environment"]["threads"] == 1  # nothing trained by this one
+    plain = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="plain"), quiet=True).summary
+    assert "segments" not in plain and version(Run(tmp_path / "plain", 3, plain)) == plain["environment"]["source_hash"]

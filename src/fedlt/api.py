@@ -6,11 +6,13 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fedlt.config import Config, apply_overrides, build_config, load_config
-from fedlt.engine.simulation import RunResult, Simulation
+from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
-from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir
+from fedlt.results import CONFIG_FILE, RUN_FILES, check_not_written, new_run_dir, write_atomic
 from fedlt.run_parts import check_config, setup_parts
 
 
@@ -51,12 +53,19 @@ def _run_flower(cfg: Config, quiet: bool) -> RunResult:
     return simulate(cfg, quiet=quiet)
 
 
-def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
-    """Continue a run from its last checkpoint; the result equals an uninterrupted run's."""
+def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bool = False) -> RunResult:
+    """Continue a run from its last checkpoint; the result equals an uninterrupted run's. ``overrides``
+    may change only what a resume may (``run.*``, ``data.root``, ``eval.batch_size``: where the run's
+    files and data are, how it is executed); they are written into the run's ``config.yaml``."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
-    cfg = load_config(run_dir / CONFIG_FILE)
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if not key.startswith(RESUME_MAY_CHANGE):
+            raise ConfigError(f"{key}: a resumed run goes on with its saved config; only run.*, data.root and "
+                              "eval.batch_size may change (where its files and data are, how it runs)")
+    cfg = load_config(run_dir / CONFIG_FILE, overrides)
     if cfg.engine == "flower":
         raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
     for name in (*RUN_FILES, CHECKPOINT_FILE):  # found now, not after the training it would throw away
@@ -64,5 +73,9 @@ def resume(run_dir: str | Path, *, quiet: bool = False) -> RunResult:
             if (run_dir / written).exists() and not (run_dir / written).is_file():
                 raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
                                   "of the run directory, then resume")
+    check_not_written(run_dir)
+    check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
     sim = prepare(cfg)
+    if overrides:
+        write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
     return sim.run(run_dir, resume=True, quiet=quiet)

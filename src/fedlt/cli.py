@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 import typer
 from typer.core import TyperGroup
 
-from fedlt.errors import FedltError, Terminated
+from fedlt.errors import FedltError, Terminated, terminate_as_interrupt
 
 
 class _SuiteGroup(TyperGroup):
@@ -46,15 +46,17 @@ REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, err
 def _guard(fn: Callable[[], None]) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback."""
     try:
-        fn()
+        with terminate_as_interrupt():
+            fn()
     except FedltError as err:
         typer.echo(f"fedlt: error: {err}", err=True)
         raise typer.Exit(2)
     except KeyboardInterrupt as stop:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
-        typer.echo(f"fedlt: interrupted{by}; `fedlt run --resume RUN_DIR` resumes an in-process run from its last "
-                   "checkpoint (an engine=flower run starts again), and `fedlt bench` run again its unfinished cells",
-                   err=True)
+        hint = getattr(stop, "resume_hint", None) or (  # a run names its folder; elsewhere, what goes on
+            "`fedlt run --resume RUN_DIR` resumes an in-process run from its last checkpoint (an engine=flower run "
+            "starts again), and `fedlt bench` run again its unfinished cells")
+        typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
         raise typer.Exit(143 if by else 130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
         if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:
@@ -67,7 +69,8 @@ def _guard(fn: Callable[[], None]) -> None:
 @app.command("run")
 def run_cmd(
     args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...], e.g. data.alpha=0.1 fl.rounds=50"),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint (with "
+                                          "key=value only for run.*, data.root, eval.batch_size)"),
     data_root: Optional[str] = typer.Option(None, "--data-root", help="dataset folder (same as data.root=DIR)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ) -> None:
@@ -79,9 +82,10 @@ def run_cmd(
         from fedlt.errors import ConfigError
 
         if resume is not None:
-            if args or data_root:
-                raise ConfigError("--resume continues a run with its saved config; drop the other arguments")
-            result = api.resume(resume, quiet=quiet)
+            if args and "=" not in args[0]:
+                raise ConfigError(f"--resume continues a run with its saved config; drop {args[0]} (only run.*, "
+                                  "data.root and eval.batch_size may be given, as key=value)")
+            result = api.resume(resume, overrides=args + ([f"data.root={data_root}"] if data_root else []), quiet=quiet)
         else:
             config = args.pop(0) if args and "=" not in args[0] else None
             overrides = args + ([f"data.root={data_root}"] if data_root else [])

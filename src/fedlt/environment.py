@@ -29,7 +29,7 @@ def collect(device: torch.device | str | None = None, backend: str | None = None
         "fedlt": __version__,
         "git_commit": git_commit(),
         "source_hash": source_hash(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a str, not its subclass TorchVersion: plain data for a checkpoint
         "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None,

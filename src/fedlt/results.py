@@ -11,6 +11,8 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +52,54 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def writing(run_dir: Path) -> Iterator[None]:
+    """This process's hold on ``run_dir`` while it writes there. A second process (a resume of a run
+    still going, the same run started twice) is refused instead of interleaving its metrics and
+    checkpoints with the first's. An advisory lock on the folder itself, which the system releases
+    when the process ends, however it ends; where there are no such locks, nothing is held."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    handle = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FedltError(f"{run_dir} is being written by another fedlt process (the run, or a resume of it, "
+                             "is still going); let it end or stop it, then resume the folder") from None
+        except OSError:  # a file system without these locks
+            pass
+        yield
+    finally:
+        os.close(handle)
+
+
+def check_not_written(run_dir: Path) -> None:
+    """Refuse ``run_dir`` now if another process writes there (see :func:`writing`): before the data a
+    resume would read first."""
+    with writing(run_dir):
+        pass
+
+
 def new_run_dir(cfg: Config) -> Path:
     """A fresh, unique run directory (``out_dir/name`` or ``out_dir/method-dataset-time``)."""
     base = Path(cfg.run.out_dir)
     name = cfg.run.name or f"{cfg.method}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base / name, 1
-    while path.exists():
-        n += 1
-        path = base / f"{name}-{n}"
-    try:
-        path.mkdir(parents=True)
-    except OSError as err:  # run.out_dir is a file, or not writable
-        raise ConfigError(f"cannot create the run directory {path} ({err.strerror or err}); "
-                          "set run.out_dir to a writable folder") from None
+    while True:  # made, not looked for first: a folder another process makes meanwhile is passed over too
+        try:
+            path.mkdir(parents=True)
+            break
+        except OSError as err:
+            if isinstance(err, FileExistsError) and base.is_dir():
+                n += 1
+                path = base / f"{name}-{n}"
+                continue
+            raise ConfigError(f"cannot create the run directory {path} ({err.strerror or err}); "  # not a folder,
+                              "set run.out_dir to a writable folder") from None  # or not writable
     write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
     return path
 
@@ -82,11 +119,25 @@ def write_partition(run_dir: Path, record: dict[str, Any]) -> None:
 
 
 def save_artifacts(run_dir: Path, tensors: dict[str, Any]) -> None:
+    tmp = run_dir / (ARTIFACTS_FILE + ".tmp")
+    save_tensors(tensors, tmp)
+    os.replace(tmp, run_dir / ARTIFACTS_FILE)
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    """``torch.save`` into a file opened here: a path the system refuses, or a full disk, is then an
+    OSError naming the file (torch's own writer reports a RuntimeError naming nothing), and what was
+    written of it is removed."""
     import torch
 
-    tmp = run_dir / (ARTIFACTS_FILE + ".tmp")
-    torch.save(tensors, tmp)
-    os.replace(tmp, run_dir / ARTIFACTS_FILE)
+    try:
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
 
 
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
@@ -277,10 +328,12 @@ def _fmt(value: Any) -> str:
 
 
 def write_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's summary, report and plot; the summary last, since its presence marks the run
+    finished: a run stopped before it is resumed, and its resume writes all three."""
     summary = summarize(cfg, rows, extra)
-    write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     write_atomic(run_dir / REPORT_FILE, render_report(cfg, summary, rows))
     plot_curves(run_dir / PLOT_FILE, rows, title=f"{cfg.method} on {cfg.data.dataset}")
+    write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -16,7 +16,7 @@ from multiprocessing import get_context
 from typing import Any
 
 from fedlt.environment import collect as collect_environment
-from fedlt.errors import Terminated
+from fedlt.errors import terminate_as_interrupt
 
 #: seconds the running cells get to stop after an interrupt before their workers are killed
 STOP_GRACE_S = 60.0
@@ -24,24 +24,6 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 _stop: Any = None  # in a worker: the pool's stop event
 _in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
-
-
-def _raise_terminated(signum: int, _frame) -> None:
-    raise Terminated()
-
-
-@contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` in this process while inside, so the workers are stopped
-    (the default action would end this process alone and leave them running)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

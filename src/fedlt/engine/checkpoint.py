@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fedlt.errors import FedltError
+from fedlt.results import save_tensors
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
@@ -25,7 +26,7 @@ REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run ag
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     tmp = run_dir / (CHECKPOINT_FILE + ".tmp")
-    torch.save(state, tmp)
+    save_tensors(state, tmp)
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp)  # reads the pickle only, not the tensors
     if unsafe:  # a method keeps another type in its state: fail at the first save, not at a resume
         tmp.unlink()
@@ -34,24 +35,27 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / CHECKPOINT_FILE)
 
 
-def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint of ``run_dir``, its tensors on ``device`` (see the module's docstring), or with
+    ``mmap`` mapped from the file instead of read (to look at a checkpoint without its cost)."""
     path = run_dir / CHECKPOINT_FILE
     if not path.is_file():
-        raise FedltError(f"{run_dir} has no {CHECKPOINT_FILE}; resume a run directory that saved a checkpoint "
-                         "(run.checkpoint_every > 0)")
+        raise FedltError(f"{run_dir} has no {CHECKPOINT_FILE}: the run stopped before its first checkpoint (saved "
+                         "every run.checkpoint_every rounds and after the last), so there is nothing to resume; "
+                         "start it again")
     if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never unpickled
         raise FedltError(f"{path} is not a complete torch checkpoint: cut off, damaged, {REFUSED}")
     device = torch.device(device)
     saved_on: set[str] = set()
-    state = _read(path, _where_it_was(device, saved_on))
+    state = _read(path, _where_it_was(device, saved_on), mmap)
     if saved_on == {"cpu"} and device.type != "cpu":  # a CPU run resumed on a device: which of its host
-        state = _read(path, device)                   # tensors must move is unknown, so all of them do
+        state = _read(path, device, mmap)             # tensors must move is unknown, so all of them do
     return state
 
 
-def _read(path: Path, map_location) -> dict[str, Any]:
+def _read(path: Path, map_location, mmap: bool) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # weights_only refused an object before building it
         raise FedltError(f"{path} holds Python objects that fedlt does not load (unpickling them could run code): "
                          f"{REFUSED}") from None

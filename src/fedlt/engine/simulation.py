@@ -41,7 +41,7 @@ from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
     CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts,
-    write_partition, write_stopped_summary, write_summary,
+    write_partition, write_stopped_summary, write_summary, writing,
 )
 from fedlt.run_parts import choose_backend, no_global_model_refusal
 from fedlt.training.graphed import GraphedTrainer
@@ -53,6 +53,43 @@ STAGES = ("setup", "before_fit", "after_fit", "final")
 #: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
 #: is executed (device, backend, threads ...), where its data are read from
 RESUME_MAY_CHANGE = ("run.", "data.root", "eval.batch_size")
+
+
+def check_resumable(cfg: Config, run_dir: Path) -> None:
+    """What a resume needs from ``run_dir`` besides the data: a checkpoint saved with this config and the
+    metrics up to it. Checked before the data are read (minutes for a large dataset), so that a folder
+    that cannot resume is refused for what it lacks, not for data its edited config would read."""
+    ckpt = load_checkpoint(run_dir, "cpu", mmap=True)  # its tensors mapped, not read
+    check_resumed_config(cfg, run_dir, ckpt)
+    start = ckpt.get("round")
+    if isinstance(start, int):
+        check_resumed_metrics(cfg, run_dir, read_metrics(run_dir, up_to_round=start), start)
+
+
+def check_resumed_metrics(cfg: Config, run_dir: Path, rows: list[dict[str, Any]], start: int) -> None:
+    """The metrics a resumed run keeps must hold every round evaluated up to its checkpoint: the run
+    does not evaluate them again, and its summary would read them as missing."""
+    every, last = cfg.eval.every, cfg.fl.rounds
+    wanted = [r for r in range(1, start + 1) if r == last or r % every == 0]
+    have = [r["round"] for r in rows]
+    if have != wanted:
+        lost = sorted(set(wanted) - set(have))
+        what = (f"lacks round(s) {', '.join(map(str, lost[:5]))}" if lost else
+                f"holds rounds {', '.join(map(str, have[:8]))}")
+        raise FedltError(f"{run_dir / METRICS_FILE} {what} of the {len(wanted)} evaluated up to the checkpoint of "
+                         f"round {start}; restore the file, or start the run again")
+
+
+def check_resumed_config(cfg: Config, run_dir: Path, ckpt: dict[str, Any]) -> None:
+    """A hand-edited ``config.yaml`` would go on with another federation or training from the saved
+    state: refused, except where the run's files go and how it is executed (``run.*``)."""
+    if "config" not in ckpt:  # saved before checkpoints kept their config
+        return
+    diff = config_difference(json.loads(ckpt["config"]), cfg.dump(), RESUME_MAY_CHANGE)
+    if diff is not None:
+        raise ConfigError(f"{run_dir / CONFIG_FILE} is not the config {CHECKPOINT_FILE} was saved with ({diff}); "
+                          f"restore that value (or, if {CHECKPOINT_FILE} was copied from another run, this run's "
+                          "own checkpoint), or start a new run with the new config")
 
 
 @dataclass
@@ -108,6 +145,8 @@ class Simulation:
         self.dropped: list[dict[str, Any]] = []
         #: per exchange kind, the keys, shapes and bytes of the first message each way
         self.message_record: dict[str, dict] = {}
+        #: the processes that trained the run: the first round each trained, and its environment
+        self.segments: list[dict[str, Any]] = []
 
     def _check_something_is_measured(self) -> None:
         """Without a global model only personalized evaluation measures anything: eval.personalized=false
@@ -358,41 +397,25 @@ class Simulation:
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record,
-                "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump())}
-
-    def _check_resumed_metrics(self, run_dir: Path, rows: list[dict[str, Any]], start: int) -> None:
-        """The metrics a resumed run keeps must hold every round evaluated up to its checkpoint: the run
-        does not evaluate them again, and its summary would read them as missing."""
-        every, last = self.cfg.eval.every, self.cfg.fl.rounds
-        wanted = [r for r in range(1, start + 1) if r == last or r % every == 0]
-        have = [r["round"] for r in rows]
-        if have != wanted:
-            lost = sorted(set(wanted) - set(have))
-            what = (f"lacks round(s) {', '.join(map(str, lost[:5]))}" if lost else
-                    f"holds rounds {', '.join(map(str, have[:8]))}")
-            raise FedltError(f"{run_dir / METRICS_FILE} {what} of the {len(wanted)} evaluated up to the checkpoint of "
-                             f"round {start}; restore the file, or start the run again")
-
-    def _check_resumed_config(self, run_dir: Path, ckpt: dict[str, Any]) -> None:
-        """A hand-edited ``config.yaml`` would go on with another federation or training from the saved
-        state: refused, except where the run's files go and how it is executed (``run.*``)."""
-        if "config" not in ckpt:  # saved before checkpoints kept their config
-            return
-        diff = config_difference(json.loads(ckpt["config"]), self.cfg.dump(), RESUME_MAY_CHANGE)
-        if diff is not None:
-            raise ConfigError(f"{run_dir / CONFIG_FILE} is not the config {CHECKPOINT_FILE} was saved with ({diff}); "
-                              f"restore that value (or, if {CHECKPOINT_FILE} was copied from another run, this run's "
-                              "own checkpoint), or start a new run with the new config")
+                "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump()),
+                "segments": self.segments}
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
-        """Train all rounds and write ``run_dir``. ``metrics.jsonl`` gets one line per evaluated round;
-        its ``comm`` counts every byte since the previous line (the setup stage's included)."""
+        """Train all rounds and write ``run_dir``, which no other process may write meanwhile.
+        ``metrics.jsonl`` gets one line per evaluated round; its ``comm`` counts every byte since the
+        previous line (the setup stage's included). Interrupted (Ctrl-C, SIGTERM), the exception
+        carries ``resume_hint``: how to go on from the folder's last checkpoint, if it has one."""
+        with writing(run_dir):
+            return self._run(run_dir, resume, quiet)
+
+    def _run(self, run_dir: Path, resume: bool, quiet: bool) -> RunResult:
         cfg = self.cfg
+        checkpointed = 0  # the round of the folder's last checkpoint
         start, elapsed = 0, 0.0
         pending: dict[str, Any] = {"comm": dict.fromkeys(TRAFFIC_KINDS, 0), "time_s": 0.0}
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
-            self._check_resumed_config(run_dir, ckpt)
+            check_resumed_config(cfg, run_dir, ckpt)
             try:
                 start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
                 self.message_record = ckpt["messages"]
@@ -407,14 +430,18 @@ class Simulation:
                 reason = f"{type(err).__name__}: {text}" if text else type(err).__name__
                 raise FedltError(f"{run_dir / CHECKPOINT_FILE} does not fit the run's {CONFIG_FILE} ({reason}); "
                                  f"restore the {CONFIG_FILE} it was saved with, or start a new run") from None
+            checkpointed = start
+            self.segments = [dict(s) for s in ckpt.get("segments", [{"from_round": 1, "environment": None}])]
             rows = read_metrics(run_dir, up_to_round=start)
-            self._check_resumed_metrics(run_dir, rows, start)
+            check_resumed_metrics(cfg, run_dir, rows, start)
             rewrite_metrics(run_dir, rows)
             self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
         else:
             rows = []
             self._write_partition(run_dir)
             self.setup()
+        if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
+            self.segments.append({"from_round": start + 1, "environment": self._environment()})
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         tracker = Tracker(cfg, run_dir)
         try:
@@ -457,7 +484,16 @@ class Simulation:
                 every = cfg.run.checkpoint_every
                 if last or (every and rnd % every == 0):
                     save_checkpoint(run_dir, self._checkpoint_state(rnd, elapsed, pending))
+                    checkpointed = rnd
                 progress.update(rnd, row if evaluated else None)
+        except KeyboardInterrupt as stop:
+            every = cfg.run.checkpoint_every
+            stop.resume_hint = (
+                f"{run_dir} is an engine=flower run, which cannot resume; start it again" if self.engine != "inprocess"
+                else f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round {checkpointed}"
+                if checkpointed else f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={every}), "
+                                     "so there is nothing to resume; start the run again")
+            raise
         finally:
             progress.close()
             tracker.close()
@@ -481,8 +517,14 @@ class Simulation:
         write_stopped_summary(run_dir, self.cfg, rows, "diverged", reason, row["round"] - 1,
                               {"diverged_round": row["round"], **self._summary_extra(elapsed)})
 
+    def _environment(self) -> dict[str, Any]:
+        return collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine)
+
     def _summary_extra(self, elapsed: float) -> dict[str, Any]:
-        """What a summary says beyond the metrics: the data, shot groups, machine, messages, knobs."""
+        """What a summary says beyond the metrics: the data, shot groups, machine, messages, knobs. The
+        environment is the one that trained the last rounds; a resumed run lists each process that
+        trained some (``segments``: the first round each trained and its environment)."""
+        trained = (self.segments[-1]["environment"] if self.segments else None) or self._environment()
         return {
             "elapsed_s": round(elapsed, 2),
             "data": self.eval_data.describe(),
@@ -491,8 +533,9 @@ class Simulation:
             "train_class_counts": [int(c) for c in self.eval_data.train_counts],
             "class_names": self.eval_data.train.classes,
             "device": str(self.device),
-            "backend": self.backend,
-            "environment": collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine),
+            "backend": trained.get("backend", self.backend),
+            "environment": trained,
+            **({"segments": self.segments} if len(self.segments) > 1 else {}),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),
             "method_args": self.resolved_method_args,

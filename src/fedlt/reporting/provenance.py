@@ -3,8 +3,9 @@
 A row's seeds are averaged and paired as one method, so they should come from one version of fedlt.
 Each table names the versions behind it (:func:`fedlt.environment.code_version`: the source hash,
 else the git commit of a run from before fedlt hashed its sources) with how many runs each, and
-marks a row whose runs name more than one. A ``+dirty`` commit is that commit plus uncommitted
-changes: code that cannot be identified afterwards.
+marks a row whose runs name more than one. A run resumed by other code than started it names both
+(``A then B``), as its own version. A ``+dirty`` commit is that commit plus uncommitted changes: code
+that cannot be identified afterwards.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ NOT_RECORDED = "not recorded"
 
 
 def version(run: Run) -> str:
-    env = run.summary.get("environment")
-    return (code_version(env) if isinstance(env, dict) else None) or NOT_RECORDED
+    """The run's code version; a run resumed by other code names each, in order (``A then B``)."""
+    segments = run.summary.get("segments")
+    envs = [s.get("environment") for s in segments if isinstance(s, dict)] if isinstance(segments, list) \
+        else [run.summary.get("environment")]
+    versions = [(code_version(env) if isinstance(env, dict) else None) or NOT_RECORDED for env in envs]
+    return " then ".join(dict.fromkeys(versions)) or NOT_RECORDED
 
 
 def by_version(runs: list[Run]) -> dict[str, list[Run]]:
