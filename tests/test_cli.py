@@ -116,7 +116,7 @@ class Case:
 
 
 def error_cases(data: Path) -> dict[str, Case]:
-    """``data`` holds the prepared folders: empty/, fmnist-garbage/, not-a-run/, cut-off-run/."""
+    """``data`` holds the prepared folders: empty/, fmnist-garbage/, not-a-run/, cut-off-run/, cut-config/."""
     return {
         "unknown_method": Case(["run", "method=nosuch", *SYN], "'nosuch'", "method=", "fedavg, fedprox, centralized"),
         "unknown_dataset": Case(["run", "data.dataset=nosuch"], "'nosuch'", "data.dataset", "synthetic"),
@@ -153,6 +153,13 @@ def error_cases(data: Path) -> dict[str, Case]:
         "zero_workers": Case(["run", "run.workers=0", *SYN], "run.workers", "greater than or equal to 1"),
         "secagg_unsupported_method": Case(["run", "method=scaffold", "secagg.enabled=true", *SYN], "secagg.enabled",
                                           "scaffold", "reads each client's fit reply", "secagg.enabled=false"),
+        "secagg_calibration_reads_replies": Case(["run", "method=fedavg", "calibration=creff", "secagg.enabled=true",
+                                                  "data.num_clients=6", "fl.participation=0.5", *SYN],
+                                                 "calibration=creff reads each client's fit reply",
+                                                 "drop creff from calibration", "secagg.enabled=false"),
+        "wrong_type_value": Case(["run", "fl.rounds=abc", *SYN], "fl.rounds", "give a whole number, e.g. fl.rounds=50"),
+        "cut_short_run_config": Case(["run", "--resume", str(data / "cut-config")],
+                                     f"{data / 'cut-config' / 'config.yaml'}: invalid config value loss", out_dir=False),
         "secagg_even_neighbours": Case(["run", "secagg.enabled=true", "secagg.neighbours=4", *SYN],
                                        "secagg.neighbours", "odd number >= 3"),
         "override_without_equals": Case(["run", *SYN, "fl.rounds"], "'fl.rounds'", "key=value"),
@@ -236,6 +243,8 @@ def make_data_folders(data: Path) -> None:
     (data / "a-file").write_text("not a folder\n")
     (data / "cut-off-run").mkdir()
     (data / "cut-off-run" / "summary.json").write_text('{"method": "fedavg", "fin')
+    (data / "cut-config").mkdir()  # a run folder's config.yaml cut short in the middle of loss:
+    (data / "cut-config" / "config.yaml").write_text("data:\n  dataset: synthetic\nloss:\n  name")
     for kind, save in MALICIOUS.items():
         (data / kind).mkdir()
         (data / kind / "config.yaml").write_text(yaml.safe_dump(load_config(None, [*SYN, "fl.rounds=2"]).dump()))

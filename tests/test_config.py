@@ -185,15 +185,86 @@ def test_true_or_false_is_refused_where_a_setting_takes_a_number_or_a_list() -> 
     """pydantic would read true as 1 (fl.lr=true a learning rate of 1, data.num_clients=true one client)."""
     from fedlt.run_parts import check_config
 
-    for override in ("fl.lr=true", "data.num_clients=true", "data.alpha=false", "fl.grad_clip=true", "data.seed=true",
-                     "data.class_order=true"):
+    for override, fix in [("fl.lr=true", "give a number, e.g. fl.lr=0.05"),
+                          ("data.num_clients=true", "give a whole number, e.g. data.num_clients=20"),
+                          ("data.alpha=false", "give a number, e.g. data.alpha=0.5"),
+                          ("fl.grad_clip=true", "give a number, e.g. fl.grad_clip=0.5"),
+                          ("data.seed=true", "give a whole number, e.g. data.seed=10"),
+                          ("data.class_order=true", "give natural, shuffled or a list of whole numbers, e.g. "
+                                                    "data.class_order=natural")]:
         assert config_error(overrides=[override]).endswith(": true/false is not a value of this setting "
-                                                           f"(got {override.split('=')[1]}); give a value of its type "
-                                                           "(fedlt run --help lists them)"), override
-    with pytest.raises(ConfigError, match=re.escape("invalid method_args.mu for method fedprox: true/false is not")):
+                                                           f"(got {override.split('=')[1]}); {fix}"), override
+    # a setting whose type has no short name points to the configuration reference (fedlt run --help lists no keys)
+    assert config_error(overrides=["method_args=true"]).endswith("give a value of its type (the configuration "
+                                                                 "reference lists them: python -m fedlt.docs_config)")
+    with pytest.raises(ConfigError, match=re.escape("invalid method_args.mu for method fedprox: true/false is not a "
+                                                    "value of this setting (got true); give a number, e.g. "
+                                                    "method_args.mu=0.01")):
         check_config(load_config(None, ["method=fedprox", "method_args.mu=true"]))
     cfg = load_config(None, ["data.hflip=false", "eval.personalized=false", "method=fedyoyo", "method_args.dla=false"])
     assert cfg.data.hflip is False and cfg.eval.personalized is False and check_config(cfg)
+
+
+def test_a_value_of_the_wrong_type_names_the_type_and_an_example_of_the_fix() -> None:
+    """pydantic's message, then the fix: the type the key takes and an example (its default where it has one)."""
+    from fedlt.run_parts import check_config
+
+    for override, fix in [
+        ("fl.rounds=abc", "fl.rounds: Input should be a valid integer, unable to parse string as an integer; give a "
+                          "whole number, e.g. fl.rounds=50"),
+        ("fl.rounds=2.5", "got a number with a fractional part; give a whole number, e.g. fl.rounds=50"),
+        ("fl.lr=abc", "fl.lr: Input should be a valid number, unable to parse string as a number; give a number, "
+                      "e.g. fl.lr=0.05"),
+        ("data.image_size=abc", "give a whole number, e.g. data.image_size=10"),  # no default: an example value
+        ("eval.personalized=maybe", "give true or false, e.g. eval.personalized=true"),
+        ("data.partition=random", "give dirichlet, grouped_dirichlet, pathological or iid, e.g. "
+                                  "data.partition=dirichlet"),
+        ("engine=x", "give inprocess or flower, e.g. engine=inprocess"),
+        ("run.name=123", "run.name: Input should be a valid string; give a string, e.g. run.name='123'"),
+        ("fl.lr_decay_at=abc", "give a list of numbers, e.g. fl.lr_decay_at=[0.5, 0.75]"),
+        # a union's member tag is not part of the key
+        ("data.class_order=5", "invalid config value data.class_order: Input should be 'natural' or 'shuffled'; give "
+                               "natural, shuffled or a list of whole numbers, e.g. data.class_order=natural"),
+    ]:
+        message = config_error(overrides=[override])
+        assert message.startswith("invalid config value") and message.endswith(fix), (override, message)
+    for overrides, fix in [(["method=fedprox", "method_args.mu=abc"], "method_args.mu for method fedprox: Input "
+                            "should be a valid number, unable to parse string as a number; give a number, e.g. "
+                            "method_args.mu=0.01"),
+                           (["method=ccvr", "calibration_args.retrain_steps=x"], "give a whole number, e.g. "
+                            "calibration_args.retrain_steps=300")]:
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            check_config(load_config(None, overrides))
+
+
+def test_an_invalid_value_read_from_a_config_file_names_the_file(tmp_path: Path) -> None:
+    """A run folder's config.yaml cut short, or a hand-written file: the message says which file to fix; a
+    value an override gives is the override's, not the file's."""
+    import fedlt
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("data:\n  dataset: synthetic\nloss:\n  name")
+    with pytest.raises(ConfigError) as info:
+        fedlt.resume(run)
+    assert str(info.value).startswith(f"{run / 'config.yaml'}: invalid config value loss: 'name' where a section "
+                                      "of keys is expected")
+    path = write(tmp_path, "fl:\n  rounds: abc\n")
+    assert config_error(path).startswith(f"{path}: invalid config value fl.rounds: Input should be a valid integer")
+    assert config_error(path, ["data.alpha=0.1"]).startswith(f"{path}: invalid config value fl.rounds")
+    assert config_error(path, ["fl.rounds=x"]).startswith("invalid config value fl.rounds")  # the override's
+    assert config_error(write(tmp_path, "fl:\n  rounds: 2\n  lrr: 0.1\n")).startswith(f"{tmp_path / 'exp.yaml'}: "
+                                                                                       "unknown config key 'fl.lrr'")
+
+
+def test_image_size_describes_every_dataset_it_sizes() -> None:
+    from fedlt.config import DataConfig
+    from fedlt.data.registry import DATASETS
+
+    description = DataConfig.model_fields["image_size"].description
+    for name, info in DATASETS.items():
+        if info.resizable:
+            assert name in description, name
 
 
 def test_a_run_name_is_one_folder_inside_out_dir_and_momentum_stays_below_one() -> None:
@@ -324,7 +395,8 @@ def test_a_section_given_a_plain_value_names_the_section_and_the_fix(tmp_path: P
         "keys; put its keys under it")
     assert "method_args is set to 3" in config_error(None, ["method_args=3", "method_args.mu=0.1"])
     msg = config_error(path)
-    assert msg.startswith("invalid config value fl: 5 where a section of keys is expected (rounds, participation")
+    assert msg.startswith(f"{path}: invalid config value fl: 5 where a section of keys is expected (rounds, "
+                          "participation")
     assert msg.endswith("in YAML put its keys under `fl:`, as an override write fl.rounds=VALUE")
 
 

@@ -179,6 +179,27 @@ def test_the_raw_feature_oracle_is_refused_under_secure_aggregation(tmp_path):
         fedlt.run(tiny(tmp_path, "ccvr", "oracle", calibration=["oracle"], secagg={"enabled": True}), quiet=True)
 
 
+def test_a_calibration_that_reads_fit_replies_is_named_as_what_secure_aggregation_refuses():
+    """CReFF's calibration reads each client's per-class gradients: the refusal names it, not the method it
+    was added to; CReFF the method (FedAvg + its calibration) is refused as a method."""
+    from fedlt.config import load_config
+    from fedlt.errors import ConfigError
+    from fedlt.run_parts import check_config
+
+    base = ["data.dataset=synthetic", "data.num_clients=6", "fl.participation=0.5", "secagg.enabled=true"]
+    for method in ("fedavg", "sfd", "ccvr"):
+        with pytest.raises(ConfigError) as info:
+            check_config(load_config(None, [*base, f"method={method}", "calibration=creff"]))
+        message = str(info.value)
+        assert message.startswith("secagg.enabled: calibration=creff reads each client's fit reply"), message
+        assert "drop creff from calibration" in message and "secagg.enabled=false" in message
+        assert f"method {method}" not in message
+    with pytest.raises(ConfigError, match="method creff's server reads each client's fit reply"):
+        check_config(load_config(None, [*base, "method=creff", "calibration=ccvr"]))
+    for name in ("ccvr", "fedncm", "fed3r", "taunorm", "safs"):  # they only sum statistics
+        check_config(load_config(None, [*base, "method=fedavg", f"calibration={name}"]))
+
+
 def test_secure_sfd_aggregates_its_statistics_and_matches_the_plain_run(tmp_path):
     extra = {"calibration_args": {"safs_max_per_class": 100, "safs_min_per_class": 50, "safs_steps": 5,
                                   "safs_rff_dim": 50, "safs_finetune_epochs": 1}}

@@ -14,6 +14,7 @@ import yaml
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
 )
+from pydantic_core import PydanticCustomError, PydanticUndefined
 
 from fedlt.errors import ConfigError
 
@@ -43,6 +44,10 @@ def admits_bool(annotation: Any) -> bool:
     return origin is None and not (isinstance(annotation, type) and issubclass(annotation, (int, float, str, type(None))))
 
 
+#: where every key's type is listed, for an error that cannot name the type itself
+TYPE_REFERENCE = "give a value of its type (the configuration reference lists them: python -m fedlt.docs_config)"
+
+
 class NoBoolForNumbers(BaseModel):
     """Knobs whose type takes no true / false refuse them: ``fl.lr=true`` is a typo, not a learning rate of 1."""
 
@@ -50,9 +55,66 @@ class NoBoolForNumbers(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"true/false is not a value of this setting (got {str(value).lower()}); give a "
-                             "value of its type (fedlt run --help lists them)")
+            raise PydanticCustomError(BOOL_REFUSED, "true/false is not a value of this setting (got {got}); {fix}",
+                                      {"got": str(value).lower(), "fix": TYPE_REFERENCE})
         return value
+
+
+BOOL_REFUSED = "bool_not_a_value"
+#: pydantic's errors for a value of the wrong type, which :func:`type_hint` completes with the type and an example
+_TYPE_ERRORS = {"int_parsing", "int_from_float", "int_type", "float_parsing", "float_type", "bool_parsing",
+                "bool_type", "literal_error", "enum", "string_type", "list_type", BOOL_REFUSED}
+
+
+def _alternatives(annotation: Any) -> list[tuple[str, Any]]:
+    """What a field of this type takes, as (phrase, example) pairs: ``int | None`` -> [("a whole number", 10)]."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _alternatives(get_args(annotation)[0])
+    if origin is Union or origin is UnionType:
+        return [alt for option in get_args(annotation) if option is not type(None) for alt in _alternatives(option)]
+    if origin is Literal:
+        return [(_yaml_scalar(option), option) for option in get_args(annotation)]
+    if origin is list:
+        item = (_alternatives(get_args(annotation)[0]) or [("", None)])[0][0]
+        plural = {"a whole number": "whole numbers", "a number": "numbers", "a string": "strings"}.get(item)
+        return [(f"a list of {plural}" if plural else "a list", None)]
+    simple = {bool: ("true or false", True), int: ("a whole number", 10), float: ("a number", 0.5),
+              str: ("a string", None)}
+    return [simple[annotation]] if annotation in simple else []
+
+
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as written after ``key=`` (and in YAML): true, 0.5, [0.5, 0.75], '123' for the string "123"."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).removesuffix("\n").removesuffix("\n...")
+
+
+def type_hint(model: type[BaseModel], loc: tuple, error_type: str, given: Any, prefix: str = "") -> str | None:
+    """For an error of a value's type at ``loc`` in ``model``, the fix in words: the type the field
+    takes and an example with its default, e.g. "give a whole number, e.g. fl.rounds=50"; None for
+    other errors, or where the field is unknown. ``prefix`` is put before the key (``method_args.``)."""
+    if error_type not in _TYPE_ERRORS:
+        return None
+    kind: Any = model
+    field = None
+    parts: list[str] = []
+    for part in loc:  # a union's member tags (``literal['natural','shuffled']``) follow the field's name
+        if not (_is_model(kind) and part in kind.model_fields):
+            break
+        field = kind.model_fields[part]
+        kind = field.annotation
+        parts.append(str(part))
+    alternatives = _alternatives(kind) if field is not None else []
+    if not alternatives:
+        return None
+    phrases = list(dict.fromkeys(phrase for phrase, _ in alternatives))
+    wanted = phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} or {phrases[-1]}"
+    example = None if field.default in (None, [], PydanticUndefined) else field.default
+    if example is None and alternatives[0][0] == "a string" and isinstance(given, (int, float)):
+        example = str(given)  # a name that YAML reads as a number: quoted, it is the string
+    example = example if example is not None else alternatives[0][1]
+    key = prefix + ".".join(parts)
+    return f"give {wanted}" + (f", e.g. {key}={_yaml_scalar(example)}" if example is not None else "")
 
 
 class _Section(NoBoolForNumbers):
@@ -67,8 +129,10 @@ class DataConfig(_Section):
                          "cinic10, imagenet_lt, inat, synthetic; synthetic_cifar10 and synthetic_cifar100 (CIFAR's "
                          "size, for timing)")
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
-    image_size: int | None = Field(None, ge=1, le=1024, description="resize for datasets of variable image size "
-                                   "(imagenet_lt, inat); at most 1024")
+    image_size: int | None = Field(None, ge=1, le=1024, description="image side of the datasets whose size is "
+                                   "chosen: imagenet_lt and inat are resized to it (default 64), the synthetic "
+                                   "datasets generated at it (synthetic: default 16; synthetic_cifar10, "
+                                   "synthetic_cifar100: 32); fixed-size datasets refuse another; at most 1024")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set (not "
                                     "applied to ImageNet-LT and iNaturalist, long-tailed as distributed)")
     seed: int | None = Field(None, ge=0, description="seed of the federation: long-tail draw, class order, partition, "
@@ -430,9 +494,24 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def _key_of(loc: tuple) -> str:
+    """The dotted key of an error's location, without the union member tags pydantic adds after a
+    field (``data.class_order.literal['natural','shuffled']`` is data.class_order); list indexes stay."""
+    kind: Any = Config
+    parts = []
+    for part in loc:
+        if _is_model(kind):
+            field = kind.model_fields.get(part)
+            kind = field.annotation if field else None
+        elif not isinstance(part, int):
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
+
+
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    where = _key_of(first["loc"]) or "config"
     if first["type"] == "extra_forbidden":
         section = ".".join(str(p) for p in first["loc"][:-1])
         valid = _valid_keys(section)
@@ -442,8 +521,15 @@ def _describe(err: ValidationError) -> str:
         return (f"invalid config value {where}: {first.get('input')!r} where a section of keys is expected "
                 f"({', '.join(keys[:4])}, ...); in YAML put its keys under `{where}:`, as an override write "
                 f"{where}.{keys[0]}=VALUE")
-    msg = first["msg"].removeprefix("Value error, ")
-    return f"invalid config value {where}: {msg}"
+    return f"invalid config value {where}: {with_type_hint(first, Config)}"
+
+
+def with_type_hint(error: Any, model: type[BaseModel], prefix: str = "") -> str:
+    """pydantic's message of ``error`` (one of ValidationError.errors()), ending in the fix where the
+    value had the wrong type: "Input should be a valid integer, ...; give a whole number, e.g. fl.rounds=50"."""
+    msg = error["msg"].removeprefix("Value error, ")
+    hint = type_hint(model, error["loc"], error["type"], error.get("input"), prefix)
+    return f"{msg.removesuffix('; ' + TYPE_REFERENCE)}; {hint}" if hint else msg
 
 
 def _annotation(key: str) -> Any:
@@ -515,7 +601,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
         tree = read_yaml_mapping(p)
-    return build_config(apply_overrides(tree, overrides or []))
+    if path is None:
+        return build_config(apply_overrides(tree, overrides or []))
+    try:
+        return Config.model_validate(apply_overrides(tree, overrides or []))
+    except ValidationError as err:
+        key = _key_of(err.errors()[0]["loc"])
+        given = [item.split("=", 1)[0].strip() for item in overrides or []]
+        # the value an override gives is the override's; a check across sections (key "") the file's alone
+        overridden = any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in given) if key \
+            else bool(given)
+        raise ConfigError(_describe(err) if overridden else f"{p}: {_describe(err)}") from None
 
 
 class DuplicateKey(yaml.YAMLError):

@@ -240,6 +240,14 @@ def _check_secagg(cfg: Config, spec: MethodSpec) -> None:
     if spec.pooled:
         raise ConfigError(f"method {cfg.method} trains on pooled data: there is nothing to aggregate securely; "
                           "set secagg.enabled=false")
+    own = get_method(cfg.method).calibration  # CReFF is FedAvg + its calibration: the method's own
+    readers = [name for name in spec.calibration if CALIBRATORS[name].reads_fit_replies and name not in own]
+    inner = getattr(spec.server, "inner_cls", spec.server)  # the method's server, under the calibrations'
+    if readers and "fit" in inner.secure_phases(cfg):
+        others = ", ".join(n for n, c in CALIBRATORS.items() if c.private and not c.reads_fit_replies)
+        raise ConfigError(f"secagg.enabled: calibration={readers[0]} reads each client's fit reply, so the fit upload "
+                          f"cannot be aggregated securely; drop {readers[0]} from calibration (these calibrations are "
+                          f"secure: {others}) or set secagg.enabled=false")
     if "fit" not in spec.server.secure_phases(cfg):
         raise ConfigError(f"secagg.enabled: method {cfg.method}'s server reads each client's fit reply, so it cannot "
                           "be aggregated securely; use a method whose server averages or sums the replies (fedavg, "

@@ -127,7 +127,8 @@ DATASETS: dict[str, DatasetInfo] = {
     ),
     **{name: DatasetInfo(
         f"the synthetic construction at CIFAR-{classes}'s size for timing without files ({classes} classes, "
-        f"3xSxS, default 32, {classes * train // 1000}k/{classes * test // 1000}k; not CIFAR's images); generated",
+        f"3xSxS (data.image_size, default 32), {classes * train // 1000}k/{classes * test // 1000}k; not CIFAR's "
+        "images); generated",
         lambda root, size, shape=(classes, train, test): synthetic.make_synthetic(size, *shape),
         subfolder=None,
         image_size=synthetic.STAND_IN_IMAGE_SIZE,

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
 from fedlt import fused
-from fedlt.config import Config, NoBoolForNumbers
+from fedlt.config import Config, NoBoolForNumbers, with_type_hint
 from fedlt.errors import ConfigError
 from fedlt.messages import Message, Query, Reply
 from fedlt.models import FedModel, create_model
@@ -60,7 +60,7 @@ def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) 
             valid = ", ".join(args_cls.model_fields) or "none"
             raise ConfigError(f"{owner} has no knob {section}.{key}; its knobs: {valid}") from None
         where = f"{section}.{key}" if key else section  # a check across knobs has no single key
-        raise ConfigError(f"invalid {where} for {owner}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(f"invalid {where} for {owner}: {with_type_hint(first, args_cls, section + '.')}") from None
 
 
 @dataclass
