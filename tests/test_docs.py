@@ -218,3 +218,40 @@ def test_archived_pages_open_by_naming_what_supersedes_them():
                    for t in re.findall(r"\]\(([^)#\s]+/tables\.md)\)", page.read_text())}
     reports = [p for p in archived if p.endswith("/tables.md")]
     assert set(reports) <= linked, f"link each archived report from its archived page: {set(reports) - linked}"
+
+
+def test_the_grid_example_of_the_benchmarks_page_names_the_folders_its_candidates_run_in():
+    """docs/benchmarks.md's grid example, expanded by the bench: the folder the page names is a cell's."""
+    import re
+
+    import yaml
+
+    from fedlt.bench.suite import Suite, expand, parse_suite
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = text.split("### Choices made on validation data")[1]
+    example = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
+    suite = Suite(parse_suite({"name": "example", **example}, "docs/benchmarks.md"), ROOT / "docs", None)
+    folders = {c.run_dir.as_posix() for c in expand(suite, Path("OUT"), seeds=[0])}
+    named = re.findall(r"`(OUT/[^`]+/seed0)`", section.split("```yaml")[0])
+    assert named and set(named) <= folders, (named, sorted(folders))
+
+
+def test_the_deployment_page_says_what_the_ledger_command_does():
+    """It prints the table, and with a FILE writes the table alone over that file: the page is not regenerated."""
+    page = " ".join((ROOT / "docs" / "deploying.md").read_text().split())
+    assert "`python -m fedlt.docs_ledger` prints the table" in page
+    assert "replacing the whole file with the table alone" in page
+    assert "regenerates the table" not in page
+
+
+def test_the_contributing_guide_names_every_module():
+    """"How the package is laid out" names each module (a method's own module is one of "one module per method")."""
+    from fedlt.methods.registry import METHODS
+
+    guide = (ROOT / "CONTRIBUTING.md").read_text()
+    package = ROOT / "src" / "fedlt"
+    unnamed = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in guide
+               and not (p.parent.name == "methods" and p.stem in METHODS)]
+    assert unnamed == [], "describe these modules in CONTRIBUTING.md"

@@ -383,7 +383,7 @@ def test_options_that_leak_or_need_the_servers_data_are_refused(tmp_path, top, r
 
 
 def test_the_deployment_page_carries_the_measured_ledger(tmp_path):
-    """The page's table is what the code sends (regenerate: python -m fedlt.docs_ledger)."""
+    """The page's table is what the code sends (python -m fedlt.docs_ledger prints it, to paste in)."""
     from fedlt.docs_ledger import method_rows
 
     page = (Path(__file__).parents[1] / "docs" / "deploying.md").read_text()
