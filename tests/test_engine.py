@@ -720,3 +720,15 @@ def test_a_run_resumed_by_other_code_says_which_process_trained_which_rounds(tmp
     assert again["backend"] == "sequential" and again["environment"]["threads"] == 1  # nothing trained by this one
     plain = fedlt.run(tiny(tmp_path, fl__rounds=2, run__name="plain"), quiet=True).summary
     assert "segments" not in plain and version(Run(tmp_path / "plain", 3, plain)) == plain["environment"]["source_hash"]
+
+
+def test_a_summary_with_no_evaluated_round_selects_its_best_round_by_nothing():
+    """An aborted run that evaluated no round said its best round was selected by pm_acc."""
+    from fedlt.results import summarize
+
+    cfg = fedlt.load_config(None, ["data.dataset=synthetic"])
+    assert summarize(cfg, [], {"status": "aborted"})["best_round"] == {"round": None, "selected_by": None} | {
+        k: None for k in summarize(cfg, [], {})["best_round"] if k not in ("round", "selected_by")}
+    comm = dict.fromkeys(("down_model", "down_payload", "up_model", "up_payload"), 0)
+    no_global = [{"round": r, "acc": None, "pm_acc": 40.0 + r, "comm": comm} for r in (1, 2)]
+    assert summarize(cfg, no_global, {})["best_round"]["selected_by"] == "pm_acc"

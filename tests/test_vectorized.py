@@ -63,6 +63,7 @@ def test_batched_clients_equal_sequential_training_exactly(tmp_path, float64, mo
     # the fixed ETF a buffer of every client's model, left out of the reply; personalization adapts the ETF
     ("fedetf", ["method_args.adapt_iterations=2"], "vectorized"),
     ("fedper", [], "vectorized"),  # each client starts from its own head, loaded over the received weights
+    ("centralized", ["data.partition=iid"], "vectorized"),  # the pooled data: one client, many steps
 ])
 def test_vectorized_run_equals_sequential_run(tmp_path, float64, method, extra, together):
     runs = {}

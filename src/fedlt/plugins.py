@@ -39,7 +39,7 @@ class PluginRegistry(MutableMapping[str, T], Generic[T]):
     def __init__(self, group: str, kind: str, builtins: dict[str, T], check: Callable[[str, object], T]):
         self.group, self.kind = group, kind
         self._entries: dict[str, T] = dict(builtins)
-        self._builtin = frozenset(builtins)
+        self._builtins = dict(builtins)
         self._check = check
         self._plugins: dict[str, tuple[T, EntryPoint]] = {}  # name -> (what it loaded, its entry point)
         self._discovered = False
@@ -73,7 +73,7 @@ class PluginRegistry(MutableMapping[str, T], Generic[T]):
                 raise ConfigError(f"{where} has the name of the one in {distribution(other)}; rename one entry point "
                                   f'under [project.entry-points."{self.group}"] or {uninstall}')
             if ep.name in self._entries:
-                owner = "fedlt's built-in" if ep.name in self._builtin else "the one registered in code as"
+                owner = "fedlt's built-in" if ep.name in self._builtins else "the one registered in code as"
                 raise ConfigError(f"{where} has the name of {owner} {self.kind} '{ep.name}'; rename the entry point "
                                   f'under [project.entry-points."{self.group}"] or {uninstall}')
             try:
@@ -103,6 +103,15 @@ class PluginRegistry(MutableMapping[str, T], Generic[T]):
         self._discover()
         entry, ep = self._plugins.get(name, (None, None))
         return distribution(ep) if ep is not None and self._entries.get(name) is entry else None
+
+    def in_code_only(self, name: str) -> bool:
+        """Whether ``name`` is registered in this process's code (``REGISTRY[name] = ...``), neither a built-in
+        nor an entry point: a new process (a worker, a Flower node) that looks it up by name does not find
+        it, or finds another."""
+        self._discover()
+        entry = self._entries.get(name)
+        return entry is not None and entry is not self._builtins.get(name) \
+            and entry is not self._plugins.get(name, (None, None))[0]
 
     # -- the mapping --------------------------------------------------------------------------
     def __getitem__(self, name: str) -> T:

@@ -21,7 +21,7 @@ from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, PRIOR_LOSSES, make_loss
 from fedlt.methods.base import Client, MethodArgs, MethodSpec, declares_local_objective
-from fedlt.methods.registry import get_method, parse_method_args
+from fedlt.methods.registry import METHODS, get_method, parse_method_args
 from fedlt.models.registry import MODELS, check_model_input
 from fedlt.tracking import check_tracking
 
@@ -99,7 +99,7 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
             raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its step is more than a loss "
                               f"of the logits); use {others}, run.backend=auto or run.backend=sequential")
         raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
-                          "use run.backend=auto or run.backend=sequential")
+                          "use run.backend=auto, sequential or parallel")
     return wanted
 
 
@@ -162,6 +162,23 @@ def no_global_model_refusal(method: str) -> str:
             "nothing to measure; set eval.personalized=true")
 
 
+def _check_rebuilt_by_name(cfg: Config) -> None:
+    """A method or calibration registered in code reaches no other process: the workers of
+    run.backend=parallel and Flower's nodes build the run from its config, by name."""
+    where = ("Flower's nodes (engine=flower)" if cfg.engine == "flower" else
+             "the worker processes of run.backend=parallel" if cfg.run.backend == "parallel" else None)
+    if where is None:
+        return
+    named = [("method", cfg.method, METHODS, "writing-a-method"),
+             *(("calibration", n, CALIBRATORS, "calibration") for n in cfg.calibration)]
+    for kind, name, registry, page in named:
+        if registry.in_code_only(name):
+            other = "engine=inprocess" if cfg.engine == "flower" else "run.backend=sequential"
+            raise ConfigError(f"{kind} {name} is registered in this process's code, and {where} build the run by "
+                              f"name in processes of their own; register it through a fedlt.{kind}s entry point "
+                              f"(docs/{page}.md), or use {other}")
+
+
 def check_config(cfg: Config) -> MethodSpec:
     """Every check that needs no data: method and its knobs, calibrations, loss, each pair of them,
     model and dataset names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
@@ -196,6 +213,7 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.engine == "flower" and cfg.run.backend in ("vectorized", "parallel", "graphed"):
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
+    _check_rebuilt_by_name(cfg)
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
     _check_client_gpus(cfg)
     refusal = spec.server.model_refusal(cfg, method_args) or spec.server.config_refusal(cfg, method_args)
