@@ -607,3 +607,18 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
     assert [str(w.message) for w in caught] == ["a warning of the run"]
     assert shown == ["a line of Flower's own"]
     assert flower_app.logging.getLogger("flwr").filters == []  # Flower's logger as it was
+
+
+def test_a_client_apps_failure_is_one_line_without_rays_wrapping():
+    """Flower's simulation passes on Ray's report of a failed ClientApp (colour codes, the actor's traceback,
+    then the error); the run's error line showed all of it."""
+    from fedlt.engine.flower_app import client_failure
+
+    ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+           "(pid=4242, ip=10.0.0.1)\n  File \"/x/flwr/simulation/ray_transport/ray_actor.py\", line 65, in run\n"
+           "    raise ClientAppException(str(ex)) from ex\n\nException ClientAppException occurred. Message: unknown "
+           "method 'squeeze'; use method=<one of fedavg, fedprox>\n")
+    assert client_failure(ray) == "unknown method 'squeeze'; use method=<one of fedavg, fedprox>"
+    assert client_failure("Traceback (most recent call last):\n  File \"a.py\", line 1\nValueError: boom\n") == \
+        "ValueError: boom"
+    assert client_failure("ValueError: boom") == "ValueError: boom" and client_failure("\n") == "no reason given"

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import socket
 import threading
@@ -59,6 +60,17 @@ def _lost_reason(error) -> str:
     if error.code == ErrorCode.NODE_UNAVAILABLE:
         return "Flower's heartbeat lost their SuperNode"
     return f"Flower reported error {error.code}: {error.reason.splitlines()[0][:120]}"
+
+
+def client_failure(reason: str) -> str:
+    """The line of a ClientApp's failure that says what failed. Flower's simulation passes on Ray's
+    report: terminal colour codes, the actor's traceback, then ``... occurred. Message: <the error>``."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", reason)
+    wrapped = "Message: " in plain
+    lines = [line.strip() for line in plain.rsplit("Message: ", 1)[-1].splitlines() if line.strip()]
+    if not lines:
+        return "no reason given"
+    return (lines[0] if wrapped else lines[-1])[:400]  # the wrapped error; else a traceback's last line
 
 
 def describe_error(err: BaseException) -> str:
@@ -201,7 +213,8 @@ class FlowerSimulation(Simulation):
         lost: dict[int, str] = {}
         for r in replies:
             if r.has_error() and r.error.code in _RAISED:
-                raise FedltError(f"a ClientApp failed ({kind}) on node {r.metadata.src_node_id}: {r.error.reason}")
+                raise FedltError(f"a ClientApp failed ({kind}) on node {r.metadata.src_node_id}: "
+                                 f"{client_failure(r.error.reason)}")
             if r.has_error() and r.metadata.reply_to_message_id in cid_of:
                 lost[cid_of[r.metadata.reply_to_message_id]] = _lost_reason(r.error)
         return [r for r in replies if not r.has_error()], lost
