@@ -732,3 +732,16 @@ def test_a_summary_with_no_evaluated_round_selects_its_best_round_by_nothing():
     comm = dict.fromkeys(("down_model", "down_payload", "up_model", "up_payload"), 0)
     no_global = [{"round": r, "acc": None, "pm_acc": 40.0 + r, "comm": comm} for r in (1, 2)]
     assert summarize(cfg, no_global, {})["best_round"]["selected_by"] == "pm_acc"
+
+
+def test_resuming_a_finished_run_makes_its_lost_artifacts_again(tmp_path):
+    """A finished run's artifacts.pt (CReFF's federated features, for the report's plots), deleted since,
+    stayed missing after a resume that said the run was complete; it is made again, equal, from the final
+    state (CCVR's virtual features are drawn at the end and kept in no state: they cannot be)."""
+    run_dir = fedlt.run(tiny(tmp_path, method="creff", fl__rounds=2, fl__local_epochs=1, run__name="done"),
+                        quiet=True).run_dir
+    saved = torch.load(run_dir / "artifacts.pt", weights_only=True)
+    (run_dir / "artifacts.pt").unlink()
+    fedlt.resume(run_dir, quiet=True)
+    again = torch.load(run_dir / "artifacts.pt", weights_only=True)
+    assert saved and again.keys() == saved.keys() and all(torch.equal(again[k], v) for k, v in saved.items())

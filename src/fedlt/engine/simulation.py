@@ -40,8 +40,8 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics, save_artifacts,
-    write_partition, write_stopped_summary, write_summary, writing,
+    ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics,
+    save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
 )
 from fedlt.run_parts import choose_backend, no_global_model_refusal
 from fedlt.training.graphed import GraphedTrainer
@@ -436,6 +436,8 @@ class Simulation:
             check_resumed_metrics(cfg, run_dir, rows, start)
             rewrite_metrics(run_dir, rows)
             self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
+            if start == cfg.fl.rounds and not (run_dir / ARTIFACTS_FILE).is_file():
+                self._save_artifacts(run_dir)  # a finished run's, lost since: made again from the final state
         else:
             rows = []
             self._write_partition(run_dir)
