@@ -517,13 +517,14 @@ def test_an_output_folder_the_system_will_not_write_is_refused_before_any_work(t
         cli._guard(lambda: (_ for _ in ()).throw(FileNotFoundError(2, "No such file or directory", "/x")))
 
 
-def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch):
+def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
     """Ctrl-C ends with 130 and one line: an in-process run resumes, a Flower run starts again, a
     bench resumes its unfinished cells."""
+    import typer
     from typer.testing import CliRunner
 
     import fedlt.api
-    from fedlt.cli import app
+    from fedlt.cli import _guard, app
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -534,6 +535,14 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch):
     assert result.exit_code == 130 and len(lines) == 1
     assert "`fedlt run --resume RUN_DIR` resumes an in-process run" in lines[0]
     assert "an engine=flower run starts again" in lines[0] and "`fedlt bench` run again" in lines[0]
+    stop = KeyboardInterrupt()
+    stop.resume_hint = "`fedlt run --resume runs/x` goes on from its checkpoint of round 2"
+    monkeypatch.setattr(fedlt.api, "run", lambda *args, **kwargs: (_ for _ in ()).throw(stop))
+    result = CliRunner().invoke(app, ["run", "data.dataset=synthetic", "--quiet"])
+    assert result.exit_code == 130 and result.stderr.strip() == f"fedlt: interrupted; {stop.resume_hint}"
+    with pytest.raises(typer.Exit):  # a bench's own cells in this process: the bench goes on, not the cell alone
+        _guard(lambda: (_ for _ in ()).throw(stop))
+    assert "`fedlt bench` run again its unfinished cells" in capsys.readouterr().err
 
 
 def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():

@@ -220,7 +220,7 @@ def test_a_value_of_the_wrong_type_names_the_type_and_an_example_of_the_fix() ->
         ("data.partition=random", "give dirichlet, grouped_dirichlet, pathological or iid, e.g. "
                                   "data.partition=dirichlet"),
         ("engine=x", "give inprocess or flower, e.g. engine=inprocess"),
-        ("run.name=123", "run.name: Input should be a valid string; give a string, e.g. run.name='123'"),
+        ("run.name=123", "run.name: Input should be a valid string; give a string, e.g. \"run.name='123'\""),
         ("fl.lr_decay_at=abc", "give a list of numbers, e.g. fl.lr_decay_at=[0.5, 0.75]"),
         # a union's member tag is not part of the key
         ("data.class_order=5", "invalid config value data.class_order: Input should be 'natural' or 'shuffled'; give "

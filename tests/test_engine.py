@@ -601,14 +601,19 @@ def test_resume_refuses_a_folder_another_process_writes_and_checks_the_folder_be
 
     import fedlt.api
     from fedlt.errors import ConfigError
-    from fedlt.results import writing
+    import fcntl
+    import os
 
     run_dir = run_until_crash_in_round_3(tiny(tmp_path, fl__local_epochs=1, run__name="cut"), monkeypatch)
     monkeypatch.setattr(fedlt.api, "prepare", lambda cfg: pytest.fail("read the data before checking the folder"))
-    with writing(run_dir):  # another open file description: as another process holds it
+    held = os.open(run_dir, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the lock another process writing the folder holds
+    try:
         with pytest.raises(FedltError, match=re.escape(f"{run_dir} is being written by another fedlt process (the "
                                                        "run, or a resume of it, is still going); let it end or stop")):
             fedlt.resume(run_dir, quiet=True)
+    finally:
+        os.close(held)
     saved = (run_dir / "config.yaml").read_text()
     tree = yaml.safe_load(saved)
     tree["data"]["dataset"] = "cifar10"  # whose files are nowhere here
@@ -621,10 +626,10 @@ def test_resume_refuses_a_folder_another_process_writes_and_checks_the_folder_be
         fedlt.resume(run_dir, quiet=True)
 
 
-def test_a_resume_may_move_the_data_and_change_how_it_runs_and_writes_that_into_its_config(tmp_path, monkeypatch):
+def test_a_resume_may_move_the_data_and_change_how_it_runs(tmp_path, monkeypatch):
     """The data moved, or a resume on another machine: ``data.root`` and ``run.*`` may be given with the
-    resume (the CLI's --data-root and key=value), and the run's config.yaml then says so; anything else
-    is refused by name."""
+    resume (the CLI's --data-root and key=value); the run's config.yaml then says where the data are (the
+    rest holds for that resume, recorded in the summary's segments); anything else is refused by name."""
     import yaml
 
     from fedlt.errors import ConfigError
@@ -641,7 +646,7 @@ def test_a_resume_may_move_the_data_and_change_how_it_runs_and_writes_that_into_
     resumed = fedlt.resume(run_dir, overrides=[f"data.root={moved}", "run.checkpoint_every=1"], quiet=True)
     assert without_timing(resumed.metrics) == without_timing(full.metrics)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["data"]["root"] == str(moved) and saved["run"]["checkpoint_every"] == 1
+    assert saved["data"]["root"] == str(moved) and saved["run"]["checkpoint_every"] == 2  # this resume's alone
 
 
 def test_a_checkpoint_the_disk_refuses_is_an_error_naming_the_file_and_leaves_nothing_half_written(tmp_path,
@@ -745,3 +750,37 @@ def test_resuming_a_finished_run_makes_its_lost_artifacts_again(tmp_path):
     fedlt.resume(run_dir, quiet=True)
     again = torch.load(run_dir / "artifacts.pt", weights_only=True)
     assert saved and again.keys() == saved.keys() and all(torch.equal(again[k], v) for k, v in saved.items())
+    both = fedlt.run(tiny(tmp_path, calibration=["creff", "ccvr"], fl__rounds=2, fl__local_epochs=1, run__name="both"),
+                     quiet=True).run_dir
+    assert "ccvr/synthetic_features" in torch.load(both / "artifacts.pt", weights_only=True)
+    (both / "artifacts.pt").unlink()
+    fedlt.resume(both, quiet=True)
+    assert not (both / "artifacts.pt").exists()  # CReFF's alone would pass for the whole file: none is made
+
+
+def test_a_run_folder_this_process_holds_may_be_held_again_and_a_bench_never_deletes_one_held_elsewhere(tmp_path):
+    """A resume holds its folder from its checks to its end and its run holds it again inside; a second
+    bench on the same output folder deleted the first one's cell while that cell was training."""
+    import fcntl
+    import os
+
+    from fedlt.bench.suite import run_cell
+    from fedlt.results import check_not_written, writing
+
+    with writing(tmp_path):
+        with writing(tmp_path):
+            check_not_written(tmp_path)
+        check_not_written(tmp_path)
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "config.yaml").write_text("seed: 0\n")  # a cell with no checkpoint yet, started by another bench
+    held = os.open(cell, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        out = run_cell(None, ["data.dataset=synthetic"], str(cell), "new", 1)
+    finally:
+        os.close(held)
+    assert out["status"] == "failed" and "is being written by another fedlt process" in out["error"]
+    assert (cell / "config.yaml").read_text() == "seed: 0\n"  # left to the bench writing it
+    fcntl.flock(released := os.open(tmp_path, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # nothing held here
+    os.close(released)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -622,3 +623,24 @@ def test_a_client_apps_failure_is_one_line_without_rays_wrapping():
     assert client_failure("Traceback (most recent call last):\n  File \"a.py\", line 1\nValueError: boom\n") == \
         "ValueError: boom"
     assert client_failure("ValueError: boom") == "ValueError: boom" and client_failure("\n") == "no reason given"
+
+
+def test_sigterm_during_a_flower_simulation_stops_it_as_ctrl_c_does(tmp_path, monkeypatch):
+    """ray.init replaces the SIGTERM handler with one that calls sys.exit(15): `fedlt run engine=flower`
+    then ended with exit code 15, no line, and Ray left up. It now stops as after Ctrl-C, as Terminated."""
+    import flwr.simulation
+    import ray
+
+    from fedlt.engine.flower_app import simulate
+    from fedlt.errors import Terminated
+
+    shut = []
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    cfg = fedlt.load_config(None, ["engine=flower", "data.dataset=synthetic", "data.num_clients=3", "run.threads=1",
+                                   f"run.out_dir={tmp_path}"])
+    for code, raised in ((signal.SIGTERM, Terminated), (3, SystemExit)):  # another exit is not a signal's: it goes on
+        monkeypatch.setattr(flwr.simulation, "run_simulation",
+                            lambda *args, code=code, **kwargs: (_ for _ in ()).throw(SystemExit(code)))
+        with pytest.raises(raised):
+            simulate(cfg, quiet=True)
+    assert shut == [True]

@@ -420,7 +420,7 @@ def test_each_table_names_the_code_behind_it_and_marks_a_row_of_mixed_code(tmp_p
     import csv
 
     assert {r["row"]: r["code"] for r in csv.DictReader((report.out / "tables.csv").open())} == \
-        {"FedAvg": "abc123", "A": "0123456789abcdef", "B": "abc123 def456+dirty", "C": "not recorded",
+        {"FedAvg": "abc123", "A": "0123456789abcdef", "B": "abc123; def456+dirty", "C": "not recorded",
          "Oracle": "abc123"}
     tex = (report.out / "tables.tex").read_text()
     assert "\nB $^\\ddagger$ & " in tex and "$^\\ddagger$ seeds run on different code" in tex

@@ -12,7 +12,7 @@ from fedlt.config import Config, apply_overrides, build_config, load_config
 from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
-from fedlt.results import CONFIG_FILE, RUN_FILES, check_not_written, new_run_dir, write_atomic
+from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
 from fedlt.run_parts import check_config, setup_parts
 
 
@@ -56,7 +56,8 @@ def _run_flower(cfg: Config, quiet: bool) -> RunResult:
 def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bool = False) -> RunResult:
     """Continue a run from its last checkpoint; the result equals an uninterrupted run's. ``overrides``
     may change only what a resume may (``run.*``, ``data.root``, ``eval.batch_size``: where the run's
-    files and data are, how it is executed); they are written into the run's ``config.yaml``."""
+    files and data are, how it is executed). A new ``data.root`` is written into the run's
+    ``config.yaml``; the others hold for this resume, and the summary's ``segments`` record them."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
@@ -73,9 +74,12 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
             if (run_dir / written).exists() and not (run_dir / written).is_file():
                 raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
                                   "of the run directory, then resume")
-    check_not_written(run_dir)
-    check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
-    sim = prepare(cfg)
-    if overrides:
-        write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
-    return sim.run(run_dir, resume=True, quiet=quiet)
+    with writing(run_dir):  # held from here: a second resume is refused before it reads the data
+        check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
+        sim = prepare(cfg)
+        saved = load_config(run_dir / CONFIG_FILE)
+        if saved.data.root != cfg.data.root:  # where the data are now, for later resumes too
+            tree = saved.dump()
+            tree["data"]["root"] = cfg.data.root
+            write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(tree, sort_keys=False))
+        return sim.run(run_dir, resume=True, quiet=quiet)

@@ -43,8 +43,9 @@ app.add_typer(data_app, name="data")
 REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 
 
-def _guard(fn: Callable[[], None]) -> None:
-    """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback."""
+def _guard(fn: Callable[[], None], run_hint: bool = False) -> None:
+    """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback. An interrupt
+    names how the work goes on; with ``run_hint`` (one run's command) from the run's own folder."""
     try:
         with terminate_as_interrupt():
             fn()
@@ -53,7 +54,7 @@ def _guard(fn: Callable[[], None]) -> None:
         raise typer.Exit(2)
     except KeyboardInterrupt as stop:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
-        hint = getattr(stop, "resume_hint", None) or (  # a run names its folder; elsewhere, what goes on
+        hint = run_hint and getattr(stop, "resume_hint", None) or (  # a bench's runs are its cells: run it again
             "`fedlt run --resume RUN_DIR` resumes an in-process run from its last checkpoint (an engine=flower run "
             "starts again), and `fedlt bench` run again its unfinished cells")
         typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
@@ -94,7 +95,7 @@ def run_cmd(
         parts = [f"{k} {f[k]:.2f}" for k in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc") if f.get(k) is not None]
         typer.echo(f"{result.run_dir}: round {f['round']}: " + ", ".join(parts))
 
-    _guard(go)
+    _guard(go, run_hint=True)
 
 
 @app.command("deploy")

@@ -114,7 +114,9 @@ def type_hint(model: type[BaseModel], loc: tuple, error_type: str, given: Any, p
         example = str(given)  # a name that YAML reads as a number: quoted, it is the string
     example = example if example is not None else alternatives[0][1]
     key = prefix + ".".join(parts)
-    return f"give {wanted}" + (f", e.g. {key}={_yaml_scalar(example)}" if example is not None else "")
+    shown = f"{key}={_yaml_scalar(example)}"
+    shown = f'"{shown}"' if "'" in shown else shown  # quoted for a shell, which would strip the inner quotes
+    return f"give {wanted}" + (f", e.g. {shown}" if example is not None else "")
 
 
 class _Section(NoBoolForNumbers):

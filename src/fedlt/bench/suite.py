@@ -588,6 +588,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
 def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, threads: int | None) -> dict[str, Any]:
     """One cell, in this process or a pool worker; never raises (the error is returned)."""
     from fedlt import api
+    from fedlt.results import check_not_written
 
     t0, c0 = time.perf_counter(), _cpu_seconds()
     out: dict[str, Any] = {"run_dir": run_dir}
@@ -596,6 +597,7 @@ def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, t
             result = api.resume(run_dir, quiet=True)
         else:
             if Path(run_dir).exists():  # empty, or this suite's unfinished cell without a checkpoint
+                check_not_written(Path(run_dir))  # not another bench's cell, still going
                 shutil.rmtree(run_dir)
             # cells share the cores: a run.backend=parallel cell gets one worker of its share
             extra = [f"run.threads={threads}", "run.workers=1"] if threads else []
@@ -665,15 +667,20 @@ def machine(env: dict[str, Any]) -> str:
 
 def finished_environments(suite: Suite, out: Path) -> Iterator[tuple[Cell, dict[str, Any]]]:
     """Every finished cell of the folder (all settings, rows and seeds of the suite: a readable summary)
-    with the ``environment`` its summary records (``{}`` where none is)."""
+    with the ``environment`` its summary records (``{}`` where none is); a cell trained by several
+    processes (resumed) once with each one's."""
     from fedlt.results import read_summary
 
     for cell in expand(suite, out, None):
         try:
-            env = read_summary(cell.run_dir).get("environment")
+            summary = read_summary(cell.run_dir)
         except FedltError:  # none, or cut off: unfinished
             continue
-        yield cell, env if isinstance(env, dict) else {}
+        segments = summary.get("segments")
+        envs = [s.get("environment") for s in segments if isinstance(s, dict)] if isinstance(segments, list) \
+            else [summary.get("environment")]
+        for env in envs or [None]:
+            yield cell, env if isinstance(env, dict) else {}
 
 
 def check_same_machine(suite: Suite, out: Path, todo: list[Cell]) -> None:

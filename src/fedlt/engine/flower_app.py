@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import socket
 import threading
 import time
@@ -44,7 +45,7 @@ from fedlt.engine.flower_codec import (
 )
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.simulation import RunResult, Simulation
-from fedlt.errors import ConfigError, FedltError, TrainingDiverged
+from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import OUTCOME_ENV, new_run_dir, write_aborted_summary, write_atomic
 from fedlt.run_parts import setup_parts, setup_runtime
@@ -445,10 +446,11 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
                           f"{cores}; set both to at most {cores}")
     result: dict[str, RunResult] = {}
     app = ServerApp()
-    stop, ended = threading.Event(), threading.Event()
+    stop, started, ended = threading.Event(), threading.Event(), threading.Event()
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
+        started.set()
         try:
             result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop)
         except KeyboardInterrupt:
@@ -462,12 +464,17 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
         with without_runtime_notices():
             run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
                            backend_config=simulation_backend(cfg))
-    except KeyboardInterrupt:  # Ctrl-C reaches this thread; the ServerApp's ends at its next wait for replies
-        stop.set()
-        ended.wait(30)  # its summary written
+    except (KeyboardInterrupt, SystemExit) as interrupt:  # Ctrl-C reaches this thread, and SIGTERM, whose handler
+        if isinstance(interrupt, SystemExit) and interrupt.code != signal.SIGTERM:  # ray.init replaced with sys.exit
+            raise
+        stop.set()  # the ServerApp's thread ends at its next wait for replies
+        if started.is_set():
+            ended.wait(30)  # its summary written
         import ray
 
         ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
+        if isinstance(interrupt, SystemExit):
+            raise Terminated() from None
         raise
     if "run" not in result:
         raise FedltError("the Flower simulation ended without a result; its log above says why")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,8 @@ class Simulation:
         self.message_record: dict[str, dict] = {}
         #: the processes that trained the run: the first round each trained, and its environment
         self.segments: list[dict[str, Any]] = []
+        #: the names of the tensors the method saved in artifacts.pt after its last round
+        self.artifact_names: list[str] = []
 
     def _check_something_is_measured(self) -> None:
         """Without a global model only personalized evaluation measures anything: eval.personalized=false
@@ -358,12 +361,14 @@ class Simulation:
         write_partition(run_dir, partition_record(self.cfg, self.eval_data.partition.counts,
                                                   self.eval_data.train.classes))
 
-    def _save_artifacts(self, run_dir: Path) -> None:
+    def _save_artifacts(self, run_dir: Path, saved: list[str] | None = None) -> None:
         """Save the method's named tensors (``Server.artifacts``) once, after training. Beside
         synthetic features go real test-set features of the global model, up to 100 per class,
-        so the report can project both into one plane."""
+        so the report can project both into one plane. Made again for a finished run (``saved``: the
+        names its file held), only if the final state still yields every one of them."""
         tensors = {k: v.detach().cpu() for k, v in self.server.artifacts().items()}
-        if not tensors:
+        self.artifact_names = sorted(tensors)
+        if not tensors or (saved is not None and self.artifact_names != saved):
             return
         model = self.server.global_model()
         if model is not None and len(self.eval_data.test) and any(k.endswith("synthetic_features") for k in tensors):
@@ -398,7 +403,7 @@ class Simulation:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record,
                 "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump()),
-                "segments": self.segments}
+                "segments": self.segments, "artifacts": self.artifact_names}
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``, which no other process may write meanwhile.
@@ -436,14 +441,15 @@ class Simulation:
             check_resumed_metrics(cfg, run_dir, rows, start)
             rewrite_metrics(run_dir, rows)
             self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
-            if start == cfg.fl.rounds and not (run_dir / ARTIFACTS_FILE).is_file():
-                self._save_artifacts(run_dir)  # a finished run's, lost since: made again from the final state
+            if start == cfg.fl.rounds and ckpt.get("artifacts") and not (run_dir / ARTIFACTS_FILE).is_file():
+                self._save_artifacts(run_dir, ckpt["artifacts"])  # a finished run's, lost since
         else:
             rows = []
             self._write_partition(run_dir)
             self.setup()
         if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
-            self.segments.append({"from_round": start + 1, "environment": self._environment()})
+            self.segments.append({"from_round": start + 1, "device": str(self.device), "backend": self.backend,
+                                  "environment": self._environment()})
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         tracker = Tracker(cfg, run_dir)
         try:
@@ -489,10 +495,10 @@ class Simulation:
                     checkpointed = rnd
                 progress.update(rnd, row if evaluated else None)
         except KeyboardInterrupt as stop:
-            every = cfg.run.checkpoint_every
+            every, folder = cfg.run.checkpoint_every, shlex.quote(str(run_dir))
             stop.resume_hint = (
                 f"{run_dir} is an engine=flower run, which cannot resume; start it again" if self.engine != "inprocess"
-                else f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round {checkpointed}"
+                else f"`fedlt run --resume {folder}` goes on from its checkpoint of round {checkpointed}"
                 if checkpointed else f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={every}), "
                                      "so there is nothing to resume; start the run again")
             raise
@@ -524,9 +530,9 @@ class Simulation:
 
     def _summary_extra(self, elapsed: float) -> dict[str, Any]:
         """What a summary says beyond the metrics: the data, shot groups, machine, messages, knobs. The
-        environment is the one that trained the last rounds; a resumed run lists each process that
-        trained some (``segments``: the first round each trained and its environment)."""
-        trained = (self.segments[-1]["environment"] if self.segments else None) or self._environment()
+        device, backend and environment are those of the process that trained the last rounds; a resumed
+        run lists each process that trained some (``segments``: the first round each trained, and those)."""
+        last = self.segments[-1] if self.segments and self.segments[-1].get("environment") else {}
         return {
             "elapsed_s": round(elapsed, 2),
             "data": self.eval_data.describe(),
@@ -534,9 +540,9 @@ class Simulation:
             "shot_groups": self.groups.classes,
             "train_class_counts": [int(c) for c in self.eval_data.train_counts],
             "class_names": self.eval_data.train.classes,
-            "device": str(self.device),
-            "backend": trained.get("backend", self.backend),
-            "environment": trained,
+            "device": last.get("device", str(self.device)),
+            "backend": last.get("backend", self.backend),
+            "environment": last.get("environment") or self._environment(),
             **({"segments": self.segments} if len(self.segments) > 1 else {}),
             "messages": self.message_record,
             "calibration": list(self.spec.calibration),

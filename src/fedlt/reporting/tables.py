@@ -336,7 +336,7 @@ def csv_text(tables: list[Table]) -> str:
                            "" if d is None or d.p is None else f"{d.p:.4g}", "" if d is None else int(d.resolved),
                            *(_f(per_seed.get(seed)) for seed in seeds)]
             writer.writerow([t.setting.name, row.label, row.variant or "", int(row.ranked),
-                             t.rows[t.reference].label, len(row.runs), " ".join(by_version(row.runs)), *values])
+                             t.rows[t.reference].label, len(row.runs), "; ".join(by_version(row.runs)), *values])
     return buf.getvalue()
 
 
