@@ -485,6 +485,24 @@ def test_a_replicate_row_that_sets_its_own_seeds_is_reported_whole(tmp_path):
     assert "left out" not in markdown and "| FedProx replicate |" in markdown and "(0/2 seeds)" not in markdown
 
 
+def test_a_row_that_sets_another_key_per_seed_is_reported_whole(tmp_path):
+    """``{seed}`` in any override is the cell's seed: a row ``fl.lr=0.0{seed}5`` ran its cells at other rates,
+    which the report took for runs copied in from another config and left out (a row of 2 seeds reported
+    with 1). A run whose config differs in a key the row does not set per seed is still left out."""
+    tree = {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1], {"name": "FedProx per-seed rate", "overrides": [
+        "method=fedprox", "fl.lr=0.0{seed}5"]}]}
+    out = tmp_path / "out"
+    run_suite(load_suite(write_suite(tmp_path / "per-seed.yaml", tree)), out, echo=lambda line: None)
+    markdown = write_report(out, with_plots=False).markdown
+    assert "left out" not in markdown and "| FedProx per-seed rate |" in markdown
+    seed1 = cell_dir(out, "IF=10, alpha=0.5", "FedProx per-seed rate", 1)
+    config = yaml.safe_load((seed1 / "config.yaml").read_text())
+    assert config["fl"]["lr"] == 0.015
+    (seed1 / "config.yaml").write_text(yaml.safe_dump({**config, "data": {**config["data"], "num_clients": 6}}))
+    assert (f"left out {seed1}: its config differs from seed 0's (data.num_clients: 6 -> 4)"
+            in write_report(out, with_plots=False).markdown)
+
+
 def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_path):
     path, out, _ = tiny_suite
     tree = {**TINY_SUITE, "overrides": [*TINY_SUITE["overrides"], "fl.lr=0.01"]}

@@ -207,7 +207,8 @@ def test_glance_leads_with_each_rows_paired_difference_its_verdict_in_words_shot
         "| A | 73.00 | +2.00 ±2.48 [-0.48, 4.48] | not resolved | 83.0 / 63.0 / 53.0 | - |",
         "| B | 76.33 | +5.33 ±0.72 [4.62, 6.05] | better | 86.3 / 66.3 / 56.3 | - |",
         "| C (1/3 seeds) | 60.00 | n/a (1 seed) | n/a (1 seed) | 70.0 / 50.0 / 40.0 | - |",
-        "| Oracle † | 91.00 | +20.00 ±0.00 [20.00, 20.00] | better | 101.0 / 81.0 / 71.0 | - |",
+        # the same 20 points on each of 3 seeds: zero variance, judged by the sign test (p = 0.25)
+        "| Oracle † | 91.00 | +20.00 ±0.00 [20.00, 20.00] | not resolved | 101.0 / 81.0 / 71.0 | - |",
     ]
     worse = write_report(fake_suite(tmp_path / "worse", {"FedAvg": [70.0, 71.0, 72.0], "D": [60.0, 62.0, 61.0]}),
                          with_plots=False)
@@ -227,8 +228,8 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
         "| B | **76.33 ± 1.26** | [73.21, 79.46] | +5.33 ±0.72 [4.62, 6.05] * | **86.33 ± 1.26** | **66.33 ± 1.26** "
         "| **56.33 ± 1.26** | **77.33 ± 2.25** | +5.33 ±0.72 [4.62, 6.05] * |",
         "| C (1/3 seeds) | 60.00 | - | n/a (1 seed) | 70.00 | 50.00 | 40.00 | 60.00 | n/a (1 seed) |",
-        "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 ±0.00 [20.00, 20.00] * | 101.00 ± 1.00 | 81.00 ± 1.00 "
-        "| 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 ±0.00 [20.00, 20.00] * |",
+        "| Oracle † | 91.00 ± 1.00 | [88.52, 93.48] | +20.00 ±0.00 [20.00, 20.00] n.r. | 101.00 ± 1.00 "
+        "| 81.00 ± 1.00 | 71.00 ± 1.00 | 92.00 ± 2.00 | +20.00 ±0.00 [20.00, 20.00] n.r. |",
     ]
     lines = report.markdown.splitlines()
     # the narrowest interval that measures noise: B's (Oracle's zero-variance one does not count)
@@ -271,7 +272,9 @@ def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
          "0.07418", "0"]
     assert [a[f"pm_acc_seed{s}"] for s in range(3)] == ["72.0000", "75.0000", "75.0000"]
     assert rows["B"]["acc_resolved"] == "1" and rows["B"]["acc_diff_p"] == "0.0009751"
-    assert rows["Oracle"]["acc_diff_p"] == "0" and rows["Oracle"]["ranked"] == "0"  # zero-variance difference
+    # a zero-variance difference: the sign test's p for 3 seeds alike
+    assert rows["Oracle"]["acc_diff_p"] == "0.25" and rows["Oracle"]["acc_resolved"] == "0"
+    assert rows["Oracle"]["ranked"] == "0"
     assert [rows["FedAvg"][k] for k in ("acc_diff", "acc_diff_p", "acc_resolved")] == ["", "", ""]  # the reference
     c = rows["C"]  # one shared seed: the difference, no interval, not resolved
     assert [c[k] for k in ("acc_std", "acc_ci_lo", "acc_diff", "acc_diff_ci_lo", "acc_diff_p", "acc_resolved",
@@ -290,10 +293,13 @@ def _acc_marks(*rows, reference=None):
 
 def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference():
     # both neighbours resolved: best and second (reference Z, first row)
-    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81, 82]), _row("Y", [75, 76, 77.5])) == \
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5]), _row("Y", [75, 76, 77.5])) == \
         {"X": "best", "Y": "second"}
+    # X - Z the same 10 points on every seed: the sign test of 3 seeds resolves nothing, so X is never marked
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81, 82]), _row("Y", [75, 76, 77.5])) == \
+        {"Y": "second"}
     # Y - W is within the noise (-0.5, 1.5, 1.5): X stays best, Y loses its underline
-    assert _acc_marks(_row("W", [75.5, 74.5, 76.0]), _row("X", [80, 81, 82]), _row("Y", [75, 76, 77.5])) == \
+    assert _acc_marks(_row("W", [75.5, 74.5, 76.0]), _row("X", [80, 81.5, 82.5]), _row("Y", [75, 76, 77.5])) == \
         {"X": "best"}
     # the top's lead is within the noise (2, -2, 3): no bold, and so no underline either
     assert _acc_marks(_row("R", [60, 61, 62]), _row("T", [74, 70, 75]), _row("S", [72, 72, 72])) == {}
@@ -495,3 +501,27 @@ def test_shot_bars_are_means_with_the_half_width_of_their_95_percent_interval():
     assert means[:2] == [72.0, 72.0] and means[3] == 20.0 and np.isnan(means[2])
     assert halves == pytest.approx([4.9683, 4.9683, 0.0, 24.8414], abs=1e-3)
     assert shot_bars(Row("one", None, [run(0, 70.0, 10.0)]))[1] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_a_row_of_its_own_seeds_says_how_many_it_averages(tmp_path):
+    """The caption says "over seeds 0, 1, 2"; a row that lists its own (fewer) seeds averaged those alone and
+    carried no mark, in Markdown and LaTeX alike."""
+    root = fake_suite(tmp_path / "out", rows={"FedAvg": [70.0, 71.0, 72.0], "A": [72.0, 74.0, None]})
+    tree = yaml.safe_load((root / "suite.yaml").read_text())
+    tree["methods"][1]["seeds"] = [0, 1]
+    (root / "suite.yaml").write_text(yaml.safe_dump(tree))
+    report = write_report(root, with_plots=False)
+    assert "mean ± sample std over seeds 0, 1, 2" in report.markdown
+    assert [line.split(" | ")[0] for line in table_lines(report.markdown)[1:]] == ["| FedAvg", "| A (2 seeds)"]
+    assert "A (2 seeds) &" in (report.out / "tables.tex").read_text()
+
+
+def test_a_diverged_runs_note_names_the_loss_that_went_nan():
+    from fedlt.reporting.collect import _diverged
+
+    test_loss = {"status": "diverged", "diverged_round": 3, "reason": "training diverged in round 3: the global "
+                 "model's test loss is nan though the clients' mean training loss was finite (...)"}
+    assert _diverged(Run(Path("x"), 0, test_loss)).startswith(" diverged in round 3 (NaN test loss); ")
+    train_loss = {**test_loss, "reason": "training diverged in round 3: the clients' mean training loss is nan"}
+    assert _diverged(Run(Path("x"), 0, train_loss)).startswith(" diverged in round 3 (NaN training loss); ")
+    assert _diverged(Run(Path("x"), 0, {"status": "aborted"})) == ""

@@ -5,6 +5,7 @@ p-values of a family of tests."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 from scipy import stats
@@ -66,10 +67,18 @@ def test_fewer_than_two_pairs_give_no_interval_and_nothing_resolved():
     assert paired_difference({}, {0: 70.0}) is None
 
 
-def test_zero_variance_differences_are_a_point_resolved_iff_non_zero():
-    """scipy's paired t statistic is inf or nan there; the point interval decides instead."""
+def test_zero_variance_differences_are_a_point_judged_by_the_sign_test():
+    """scipy's paired t statistic is inf or nan there, and a difference of the same few test samples on
+    every seed (accuracies are counts) was reported resolved with p = 0 however few the seeds. The exact
+    sign test decides instead: 3 seeds alike resolve nothing, 6 do; float rounding is zero variance too."""
     shifted = paired_difference({0: 72.0, 1: 74.0, 2: 73.0}, {0: 70.0, 1: 72.0, 2: 71.0})
-    assert shifted == PairedDiff(3, 2.0, 0.0, (2.0, 2.0), 0.0, True)
+    assert shifted == PairedDiff(3, 2.0, 0.0, (2.0, 2.0), 0.25, False)
+    six = paired_difference({s: 70.0 + s + 0.1 for s in range(6)}, {s: 70.0 + s for s in range(6)})
+    assert six.std == 0.0 and six.p == pytest.approx(2 * 0.5 ** 6) and six.resolved  # 0.03125 < 0.05
+    assert stats.binomtest(6, 6).pvalue == pytest.approx(six.p)  # the exact two-sided sign test
+    rounded = paired_difference({0: 10.2, 1: 10.1, 2: 21.3}, {0: 10.1, 1: 10.0, 2: 21.2})  # 0.1 up to rounding
+    assert statistics.stdev([10.2 - 10.1, 10.1 - 10.0, 21.3 - 21.2]) > 0 and rounded.std == 0.0
+    assert rounded.p == 0.25 and not rounded.resolved
     same = paired_difference({0: 72.0, 1: 74.0}, {0: 72.0, 1: 74.0})
     assert same == PairedDiff(2, 0.0, 0.0, (0.0, 0.0), 1.0, False)
     assert math.isnan(stats.ttest_rel([72.0, 74.0], [72.0, 74.0]).pvalue)  # why it is handled explicitly

@@ -454,16 +454,18 @@ def plot_curves(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("acc", "GM (balanced test)"), ("few_acc", "GM few-shot"), ("pm_acc", "PM (local tests)"),
-                       ("val_acc", "GM (validation)")):
-        pts = [(r["round"], r[key]) for r in evaluated if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3, label=label)
-    ax.set(xlabel="round", ylabel="accuracy (%)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name("tmp-" + path.name)
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
+    try:  # closed however it ends: a long-lived process (a bench) would keep every failed figure
+        for key, label in (("acc", "GM (balanced test)"), ("few_acc", "GM few-shot"), ("pm_acc", "PM (local tests)"),
+                           ("val_acc", "GM (validation)")):
+            pts = [(r["round"], r[key]) for r in evaluated if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=label)
+        ax.set(xlabel="round", ylabel="accuracy (%)", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = path.with_name("tmp-" + path.name)
+        fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
     os.replace(tmp, path)

@@ -9,6 +9,7 @@ that row is in the setting, else the setting's first row.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class Row:
     runs: list[Run]
     ranked: bool = True
     expected: int = 0  # seeds the suite asked for (0: unknown)
+    caption_seeds: int = 0  # seeds the tables' caption names (0: unknown); a row averaging another number says so
     #: where the PM figures come from when a personal reading was chosen (``select_personal``):
     #: ``AS_RUN`` or a key of ``final.pm_variants``; None: from the same figures as the GM's
     personal: str | None = None
@@ -153,12 +155,15 @@ def _aborted(run: Run) -> str:
 
 
 def _diverged(run: Run) -> str:
-    """`` diverged in round N ...`` for a run whose training went NaN, else ``""``: its cell stays in
-    the tables with what the method delivered (the NaN model's chance-level accuracy)."""
+    """`` diverged in round N ...`` for a run whose model went NaN, else ``""``: its cell stays in the
+    tables with what the method delivered (the NaN model's accuracy: one class predicted everywhere,
+    chance level on the balanced test set, that class's share on a client's local test set)."""
     if run.summary.get("status") != "diverged":
         return ""
-    return (f" diverged in round {run.summary.get('diverged_round', '?')} (NaN training loss); its cell counts "
-            "with the NaN model's accuracy")
+    reason = str(run.summary.get("reason") or "")
+    what = "NaN test loss" if "test loss" in reason else "NaN training loss"
+    return (f" diverged in round {run.summary.get('diverged_round', '?')} ({what}); its cell counts with the NaN "
+            "model's accuracy")
 
 
 def _run_rows(label: str, run: Run) -> list[Row]:
@@ -283,6 +288,8 @@ def _collect_suite(path: Path) -> Collection:
     cost = suite_cost(path / LOG_FILE)
     claims = [ClaimSpec(**c.model_dump()) for c in spec.claims]
     found = sorted({run.seed for s in settings for row in s.rows for run in row.runs})  # what the tables average
+    for row in (row for s in settings for row in s.rows):
+        row.caption_seeds = len(found or spec.seeds)
     return Collection(spec.title or spec.name, spec.description.strip(), settings, found or spec.seeds,
                       spec.notes.strip(),
                       spec.report_messages, spec.reference, cost.sentence() if cost else "", claims,
@@ -308,9 +315,13 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
     ``given``: the row's overrides, where ``{seed}`` is the folder's seed (``seed=100{seed}``: a replicate)."""
     from fedlt.bench.suite import IGNORED_KEYS
 
+    per_seed = [key for key in (o.partition("=")[0].strip() for o in given if "{seed}" in o)  # each cell its own
+                if key not in ("seed", "data.seed")]  # these two checked against the folder's seed below
     kept, foreign, first = [], [], None
     for run in runs:
         cfg = read_yaml_mapping(run.path / "config.yaml", "run config") if (run.path / "config.yaml").is_file() else None
+        if cfg:
+            cfg = _without(cfg, per_seed)
         if cfg == {}:
             foreign.append(f"{run.path}: its config.yaml is empty, so what it ran is unknown")
             continue
@@ -328,6 +339,19 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
         first = first or ((run.seed, cfg) if cfg is not None else None)
         kept.append(run)
     return kept, foreign
+
+
+def _without(tree: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """A copy of a config tree without the dotted ``keys`` (those a row sets per seed, compared elsewhere)."""
+    tree = copy.deepcopy(tree)
+    for key in keys:
+        *path, last = key.split(".")
+        node = tree
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return tree
 
 
 def _seeds_of(seed: int, given: list[str]) -> tuple[Any, Any]:

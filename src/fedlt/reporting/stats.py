@@ -16,6 +16,8 @@ from scipy import stats
 
 ALPHA = 0.05  # a difference is resolved when its (adjusted) p-value is below this
 LEVEL = 1 - ALPHA
+#: a spread (or a mean difference) this small, relative to the values, is float rounding, not noise
+ROUNDING = 1e-9
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,8 @@ class PairedDiff:
     mean: float | None  # mean over those seeds of (row - reference); None without pairs
     std: float | None  # sample std of the differences; None for fewer than 2 pairs
     ci: tuple[float, float] | None  # 95% t-interval of the mean difference; None for fewer than 2 pairs
-    p: float | None  # two-sided paired t-test; None for fewer than 2 pairs
-    resolved: bool  # the interval excludes 0 (equivalently p < 0.05)
+    p: float | None  # two-sided paired t-test (sign test at zero variance); None for fewer than 2 pairs
+    resolved: bool  # p < 0.05: the interval excludes 0 (at zero variance, the sign test's p alone)
 
     @property
     def half_width(self) -> float | None:
@@ -62,8 +64,10 @@ def paired_difference(row: dict[int, float], ref: dict[int, float]) -> PairedDif
     """``row - ref`` over the seeds both have (values keyed by seed); None when they share none.
 
     With fewer than 2 pairs there is no interval and nothing is resolved. When every difference is
-    the same (zero variance) the interval is that point and the difference is resolved iff it is
-    non-zero (p = 0 or 1): scipy's t statistic is ±inf or 0/0 (nan) there.
+    the same, up to float rounding (zero variance: accuracies are counts of test samples, so two rows
+    can differ by the same few samples on every seed), the t-test has nothing to measure noise with:
+    the interval is that point, and the p-value is the exact two-sided sign test's (2 · 0.5^n for n
+    differences of one sign; 1 for none), so 3 seeds alike resolve nothing and 6 do.
     """
     seeds = sorted(set(row) & set(ref))
     if not seeds:
@@ -73,8 +77,9 @@ def paired_difference(row: dict[int, float], ref: dict[int, float]) -> PairedDif
     if n < 2:
         return PairedDiff(n, mean, None, None, None, False)
     std = statistics.stdev(diffs)
-    if std == 0:
-        return PairedDiff(n, mean, 0.0, (mean, mean), 0.0 if mean != 0 else 1.0, mean != 0)
+    if std <= ROUNDING * max(1.0, abs(mean)):
+        p = 1.0 if abs(mean) <= ROUNDING else min(1.0, 2 * 0.5 ** n)
+        return PairedDiff(n, mean, 0.0, (mean, mean), p, p < ALPHA)
     lo, hi = _interval(mean, std, n)
     p = float(stats.ttest_rel([row[s] for s in seeds], [ref[s] for s in seeds]).pvalue)
     return PairedDiff(n, mean, std, (lo, hi), p, lo > 0 or hi < 0)

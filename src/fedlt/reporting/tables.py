@@ -17,7 +17,7 @@ resolved too; and a row whose difference to the reference is not resolved is nev
 reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
-The CSV has one line per (setting, row) with the code versions its runs ran (``code``, space-separated)
+The CSV has one line per (setting, row) with the code versions its runs ran (``code``, separated by ``; ``)
 and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi, m_diff, m_diff_half, m_diff_ci_lo,
 m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row, empty on that row), then
 one column ``m_seed<S>`` per seed found in any table, empty where the row lacks that seed:
@@ -128,7 +128,8 @@ def _narrowest(t: Table, metric: str) -> tuple[PairedDiff, Row] | None:
     """The paired difference to the reference with the smallest 95% half-width in one column, and its
     row; a difference of zero variance (two rows that train alike) says nothing of the noise, so it
     does not count."""
-    found = [(d, row) for d, row in zip((x[metric] for x in t.diffs), t.rows) if d is not None and d.std]
+    found = [(d, row) for d, row in zip((x[metric] for x in t.diffs), t.rows) if d is not None and d.std]  # 0.0 at
+    # zero variance, float rounding included (stats.paired_difference)
     return min(found, key=lambda f: f[0].half_width, default=None)
 
 
@@ -148,6 +149,8 @@ def _label(row: Row) -> str:
     label = row.label + (f" {UNRANKED_MARK}" if not row.ranked else "") + (f" {MIXED_MARK}" if mixed(row) else "")
     if row.expected and len(row.runs) < row.expected:
         label += f" ({len(row.runs)}/{row.expected} seeds)"
+    elif row.caption_seeds and row.runs and len(row.runs) != row.caption_seeds:  # a row of its own seeds
+        label += f" ({len(row.runs)} seed{'s' * (len(row.runs) != 1)})"
     return label
 
 
@@ -165,7 +168,8 @@ def _caption_text(c: Collection) -> str:
             "the same partition and the same sampled clients), averaged over the seeds both have, with the 95% "
             "t-interval of those paired differences, written as ±its half-width and as the interval; `*` marks a "
             "resolved difference (the interval excludes 0: paired t-test p < 0.05), `n.r.` one not resolved (the "
-            "interval holds 0: the seeds cannot tell the sign, which does not make the rows equal), `n/a (k seeds)` "
+            "interval holds 0: the seeds cannot tell the sign, which does not make the rows equal; a difference "
+            "the same on every seed, ±0.00, is judged by the sign test, which needs 6 seeds), `n/a (k seeds)` "
             "fewer than 2 shared seeds. Under each table: the smallest half-width its paired differences achieved, "
             "where its runs were measured, and the code they ran. "
             "Per column the best is **bold** only if its lead over the second is resolved, and the second "
