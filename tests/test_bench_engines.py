@@ -187,7 +187,12 @@ BENCH = ["bench", "engines", "configs/synthetic_smoke.yaml", "data.num_clients=3
     ([*BENCH, "--engines", "plain-flower", "--secagg"], ["--secagg", "no secure aggregation"]),
     ([*BENCH, "method=fedprox", "--engines", "inprocess,plain-flower"], ["method=fedprox", "method=fedavg"]),
     ([*BENCH, "--nodes", "0", "--engines", "deployment"], ["--nodes 0", "1 or more SuperNodes"]),
-], ids=["unknown-engine", "nodes-vs-clients", "plain-secagg", "plain-not-fedavg", "zero-nodes"])
+    # the deploy command's own checks, before any run (they used to come after the in-process runs)
+    ([*BENCH, "--nodes", "5", "--engines", "deployment"], ["--nodes 5", "3 clients", "--nodes 3 or fewer"]),
+    ([*BENCH, "method=centralized", "--engines", "inprocess,deployment"], ["centralized", "pooled data"]),
+    ([*BENCH, "method=centralized", "--engines", "flower"], ["centralized", "pooled data"]),
+], ids=["unknown-engine", "nodes-vs-clients", "plain-secagg", "plain-not-fedavg", "zero-nodes",
+        "more-nodes-than-clients", "pooled-deployment", "pooled-flower"])
 def test_bench_engines_refuses_bad_arguments_in_one_line(args, fragments, monkeypatch, capsys):
     import fedlt
     from fedlt import cli

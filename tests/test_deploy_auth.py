@@ -303,3 +303,32 @@ def test_with_tls_and_auth_only_registered_supernodes_join_and_the_run_finishes(
         assert time.monotonic() < deadline, "every process of the deployment gone within 15 s"
         time.sleep(0.25)
     print(f"TLS + auth deployment: {time.monotonic() - started:.1f} s")
+
+
+def test_deploy_refuses_a_workdir_in_use_or_unusable_and_tls_without_openssl(tmp_path, capsys, monkeypatch):
+    """Two deployments in one --workdir shared its Flower state and outcome file: the second started, read
+    the first's SuperNodes and failed, and the first then reported the second's error. `python -m
+    fedlt.deploy` ended a --workdir that is a file in a traceback, and --tls without openssl too (leaving a
+    half-made certificate folder). Each is now one line, exit 2, with nothing started."""
+    import fcntl
+
+    work = tmp_path / "work"
+    work.mkdir()
+    held = os.open(work, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as the deployment running there holds it
+    try:
+        assert main(["--workdir", str(work), SMOKE, "fl.rounds=1"]) == 2
+    finally:
+        os.close(held)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--workdir {work} is the folder of a deployment still running" in err, err
+    assert list(work.iterdir()) == []  # nothing started there
+    (tmp_path / "file").write_text("x")
+    assert main(["--workdir", str(tmp_path / "file"), SMOKE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fedlt: error: --workdir {tmp_path / 'file'}"), err
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    assert main(["--workdir", str(tmp_path / "tls"), "--tls", SMOKE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tls makes its certificates with openssl, which is not on PATH" in err, err
+    assert not (tmp_path / "tls").exists()

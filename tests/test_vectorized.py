@@ -519,6 +519,7 @@ def test_paper_rounds_project_a_protocol_from_two_timed_rounds(tmp_path):
     extra = ["model.name=cnn", "data.image_size=16", "fl.local_epochs=1", "fl.participation=0.1", "run.threads=1"]
     text = run_paper_rounds(["paper-creff"], ("sequential", "vectorized"), extra=extra,
                             picks=["FedProx", "Fed-Focal Loss"])  # (CReFF's server step takes seconds here)
+    assert ", 1 thread, " in text.split("\n\n")[1]  # the header names the threads the rounds ran with (run.threads)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
             if re.match(r"\| (FedProx|Fed-Focal Loss) \| cnn on ", line)]
     # each model is timed on each dataset size its settings use: CIFAR-10's and CIFAR-100's stand-ins

@@ -116,11 +116,7 @@ def deploy_cmd(
     """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
     from fedlt.deploy import deploy
 
-    def check() -> None:
-        _require_config_file(args[0], "fedlt deploy")
-        _check_out(workdir, folder=True, flag="--workdir")
-
-    _guard(check)
+    _guard(lambda: _require_config_file(args[0], "fedlt deploy"))  # the rest checks deploy's own plan
     raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                             server_test=server_test, workdir=workdir, timeout=timeout))
 
@@ -313,13 +309,19 @@ def bench_profile_cmd(
     def go() -> None:
         from fedlt.bench.profile import run_profile_bench
         from fedlt.config import load_config
+        from fedlt.errors import ConfigError
 
         _check_out(out, folder=False)
         _check_synthetic_size(synthetic_size)
         config = args.pop(0) if args and "=" not in args[0] else None
         load_config(config, args)
+        chosen = _backend_list(backends, auto=False)
+        if "parallel" in chosen:  # its clients train in worker processes, which this process's profiler cannot see
+            raise ConfigError("--backends parallel: its clients train in worker processes, out of sight of the "
+                              "profiler and the host-synchronisation count of this one; profile sequential instead "
+                              "(what each worker runs), or time parallel with fedlt bench speed --backends")
         text = run_profile_bench(config, args, models=_model_list(models), sampled_counts=_client_counts(sampled),
-                                 backends=_backend_list(backends, auto=False), synthetic_size=synthetic_size,
+                                 backends=chosen, synthetic_size=synthetic_size,
                                  echo=lambda line: typer.echo(line, err=True))
         _print_and_save(text, out)
 
@@ -351,7 +353,7 @@ def bench_paper_rounds_cmd(
     args = list(args or [])
 
     def go() -> None:
-        from fedlt.bench.paper_rounds import run_paper_rounds, unknown_pick
+        from fedlt.bench.paper_rounds import not_projected, run_paper_rounds, unknown_pick
         from fedlt.errors import ConfigError
         from fedlt.bench.suite import builtin_suites, load_suite
         from fedlt.config import load_config
@@ -361,7 +363,8 @@ def bench_paper_rounds_cmd(
             _check_at_least_one(rows, "--rows", "rows")
         overrides = [a for a in args if "=" in a]
         suites = [a for a in args if "=" not in a] or [n for n in builtin_suites() if n.startswith("paper-")]
-        why = unknown_pick([load_suite(name).spec for name in suites], list(row or []))
+        why = next((why for name in suites if (why := not_projected(name))), None) or \
+            unknown_pick([load_suite(name).spec for name in suites], list(row or []))
         if why is not None:
             raise ConfigError(why)
         load_config(None, overrides)

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError
-from fedlt.results import OUTCOME_ENV, check_output_path
+from fedlt.results import OUTCOME_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
@@ -456,6 +457,15 @@ def _stop_inheritors(flwr_home: str, seconds: float = 4.0) -> None:
         sig = signal.SIGKILL  # a straggler gets one polite request
 
 
+def check_tls(tls: bool, auth: bool) -> None:
+    """--auth needs --tls (Flower's rule), and --tls the openssl that makes its certificates."""
+    if auth and not tls:
+        raise ConfigError(AUTH_NEEDS_TLS)
+    if tls and shutil.which("openssl") is None:
+        raise ConfigError("--tls makes its certificates with openssl, which is not on PATH; install it "
+                          "(e.g. apt install openssl) or drop --tls")
+
+
 @contextmanager
 def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False, startup_s: float = 60, *,
                      sites: list[Site] | None = None, auth: bool = False) -> Iterator[Federation]:
@@ -463,8 +473,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     127.0.0.1; stop them all on exit. ``auth`` (TLS only, as Flower requires) starts the SuperLink
     with ``--enable-supernode-auth`` and registers a fresh key pair per SuperNode before it starts."""
     sites = sites if sites is not None else partition_sites(nodes if nodes is not None else 3)
-    if auth and not tls:
-        raise ConfigError(AUTH_NEEDS_TLS)
+    check_tls(tls, auth)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -593,8 +602,7 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
     if "=" in config and not Path(config).is_file():
         raise ConfigError(f"the deploy command needs a config file first, not {config!r}; "
                           "e.g. configs/synthetic_smoke.yaml fl.rounds=2")
-    if auth and not tls:
-        raise ConfigError(AUTH_NEEDS_TLS)
+    check_tls(tls, auth)
     if nodes is not None and nodes < 1:
         raise ConfigError(f"--nodes {nodes}: use 1 or more SuperNodes")
     for override in overrides:
@@ -652,7 +660,12 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
             raise ConfigError(f"--timeout {timeout:g}: give the seconds the run may take, more than 0")
         plan = plan_deployment(config, overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                                server_test=server_test)
-        with local_federation(workdir.resolve(), tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
+        check_output_path(workdir, True, "--workdir")
+        workdir = workdir.resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        with holding(workdir, f"--workdir {workdir} is the folder of a deployment still running (its Flower "
+                              "state, logs and outcome); wait for it to end, or give this one another --workdir"), \
+                local_federation(workdir, tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
             done = fed.run(plan.config, plan.overrides, timeout)
         print("\n".join(line for line in done.stdout[-4000:].splitlines() if not is_progress(line)))  # shown above
         return 0

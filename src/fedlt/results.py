@@ -60,25 +60,32 @@ _held: dict[tuple[int, int], int] = {}
 def writing(run_dir: Path) -> Iterator[None]:
     """This process's hold on ``run_dir`` while it writes there. A second process (a resume of a run
     still going, the same run started twice) is refused instead of interleaving its metrics and
-    checkpoints with the first's; this process may hold it again inside (a resume, then its run). An
-    advisory lock on the folder itself, which the system releases when the process ends, however it
-    ends; where there are no such locks (not a POSIX system; NFS, where it would need a file open for
-    writing), nothing is held."""
+    checkpoints with the first's; this process may hold it again inside (a resume, then its run)."""
+    with holding(run_dir, f"{run_dir} is being written by another fedlt process (the run, or a resume of it, is "
+                          "still going); let it end or stop it, then resume the folder"):
+        yield
+
+
+@contextmanager
+def holding(folder: Path, refusal: str) -> Iterator[None]:
+    """This process's hold on ``folder``; another process's is refused with ``refusal`` (a ConfigError).
+    An advisory lock on the folder itself, which the system releases when the process ends, however
+    it ends; where there are no such locks (not a POSIX system; NFS, where it would need a file open
+    for writing), nothing is held."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
         yield
         return
-    handle = os.open(run_dir, os.O_RDONLY)
+    handle = os.open(folder, os.O_RDONLY)
     stat = os.fstat(handle)
     key = (stat.st_dev, stat.st_ino)
     try:
         if key not in _held:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise FedltError(f"{run_dir} is being written by another fedlt process (the run, or a resume of "
-                                 "it, is still going); let it end or stop it, then resume the folder") from None
+            except BlockingIOError:  # refused before the work starts, like bad input
+                raise ConfigError(refusal) from None
             except OSError:  # a file system without these locks
                 pass
         _held[key] = _held.get(key, 0) + 1

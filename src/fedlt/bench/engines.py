@@ -37,8 +37,15 @@ def _run_record(run_dir: Path) -> tuple[list[float], float, float]:
     return [r["time_s"] for r in rows], read_summary(run_dir)["final"]["acc"], up
 
 
-def _check(cfg, nodes: int | None, engines: tuple[str, ...], secagg: bool) -> None:
-    """Refuse what the chosen engines cannot run, before anything is created."""
+def _check(cfg, config: str, overrides: list[str], nodes: int | None, engines: tuple[str, ...], secagg: bool) -> None:
+    """Refuse what the chosen engines cannot run, before anything is created: over Flower, with the
+    deploy command's own checks."""
+    from fedlt.deploy import check_deployable, plan_deployment
+
+    if "deployment" in engines:
+        plan_deployment(config, overrides, nodes=nodes if nodes is not None else 3)
+    elif any(e in ("flower", "node-data") for e in engines):
+        check_deployable(config, overrides)
     node_engines = [e for e in engines if e in NODE_ENGINES]
     if node_engines and nodes is not None and nodes != cfg.data.num_clients:
         raise ConfigError(f"--nodes {nodes}: the {node_engines[0]} engine starts one SuperNode per client "
@@ -70,7 +77,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     cfg = load_config(config, [*overrides, "eval.every=1"])  # bad input fails before anything is created
-    _check(cfg, nodes, engines, secagg)
+    _check(cfg, config, [*overrides, "eval.every=1"], nodes, engines, secagg)
     nodes = nodes if nodes is not None else 3
     variants = [("", [])] + ([(" + secagg", ["secagg.enabled=true"])] if secagg else [])
     results, notes = {}, []

@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
+import torch
+
 from fedlt.api import prepare
 from fedlt.bench.speed import sync_device
 from fedlt.bench.suite import SuiteSpec, load_suite
@@ -119,6 +121,18 @@ def chosen_rows(s: SuiteSpec, rows: int | None, picks: list[str] = ()) -> list[s
     return [n for n in names if n in picks or f"{s.name}:{n}" in picks]
 
 
+def not_projected(name: str) -> str | None:
+    """Why suite ``name`` has no protocol to project (no setting on CIFAR-10 or CIFAR-100, the papers'
+    data whose size a round stands in for); None for a suite with one."""
+    suite = load_suite(name)
+    base = str(suite.base) if suite.base else None
+    if any(protocol_images(load_config(base, [*suite.spec.overrides, *st.overrides])) is not None
+           for st in suite.spec.settings):
+        return None
+    return (f"{name} is not a paper suite: none of its settings trains on CIFAR-10 or CIFAR-100, whose protocol "
+            "a paper round projects; give paper suites (fedlt bench list: paper-creff, paper-sfd, ...)")
+
+
 def unknown_pick(suites: list[SuiteSpec], picks: list[str]) -> str | None:
     """Why a ``--row`` pick names no row of ``suites``; None when every pick names one."""
     for pick in picks:
@@ -140,7 +154,10 @@ def run_paper_rounds(suites: list[str], backends: tuple[str, ...], rows: int | N
                      echo: Callable[[str], None] = lambda line: None, picks: list[str] = ()) -> str:
     """The cost table of every suite in ``suites`` (its first ``rows`` rows, or the rows ``picks``
     names) for each backend."""
-    device = resolve_device(load_config(None, list(extra)).run.device)
+    given = load_config(None, list(extra))
+    device = resolve_device(given.run.device)
+    if given.run.threads:  # as every round will run: the header names the threads they get
+        torch.set_num_threads(given.run.threads)
     lines = ["## What a paper suite's protocol costs here, per backend", "",
              f"device {device}: {describe(collect(device))}. Rounds on synthetic data of each setting's dataset's "
              "size (CIFAR-10's or CIFAR-100's classes and training set, 32 px), long-tailed and split as the "

@@ -248,8 +248,10 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
         f"device {device}: {describe(collect(device))}; matmul peak measured now "
         f"{peak:.1f} GFLOP/s (float32, 2048x2048). reference = a DataLoader over a TensorDataset and a deep copy of "
         "the model per client, NCHW (no channels-last), as peer frameworks train; sequential / parallel / "
-        f"vectorized / graphed = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here; "
-        "graphed, GPU only). limit = the same images trained as one model in batches of K x B (K sampled clients, "
+        f"vectorized / graphed = `run.backend` (parallel, CPU only: one worker process per core, {cpu_cores()} here, "
+        "each with the run's threads, so where those are fewer than the cores it uses more of them than the other "
+        "rows and its ratios are not per core; graphed, GPU only). "
+        "limit = the same images trained as one model in batches of K x B (K sampled clients, "
         "batch B): what clients with their own weights cannot beat in the same loop"
         + ("; captured limit = the same with its step captured as a CUDA graph (eager training launches every "
            "kernel from Python, which can bound a small model's limit by the host)" if cuda else "")
