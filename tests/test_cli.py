@@ -603,3 +603,16 @@ def test_a_run_ended_by_sigterm_stops_its_workers_and_names_its_folder(tmp_path)
     assert refused.exit_code == 2 and "fl.rounds: a resumed run goes on with its saved config" in refused.stderr
     with open(run_dir / "config.yaml") as saved:
         assert "backend: parallel" in saved.read()
+
+
+def test_every_commands_help_says_what_its_positional_arguments_are():
+    """From click 8.5 click's Argument took a help of its own and reset Typer's: `fedlt run --help` listed
+    ARGS with no word of what they are, and rich markup ate the brackets of "[CONFIG.yaml] [key=value ...]"."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+
+    for command, words in ((["run"], ["[CONFIG.yaml]", "[key=value ...]"]), (["bench", "run"], ["a built-in suite"]),
+                           (["bench", "paper-rounds"], ["[SUITE ...]"]), (["table"], ["run directories to compare"])):
+        shown = CliRunner().invoke(app, [*command, "--help"], terminal_width=200).output
+        assert all(word in shown for word in words), (command, shown)

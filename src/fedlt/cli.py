@@ -13,9 +13,21 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup
 
 from fedlt.errors import FedltError, Terminated, terminate_as_interrupt
+
+
+def _keeping_argument_help(init: Callable) -> Callable:
+    """TyperArgument sets its help before calling click's Argument, which from click 8.5 takes a help
+    of its own and resets it to None: every command's positional arguments lost their help in --help."""
+    def keep(self, *args, help: Optional[str] = None, **kwargs) -> None:
+        init(self, *args, help=help, **kwargs)
+        self.help = help
+    return keep
+
+
+TyperArgument.__init__ = _keeping_argument_help(TyperArgument.__init__)
 
 
 class _SuiteGroup(TyperGroup):
@@ -69,7 +81,8 @@ def _guard(fn: Callable[[], None], run_hint: bool = False) -> None:
 
 @app.command("run")
 def run_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...], e.g. data.alpha=0.1 fl.rounds=50"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[CONFIG.yaml] \\[key=value ...], e.g. data.alpha=0.1 "
+                                               "fl.rounds=50"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint (with "
                                           "key=value only for run.*, data.root, eval.batch_size)"),
     data_root: Optional[str] = typer.Option(None, "--data-root", help="dataset folder (same as data.root=DIR)"),
@@ -100,7 +113,8 @@ def run_cmd(
 
 @app.command("deploy")
 def deploy_cmd(
-    args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...], e.g. configs/synthetic_smoke.yaml fl.rounds=2"),
+    args: List[str] = typer.Argument(..., help="CONFIG.yaml \\[key=value ...], e.g. configs/synthetic_smoke.yaml "
+                                     "fl.rounds=2"),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="SuperNodes to start, each serving partition I of N "
                                         "(default 3; with --node-data: one per site folder)"),
     node_data: Optional[Path] = typer.Option(None, "--node-data", metavar="DIR", help="one SuperNode per subfolder "
@@ -229,7 +243,7 @@ def _print_and_save(text: str, out: Optional[Path]) -> None:
 
 @bench_app.command("speed")
 def bench_speed_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[CONFIG.yaml] \\[key=value ...] for the measured config"),
     rounds: int = typer.Option(3, help="rounds to time (after one warm-up round)"),
     out: Optional[Path] = typer.Option(None, help="also write the results as markdown to this file"),
     backends: bool = typer.Option(False, "--backends", help="compare run.backend sequential/parallel/vectorized/graphed with a "
@@ -296,7 +310,7 @@ def _client_counts(sampled: str) -> tuple[int, ...]:
 
 @bench_app.command("profile")
 def bench_profile_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] for the measured config"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[CONFIG.yaml] \\[key=value ...] for the measured config"),
     models: str = typer.Option("cnn,resnet8", help="models to profile (ResNets on synthetic data)"),
     sampled: str = typer.Option("10", help="sampled clients per round to profile"),
     backends: str = typer.Option("sequential,vectorized", help="run.backend values to profile"),
@@ -341,8 +355,8 @@ def _backend_list(backends: str, auto: bool, option: str = "--backends") -> tupl
 
 @bench_app.command("paper-rounds")
 def bench_paper_rounds_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[SUITE ...] [key=value ...]: paper suites (default: every "
-                                               "paper-* suite) and overrides for every round"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[SUITE ...] \\[key=value ...]: paper suites (default: "
+                                               "every paper-* suite) and overrides for every round"),
     backends: str = typer.Option("sequential,auto", help="run.backend values to time"),
     rows: Optional[int] = typer.Option(None, help="time each suite's first N rows (default: all)"),
     row: Optional[List[str]] = typer.Option(None, "--row", help="time only this row (ROW in every suite, SUITE:ROW in "
@@ -377,7 +391,7 @@ def bench_paper_rounds_cmd(
 
 @bench_app.command("engines")
 def bench_engines_cmd(
-    args: List[str] = typer.Argument(..., help="CONFIG.yaml [key=value ...] for the measured config"),
+    args: List[str] = typer.Argument(..., help="CONFIG.yaml \\[key=value ...] for the measured config"),
     nodes: Optional[int] = typer.Option(None, help="SuperNodes of the loopback deployment (default 3); node-data "
                                         "and plain-flower start one per client"),
     engines: str = typer.Option("inprocess,flower,deployment", help="comma-separated engines to measure, of "
@@ -495,7 +509,7 @@ def report_cmd(
 
 @data_app.command("describe")
 def data_describe_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[CONFIG.yaml] \\[key=value ...]"),
     out: Path = typer.Option(Path("runs/describe"), "--out", help="folder for the heatmap PNG and partition.json"),
 ) -> None:
     """Print the partition (class counts, shot groups, per-client sizes and classes) and draw its client x class heatmap, without training."""
@@ -516,8 +530,8 @@ def data_describe_cmd(
 
 @data_app.command("export")
 def data_export_cmd(
-    args: Optional[List[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]: the federation, as `fedlt run` "
-                                               "takes it"),
+    args: Optional[List[str]] = typer.Argument(None, help="\\[CONFIG.yaml] \\[key=value ...]: the federation, as "
+                                               "`fedlt run` takes it"),
     out: Path = typer.Option(..., "--out", help="new or empty folder: nodes/<client>/{train,test}/<class>/*.png, "
                              "server/{test,val}/<class>/*.png, federation.yaml"),
 ) -> None:
