@@ -126,10 +126,9 @@ def _delta(t: Table, i: int, metric: str, pm: str = "±") -> str:
 
 def _narrowest(t: Table, metric: str) -> tuple[PairedDiff, Row] | None:
     """The paired difference to the reference with the smallest 95% half-width in one column, and its
-    row; a difference of zero variance (two rows that train alike) says nothing of the noise, so it
-    does not count."""
-    found = [(d, row) for d, row in zip((x[metric] for x in t.diffs), t.rows) if d is not None and d.std]  # 0.0 at
-    # zero variance, float rounding included (stats.paired_difference)
+    row; a difference of zero variance (two rows that train alike; ``std`` is 0.0 there, float rounding
+    included: :func:`fedlt.reporting.stats.paired_difference`) says nothing of the noise, so it does not count."""
+    found = [(d, row) for d, row in zip((x[metric] for x in t.diffs), t.rows) if d is not None and d.std]
     return min(found, key=lambda f: f[0].half_width, default=None)
 
 
