@@ -255,3 +255,26 @@ def test_a_method_or_calibration_registered_in_code_is_refused_where_other_proce
         METHODS["fedavg"] = fedavg
         del METHODS["squeeze"], CALIBRATORS["scale"]
     check_config(cfg("fedavg", **{"run.backend": "parallel"}))
+
+
+def test_a_bench_with_workers_refuses_a_method_registered_in_code_before_any_cell_trains(tmp_path):
+    """The bench's worker processes look a cell's method up by name: a method registered in a script
+    failed each of its cells one by one, after the others had trained. Refused before any cell runs;
+    one worker (this process) runs it."""
+    from conftest import TINY_SUITE, write_suite
+    from fedlt.bench.suite import load_suite, run_suite
+
+    suite = {**TINY_SUITE, "methods": [{"name": "Squeeze", "overrides": ["method=squeeze"]}]}
+    path = write_suite(tmp_path / "s.yaml", suite)
+    fedavg = METHODS["fedavg"]
+    METHODS["squeeze"] = MethodSpec("squeeze", "registered in code", fedavg.server, fedavg.client)
+    try:
+        with pytest.raises(ConfigError, match=r"^suite tiny, cell '.*Squeeze / seed 0': method squeeze is registered "
+                                              r"in this process's code, and the bench's worker processes \(--workers N\) "
+                                              r"build the run by name .*, or use --workers 1$"):
+            run_suite(load_suite(path), tmp_path / "out", workers=2, echo=lambda line: None)
+        assert not (tmp_path / "out").exists()
+        result = run_suite(load_suite(path), tmp_path / "out", workers=1, echo=lambda line: None)
+        assert len(result.ran) == 2 and not result.failed
+    finally:
+        del METHODS["squeeze"]

@@ -162,18 +162,21 @@ def no_global_model_refusal(method: str) -> str:
             "nothing to measure; set eval.personalized=true")
 
 
-def _check_rebuilt_by_name(cfg: Config) -> None:
+def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -> None:
     """A method or calibration registered in code reaches no other process: the workers of
-    run.backend=parallel and Flower's nodes build the run from its config, by name."""
-    where = ("Flower's nodes (engine=flower)" if cfg.engine == "flower" else
-             "the worker processes of run.backend=parallel" if cfg.run.backend == "parallel" else None)
+    run.backend=parallel, Flower's nodes and a caller's own worker processes (``elsewhere``: where,
+    and what to use instead) build the run from its config, by name."""
+    where, other = elsewhere or (None, None)
+    if where is None and cfg.engine == "flower":
+        where, other = "Flower's nodes (engine=flower)", "engine=inprocess"
+    elif where is None and cfg.run.backend == "parallel":
+        where, other = "the worker processes of run.backend=parallel", "run.backend=sequential"
     if where is None:
         return
     named = [("method", cfg.method, METHODS, "writing-a-method"),
              *(("calibration", n, CALIBRATORS, "calibration") for n in cfg.calibration)]
     for kind, name, registry, page in named:
         if registry.in_code_only(name):
-            other = "engine=inprocess" if cfg.engine == "flower" else "run.backend=sequential"
             raise ConfigError(f"{kind} {name} is registered in this process's code, and {where} build the run by "
                               f"name in processes of their own; register it through a fedlt.{kind}s entry point "
                               f"(docs/{page}.md), or use {other}")
@@ -213,7 +216,7 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.engine == "flower" and cfg.run.backend in ("vectorized", "parallel", "graphed"):
         raise ConfigError(f"run.backend={cfg.run.backend} is for the in-process engine, but under engine=flower "
                           "each client trains on its SuperNode; use run.backend=auto or sequential")
-    _check_rebuilt_by_name(cfg)
+    check_built_by_name(cfg)
     choose_backend(cfg, spec.client, resolve_device(cfg.run.device))
     _check_client_gpus(cfg)
     refusal = spec.server.model_refusal(cfg, method_args) or spec.server.config_refusal(cfg, method_args)

@@ -725,6 +725,20 @@ def check_same_code(suite: Suite, out: Path, todo: list[Cell]) -> None:
                           "row at one commit into a fresh --out (or delete its cells there), or pass --mixed-code")
 
 
+def check_workers_can_build(suite: Suite, todo: list[Cell]) -> None:
+    """Refuse, before any cell trains, a cell whose method or calibration is registered only in this
+    process's code: the worker processes of ``--workers N`` look it up by name and would fail each such cell."""
+    from fedlt.config import load_config
+    from fedlt.run_parts import check_built_by_name
+
+    for cell in todo:
+        try:
+            check_built_by_name(load_config(suite.base, cell.overrides),
+                                ("the bench's worker processes (--workers N)", "--workers 1"))
+        except ConfigError as err:
+            raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
+
+
 def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: int = 1, dry_run: bool = False,
               echo: Callable[[str], None] = print, overrides: list[str] | None = None,
               rows: list[str] | None = None, mixed_machines: bool = False, mixed_code: bool = False) -> SuiteResult:
@@ -746,6 +760,8 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
         check_same_machine(suite, out, todo)
     if not mixed_code:
         check_same_code(suite, out, todo)
+    if workers > 1 and len(todo) > 1:
+        check_workers_can_build(suite, todo)
     if dry_run:
         for c in cells:
             echo(f"{c.state:7s} {c.label:60s} {c.run_dir}")
