@@ -16,8 +16,13 @@ robustness suite's local validation sets select: ``phi'_k + phi_k`` with Eq. 7's
 
 Choices where the paper is silent (also in docs/methods/fedloge.md):
 
-- LA-FR uses the *direction* of ``psi`` (Algorithm 1, line 16 writes the raw ``psi_c``, which
-  would multiply the global long-tailed norms back in after GA-FR removed them).
+- LA-FR's ``psi_c`` (``la_fr_psi``): Eq. 7 and the released realignment script use the raw
+  aggregated ``psi_c`` (the default under the default ``personal_head=realigned_plus_phi``);
+  ``unit`` uses its direction (GA-FR(psi), the stage before LA-FR in Algorithm 1; the default
+  under ``personal_head=realigned``).
+- The personal heads mask the classes the client holds no *training* sample of. The released
+  code masks the classes absent from the client's *local test split* (``local_test_distribution``),
+  which also drops classes the client holds but whose test share rounds to 0, and reads test labels.
 - ``psi`` and ``phi_k`` have no bias: the realignments act on norms, and a learned bias would
   carry the class prior that they are meant to replace. ``head_bias=true`` gives them one (the
   released code's ``nn.Linear``); the global model then drops psi's bias, personal models keep
