@@ -405,9 +405,16 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
     summary.write_text(json.dumps({**before_record, "calibration": ["creff", "ccvr"]}))
     with pytest.raises(ConfigError, match=re.escape("(calibration_args.creff_feature_momentum: 0.5 -> 0.0)")):
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
-    # a row that spells the earlier default keeps such a cell: the values it ran with match, not their spelling
+    # a record from before a knob existed ran the knob's value of that time: CReFF's bias term as a column
+    knob_later = {k: v for k, v in tree["calibration_args"].items() if k != "creff_matching_bias"}
+    summary.write_text(json.dumps({**tree, "calibration": ["creff", "ccvr"], "calibration_args": knob_later}))
+    with pytest.raises(ConfigError, match=re.escape("(calibration_args.creff_matching_bias: 'row' -> 'released')")):
+        run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    summary.write_text(json.dumps({**before_record, "calibration": ["creff", "ccvr"]}))
+    # a row that spells the earlier defaults keeps such a cell: the values it ran with match, not their spelling
     spelled = {**TINY_SUITE, "methods": [{**TINY_SUITE["methods"][0], "overrides": [
-        *TINY_SUITE["methods"][0]["overrides"], "calibration_args.creff_feature_momentum=0.5"]}]}
+        *TINY_SUITE["methods"][0]["overrides"], "calibration_args.creff_feature_momentum=0.5",
+        "calibration_args.creff_matching_bias=row"]}]}
     cells = run_suite(load_suite(write_suite(tmp_path / "spelled.yaml", spelled)), mine, dry_run=True,
                       rows=["FedAvg + CCVR"], echo=lambda line: None).cells
     assert {c.state for c in cells} == {"done"}

@@ -260,13 +260,51 @@ def test_matching_loss_hand_examples():
     eye = torch.eye(2)
     swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
     g_fed = torch.stack([eye, eye])
-    assert float(matching_loss(g_fed, g_fed.clone() * 3.0, [0, 1])) == pytest.approx(0.0, abs=1e-6)
-    assert float(matching_loss(g_fed, torch.stack([swap, eye]), [0])) == pytest.approx(1.0)  # orthogonal rows
-    assert float(matching_loss(g_fed, torch.stack([swap, -eye]), [0, 1])) == pytest.approx(3.0)  # 1 + 2
+    assert float(matching_loss(g_fed, g_fed.clone() * 3.0, [0, 1], bias="row")) == pytest.approx(0.0, abs=1e-6)
+    assert float(matching_loss(g_fed, torch.stack([swap, eye]), [0], bias="row")) == pytest.approx(1.0)  # orthogonal rows
+    assert float(matching_loss(g_fed, torch.stack([swap, -eye]), [0, 1], bias="row")) == pytest.approx(3.0)  # 1 + 2
     half = torch.stack([torch.tensor([[1.0, 0.0], [1.0, 0.0]]), eye])  # row 0 equal, row 1 orthogonal
-    assert float(matching_loss(g_fed, half, torch.tensor([True, False]))) == pytest.approx(0.5)
+    assert float(matching_loss(g_fed, half, torch.tensor([True, False]), bias="row")) == pytest.approx(0.5)
     zero_row = torch.stack([torch.tensor([[1.0, 0.0], [0.0, 0.0]]), eye])
-    assert float(matching_loss(zero_row, g_fed, [0])) == pytest.approx(0.5)  # zero row: cos 0, not NaN
+    assert float(matching_loss(zero_row, g_fed, [0], bias="row")) == pytest.approx(0.5)  # zero row: cos 0, not NaN
+
+
+def test_matching_loss_bias_terms_by_hand():
+    """``released``: C weight rows plus the bias vector as one more term, over C; ``weights``: rows only."""
+    g_agg = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, -1.0]]])  # one class, C = 2, d = 2, bias last
+    g_fed = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 2.0, 1.0]]])  # weight rows parallel, bias opposite
+    assert float(matching_loss(g_fed, g_agg, [0], bias="weights")) == pytest.approx(0.0, abs=1e-6)
+    assert float(matching_loss(g_fed, g_agg, [0], bias="released")) == pytest.approx((0 + 0 + 2) / 2)
+    with pytest.raises(ValueError):
+        matching_loss(g_fed, g_agg, [0], bias="other")
+
+
+def test_released_bias_term_takes_the_released_codes_feature_step():
+    """The default ``released`` matching at lr 0.1 C is the authors' step at lr 0.1: per class, the
+    sum of 1 - cos over the C weight rows plus one 1 - cos over the bias gradient, summed over the
+    classes, with the classifier's gradients taken by autograd (written here from that description)."""
+    C, d, m = 4, 12, 5
+    weight, bias = torch.randn(C, d, generator=gen(3)) * 0.3, torch.randn(C, generator=gen(4)) * 0.3
+    z, y = torch.relu(torch.randn(40, d, generator=gen(5))), torch.arange(40) % C
+    g_agg, present = per_class_gradients(weight, bias, z, y, C)
+    features = FederatedFeatures(C, m, d, gen(6), feature_lr=0.1 * C, momentum=0.0)
+    start = features.features.detach().clone()
+    f = start.clone().requires_grad_(True)
+    w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    total = torch.zeros(())
+    for c in range(C):
+        gw, gb = torch.autograd.grad(F.cross_entropy(f[c] @ w.T + b, torch.full((m,), c)), (w, b), create_graph=True)
+        target_w, target_b = g_agg[c, :, :d], g_agg[c, :, d]
+        total = total + (1 - (gw * target_w).sum(-1) / (gw.norm(dim=-1) * target_w.norm(dim=-1))).sum()
+        total = total + 1 - (gb * target_b).sum() / (gb.norm() * target_b.norm())
+    (grad,) = torch.autograd.grad(total, f)
+    features.match(weight, bias, g_agg, present, 1)  # the default bias term
+    step, expected = features.features.detach() - start, -0.1 * grad
+    assert step.norm() > 1e-3  # a real step, not a no-op
+    assert torch.allclose(step, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))
+    row = FederatedFeatures(C, m, d, gen(6), feature_lr=0.1 * C, momentum=0.0)
+    row.match(weight, bias, g_agg, present, 1, "row")  # fedlt's earlier reading: another step
+    assert not torch.allclose(row.features.detach() - start, expected, rtol=1e-2)
 
 
 def test_federated_features_gradients_equal_closed_form(classifier):

@@ -40,6 +40,10 @@ class CalibrationArgs(MethodArgs):
         "(Algorithm 1 and the released code, which pairs it with creff_retrain_lr=0.01)")
     creff_feature_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of the federated features on the row-summed "
                                     "matching loss (paper and code: 0.1)")
+    creff_matching_bias: Literal["released", "row", "weights"] = Field(
+        "released", description="CReFF: the bias gradient in Eq. 6: one extra cosine next to the C weight rows (the "
+        "released code, whose lr the default step reproduces), one more column of every row (fedlt before), or left "
+        "out (the paper's C x d gradient)")
     creff_retrain_lr: float = Field(0.1, gt=0, description="CReFF: SGD lr of classifier re-training (paper: 0.1)")
     creff_retrain_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of re-training (paper: plain SGD)")
     creff_feature_momentum: float = Field(0.0, ge=0, description="CReFF: momentum of the feature optimiser (paper: "
@@ -221,7 +225,8 @@ class CReFF(Calibrator):
             self.matching_loss = None
             return
         w, b = self.retrained.weight.detach(), self.retrained.bias.detach()
-        self.matching_loss = self.features.match(w, b, self.g_agg, self.present, self.args.creff_feature_steps)
+        self.matching_loss = self.features.match(w, b, self.g_agg, self.present, self.args.creff_feature_steps,
+                                                 self.args.creff_matching_bias)
         feats, labels = self.features.features_and_labels()
         weight, bias = retrain_linear(
             feats.detach(), labels, self.num_classes, init=None, steps=self.retrain_steps(len(labels)),

@@ -10,8 +10,8 @@ the path of one re-trained on the real features.
 
 A class's gradient is stored as a ``C x (d+1)`` matrix: row ``j`` is ``[dL/dW_j, dL/db_j]``,
 the weight gradient of classifier row ``j`` with the bias gradient appended as a last column,
-so the bias takes part in each row's cosine. (The authors' code instead compares the bias
-gradient, a length-C vector, as one extra item, and sums rather than averages over rows.)
+so one tensor carries both. How the bias enters the cosines of Eq. 6 is :func:`matching_loss`'s
+``bias``: by default as the authors' code, one extra item next to the C weight rows.
 """
 
 from __future__ import annotations
@@ -94,22 +94,45 @@ def aggregate_gradients(
     return total / holders.clamp_min(1)[:, None, None], holders > 0
 
 
-def matching_loss(g_fed: torch.Tensor, g_agg: torch.Tensor, classes: torch.Tensor | Sequence[int]) -> torch.Tensor:
+BIAS_TERMS = ("released", "row", "weights")
+"""How the bias gradient enters Eq. 6 (:func:`matching_loss`)."""
+
+
+def _dissimilarity(fed: torch.Tensor, agg: torch.Tensor) -> torch.Tensor:
+    """``1 - cos`` along the last dimension (see ``COSINE_EPS``)."""
+    dot = (fed * agg).sum(dim=-1)
+    return 1.0 - dot / (fed.norm(dim=-1).clamp_min(COSINE_EPS) * agg.norm(dim=-1).clamp_min(COSINE_EPS))
+
+
+def matching_loss(g_fed: torch.Tensor, g_agg: torch.Tensor, classes: torch.Tensor | Sequence[int],
+                  bias: str = "released") -> torch.Tensor:
     """Eq. 6 summed over ``classes``: ``sum_c (1/C) sum_j (1 - cos(g_fed[c, j], g_agg[c, j]))``.
 
-    Each class contributes the paper's ``D`` (a mean over the ``C`` classifier rows, so in
-    [0, 2]); classes are summed, as in the paper's objective over all classes, so the loss
-    scale grows with the number of classes matched. ``classes`` is a list of class indices or a
-    (C,) bool mask. See ``COSINE_EPS`` for zero rows. Differentiable w.r.t. ``g_fed``.
+    Each class contributes the paper's ``D`` (a mean over the ``C`` classifier rows); classes are
+    summed, as in the paper's objective over all classes, so the loss scale grows with the number
+    of classes matched. ``classes`` is a list of class indices or a (C,) bool mask. See
+    ``COSINE_EPS`` for zero rows. Differentiable w.r.t. ``g_fed``.
+
+    ``bias`` (the last column of the ``(C, C, d+1)`` layout): ``released``, the authors' code: the
+    rows are the weight gradients alone and the bias gradient (a C-vector) is one more term, so a
+    class contributes ``(sum_j (1 - cos_j) + (1 - cos_bias)) / C`` and an lr of ``0.1 C`` on it is
+    exactly the released code's step at lr 0.1; ``row``: the bias gradient is one more column of
+    every row (fedlt's earlier reading); ``weights``: the paper's ``C x d`` gradient, the bias
+    left out.
     """
     if g_fed.shape != g_agg.shape or g_fed.dim() != 3:
         raise ValueError(f"expected two (C, C, d+1) gradients, got {tuple(g_fed.shape)} and {tuple(g_agg.shape)}")
+    if bias not in BIAS_TERMS:
+        raise ValueError(f"bias must be one of {BIAS_TERMS}, got {bias!r}")
     index = torch.as_tensor(classes, device=g_fed.device)
     index = torch.nonzero(index).flatten() if index.dtype == torch.bool else index.long()
     fed, agg = g_fed[index], g_agg[index].to(g_fed.dtype)
-    dot = (fed * agg).sum(dim=-1)
-    cos = dot / (fed.norm(dim=-1).clamp_min(COSINE_EPS) * agg.norm(dim=-1).clamp_min(COSINE_EPS))
-    return (1.0 - cos).mean(dim=-1).sum()
+    if bias == "row":
+        return _dissimilarity(fed, agg).mean(dim=-1).sum()
+    rows = _dissimilarity(fed[..., :-1], agg[..., :-1])  # (k, C): the weight rows
+    if bias == "weights":
+        return rows.mean(dim=-1).sum()
+    return ((rows.sum(dim=-1) + _dissimilarity(fed[..., -1], agg[..., -1])) / rows.shape[-1]).sum()
 
 
 class FederatedFeatures:
@@ -117,11 +140,11 @@ class FederatedFeatures:
 
     The features are created once (standard normal, from ``generator``) and refined every round
     by :meth:`match`; one SGD optimiser lives across rounds so its momentum carries over, and
-    :meth:`state_dict` checkpoints both. The default ``feature_lr = 0.1`` is CReFF's; momentum
-    0.5 is the feature optimiser of gradient-matching dataset condensation (Zhao et al., ICLR
-    2021), whose matching loss CReFF adopts. The authors' code sums the cosine dissimilarities
-    over the C rows where Eq. 6 (and :func:`matching_loss`) averages them, so its lr of 0.1
-    corresponds to ``feature_lr = 0.1 * C`` here. Classes absent from a round get no matching
+    :meth:`state_dict` checkpoints both. The default ``momentum`` 0.5 is the feature optimiser of
+    gradient-matching dataset condensation (Zhao et al., ICLR 2021), whose matching loss CReFF
+    adopts; CReFF's calibrator passes its own knobs (plain SGD, as the paper and its code). The
+    authors' code sums the cosine dissimilarities over the C rows where Eq. 6 (and
+    :func:`matching_loss`) averages them, so its lr of 0.1 corresponds to ``feature_lr = 0.1 * C`` here. Classes absent from a round get no matching
     gradient (only residual momentum moves them).
     """
 
@@ -164,12 +187,14 @@ class FederatedFeatures:
         return torch.cat([grad_w, grad_b[:, :, None]], dim=2)
 
     def match(
-        self, weight: torch.Tensor, bias: torch.Tensor, g_agg: torch.Tensor, present: torch.Tensor, steps: int
+        self, weight: torch.Tensor, bias: torch.Tensor, g_agg: torch.Tensor, present: torch.Tensor, steps: int,
+        bias_term: str = "released",
     ) -> float:
         """Optimise the features for ``steps`` steps on Eq. 6 against ``g_agg`` for the present classes.
 
         ``(weight, bias)`` is the classifier the clients' gradients were computed with, held
-        fixed. Returns the matching loss of the features after the last step.
+        fixed; ``bias_term`` is :func:`matching_loss`'s ``bias``. Returns the matching loss of the
+        features after the last step.
         """
         device = self.features.device
         present = present.to(device)
@@ -178,11 +203,11 @@ class FederatedFeatures:
         target = g_agg.detach().to(device=device, dtype=torch.float32)
         with torch.enable_grad():
             for _ in range(steps):
-                loss = matching_loss(self.gradients(weight, bias), target, present)
+                loss = matching_loss(self.gradients(weight, bias), target, present, bias_term)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward(inputs=[self.features])
                 self.optimizer.step()
-        return float(matching_loss(self.gradients(weight, bias), target, present).detach())
+        return float(matching_loss(self.gradients(weight, bias), target, present, bias_term).detach())
 
     def features_and_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The features as a (C*m, d) training set, class-major, with their int64 labels."""

@@ -16,7 +16,9 @@ synthetic features per class on which the global classifier is then fine-tuned (
 
 Choices where the paper is silent (the released code agrees unless noted): every step uses the
 whole bank (Algorithm 1's "batch" is the bank); covariances are the unbiased (n - 1) estimates
-on both sides; ``eps`` (1e-5, Appendix B) is added to both the target and the bank's covariance;
+on both sides (the released code's target covariance is the biased 1/n one); ``eps`` (1e-5,
+Appendix B) is added to both the target and the bank's covariance (the released code adds 1e-6
+to the bank's);
 the bank and the features are float32, the d x d Cholesky factors and
 triangular solves float64; ``L_ARR`` is summed over the
 feature dimensions and averaged over the bank's rows; the bank's optimiser is SGD (lr 1.0,
