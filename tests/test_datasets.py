@@ -794,6 +794,15 @@ def test_a_class_without_training_samples_is_a_data_error(tmp_path: Path) -> Non
         build_federated_data(cfg, seed=0)
 
 
+def test_a_class_without_test_samples_is_a_data_error(tmp_path: Path) -> None:
+    """A test split lacking a class would report that class's accuracy as 0% and pull its shot group down."""
+    write_cifar10(tmp_path)
+    rewrite_cifar10(tmp_path, list(range(10)), list(range(9)))  # no truck (class 9) in the test split
+    cfg = DataConfig(dataset="cifar10", root=str(tmp_path), imbalance_factor=1, num_clients=2)
+    with pytest.raises(DataError, match=r"class 9 \(truck\) has no test samples"):
+        build_federated_data(cfg, seed=0)
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "fragment"),
     [

@@ -739,6 +739,19 @@ def test_a_summary_with_no_evaluated_round_selects_its_best_round_by_nothing():
     assert summarize(cfg, no_global, {})["best_round"]["selected_by"] == "pm_acc"
 
 
+def test_a_run_without_a_global_model_chooses_its_best_round_on_local_validation_sets():
+    """FedPer with data.val_per_class chose its best round on pm_acc (the local test sets) though
+    val_pm_acc was there to choose on."""
+    from fedlt.results import summarize
+
+    cfg = fedlt.load_config(None, ["data.dataset=synthetic", "method=fedper", "data.val_per_class=20"])
+    comm = dict.fromkeys(("down_model", "down_payload", "up_model", "up_payload"), 0)
+    rows = [{"round": 1, "pm_acc": 50.0, "val_pm_acc": 70.0, "comm": comm},
+            {"round": 2, "pm_acc": 60.0, "val_pm_acc": 65.0, "comm": comm}]
+    best = summarize(cfg, rows, {})["best_round"]
+    assert (best["round"], best["selected_by"]) == (1, "val_pm_acc")
+
+
 def test_resuming_a_finished_run_makes_its_lost_artifacts_again(tmp_path):
     """A finished run's artifacts.pt (CReFF's federated features, for the report's plots), deleted since,
     stayed missing after a resume that said the run was complete; it is made again, equal, from the final

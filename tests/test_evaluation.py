@@ -122,13 +122,21 @@ def test_global_metrics_on_a_hand_made_correct_vector() -> None:
     losses = torch.arange(14, dtype=torch.float32)
     groups = ShotGroups({"many": [0, 1], "medium": [2], "few": [3]}, "hand-made")
     m = global_metrics(correct, losses, labels, groups, num_classes=4)
-    assert m["acc"] == pytest.approx(100 * 7 / 14)
+    # classes of 4, 2, 5 and 3 samples: acc weighs each class alike, as a balanced test set would (not 7/14)
+    assert m["acc"] == pytest.approx((75 + 50 + 0 + 100) / 4)
     assert m["per_class_acc"] == pytest.approx([75.0, 50.0, 0.0, 100.0])
     # group accuracy is the mean of its classes' accuracies, not of its samples (that would be 4/6)
     assert m["many_acc"] == pytest.approx(62.5)
     assert m["medium_acc"] == pytest.approx(0.0)
     assert m["few_acc"] == pytest.approx(100.0)
     assert m["loss"] == pytest.approx(6.5)
+
+
+def test_global_metrics_acc_on_a_balanced_set_is_the_plain_accuracy() -> None:
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    correct = torch.tensor([1, 1, 1, 0, 0, 0, 1, 1], dtype=torch.bool)
+    groups = ShotGroups({"many": [0, 1], "medium": [2], "few": [3]}, "hand-made")
+    assert global_metrics(correct, torch.zeros(8), labels, groups, num_classes=5)["acc"] == 100 * 5 / 8  # class 4: none
 
 
 def test_global_metrics_empty_group_is_none() -> None:

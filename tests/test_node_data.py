@@ -337,6 +337,18 @@ def test_synthetic_export_round_trips(tmp_path: Path) -> None:
     assert lines[-2].startswith("nodes 3/3 written") and lines[-1] == "server written (test 1000, validation 50 images)"
 
 
+def test_export_fills_an_existing_empty_folder_in_place(tmp_path: Path) -> None:
+    """An existing empty OUT (a mount point, the shell's working directory) stays the same folder."""
+    cfg = load_config(None, SYNTHETIC)
+    out = tmp_path / "fed"
+    out.mkdir()
+    inode = out.stat().st_ino
+    export_federation(cfg, out)
+    assert out.stat().st_ino == inode
+    assert sorted(p.name for p in out.iterdir()) == ["federation.yaml", "nodes", "server"]
+    assert_round_trip(out, cfg, build_federated_data(cfg.data, cfg.seed))
+
+
 def test_fashion_mnist_export_round_trips(tmp_path: Path) -> None:
     root = write_balanced_fmnist(tmp_path / "idx")
     cfg = load_config(None, ["data.dataset=fmnist", f"data.root={root}", "data.num_clients=4",

@@ -551,9 +551,10 @@ def data_export_cmd(
         check_deployable(config, [*args, "flower.node_data=true", "data.val_per_class=0"])
         try:
             folder = export_federation(cfg, out, progress=lambda line: typer.echo(line, err=True))
-        except KeyboardInterrupt:
-            typer.echo(f"fedlt: interrupted; nothing was written to {out}", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as stop:
+            by = " by SIGTERM" if isinstance(stop, Terminated) else ""
+            typer.echo(f"fedlt: interrupted{by}; nothing was written to {out}", err=True)
+            raise typer.Exit(143 if by else 130) from None
         val = folder / "server" / "val"
         typer.echo(f"wrote {folder} ({cfg.data.num_clients} nodes); deploy it with: fedlt deploy --node-data "
                    f"{folder / 'nodes'} --server-test {folder / 'server' / 'test'} {folder / 'federation.yaml'}"

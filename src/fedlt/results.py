@@ -203,7 +203,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
     chosen on validation accuracy where the run has a validation set."""
     evaluated = [r for r in rows if "acc" in r or "pm_acc" in r]
     final = evaluated[-1] if evaluated else {}
+    # a run without a global model but with local validation sets chooses its round on val_pm_acc, so the
+    # local test sets are read once, for the result (docs/evaluation.md)
     key = "val_acc" if final.get("val_acc") is not None else "acc" if final.get("acc") is not None else \
+        "val_pm_acc" if final.get("val_pm_acc") is not None else \
         "pm_acc" if final.get("pm_acc") is not None else None  # None: no round was evaluated
     best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
     server = {k: v for k, v in final.items() if k not in ENGINE_KEYS}

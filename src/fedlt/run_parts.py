@@ -16,7 +16,7 @@ import torch
 
 from fedlt.calibration.calibrators import CALIBRATORS
 from fedlt.config import Config, LossConfig
-from fedlt.data.federated import FederatedData, build_federated_data
+from fedlt.data.federated import FederatedData, build_federated_data, check_class_order
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, PRIOR_LOSSES, make_loss
@@ -205,9 +205,7 @@ def check_config(cfg: Config) -> MethodSpec:
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{cfg.data.dataset}'; set data.dataset to one of: {', '.join(DATASETS)}")
     check_model_input(cfg.model.name, cfg.data, DATASETS[cfg.data.dataset])
-    if DATASETS[cfg.data.dataset].long_tailed and cfg.data.class_order != "natural":
-        raise ConfigError(f"{cfg.data.dataset} is long-tailed as distributed, each class keeping its own size, so "
-                          "no class order applies; drop data.class_order")
+    check_class_order(cfg.data)
     check_tracking(cfg)
     given = [k for k in ("test_data", "val_data") if getattr(cfg.eval, k) is not None]
     if given and not cfg.flower.node_data:

@@ -16,7 +16,9 @@ gives the rows back in order; PNG is lossless, so the pixels come back bit-ident
 ``federation.yaml`` has ``data.classes`` filled in and ``flower.node_data: true``.
 
 The export is written into a hidden ``.OUT.partial-*`` folder beside OUT and renamed to OUT at the
-end, so an interrupted export never leaves a half-written OUT.
+end (into a hidden ``OUT/.partial-*`` folder whose entries are moved up, when OUT is an existing
+empty folder: a mount point or a shell's working directory stays the same folder), so an
+interrupted export never leaves a half-written OUT.
 """
 
 from __future__ import annotations
@@ -79,7 +81,13 @@ def export_federation(cfg: Config, out: Path | str, progress: Callable[[str], No
     if data.train.in_channels not in MODES:
         raise DataError(f"{cfg.data.dataset} has {data.train.in_channels}-channel images, which PNG files cannot "
                         "hold losslessly here; export a dataset of 1 or 3 channels")
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    # An existing (empty) folder is kept and filled: renaming a staging folder over it would fail on a
+    # mount point (EBUSY, after all the writing) and would leave a shell whose working directory it is
+    # in a deleted folder. The staging folder then lies inside it, on the file system the export goes to.
+    inside = out.is_dir()
+    tag = f".partial-{os.getpid()}-{secrets.token_hex(4)}"
+    staging = out / tag if inside else out.parent / f".{out.name}{tag}"
+    moved: list[Path] = []
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
@@ -87,12 +95,20 @@ def export_federation(cfg: Config, out: Path | str, progress: Callable[[str], No
             _write_nodes(data, classes, staging / NODES, pool, progress)
             _write_server(data, classes, staging / SERVER, pool, progress)
         (staging / FEDERATION_FILE).write_text(yaml.safe_dump(federation, sort_keys=False, allow_unicode=True))
-        os.replace(staging, out)
+        if inside:  # federation.yaml last: a folder holding it is a complete export
+            for name in (NODES, SERVER, FEDERATION_FILE):
+                os.replace(staging / name, out / name)
+                moved.append(out / name)
+        else:
+            os.replace(staging, out)
+        moved = []
     except OSError as err:
         raise DataError(f"cannot write the export to {out} ({err.strerror or err}); choose a writable, new or "
                         "empty folder with enough space") from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for path in moved:  # a failure between the moves: OUT goes back to empty
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return out
 
 

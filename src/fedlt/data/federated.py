@@ -18,7 +18,7 @@ from fedlt.data.partition import (
 )
 from fedlt.data.registry import DATASETS, load_dataset
 from fedlt.data.validation import balanced_indices, complement, resolve_source
-from fedlt.errors import DataError
+from fedlt.errors import ConfigError, DataError
 from fedlt.seeding import numpy_rng
 
 
@@ -85,7 +85,9 @@ class FederatedData:
         return (
             f"{len(self.train)} training samples in {self.num_classes} classes "
             f"(head {counts.max()}, tail {counts.min()}), {self.num_clients} clients "
-            f"of {sizes.min()}..{sizes.max()} samples; {len(self.test)} balanced test samples"
+            f"of {sizes.min()}..{sizes.max()} samples; {len(self.test)} "
+            + ("balanced " if len(set(self.test.class_counts().tolist())) == 1 else "")
+            + "test samples"
             + (f"; {len(self.val)} balanced validation samples (from {self.val_source})" if self.val is not None else "")
         )
 
@@ -116,6 +118,13 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
     return iid_partition(labels, cfg.num_clients, rng)
 
 
+def check_class_order(cfg: DataConfig) -> None:
+    """A dataset long-tailed as distributed keeps each class's own size: no head/tail order applies."""
+    if cfg.dataset in DATASETS and DATASETS[cfg.dataset].long_tailed and cfg.class_order != "natural":
+        raise ConfigError(f"{cfg.dataset} is long-tailed as distributed, each class keeping its own size, so "
+                          "no class order applies; drop data.class_order")
+
+
 def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str = "cpu", *,
                          loaded: dict[tuple, DatasetPair] | None = None) -> FederatedData:
     """Load the source, hold out the validation set, subsample it long-tailed (IF; a source that is
@@ -127,6 +136,7 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     ``loaded`` keeps the last dataset read for the next call that reads the same one (several
     federations of one dataset, as ``fedlt bench`` validates them).
     """
+    check_class_order(cfg)
     info = DATASETS[cfg.dataset] if cfg.dataset in DATASETS else None
     source = None
     if cfg.val_per_class and info is not None:

@@ -154,8 +154,8 @@ def load_dataset(
     root : folder holding the dataset's files; see the module docstring for the fallbacks
     image_size : image side for imagenet_lt, inat and synthetic; for fixed-size datasets it
         may only repeat the native size
-    every_class : also require a training sample of every class (``classes``, the dataset's
-        class list), as training does; small test files may lack classes
+    every_class : also require a training and a test sample of every class (``classes``, the
+        dataset's class list), as a federation does; without it small test files may lack classes
     with_val : also load the dataset's own validation split (``DatasetPair.val``); a dataset
         without one is a DataError
 
@@ -174,6 +174,7 @@ def load_dataset(
         _finish(name, where, split, which)
     if every_class:
         _require_every_class(name, where, pair.train)
+        _require_every_class(name, where, pair.test, "test")
     if with_val:
         if info.val_loader is None:
             raise DataError(f"{name} has no validation list of its own; use data.val_from=train or test (or auto)")
@@ -237,14 +238,15 @@ def _finish(name: str, where: Path | str, split: ImageDataset, which: str) -> No
         split.images = split.images.contiguous()
 
 
-def _require_every_class(name: str, where: Path | str, train: ImageDataset) -> None:
-    """Every class in ``train.classes`` needs a training sample, or the class count would shrink downstream."""
-    missing = torch.nonzero(train.class_counts() == 0).flatten().tolist()
+def _require_every_class(name: str, where: Path | str, split: ImageDataset, which: str = "training") -> None:
+    """Every class in ``split.classes`` needs a sample: a training one, or the class count would shrink
+    downstream; a test one, or the class's accuracy (and its shot group's) would read 0 instead of unmeasured."""
+    missing = torch.nonzero(split.class_counts() == 0).flatten().tolist()
     if missing:
         c = missing[0]
-        label = f"class {c}" if train.classes[c] == str(c) else f"class {c} ({train.classes[c]})"
+        label = f"class {c}" if split.classes[c] == str(c) else f"class {c} ({split.classes[c]})"
         others = f" and {len(missing) - 1} other classes have" if len(missing) > 1 else " has"
         raise DataError(
-            f"{name}: {label}{others} no training samples in {where}, but {name} has {train.num_classes} "
+            f"{name}: {label}{others} no {which} samples in {where}, but {name} has {split.num_classes} "
             f"classes; the files are incomplete or not {name}'s, {_REFETCH}"
         )
