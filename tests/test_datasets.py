@@ -84,6 +84,16 @@ def test_fmnist_round_trip(tmp_path: Path) -> None:
     assert pair.train.mean == (0.2860,) and pair.train.std == (0.3530,)
 
 
+def test_fmnist_gzipped_files_without_the_suffix_are_read(tmp_path: Path) -> None:
+    """A gzipped IDX file renamed without .gz (a download saved under the plain name) was "not an IDX file"."""
+    arrays = write_fmnist(tmp_path / "fm")
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"):
+        (tmp_path / "fm" / f"{name}.gz").rename(tmp_path / "fm" / name)
+    pair = load_dataset("fmnist", root=str(tmp_path / "fm"))
+    assert np.array_equal(pair.train.images[:, 0].numpy(), arrays["train_x"])
+    assert pair.train.labels.tolist() == arrays["train_y"].tolist()
+
+
 def test_fmnist_found_through_fedlt_data_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_fmnist(tmp_path / "fashion-mnist")
     monkeypatch.setenv("FEDLT_DATA", str(tmp_path))

@@ -75,10 +75,14 @@ def _find(root: Path, name: str) -> Path | None:
     return None
 
 
+#: the first two bytes of every gzip file; an IDX file starts with two zero bytes
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def _read(path: Path) -> bytes:
     try:
         data = path.read_bytes()
-        return gzip.decompress(data) if path.suffix == ".gz" else data
+        return gzip.decompress(data) if data[:2] == GZIP_MAGIC else data  # by content: a renamed .gz too
     except (OSError, EOFError, zlib.error) as exc:
         raise DataError(f"{DATASET}: cannot read {path} ({exc}); {_REFETCH}") from exc
 
