@@ -154,6 +154,17 @@ def test_unranked_rows_and_the_message_section_of_a_suite(tiny_suite, tmp_path):
     assert "## What a client uploads" not in write_report(out, tmp_path / "plain", with_plots=False).markdown
 
 
+def test_a_row_not_run_yet_is_named_in_the_notes_the_glance_table_points_to(tmp_path):
+    """`--row` runs some rows first; the glance table's "no finished seed (see the notes)" then had no note."""
+    tree = {**TINY_SUITE, "seeds": [0],
+            "methods": [{"name": "FedAvg", "overrides": ["method=fedavg"]}, TINY_SUITE["methods"][1]]}
+    suite = load_suite(write_suite(tmp_path / "s.yaml", tree))
+    run_suite(suite, tmp_path / "out", rows=["FedAvg"], echo=lambda line: None)
+    table = write_report(tmp_path / "out", with_plots=False).markdown
+    assert "| FedProx (0/1 seeds) | - | no finished seed (see the notes) |" in table
+    assert "row 'FedProx': no cell has run yet; `fedlt bench` runs it (--row to run it alone)" in table
+
+
 def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch):
     from fedlt.methods.fedprox import FedProxClient
 
@@ -520,6 +531,8 @@ def test_changed_config_in_a_cell_folder_is_an_error_not_a_mix(tiny_suite, tmp_p
 BAD_SUITES = {
     "unknown_key": ({**TINY_SUITE, "setings": []}, "unknown key 'setings'"),
     "no_methods": ({k: v for k, v in TINY_SUITE.items() if k != "methods"}, "key 'methods' is missing"),
+    "methods_misspelt": ({**{k: v for k, v in TINY_SUITE.items() if k != "methods"}, "method": TINY_SUITE["methods"]},
+                         "unknown key 'method'"),
     "not_key_value": ({**TINY_SUITE, "overrides": ["fl.rounds"]}, "overrides: 'fl.rounds' is not key=value"),
     "bad_name": ({**TINY_SUITE, "name": "My Suite"}, "name: 'My Suite' is not a slug"),
     "bool_seed": ({**TINY_SUITE, "seeds": [True, 2]}, "seeds[0]: Input should be a valid integer"),

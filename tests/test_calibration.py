@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -123,6 +124,9 @@ def test_taunorm_on_fedloge_rescales_psi(tmp_path):
 def test_calibration_errors_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown calibration 'ccrv'"):
         fedlt.run(tiny(tmp_path, calibration="ccrv"), quiet=True)
+    brackets = re.escape('write a list in brackets, quoted for the shell: "calibration=[ccvr,fed3r]"')
+    with pytest.raises(ConfigError, match=brackets):
+        fedlt.run(tiny(tmp_path, calibration="ccvr,fed3r"), quiet=True)
     with pytest.raises(ConfigError, match="calibration_args.creff_m"):
         fedlt.run(tiny(tmp_path, calibration="creff", calibration_args={"creff_m": 3}), quiet=True)
     with pytest.raises(ConfigError, match="no calibration"):

@@ -231,6 +231,13 @@ def error_cases(data: Path) -> dict[str, Case]:
         "bad_option_value": Case(["bench", "run", "demo", "--workers", "abc"], "'--workers'", "not a valid integer",
                                  "see `fedlt bench run --help`", out_dir=False),
         "unknown_command": Case(["nosuchcmd"], "No such command 'nosuchcmd'", out_dir=False),
+        "misspelt_command": Case(["benchh"], "No such command 'benchh'. Did you mean 'bench'?; see `fedlt --help`",
+                                 out_dir=False),  # typer's and click's suggestion, once
+        "config_after_override": Case(["run", "fl.rounds=1", "configs/synthetic_smoke.yaml"],
+                                      "'configs/synthetic_smoke.yaml' is a config file among the key=value overrides; "
+                                      "give it first", out_dir=False),
+        "override_before_suite": Case(["bench", "fl.rounds=1", "demo"], "'fl.rounds=1' is a key=value override where "
+                                      "the suite is expected; give the suite first", out_dir=False),
         "option_without_value": Case(["run", "--resume"], "Option '--resume' requires an argument", out_dir=False),
     }
 

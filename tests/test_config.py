@@ -373,6 +373,19 @@ def test_override_without_equals_sign(item: str) -> None:
     assert f"'{item}'" in msg and "key=value" in msg
 
 
+def test_overrides_given_as_one_string_are_refused_with_the_fix() -> None:
+    """``overrides="fl.rounds=2"`` was read one character at a time ("override 'f' is not key=value")."""
+    with pytest.raises(ConfigError, match=r"list of key=value strings.*overrides=\['fl.rounds=2'\]"):
+        load_config(None, "fl.rounds=2")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="list of key=value strings"):
+        apply_overrides({}, "fl.rounds=2")  # type: ignore[arg-type]
+
+
+def test_config_file_after_an_override_says_to_give_it_first() -> None:
+    with pytest.raises(ConfigError, match=r"'configs/x.yaml' is a config file among the key=value overrides; give it"):
+        apply_overrides({}, ["fl.rounds=2", "configs/x.yaml"])
+
+
 @pytest.mark.parametrize("item", ["data..alpha=1", ".alpha=1", "=3"])
 def test_override_with_empty_key_part(item: str) -> None:
     assert "empty" in config_error(overrides=[item])

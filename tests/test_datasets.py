@@ -100,6 +100,16 @@ def test_fmnist_found_through_fedlt_data_subfolder(tmp_path: Path, monkeypatch: 
     assert len(load_dataset("fmnist").train) == 7
 
 
+def test_fmnist_data_root_holding_the_subfolder_is_narrowed_like_fedlt_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.root=DIR finds DIR/fashion-mnist as FEDLT_DATA=DIR does (and as CIFAR's loader does), so one
+    data.root serves a suite whose cells read several datasets (`fedlt bench paper-sfd data.root=/data`)."""
+    write_fmnist(tmp_path / "fashion-mnist")
+    monkeypatch.delenv("FEDLT_DATA", raising=False)
+    assert len(load_dataset("fmnist", root=str(tmp_path)).train) == 7
+    assert len(load_dataset("fmnist", root=str(tmp_path / "fashion-mnist")).train) == 7
+
+
 @pytest.mark.parametrize(
     ("damage", "fragments"),
     [
@@ -838,8 +848,8 @@ def test_an_empty_split_is_a_data_error(tmp_path: Path, which: str) -> None:
         rewrite_cifar10(tmp_path, train_labels=labels, test_labels=[])
     else:
         rewrite_cifar10(tmp_path, train_labels=[], test_labels=labels)
-    message = error_of("cifar10", tmp_path)
-    assert f"cifar10: the {which} set in {tmp_path} is empty (0 images)" in message
+    message = error_of("cifar10", tmp_path)  # data.root is narrowed to the cifar-10-batches-py/ it holds
+    assert f"cifar10: the {which} set in {tmp_path / 'cifar-10-batches-py'} is empty (0 images)" in message
     # Before the fix an empty test set trained and reported accuracy NaN.
     cfg = DataConfig(dataset="cifar10", root=str(tmp_path), imbalance_factor=1, num_clients=2)
     with pytest.raises(DataError, match=f"the {which} set in .* is empty"):

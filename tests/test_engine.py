@@ -234,6 +234,28 @@ def test_a_hand_edited_config_is_refused_at_resume_but_how_the_run_executes_may_
     assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 4
 
 
+def test_a_resume_under_other_resolved_knobs_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A run interrupted under one fedlt and resumed under one whose default of a knob changed went on
+    with the new value under the same config, its summary naming only that one. Each checkpoint keeps
+    the knobs its rounds resolved to; a resume that resolves them otherwise is refused."""
+    from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+    from fedlt.errors import ConfigError
+
+    run_dir = run_until_crash_in_round_3(tiny(tmp_path, method="fedprox", fl__local_epochs=1, run__name="cut"),
+                                         monkeypatch)
+    ckpt = load_checkpoint(run_dir)
+    assert ckpt["resolved_args"] == {"method_args": {"mu": 0.01}, "calibration_args": None}
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    save_checkpoint(run_dir, {**ckpt, "resolved_args": {"method_args": {"mu": 0.5}, "calibration_args": None}})
+    files["checkpoint.pt"] = (run_dir / "checkpoint.pt").read_bytes()
+    with pytest.raises(ConfigError, match=re.escape(f"the first 2 rounds of {run_dir} ran method_args.mu=0.5, which "
+                                                    "this fedlt resolves to 0.01 (a changed default or knob)")):
+        fedlt.resume(run_dir, quiet=True)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+    save_checkpoint(run_dir, {k: v for k, v in ckpt.items() if k != "resolved_args"})  # from before the record
+    assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 4
+
+
 def cut_in_round_3_and_resume(cfg: dict, monkeypatch):
     """Run ``cfg`` until a crash in round 3 (after round 2's checkpoint), then resume it to the end."""
     run_dir = run_until_crash_in_round_3(cfg, monkeypatch)

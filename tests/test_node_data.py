@@ -349,6 +349,28 @@ def test_export_fills_an_existing_empty_folder_in_place(tmp_path: Path) -> None:
     assert_round_trip(out, cfg, build_federated_data(cfg.data, cfg.seed))
 
 
+def test_an_export_killed_outright_leaves_nothing_that_blocks_the_next(tmp_path: Path) -> None:
+    """An export into an existing folder stages inside it; killed by SIGKILL, it left a hidden staging
+    folder there, and every later export into that folder was refused as "not empty"."""
+    import re
+
+    from fedlt.data.export import check_export_folder
+    from fedlt.errors import DataError
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    out = tmp_path / "fed"
+    (out / f".partial-{ended.pid}-0123abcd" / "nodes").mkdir(parents=True)  # its process is gone
+    live = out / f".partial-{os.getpid()}-0123abcd"
+    live.mkdir()  # an export still writing
+    with pytest.raises(DataError, match=f"export folder {re.escape(str(out))} is not empty"):
+        check_export_folder(out)
+    live.rmdir()
+    cfg = load_config(None, SYNTHETIC)
+    export_federation(cfg, out)
+    assert sorted(p.name for p in out.iterdir()) == ["federation.yaml", "nodes", "server"]
+
+
 def test_fashion_mnist_export_round_trips(tmp_path: Path) -> None:
     root = write_balanced_fmnist(tmp_path / "idx")
     cfg = load_config(None, ["data.dataset=fmnist", f"data.root={root}", "data.num_clients=4",

@@ -248,7 +248,7 @@ def test_a_method_or_calibration_registered_in_code_is_refused_where_other_proce
                 check_config(cfg(method, engine="flower"))
             check_config(cfg(method))  # in this process: it runs
         with pytest.raises(ConfigError, match=r"^calibration scale is registered .* fedlt.calibrations entry point "
-                                              r"\(docs/calibration.md\), or use run.backend=sequential$"):
+                                              r"\(docs/writing-a-method.md\), or use run.backend=sequential$"):
             check_config(cfg("clipavg", **{"run.backend": "parallel", "calibration": "scale"}))
         check_config(cfg("clipavg", **{"run.backend": "parallel"}))  # the plug-in's: found by name anywhere
     finally:

@@ -183,6 +183,19 @@ def test_the_comparison_table_shows_a_figure_a_summary_lacks_as_a_dash():
     assert row.endswith("| 25 | 50.00 | - | - | - | - | - (20) |")
 
 
+def test_the_comparison_table_names_a_run_that_did_not_finish():
+    diverged = {**summary(10.0), "status": "diverged", "rounds_done": 3}
+    row = [line for line in comparison_table([("d", diverged)]).splitlines() if line.startswith("| d")][0]
+    assert row.startswith("| d (diverged in round 4) |")
+
+
+def test_table_names_bench_cells_by_as_many_parent_folders_as_tell_them_apart():
+    from fedlt.cli import _distinct_names
+    cells = [Path("runs/main/s/fedavg/seed0"), Path("runs/main/s/fedprox/seed0"), Path("runs/main/s/fedprox/seed1")]
+    assert _distinct_names(cells) == ["fedavg/seed0", "fedprox/seed0", "fedprox/seed1"]
+    assert _distinct_names([Path("a/r1"), Path("b/r2")]) == ["r1", "r2"]
+
+
 def table_lines(markdown):
     """The detailed tables' lines (the glance section's summary table left out)."""
     detailed = re.sub(r"## At a glance.*?(?=\n## |\Z)", "", markdown, flags=re.S)
@@ -284,6 +297,13 @@ def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
 def _row(label, accs, ranked=True):
     runs = [Run(Path(label, f"seed{seed}"), seed, {"final": {"acc": a}}) for seed, a in enumerate(accs)]
     return Row(label, None, runs, ranked=ranked)
+
+
+def test_the_glance_verdict_of_a_row_without_a_global_model_says_so_not_zero_seeds():
+    from fedlt.reporting.tables import verdict
+    no_gm = Row("FedPer", None, [Run(Path("FedPer", f"seed{s}"), s, {"final": {"pm_acc": 50.0}}) for s in range(2)])
+    table = build_table(Setting("s", [_row("FedAvg", [50.0, 60.0]), no_gm]))
+    assert verdict(table, 1) == "no GM accuracy"
 
 
 def _acc_marks(*rows, reference=None):

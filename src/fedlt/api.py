@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from fedlt.config import Config, apply_overrides, build_config, load_config
+from fedlt.config import Config, apply_overrides, build_config, load_config, override_list
 from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
@@ -61,7 +61,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
-    for item in overrides or []:
+    overrides = override_list(overrides)
+    for item in overrides:
         key = item.split("=", 1)[0].strip()
         if not key.startswith(RESUME_MAY_CHANGE):
             raise ConfigError(f"{key}: a resumed run goes on with its saved config; only run.*, data.root and "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -180,6 +181,17 @@ def models_cmd() -> None:
         typer.echo(f"{name:14s} {desc}")
 
 
+def _distinct_names(run_dirs: List[Path]) -> List[str]:
+    """Each run's folder name, with as many parent folders as it takes to tell the runs apart (a bench's
+    cells are all ``seed<S>``: ``runs/main/*/*/seed0`` is named ``<setting>/<method>/seed0``)."""
+    parts = [d.resolve().parts for d in run_dirs]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in run_dirs]
+
+
 @app.command("table")
 def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories to compare")) -> None:
     """Print a markdown table comparing finished runs (final round; best round labelled)."""
@@ -192,8 +204,9 @@ def table_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories t
         for d in run_dirs:
             if not (d / "summary.json").is_file():
                 raise FedltError(f"{d} has no summary.json; pass directories of finished runs")
-            summaries.append((d.name, read_summary(d)))
-        typer.echo(comparison_table(summaries))
+            summaries.append((d, read_summary(d)))
+        typer.echo(comparison_table(list(zip(_distinct_names([d for d, _ in summaries]),
+                                             (s for _, s in summaries)))))
 
     _guard(go)
 
@@ -587,7 +600,9 @@ def main() -> None:
         code = 0
     except click.UsageError as err:
         hint = f"; see `{err.ctx.command_path} --help`" if err.ctx else ""
-        typer.echo(f"fedlt: error: {err.format_message().rstrip('.')}{hint}", err=True)
+        # typer and click each append their "Did you mean ...?" to an unknown command: keep one
+        message = re.sub(r"( Did you mean [^?]*\?)(\1)+", r"\1", err.format_message()).rstrip(".")
+        typer.echo(f"fedlt: error: {message}{hint}", err=True)
         code = 2
     except typer.Abort:  # click's Abort in older typer, typer's own in newer
         typer.echo("fedlt: interrupted", err=True)

@@ -471,10 +471,24 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def override_list(overrides: list[str] | None) -> list[str]:
+    """``overrides`` as a list; a lone string (``overrides="fl.rounds=2"``, which would otherwise be read
+    one character at a time) is refused with the fix."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, (str, bytes)):
+        raise ConfigError(f"overrides must be a list of key=value strings, not the string {overrides!r}; "
+                          f"write overrides=[{overrides!r}]")
+    return list(overrides)
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set dotted keys (``data.alpha=0.1``) in a nested dict; returns the same dict."""
-    for item in overrides:
+    for item in override_list(overrides):
         if "=" not in item:
+            if Path(item).suffix in (".yaml", ".yml"):  # the config file given after an override
+                raise ConfigError(f"'{item}' is a config file among the key=value overrides; give it first, "
+                                  f"before them: {item} key=value ...")
             raise ConfigError(f"override '{item}' is not key=value; write it like data.alpha=0.1")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
@@ -596,6 +610,7 @@ def build_config(tree: dict[str, Any] | None = None) -> Config:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (optional) + dotted ``key=value`` overrides -> validated config."""
     tree: dict[str, Any] = {}
+    overrides = override_list(overrides)
     if path is not None:
         p = Path(path)
         if p.is_dir():

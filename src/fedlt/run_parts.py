@@ -173,8 +173,8 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
         where, other = "the worker processes of run.backend=parallel", "run.backend=sequential"
     if where is None:
         return
-    named = [("method", cfg.method, METHODS, "writing-a-method"),
-             *(("calibration", n, CALIBRATORS, "calibration") for n in cfg.calibration)]
+    named = [("method", cfg.method, METHODS, "writing-a-method"),  # both kinds of entry point are described there
+             *(("calibration", n, CALIBRATORS, "writing-a-method") for n in cfg.calibration)]
     for kind, name, registry, page in named:
         if registry.in_code_only(name):
             raise ConfigError(f"{kind} {name} is registered in this process's code, and {where} build the run by "

@@ -254,7 +254,9 @@ def builtin_suites() -> dict[str, Path]:
 
 
 def _describe(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key is both unknown and, when required, missing: name the spelling, which is the fix
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "suite"
     if first["type"] == "extra_forbidden":
         return f"unknown key '{where}'; remove it or fix its spelling (see the suite format in docs/benchmarks.md)"
@@ -265,7 +267,7 @@ def _describe(err: ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"].endswith(("_type", "_parsing")) or first["type"] == "list_type":  # a value of the wrong kind
         return f"{where}: {message}, got {first['input']!r} (see the suite format in docs/benchmarks.md)"
-    return f"{where}: {message}"
+    return f"{where}: {message}" if first["loc"] else message  # a check across keys names its keys itself
 
 
 def parse_suite(tree: Any, source: str) -> SuiteSpec:
@@ -283,6 +285,9 @@ def load_suite(name_or_path: str | Path) -> Suite:
     if not path.is_file():
         builtin = builtin_suites()
         if str(name_or_path) not in builtin:
+            if "=" in str(name_or_path):  # an override given before the suite
+                raise ConfigError(f"'{name_or_path}' is a key=value override where the suite is expected; give the "
+                                  "suite first: fedlt bench SUITE key=value ...")
             raise ConfigError(f"no suite file or built-in suite '{name_or_path}'; give a YAML file or one of: "
                               f"{', '.join(builtin)} (fedlt bench list)")
         path = builtin[str(name_or_path)]

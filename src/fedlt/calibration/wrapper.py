@@ -321,6 +321,10 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
     name or knob fails before any run directory exists)."""
     unknown = [n for n in names if n not in CALIBRATORS]
     if unknown:
+        parts = [p.strip() for p in unknown[0].split(",")]
+        if len(parts) > 1 and all(p in CALIBRATORS for p in parts):  # a list written without its brackets
+            raise ConfigError(f"calibration '{unknown[0]}' is one name with commas; write a list in brackets, "
+                              f"quoted for the shell: \"calibration=[{','.join(parts)}]\"")
         raise ConfigError(f"unknown calibration '{unknown[0]}'; use calibration=<one or a list of "
                           f"{', '.join(CALIBRATORS)}>")
     if len(set(names)) != len(names):

@@ -24,6 +24,7 @@ interrupted export never leaves a half-written OUT.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -113,11 +114,32 @@ def export_federation(cfg: Config, out: Path | str, progress: Callable[[str], No
 
 
 def check_export_folder(out: Path) -> None:
-    """Refuse an export folder that is a file or holds anything, before any work starts."""
+    """Refuse an export folder that is a file or holds anything, before any work starts; the staging
+    folder an export killed outright (SIGKILL, power loss) left in it is removed, not held against it."""
     if out.exists() and not out.is_dir():
         raise DataError(f"export folder {out} is a file; give a new or empty folder")
-    if out.is_dir() and any(out.iterdir()):
+    if not out.is_dir():
+        return
+    entries = list(out.iterdir())
+    stale = [e for e in entries if _left_by_a_dead_export(e)]
+    if len(stale) < len(entries):
         raise DataError(f"export folder {out} is not empty; give a new or empty folder")
+    for entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _left_by_a_dead_export(entry: Path) -> bool:
+    """Whether ``entry`` is the staging folder (``.partial-PID-HEX``) of an export whose process is gone."""
+    match = re.fullmatch(r"\.partial-(\d+)-[0-9a-f]{8}", entry.name)
+    if match is None or not entry.is_dir() or entry.is_symlink():
+        return False
+    try:
+        os.kill(int(match[1]), 0)
+    except (ProcessLookupError, OverflowError):  # no such process (or a pid none can have)
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def _classes(cfg: Config, data: FederatedData) -> list[str]:

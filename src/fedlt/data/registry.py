@@ -1,7 +1,7 @@
 """Dataset names -> loaders, and where each dataset's files are looked for.
 
-Root resolution, first match wins: an explicit ``root`` (``data.root``); ``$FEDLT_DATA``,
-narrowed to its conventional subfolder for the dataset when that exists, so one
+Root resolution, first match wins: an explicit ``root`` (``data.root``) and then ``$FEDLT_DATA``,
+each narrowed to its conventional subfolder for the dataset when that exists, so one
 ``FEDLT_DATA`` can hold every dataset side by side; the dataset's default folder (only
 Fashion-MNIST has one, from the Debian package).
 """
@@ -209,8 +209,9 @@ def resolve_image_size(name: str, requested: int | None) -> int:
 def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None:
     if info.subfolder is None:
         return None
-    if root is not None:
-        return Path(root).expanduser()
+    if root is not None:  # narrowed like $FEDLT_DATA, so one data.root serves a suite of several datasets
+        given = Path(root).expanduser()
+        return given / info.subfolder if (given / info.subfolder).is_dir() else given
     env = os.environ.get("FEDLT_DATA")
     if env:
         base = Path(env).expanduser()

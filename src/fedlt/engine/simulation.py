@@ -403,7 +403,25 @@ class Simulation:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
                 "pending": pending, "messages": self.message_record,
                 "in_clear": sorted(self.secure.in_clear) if self.secure else [], "config": json.dumps(self.cfg.dump()),
-                "segments": self.segments, "artifacts": self.artifact_names}
+                "segments": self.segments, "artifacts": self.artifact_names, "resolved_args": self._resolved_args()}
+
+    def _resolved_args(self) -> dict[str, Any]:
+        """Every knob the run trains with, defaults included: a resume under a fedlt whose defaults changed
+        would go on with other knobs than its first rounds had, under the same config."""
+        return {"method_args": self.resolved_method_args, "calibration_args": self.resolved_calibration_args}
+
+    def _check_resumed_knobs(self, run_dir: Path, ckpt: dict[str, Any]) -> None:
+        saved = ckpt.get("resolved_args")  # None: saved before checkpoints kept them
+        if not isinstance(saved, dict):
+            return
+        for group, now in self._resolved_args().items():
+            before = saved.get(group) or {}
+            changed = [k for k in sorted({*before, *(now or {})}) if before.get(k) != (now or {}).get(k)]
+            if changed:
+                k = changed[0]
+                raise ConfigError(f"the first {ckpt['round']} rounds of {run_dir} ran {group}.{k}={before.get(k)!r}, "
+                                  f"which this fedlt resolves to {(now or {}).get(k)!r} (a changed default or knob); "
+                                  "resume it with the fedlt version that started it, or start a new run")
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         """Train all rounds and write ``run_dir``, which no other process may write meanwhile.
@@ -421,6 +439,7 @@ class Simulation:
         if resume:
             ckpt = load_checkpoint(run_dir, self.device)
             check_resumed_config(cfg, run_dir, ckpt)
+            self._check_resumed_knobs(run_dir, ckpt)
             try:
                 start, elapsed, pending = ckpt["round"], ckpt["elapsed"], ckpt["pending"]
                 self.message_record = ckpt["messages"]

@@ -8,8 +8,9 @@ through the frozen SSE-C (only this one reaches the backbone), of the global aux
 backbone and ``psi`` are aggregated (FedAvg); ``phi_k`` stays in the client's ``ctx.state``.
 
 Stage 2, GA-FR (Eq. 6): every row of ``psi`` rescaled to unit norm; the paper's global model is
-the backbone with this head (``generic_head=psi``; the default reads the SSE-C, below). Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c / ||psi_c|| * ||phi_kc||``,
-the global head's directions with the client's norms; optionally fine-tuned on the client's
+the backbone with this head (``generic_head=psi``; the default reads the SSE-C, below).
+Stage 3, LA-FR (Eq. 7): ``phi'_kc = psi_c * ||phi_kc||``, with ``psi_c`` after GA-FR, ``psi_c / ||psi_c||`` (``la_fr_psi=unit``: the global head's directions with the
+client's norms), or as aggregated (``raw``); optionally fine-tuned on the client's
 features (Appendix A.5); personalized model k is the backbone with ``phi'_k`` in the paper's text
 (``personal_head=realigned``). The default is the released realignment script's (below), which the
 robustness suite's local validation sets select: ``phi'_k + phi_k`` with Eq. 7's raw psi_c.
@@ -20,7 +21,8 @@ Choices where the paper is silent (also in docs/methods/fedloge.md):
   aggregated ``psi_c`` (the default under the default ``personal_head=realigned_plus_phi``);
   ``unit`` uses its direction (GA-FR(psi), the stage before LA-FR in Algorithm 1; the default
   under ``personal_head=realigned``).
-- The personal heads mask the classes the client holds no *training* sample of. The released
+- The personal heads that add ``phi_k`` (``realigned_plus_phi``, ``psi_plus_phi``) mask the classes the
+  client holds no *training* sample of (``realigned`` masks none). The released
   code masks the classes absent from the client's *local test split* (``local_test_distribution``),
   which also drops classes the client holds but whose test share rounds to 0, and reads test labels.
 - ``psi`` and ``phi_k`` have no bias: the realignments act on norms, and a learned bias would

@@ -241,7 +241,7 @@ def _collect_suite(path: Path) -> Collection:
         for m in spec.methods:
             if m.settings is not None and s.name not in m.settings:
                 continue
-            folder, variant = m.name, None
+            folder, variant, noted = m.name, None, len(warnings)
             if m.grid:
                 chosen = selections[m.name].chosen.get(s.name)
                 if chosen is None:
@@ -257,6 +257,8 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
+            if not runs and len(warnings) == noted:  # nothing failed or was left out: its cells never ran
+                warnings.append(f"row '{m.name}': no cell has run yet; `fedlt bench` runs it (--row to run it alone)")
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
             reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \

@@ -28,6 +28,10 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
         loss = s.get("loss", "-")
         calibration = s.get("calibration") or []
         label = f"{name} [{calibration[0]}]" if calibration else name
+        if s.get("status"):  # a run that did not finish (diverged, aborted): its numbers are not a result
+            done = s.get("rounds_done")
+            label += (f" ({s['status']}" + ("" if done is None else f" in round {done + 1}" if s["status"] == "diverged"
+                                            else f" after round {done}") + ")")
         lines.append(
             f"| {label} | {s['method']} | {loss} | {f['round']} | {_cell(f.get('acc'))} | {_cell(f.get('many_acc'))} "
             f"| {_cell(f.get('medium_acc'))} | {_cell(f.get('few_acc'))} | {_cell(f.get('pm_acc'))} "

@@ -209,6 +209,8 @@ def verdict(t: Table, i: int) -> str:
     excludes 0, else not resolved (or why there is no interval)."""
     if i == t.reference:
         return "reference"
+    if t.cells[i]["acc"] is None:  # its runs measure no global model (FedPer), not zero seeds
+        return "no GM accuracy"
     d = t.diffs[i]["acc"]
     if d is None or d.ci is None:
         return f"n/a ({d.n if d else 0} seed{'s' * ((d.n if d else 0) != 1)})"
