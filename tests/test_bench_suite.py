@@ -162,7 +162,7 @@ def test_a_row_not_run_yet_is_named_in_the_notes_the_glance_table_points_to(tmp_
     run_suite(suite, tmp_path / "out", rows=["FedAvg"], echo=lambda line: None)
     table = write_report(tmp_path / "out", with_plots=False).markdown
     assert "| FedProx (0/1 seeds) | - | no finished seed (see the notes) |" in table
-    assert "row 'FedProx': no cell has run yet; `fedlt bench` runs it (--row to run it alone)" in table
+    assert "row 'FedProx': no cell has run yet; `fedlt bench` runs them (--row to run one alone)" in table
 
 
 def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path, monkeypatch):

@@ -237,7 +237,7 @@ def _collect_suite(path: Path) -> Collection:
     failed = _failed_cells(path)
     settings = []
     for s in spec.settings:
-        rows, warnings = [], []
+        rows, warnings, never_ran = [], [], []
         for m in spec.methods:
             if m.settings is not None and s.name not in m.settings:
                 continue
@@ -258,7 +258,7 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
             if not runs and len(warnings) == noted:  # nothing failed or was left out: its cells never ran
-                warnings.append(f"row '{m.name}': no cell has run yet; `fedlt bench` runs it (--row to run it alone)")
+                never_ran.append(f"'{m.name}'")
             upper = bool(runs) and _is_upper_bound(runs[0], None)
             expected = len(m.seeds or spec.seeds)
             reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \
@@ -279,6 +279,9 @@ def _collect_suite(path: Path) -> Collection:
                     have = sorted((runs[0].final(None) or {}).get(PM_VARIANTS) or {})
                     warnings.append(f"row '{m.name}': personal reading '{key}' is not in {missing[0]}/summary.json "
                                     f"(its {PM_VARIANTS}: {', '.join(have) or 'none'})")
+        if never_ran:
+            warnings.append(f"row{'s' * (len(never_ran) > 1)} {', '.join(never_ran)}: no cell has run yet; "
+                            "`fedlt bench` runs them (--row to run one alone)")
         in_setting = any(r.label == spec.reference for r in rows)
         reference = spec.reference if in_setting else rows[0].label if rows else None
         if spec.reference is not None and not in_setting and rows:
