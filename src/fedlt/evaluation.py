@@ -160,10 +160,10 @@ def global_metrics(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Te
     hits = torch.bincount(labels, weights=correct.double(), minlength=num_classes)
     totals = torch.bincount(labels, minlength=num_classes).double()
     per_class = (100 * hits / totals.clamp(min=1)).cpu().tolist()
-    sizes = [n for n in totals.tolist() if n > 0]
+    measured = [a for a, n in zip(per_class, totals.tolist()) if n > 0]
+    balanced = totals[totals > 0].unique().numel() <= 1
     out = {
-        "acc": 100 * correct.double().mean().item() if len(set(sizes)) <= 1 else
-        float(np.mean([a for a, n in zip(per_class, totals.tolist()) if n > 0])),
+        "acc": 100 * correct.double().mean().item() if balanced else float(np.mean(measured)),
         "loss": losses.double().mean().item(),
         "per_class_acc": [round(a, 4) for a in per_class],
     }

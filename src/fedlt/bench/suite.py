@@ -428,10 +428,10 @@ def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = 
 
 #: calibration knobs whose default changed before summaries recorded every calibration knob, by the
 #: calibration that reads them: a finished cell without that record ran these unless its config set them
-DEFAULTS_BEFORE_RECORD = {"creff": {"creff_feature_momentum": 0.5, "creff_matching_bias": "row"}}
+DEFAULTS_BEFORE_RECORD = {"creff": {"creff_feature_momentum": 0.5}}
 
-#: calibration knobs added after summaries recorded every calibration knob: a run whose record lacks one
-#: ran this value (whatever the knob's default is now)
+#: calibration knobs added later: a run whose record (or, before records, config) lacks one ran this value,
+#: whatever the knob's default is now
 CALIBRATION_KNOBS_BEFORE_THEY_EXISTED = {"creff": {"creff_matching_bias": "row"}}
 
 
@@ -445,11 +445,12 @@ def calibration_args_difference(summary: dict[str, Any], saved: dict[str, Any], 
 
     used = summary.get("calibration") or []
     ran = summary.get("calibration_args")
+    absent = {k: v for name in used for k, v in CALIBRATION_KNOBS_BEFORE_THEY_EXISTED.get(name, {}).items()}
     if not isinstance(ran, dict):
         before = {k: v for name in used for k, v in DEFAULTS_BEFORE_RECORD.get(name, {}).items()}
-        ran = parse_calibration_args({**before, **saved}).model_dump(mode="json")
+        ran = parse_calibration_args({**before, **absent, **saved}).model_dump(mode="json")
     else:
-        ran = {**{k: v for name in used for k, v in CALIBRATION_KNOBS_BEFORE_THEY_EXISTED.get(name, {}).items()}, **ran}
+        ran = {**absent, **ran}
     resolved = parse_calibration_args(cfg.calibration_args).model_dump(mode="json")
 
     def read(knob: str) -> bool:

@@ -144,8 +144,8 @@ class FederatedFeatures:
     gradient-matching dataset condensation (Zhao et al., ICLR 2021), whose matching loss CReFF
     adopts; CReFF's calibrator passes its own knobs (plain SGD, as the paper and its code). The
     authors' code sums the cosine dissimilarities over the C rows where Eq. 6 (and
-    :func:`matching_loss`) averages them, so its lr of 0.1 corresponds to ``feature_lr = 0.1 * C`` here. Classes absent from a round get no matching
-    gradient (only residual momentum moves them).
+    :func:`matching_loss`) averages them, so its lr of 0.1 corresponds to ``feature_lr = 0.1 * C``
+    here. Classes absent from a round get no matching gradient (only residual momentum moves them).
     """
 
     def __init__(
