@@ -359,6 +359,20 @@ def test_a_run_from_before_a_method_knob_existed_ran_what_the_method_did_then():
     assert method_args_difference({**before, "scl_form": "released"}, paper) == "method_args.scl_form: 'released' -> 'paper'"
 
 
+def test_a_fedyoyo_run_from_before_its_resampling_knob_ran_bilinear_views():
+    """FedYoYo's ``view_interpolation`` came after runs were kept, and its default is now the released code's
+    resampling: a summary without the knob ran bilinear views, so it is a cell of a row that spells out
+    ``bilinear`` and not of the default row; a summary that records ``released`` is one of the default row."""
+    default, bilinear = (load_config(None, ["method=fedyoyo", *extra])
+                         for extra in ([], ["method_args.view_interpolation=bilinear"]))
+    before = {"lam": 4.0, "gamma": 0.1, "prior": "local_remix"}
+    assert method_args_difference(before, bilinear) is None
+    assert method_args_difference(before, default) == "method_args.view_interpolation: 'bilinear' -> 'released'"
+    assert method_args_difference({}, default, recorded=False) == (
+        "method_args.view_interpolation: 'bilinear' -> 'released'")
+    assert method_args_difference({**before, "view_interpolation": "released"}, default) is None
+
+
 def test_a_run_kept_before_a_default_changed_and_without_a_record_of_its_knobs_ran_the_earlier_default():
     """FedLoGe's generic and personal heads changed default after runs were kept, some from before
     summaries recorded every knob: such a run, whose config set neither, ran GA-FR(psi) and the paper's

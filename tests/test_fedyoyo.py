@@ -340,25 +340,29 @@ def test_client_views_use_the_configured_policy_magnitude_cutout_and_interpolati
     assert seen == [{"policy": "randaugment", "magnitude": 5.0, "cutout_frac": 0.25, "interpolation": "released",
                      "autoaugment_policy": "cifar10"},
                     {"interpolation": "released"},
-                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "released",
                      "autoaugment_policy": "cifar10"},
-                    {"interpolation": "bilinear"},
-                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                    {"interpolation": "released"},
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "released",
                      "autoaugment_policy": "svhn"},
-                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "bilinear",
+                    {"policy": "autoaugment", "magnitude": 9.0, "cutout_frac": 0.5, "interpolation": "released",
                      "autoaugment_policy": "svhn"}]
 
 
-def test_default_views_are_the_bilinear_ones():
-    """The default client's views are exactly the augment module's defaults."""
+def test_default_views_resample_as_the_released_code():
+    """The default client's views are the augment module's views with the released code's resampling (nearest
+    rotations and translations, bicubic shears), not its bilinear defaults; ``bilinear`` gives those."""
     from fedlt.data.augment import strong_view, weak_view
 
     x = torch.rand(8, 1, 28, 28, generator=gen(2))
     client = FedYoYoClient(FedYoYoArgs())
-    assert torch.equal(client.view("weak")(x, gen(1), True), weak_view(x, gen(1), True))
-    assert torch.equal(client.view("strong")(x, gen(1), True), strong_view(x, gen(1), True, policy="autoaugment"))
-    nearest = FedYoYoClient(FedYoYoArgs(view_interpolation="nearest")).view("weak")(x, gen(1), True)
-    assert not torch.equal(nearest, weak_view(x, gen(1), True))
+    released_weak = weak_view(x, gen(1), True, interpolation="released")
+    assert torch.equal(client.view("weak")(x, gen(1), True), released_weak)
+    assert torch.equal(client.view("strong")(x, gen(1), True),
+                       strong_view(x, gen(1), True, policy="autoaugment", interpolation="released"))
+    assert not torch.equal(released_weak, weak_view(x, gen(1), True))
+    bilinear = FedYoYoClient(FedYoYoArgs(view_interpolation="bilinear")).view("weak")(x, gen(1), True)
+    assert torch.equal(bilinear, weak_view(x, gen(1), True))
 
 
 def test_client_views_are_seeded_per_round_and_client(monkeypatch):

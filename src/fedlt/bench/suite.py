@@ -404,7 +404,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
 #: added after they ran, or one whose default changed before summaries recorded every knob (whatever the
 #: knob's default is now, such a run ran this value unless its config set another)
 KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"},
-                             "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"}}
+                             "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"},
+                             "fedyoyo": {"view_interpolation": "bilinear"}}
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:

@@ -43,10 +43,11 @@ Options where the released code (which produced the paper's numbers) departs fro
   estimate is then also this round's ``pi_k``).
 - ``asd_average``: ``batch`` (default, Eq. 1's ``1 / n_k``) or ``correct`` (the released code:
   the mean over the teaching samples).
-- ``view_interpolation``: how both views' rotations, shears and translations resample.
-  ``bilinear`` (default) blurs every training image; ``released`` is the code's (torchvision's
-  ``RandomRotation`` and PIL's rotate and translate: nearest; its AutoAugment shear: bicubic);
-  ``nearest`` (torchvision's default for every op) and ``bicubic`` apply one mode to all.
+- ``view_interpolation``: how both views' rotations, shears and translations resample; the
+  paper is silent. ``released`` (default) is the code that produced the paper's numbers
+  (torchvision's ``RandomRotation`` and PIL's rotate and translate: nearest; its AutoAugment
+  shear: bicubic); ``bilinear`` (the earlier default) blurs every training image; ``nearest``
+  (torchvision's default for every op) and ``bicubic`` apply one mode to all.
 
 Choices where the paper is silent:
 
@@ -132,8 +133,8 @@ class FedYoYoArgs(MethodArgs):
     )
     cutout: float = Field(0.5, ge=0, le=1, description="Cutout square side as a fraction of the image side; 0: off")
     view_interpolation: Literal["bilinear", "nearest", "bicubic", "released"] = Field(
-        "bilinear", description="resampling of both views' rotations, shears and translations: one mode for all, or "
-        "released = nearest, bicubic shears (the released code's torchvision/PIL defaults)"
+        "released", description="resampling of both views' rotations, shears and translations: released = nearest, "
+        "bicubic shears (the released code's torchvision/PIL defaults), or one mode for all"
     )
     teacher_filter: Literal["adjusted", "raw"] = Field(
         "adjusted", description="a teacher is correct by the argmax of the adjusted softmax, or of the raw logits"
