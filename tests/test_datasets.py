@@ -991,3 +991,19 @@ def test_cifar_class_names_that_are_no_list_of_names_are_refused(tmp_path: Path,
     dump(tmp_path / "cifar-10-batches-py" / "batches.meta", {b"label_names": names})
     message = error_of("cifar10", tmp_path)
     assert "b'label_names' in " in message and "batches.meta is not a list of class names" in message
+
+
+def test_an_unwritable_cache_costs_one_warning_line_and_the_data_still_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cache folder that cannot be made (here: under a file) only costs the decoding time: the dataset loads,
+    and stderr gets one line naming the folder and the fix, no warning traceback."""
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FEDLT_CACHE", str(tmp_path / "a-file" / "cache"))
+    data = load_dataset("imagenet_lt", root=str(root), image_size=8)
+    assert data.train.labels.tolist() == [0, 0, 2, 4]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2  # one per split
+    assert all(line.startswith(f"fedlt: warning: could not write the data cache {tmp_path / 'a-file' / 'cache'}/")
+               and line.endswith("set FEDLT_CACHE to a writable folder") for line in lines), lines

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
-import warnings
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -64,7 +64,7 @@ def load(path: Path) -> dict[str, torch.Tensor] | None:
 def store(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write ``tensors`` to ``path`` atomically and drop stale entries for the same data.
 
-    A cache that cannot be written only costs time, so failures are warnings.
+    A cache that cannot be written only costs time, so a failure is one warning line on stderr.
     """
     temp = None
     try:
@@ -79,9 +79,8 @@ def store(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
             if stale != path:
                 stale.unlink(missing_ok=True)
     except OSError as exc:
-        warnings.warn(
-            f"could not write the data cache {path} ({exc}); set FEDLT_CACHE to a writable folder", stacklevel=2
-        )
+        print(f"fedlt: warning: could not write the data cache {path} ({exc.strerror or exc}); set FEDLT_CACHE to a "
+              "writable folder", file=sys.stderr, flush=True)
     finally:
         if temp is not None:
             temp.unlink(missing_ok=True)
