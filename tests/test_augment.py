@@ -712,3 +712,44 @@ def test_resized_square_crop_covers_the_drawn_share_of_the_area_and_resizes_it_b
     assert len({round(v, 3) for v in out[:, 0, 0, 0].tolist()}) > 20  # positions differ per image
     with pytest.raises(ValueError, match="min_area"):
         random_resized_square_crop(x, 0.0, gen())
+
+
+@pytest.mark.parametrize("augment, view", [("weak", "weak_view"), ("strong", "strong_view")])
+def test_data_interpolation_resamples_a_clients_augmentation(augment, view) -> None:
+    """A client's batches under data.augment=weak or strong are the view resampled as data.interpolation says:
+    bilinear by default, the released code's (nearest, bicubic shears) when asked, and the two differ."""
+    import fedlt.data.augment as augment_module
+    from fedlt.config import load_config
+    from fedlt.engine.clients import ClientRuntime
+    from fedlt.run_parts import setup_parts
+
+    x = torch.rand(16, 1, 28, 28, generator=gen(3))
+    made = {}
+    for interpolation in ("bilinear", "released"):
+        cfg = load_config(None, ["data.dataset=synthetic", "data.num_clients=4", f"data.augment={augment}",
+                                 f"data.interpolation={interpolation}"])
+        aug = ClientRuntime(cfg, *setup_parts(cfg)).context(0, 1, {}).data.augment
+        made[interpolation] = aug(x, gen(5), True)
+        expected = getattr(augment_module, view)(x, gen(5), True, interpolation=interpolation)
+        assert torch.equal(made[interpolation], expected), interpolation
+    assert torch.equal(made["bilinear"], getattr(augment_module, view)(x, gen(5), True))
+    assert not torch.equal(made["bilinear"], made["released"])
+
+
+def test_data_interpolation_is_refused_where_the_augmentation_does_not_resample() -> None:
+    from fedlt.config import build_config
+
+    for augment in ("none", "crop_flip"):
+        with pytest.raises(ConfigError) as info:
+            build_config({"data": {"augment": augment, "interpolation": "nearest"}})
+        assert str(info.value) == (f"invalid config value data: data.interpolation resamples data.augment=weak or "
+                                   f"strong, but data.augment={augment} has no rotation, shear or translation; drop it")
+    assert build_config({"data": {"augment": "crop_flip"}}).data.interpolation == "bilinear"
+
+
+def test_the_configs_interpolations_are_the_augment_modules() -> None:
+    from typing import get_args
+
+    from fedlt.config import DataConfig
+
+    assert get_args(DataConfig.model_fields["interpolation"].annotation) == INTERPOLATIONS

@@ -879,3 +879,22 @@ def test_a_cell_whose_config_file_is_empty_is_refused_and_left_out_of_the_report
                                           "delete .* to run the cell afresh"):
         run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None)
     assert f"{emptied.parent}: its config.yaml is empty" in write_report(out, with_plots=False).markdown
+
+
+def test_a_kept_cell_from_before_a_config_key_existed_is_a_cell_of_that_keys_default_only(tiny_suite, tmp_path):
+    """A cell whose config predates a key ran what that key's default does: a row that asks for another value
+    is another run and is refused, not counted as finished; a row at the default keeps the cell."""
+    path, out, _ = tiny_suite
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    saved = cell_dir(mine, "IF=10, alpha=0.5", "FedProx", 0) / "config.yaml"
+    tree = yaml.safe_load(saved.read_text())
+    del tree["data"]["hflip"]
+    saved.write_text(yaml.safe_dump(tree))
+    assert {c.state for c in run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None).cells} == {"done"}
+    flipped = load_suite(write_suite(tmp_path / "flipped.yaml", {**TINY_SUITE, "overrides": [
+        *TINY_SUITE["overrides"], "data.hflip=false"]}))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{saved.parent} holds a run of another config (data.hflip: not recorded (the run predates it, so it ran "
+            "the default 'auto') -> False)")):
+        run_suite(flipped, mine, dry_run=True, rows=["FedProx"], echo=lambda line: None)

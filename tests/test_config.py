@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -471,3 +472,23 @@ def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None
     check_config(load_config(None, ["loss.name=la", "loss.tau=2"]))
     check_config(load_config(None, ["loss.name=focal", "loss.focal_gamma=5"]))
     check_config(load_config(None, ["loss.name=ldam", "loss.ldam_scale=30", "loss.ldam_max_margin=0.9"]))
+
+
+def test_a_key_a_saved_config_lacks_ran_its_default():
+    """A key added to fedlt after a run was saved is absent from its config: the run did what the key's
+    default does, so asking for the default matches it and asking for another value does not (a resumed
+    checkpoint, a kept bench cell); two saved runs (``common``) are compared on their shared keys only."""
+    from fedlt.config import config_difference
+    from fedlt.engine.simulation import check_resumed_config
+
+    saved = Config().dump()
+    del saved["data"]["hflip"]
+    assert config_difference(saved, Config().dump()) is None
+    wanted = build_config({"data": {"hflip": False}})
+    shown = "data.hflip: not recorded (the run predates it, so it ran the default 'auto') -> False"
+    assert config_difference(saved, wanted.dump()) == shown
+    assert config_difference(saved, wanted.dump(), ("data.hflip",)) is None
+    assert config_difference(saved, wanted.dump(), common=True) is None
+    check_resumed_config(Config(), Path("run"), {"config": json.dumps(saved)})
+    with pytest.raises(ConfigError, match=re.escape(f"is not the config checkpoint.pt was saved with ({shown})")):
+        check_resumed_config(wanted, Path("run"), {"config": json.dumps(saved)})

@@ -124,6 +124,10 @@ class _Section(NoBoolForNumbers):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+#: the ``data.augment`` values whose geometric ops resample the image, as ``data.interpolation`` says
+RESAMPLING_AUGMENTATIONS = ("weak", "strong")
+
+
 class DataConfig(_Section):
     """Source dataset, long-tail subsampling and the split over clients."""
 
@@ -171,12 +175,23 @@ class DataConfig(_Section):
         "none", description="training augmentation on the device: crop_flip = crop+flip (the usual CIFAR one), "
         "crop_flip_cutout = + Cutout, resized_crop_flip = a square crop of 64-100% of the area resized back + flip, "
         "weak = crop+flip+rotate, strong = crop+flip+RandAugment+Cutout")
+    interpolation: Literal["bilinear", "nearest", "bicubic", "released"] = Field(
+        "bilinear", description="how data.augment=weak and strong resample their rotations, shears and translations: "
+        "one mode for all, or released = nearest with bicubic shears (torchvision's and PIL's defaults, as FedYoYo's "
+        "released code resamples its views)")
     hflip: Literal["auto"] | bool = Field(
         "auto", description="random horizontal flips in training augmentations and methods' views: auto = per dataset "
         "(off for digits), true, or false for data whose objects face one way (Fashion-MNIST's footwear)")
     classes: list[str] | None = Field(
         None, description="class names in label order, one per class of the dataset: the per-class results' names; "
         "a node's image folders map to labels through them (default: the dataset's own names)")
+
+    @model_validator(mode="after")
+    def _interpolation_is_a_resampling_augmentation(self) -> "DataConfig":
+        if self.interpolation != "bilinear" and self.augment not in RESAMPLING_AUGMENTATIONS:
+            raise ValueError(f"data.interpolation resamples data.augment={' or '.join(RESAMPLING_AUGMENTATIONS)}, but "
+                             f"data.augment={self.augment} has no rotation, shear or translation; drop it")
+        return self
 
     @model_validator(mode="after")
     def _min_size_is_redrawn_splits(self) -> "DataConfig":
@@ -588,14 +603,21 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = (),
                       common: bool = False) -> str | None:
     """The first dotted key whose value differs between two config trees, as ``key: a -> b``; keys
-    that start with one of ``ignored`` do not count. Keys the saved config lacks are ignored: they
-    were added to fedlt after that run; with ``common``, so are those ``wanted`` lacks (two saved runs)."""
+    that start with one of ``ignored`` do not count. A key the saved config lacks was added to fedlt
+    after that run, which therefore ran what the key's default does: ``wanted`` differs from it only
+    where it asks for another value. With ``common`` (two saved runs), keys either one lacks are ignored."""
     a, b = _flatten(saved), _flatten(wanted)
     for key in sorted(a):
         if common and key not in b:
             continue
         if not key.startswith(ignored) and a[key] != b.get(key):
             return f"{key}: {a[key]!r} -> {b.get(key)!r}"
+    if common:
+        return None
+    defaults = _flatten(Config().dump())
+    for key in sorted(set(b) - set(a)):
+        if not key.startswith(ignored) and key in defaults and b[key] != defaults[key]:
+            return f"{key}: not recorded (the run predates it, so it ran the default {defaults[key]!r}) -> {b[key]!r}"
     return None
 
 

@@ -7,12 +7,13 @@ same method on each SuperNode, so a client computes exactly the same thing in bo
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from fedlt import fused
-from fedlt.config import Config
+from fedlt.config import RESAMPLING_AUGMENTATIONS, Config
 from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
@@ -82,6 +83,8 @@ class ClientRuntime:
         worker = self.worker.state_dict(keep_vars=True)
         self._worker_tensors = [worker[k] for k in self._worker_init]
         self._augment = get_augmentation(cfg.data.augment) if cfg.data.augment != "none" else None
+        if cfg.data.augment in RESAMPLING_AUGMENTATIONS:
+            self._augment = partial(self._augment, interpolation=cfg.data.interpolation)
         # during an evaluation phase only: the test and validation sets' features, worth making where
         # the clients' local sets together outnumber the set they are drawn from
         self._test_features = SharedEncoderFeatures()
