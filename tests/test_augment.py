@@ -742,8 +742,10 @@ def test_data_interpolation_is_refused_where_the_augmentation_does_not_resample(
     for augment in ("none", "crop_flip"):
         with pytest.raises(ConfigError) as info:
             build_config({"data": {"augment": augment, "interpolation": "nearest"}})
-        assert str(info.value) == (f"invalid config value data: data.interpolation resamples data.augment=weak or "
-                                   f"strong, but data.augment={augment} has no rotation, shear or translation; drop it")
+        assert str(info.value) == (
+            f"invalid config value data: data.interpolation=nearest resamples only data.augment=weak or strong "
+            f"(data.augment={augment} has no rotation, shear or translation); remove it, or use one of those "
+            "(FedYoYo's own views resample as method_args.view_interpolation says)")
     assert build_config({"data": {"augment": "crop_flip"}}).data.interpolation == "bilinear"
 
 

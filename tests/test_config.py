@@ -477,7 +477,7 @@ def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None
 def test_a_key_a_saved_config_lacks_ran_its_default():
     """A key added to fedlt after a run was saved is absent from its config: the run did what the key's
     default does, so asking for the default matches it and asking for another value does not (a resumed
-    checkpoint, a kept bench cell); two saved runs (``common``) are compared on their shared keys only."""
+    checkpoint, a kept bench cell), and between two saved runs (``common``)."""
     from fedlt.config import config_difference
     from fedlt.engine.simulation import check_resumed_config
 
@@ -488,7 +488,24 @@ def test_a_key_a_saved_config_lacks_ran_its_default():
     shown = "data.hflip: not recorded (the run predates it, so it ran the default 'auto') -> False"
     assert config_difference(saved, wanted.dump()) == shown
     assert config_difference(saved, wanted.dump(), ("data.hflip",)) is None
-    assert config_difference(saved, wanted.dump(), common=True) is None
+    assert config_difference(saved, wanted.dump(), common=True) == shown  # two saved runs: the same reading
     check_resumed_config(Config(), Path("run"), {"config": json.dumps(saved)})
     with pytest.raises(ConfigError, match=re.escape(f"is not the config checkpoint.pt was saved with ({shown})")):
         check_resumed_config(wanted, Path("run"), {"config": json.dumps(saved)})
+
+
+def test_two_saved_runs_differ_where_one_lacks_a_key_the_other_sets_off_its_default():
+    """Two kept runs of one row (a report's seeds): a key one predates ran its default there, so a run that set
+    another value is another config, and one at the default is the same."""
+    from fedlt.config import config_difference
+
+    old = Config().dump()
+    del old["data"]["interpolation"]
+    same = build_config({"data": {"augment": "weak"}}).dump()
+    del old["data"]["augment"], same["data"]["augment"]
+    assert config_difference(old, same, common=True) is None and config_difference(same, old, common=True) is None
+    other = build_config({"data": {"augment": "weak", "interpolation": "released"}}).dump()
+    del other["data"]["augment"]
+    assert config_difference(other, old, common=True) == "data.interpolation: 'released' -> 'bilinear'"
+    assert config_difference(old, other, common=True) == (
+        "data.interpolation: not recorded (the run predates it, so it ran the default 'bilinear') -> 'released'")

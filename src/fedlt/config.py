@@ -189,8 +189,10 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _interpolation_is_a_resampling_augmentation(self) -> "DataConfig":
         if self.interpolation != "bilinear" and self.augment not in RESAMPLING_AUGMENTATIONS:
-            raise ValueError(f"data.interpolation resamples data.augment={' or '.join(RESAMPLING_AUGMENTATIONS)}, but "
-                             f"data.augment={self.augment} has no rotation, shear or translation; drop it")
+            raise ValueError(f"data.interpolation={self.interpolation} resamples only data.augment="
+                             f"{' or '.join(RESAMPLING_AUGMENTATIONS)} (data.augment={self.augment} has no rotation, "
+                             "shear or translation); remove it, or use one of those (FedYoYo's own views resample as "
+                             "method_args.view_interpolation says)")
         return self
 
     @model_validator(mode="after")
@@ -603,18 +605,20 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = (),
                       common: bool = False) -> str | None:
     """The first dotted key whose value differs between two config trees, as ``key: a -> b``; keys
-    that start with one of ``ignored`` do not count. A key the saved config lacks was added to fedlt
-    after that run, which therefore ran what the key's default does: ``wanted`` differs from it only
-    where it asks for another value. With ``common`` (two saved runs), keys either one lacks are ignored."""
+    that start with one of ``ignored`` do not count. A key of :class:`Config` that a saved config lacks
+    was added to fedlt after that run, which therefore ran what the key's default does (so a key's
+    default never changes once runs are kept): the other config differs only where it asks for another
+    value. ``common``: ``wanted`` is a saved run too, and a key it lacks is read the same way. Knobs of
+    ``method_args`` and ``calibration_args`` a config does not set are their method's defaults, which
+    this module cannot know: callers compare those resolved (the bench, a checkpoint's records)."""
     a, b = _flatten(saved), _flatten(wanted)
-    for key in sorted(a):
-        if common and key not in b:
-            continue
-        if not key.startswith(ignored) and a[key] != b.get(key):
-            return f"{key}: {a[key]!r} -> {b.get(key)!r}"
-    if common:
-        return None
     defaults = _flatten(Config().dump())
+    for key in sorted(a):
+        if key.startswith(ignored) or (common and key not in b and key not in defaults):
+            continue
+        other = b.get(key, defaults.get(key) if common else None)
+        if a[key] != other:
+            return f"{key}: {a[key]!r} -> {other!r}"
     for key in sorted(set(b) - set(a)):
         if not key.startswith(ignored) and key in defaults and b[key] != defaults[key]:
             return f"{key}: not recorded (the run predates it, so it ran the default {defaults[key]!r}) -> {b[key]!r}"
