@@ -6,6 +6,7 @@ that produced it. Unknown keys are errors (a typo must not silently fall back to
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -611,18 +612,25 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tu
     value. ``common``: ``wanted`` is a saved run too, and a key it lacks is read the same way. Knobs of
     ``method_args`` and ``calibration_args`` a config does not set are their method's defaults, which
     this module cannot know: callers compare those resolved (the bench, a checkpoint's records)."""
-    a, b = _flatten(saved), _flatten(wanted)
-    defaults = _flatten(Config().dump())
+    a, b, defaults = _flatten(saved), _flatten(wanted), _defaults()
     for key in sorted(a):
         if key.startswith(ignored) or (common and key not in b and key not in defaults):
             continue
-        other = b.get(key, defaults.get(key) if common else None)
-        if a[key] != other:
-            return f"{key}: {a[key]!r} -> {other!r}"
+        if common and key not in b:
+            if a[key] != defaults[key]:
+                return f"{key}: {a[key]!r} -> not recorded (that run predates it, so it ran the default {defaults[key]!r})"
+        elif a[key] != b.get(key):
+            return f"{key}: {a[key]!r} -> {b.get(key)!r}"
     for key in sorted(set(b) - set(a)):
         if not key.startswith(ignored) and key in defaults and b[key] != defaults[key]:
             return f"{key}: not recorded (the run predates it, so it ran the default {defaults[key]!r}) -> {b[key]!r}"
     return None
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Every :class:`Config` key's default, dotted (read, never changed, by :func:`config_difference`)."""
+    return _flatten(Config().dump())
 
 
 def build_config(tree: dict[str, Any] | None = None) -> Config:
