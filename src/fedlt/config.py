@@ -618,7 +618,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any], ignored: tu
             continue
         if common and key not in b:
             if a[key] != defaults[key]:
-                return f"{key}: {a[key]!r} -> not recorded (that run predates it, so it ran the default {defaults[key]!r})"
+                return (f"{key}: {a[key]!r} -> not recorded (that run predates it, so it ran the default "
+                        f"{defaults[key]!r})")
         elif a[key] != b.get(key):
             return f"{key}: {a[key]!r} -> {b.get(key)!r}"
     for key in sorted(set(b) - set(a)):
