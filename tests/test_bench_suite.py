@@ -359,18 +359,25 @@ def test_a_run_from_before_a_method_knob_existed_ran_what_the_method_did_then():
     assert method_args_difference({**before, "scl_form": "released"}, paper) == "method_args.scl_form: 'released' -> 'paper'"
 
 
-def test_a_fedyoyo_run_from_before_its_resampling_knob_ran_bilinear_views():
-    """FedYoYo's ``view_interpolation`` came after runs were kept, and its default is now the released code's
-    resampling: a summary without the knob ran bilinear views, so it is a cell of a row that spells out
-    ``bilinear`` and not of the default row; a summary that records ``released`` is one of the default row."""
-    default, bilinear = (load_config(None, ["method=fedyoyo", *extra])
-                         for extra in ([], ["method_args.view_interpolation=bilinear"]))
+def test_a_fedyoyo_run_from_before_its_knobs_ran_what_they_now_spell_out():
+    """FedYoYo's ``view_interpolation``, ``asd_average`` and ``prior_features`` came after runs were kept, and
+    their defaults are now the released code's: a summary without them ran bilinear views, Eq. 1's average and
+    training features, so it is a cell of a row that spells those out and not of the default row; a summary
+    that records the released code's values is one of the default row, and one that records only the
+    resampling is one of the row that spells out the other two."""
+    earlier = ["method_args.asd_average=batch", "method_args.prior_features=train"]
+    default, bilinear, released_views = (load_config(None, ["method=fedyoyo", *extra]) for extra in (
+        [], ["method_args.view_interpolation=bilinear", *earlier], earlier))
     before = {"lam": 4.0, "gamma": 0.1, "prior": "local_remix"}
     assert method_args_difference(before, bilinear) is None
-    assert method_args_difference(before, default) == "method_args.view_interpolation: 'bilinear' -> 'released'"
-    assert method_args_difference({}, default, recorded=False) == (
-        "method_args.view_interpolation: 'bilinear' -> 'released'")
-    assert method_args_difference({**before, "view_interpolation": "released"}, default) is None
+    assert method_args_difference(before, default) == "method_args.asd_average: 'batch' -> 'correct'"
+    assert method_args_difference({}, default, recorded=False) == "method_args.asd_average: 'batch' -> 'correct'"
+    assert method_args_difference(before, released_views) == "method_args.view_interpolation: 'bilinear' -> 'released'"
+    views = {**before, "view_interpolation": "released"}
+    assert method_args_difference(views, released_views) is None
+    assert method_args_difference({**views, "asd_average": "correct"}, default) == (
+        "method_args.prior_features: 'train' -> 'clean_eval'")
+    assert method_args_difference({**views, "asd_average": "correct", "prior_features": "clean_eval"}, default) is None
 
 
 def test_a_run_kept_before_a_default_changed_and_without_a_record_of_its_knobs_ran_the_earlier_default():

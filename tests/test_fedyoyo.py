@@ -150,6 +150,18 @@ def test_asd_average_correct_divides_by_the_teaching_samples_only():
     assert asd_loss(teacher, student, nobody, log_pi, 1.5, average="correct").item() == 0.0
 
 
+@pytest.mark.parametrize("args, average", [({}, "correct"), ({"asd_average": "batch"}, "batch")])
+def test_client_averages_asd_as_configured(monkeypatch, args, average):
+    """The default averages ASD over the teaching samples, as the released code's ``batchmean`` over them."""
+    seen: list[str] = []
+    real = fedyoyo.asd_loss
+    monkeypatch.setattr(fedyoyo, "asd_loss", lambda *a: seen.append(a[-1]) or real(*a))
+    ctx = _client_ctx({})
+    FedYoYoClient(FedYoYoArgs(**args)).fit(ctx, Message(weights=clone_state(ctx.model), payload={
+        "asd_weight": 4.0, "global_prior": torch.full((C,), 0.25)}))
+    assert len(seen) == 4 and set(seen) == {average}
+
+
 def test_fuse_priors_eq6_by_hand():
     pi_g, pi_k = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.1, 0.1, 0.7])
     # (1 - 0.25) * pi_g + 0.25 * pi_k
@@ -304,7 +316,7 @@ def test_client_fuses_the_prior_once_per_round_and_uploads_model_and_prior_only(
         return real(pi_g, pi_k, gamma)
 
     monkeypatch.setattr(fedyoyo, "fuse_priors", spy)
-    client = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate"))
+    client = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate", prior_features="train"))
     pi_g = torch.tensor([0.1, 0.2, 0.3, 0.4])
     state: dict = {}
     ctx = _client_ctx(state)
@@ -405,7 +417,7 @@ def test_local_remix_moves_the_prior_to_the_label_distribution_batch_by_batch(mo
         assert log_pi.exp().tolist() == pytest.approx(expected.tolist(), rel=1e-5)
     # nothing new leaves the client: the model and its estimated prior, as with fused_estimate
     assert set(reply.payload) == {"prior"} and torch.equal(reply.payload["prior"], ctx.state["prior"])
-    fused = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate"))
+    fused = FedYoYoClient(FedYoYoArgs(gamma=0.3, prior="fused_estimate", prior_features="train"))
     seen.clear()
     fused.fit(_client_ctx({}), Message(weights=clone_state(ctx.model), payload={"asd_weight": 4.0, "global_prior": pi_g}))
     assert all(torch.equal(log_pi, seen[0]) for log_pi in seen)
@@ -453,16 +465,16 @@ def _batchnorm_model() -> FedModel:
     return FedModel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 8), bn), 8, C)
 
 
-@pytest.mark.parametrize("features", ["train", "clean_eval"])
+@pytest.mark.parametrize("features", ["train", "clean_eval", None])
 def test_prior_features_choose_the_forward_pass(monkeypatch, features):
-    """clean_eval estimates from the received model's eval-mode (running-statistics) features of the
-    clean images; train from the training forward passes (batch statistics) of the teacher view."""
+    """clean_eval (the default, as released) estimates from the received model's eval-mode (running-statistics)
+    features of the clean images; train from the training forward passes (batch statistics) of the teacher view."""
     estimates: list = []
     real_estimate = fedyoyo.estimate_prior
     monkeypatch.setattr(fedyoyo, "estimate_prior", lambda b, c: estimates.append(b) or real_estimate(b, c))
     ctx = _client_ctx({}, model=_batchnorm_model())
     received = clone_state(ctx.model)
-    client = FedYoYoClient(FedYoYoArgs(prior_features=features))
+    client = FedYoYoClient(FedYoYoArgs() if features is None else FedYoYoArgs(prior_features=features))
     reply = client.fit(ctx, Message(weights=received, payload={"asd_weight": 4.0, "global_prior": torch.full((C,), 0.25)}))
     assert len(estimates) == 1
     got = torch.cat([f for f, _ in estimates[0]])
@@ -475,7 +487,7 @@ def test_prior_features_choose_the_forward_pass(monkeypatch, features):
         z = model.encoder[1](model.encoder[0](x))
         clean = model.forward_features(x)
     torch.testing.assert_close(clean, (z - 3.0) / math.sqrt(0.25 + 1e-5))  # eval mode: the running statistics
-    if features == "clean_eval":
+    if features != "train":
         match = torch.cdist(got, clean).argmin(dim=1)
         torch.testing.assert_close(got, clean[match], atol=1e-5, rtol=1e-5)
         assert got.mean().item() == pytest.approx(clean.mean().item(), abs=1e-5) and got.mean().item() < -3.0

@@ -122,7 +122,7 @@ PER_CLASS_TERMS = [
     ["method=sfd", "method_args.scl_delta=true"],
     ["method=gbme", "loss.name=bsm"],
     ["method=fedyoyo"],
-    ["method=fedyoyo", "method_args.prior=fused_estimate"],
+    ["method=fedyoyo", "method_args.prior=fused_estimate", "method_args.prior_features=train"],
 ]
 
 
@@ -161,6 +161,7 @@ def test_a_clients_start_never_waits_and_its_per_class_terms_land_on_its_device(
     msg, ctx = sim.server.fit_message(3, cid), sim._context(cid, 3)
     ctx.data = replace(ctx.data, **{k: getattr(ctx.data, k).to("meta") for k in ("images", "labels", "indices")})
     monkeypatch.setattr(ctx, "generator", lambda purpose: torch.Generator())  # meta has no generator
+    ctx.model.to("meta")  # the model is where the data are (FedYoYo embeds them before training)
     objective = sim.client.local_objective(ctx, msg)
     sim.close()
 

@@ -405,7 +405,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
 #: knob's default is now, such a run ran this value unless its config set another)
 KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"},
                              "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"},
-                             "fedyoyo": {"view_interpolation": "bilinear"}}
+                             "fedyoyo": {"view_interpolation": "bilinear", "asd_average": "batch",
+                                         "prior_features": "train"}}
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:

@@ -16,15 +16,18 @@ pass. Crops pad an eighth of the image side (4 px on 32 px, as released); flips 
   on ``f(x) + 1.5 log pi`` instead, without dividing by T.
 - **ASD** (Eq. 1): ``KL(p(teacher view) || p(student view))`` with the same adjusted softmax,
   the teacher detached, summed over the samples whose teacher prediction (argmax of the adjusted
-  softmax) is the label, divided by the batch size (Eq. 1's ``1/n_k``).
-- **Effective prior** (Eq. 3-5): during training the client keeps the teacher view's features;
+  softmax) is the label, divided by the number of those samples (the released code; Eq. 1 divides
+  by the batch size, ``1/n_k``, which at the same lambda distils less: ``asd_average=batch``).
+- **Effective prior** (Eq. 3-5): before training, the received model in eval mode embeds the
+  client's un-augmented images in shuffled batches of the training size (the released code; the
+  text's "during training" features of the teacher view: ``prior_features=train``);
   per class ``c`` and batch ``b``, the correlation matrix ``R_cb`` of the features centred at the
-  class prototype (the class mean of those features over the round) gives an effective number
+  class prototype (the class mean of those features over the data) gives an effective number
   ``1 / (a R_cb a^T)``, ``a = (1/m, ..., 1/m)``; these are summed over the round's batches and
   normalised into ``pi_k``. ``a R a^T`` is the squared norm of the mean of the unit vectors
   ``(h_i - mu_c) / ||h_i - mu_c||``, so no ``m x m`` matrix is formed. Many samples, and samples
   that point in different directions, give a large effective number; near-duplicates count
-  once. The client uploads ``pi_k`` with its update; the server's ``pi_g`` is the
+  once. The estimate is also this round's ``pi_k``. The client uploads ``pi_k`` with its update; the server's ``pi_g`` is the
   sample-weighted mean of the client priors (FedAvg of the priors).
 
 Options where the released code (which produced the paper's numbers) departs from the text:
@@ -37,12 +40,12 @@ Options where the released code (which produced the paper's numbers) departs fro
   before training, from the ``pi_g`` just received and the client's latest estimate ``pi_k``.
 - ``ce_prior_scale`` (default 1.5, the released code): DLA's CE on ``f(x) + s log pi``;
   ``null``: Eq. 7's ``f(x) / T + log pi``. ASD always uses Eq. 7's softmax.
-- ``prior_features``: ``train`` (default, the text's "during training": the teacher view's
-  features) or ``clean_eval`` (the released code: the received model in eval mode on the
-  un-augmented images, in shuffled batches of the training size, before training; this
-  estimate is then also this round's ``pi_k``).
-- ``asd_average``: ``batch`` (default, Eq. 1's ``1 / n_k``) or ``correct`` (the released code:
-  the mean over the teaching samples).
+- ``prior_features``: ``clean_eval`` (default, the released code: the received model in eval
+  mode on the un-augmented images, in shuffled batches of the training size, before training;
+  this estimate is then also this round's ``pi_k``) or ``train`` (Eq. 5's "during training": the
+  teacher view's features of the round's training, used from the client's next participation).
+- ``asd_average``: ``correct`` (default, the released code's ``batchmean`` over the teaching
+  samples) or ``batch`` (Eq. 1's ``1 / n_k``).
 - ``view_interpolation``: how both views' rotations, shears and translations resample; the
   paper is silent. ``released`` (default) is the code that produced the paper's numbers
   (torchvision's ``RandomRotation`` and PIL's rotate and translate: nearest; its AutoAugment
@@ -143,10 +146,10 @@ class FedYoYoArgs(MethodArgs):
         "local_remix", description="per-batch re-mix towards the local label distribution (released code), or Eq. 6 once"
     )
     prior_features: Literal["train", "clean_eval"] = Field(
-        "train", description="estimate pi_k from the teacher view's training features, or clean eval-mode features"
+        "clean_eval", description="estimate pi_k from the teacher view's training features, or clean eval-mode features"
     )
     asd_average: Literal["batch", "correct"] = Field(
-        "batch", description="ASD divided by the batch size (Eq. 1) or by the number of teaching samples"
+        "correct", description="ASD divided by the batch size (Eq. 1) or by the number of teaching samples (released)"
     )
     ce_prior_scale: float | None = Field(
         1.5, ge=0, description="DLA's CE on logits + s log(prior) (released: 1.5); null: logits / T + log(prior)"
@@ -438,10 +441,12 @@ class FedYoYoClient(FedAvgClient):
         a, num_classes = self.args, ctx.data.num_classes
         estimate = a.dla and a.prior_source == "estimated"
         payload: dict[str, Any] = {}
-        if estimate and a.prior_features == "clean_eval":  # before training: also this round's pi_k
+        fresh = None  # clean_eval: made before training, this round's pi_k, sent (and kept) when the round ends
+        if estimate and a.prior_features == "clean_eval":
             ctx.model.load_state_dict(msg.weights, strict=False)
             fresh = estimate_prior(clean_features(ctx, ctx.generator(purpose=3)), num_classes)
-            ctx.state["prior"] = payload["prior"] = fresh.cpu()
+            if a.prior == "fused_estimate":  # this round's pi_mix fuses it: the host reads it now
+                ctx.state["prior"] = fresh = fresh.cpu()
         log_prior_at = self.prior_schedule(ctx, msg)
         weight = float(msg.payload["asd_weight"])
         keep_features = estimate and a.prior_features == "train"
@@ -460,8 +465,9 @@ class FedYoYoClient(FedAvgClient):
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def finish(state: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            if kept:
-                ctx.state["prior"] = payload["prior"] = estimate_prior(kept, num_classes).cpu()
+            made = estimate_prior(kept, num_classes) if kept else fresh
+            if made is not None:
+                ctx.state["prior"] = payload["prior"] = made.cpu()
             return state
 
         remix = a.dla and a.prior == "local_remix"
