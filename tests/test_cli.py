@@ -33,7 +33,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SYN = ["data.dataset=synthetic"]
 LISTINGS = {"help": ["--help"], "run_help": ["run", "--help"], "bench_speed_help": ["bench", "speed", "--help"],
             "no_args_help": [], "bench_no_args_help": ["bench"],
-            "table_help": ["table", "--help"], "methods": ["methods"], "datasets": ["datasets"], "models": ["models"]}
+            "table_help": ["table", "--help"], "methods": ["methods"], "datasets": ["datasets"], "models": ["models"],
+            "fedyoyo_knobs": ["methods", "fedyoyo"], "fedavg_knobs": ["methods", "fedavg"]}
 TINY_RUN = [*SYN, "data.num_clients=10", "fl.rounds=2", "fl.local_epochs=1", "eval.every=1", "--quiet"]
 
 
@@ -478,6 +479,25 @@ def test_methods_one_per_line(runs) -> None:
     names = _names(runs, "methods")
     assert {"fedavg", "fedprox", "centralized"} <= set(names)
     assert len(names) == len(set(names))
+
+
+def test_a_methods_knobs_are_listed_with_their_defaults(runs) -> None:
+    """`fedlt methods NAME` prints every knob of the method with its default, one per line; a method without
+    knobs says so; an unknown name is one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+    from fedlt.methods.fedyoyo import FedYoYoArgs
+
+    lines = runs["listings"]["fedyoyo_knobs"].stdout.splitlines()
+    assert lines[0].startswith("fedyoyo: FedYoYo") and lines[1] == "knobs (method_args.NAME=VALUE):"
+    knobs = {line.split()[0]: line.split()[1] for line in lines[2:]}
+    assert list(knobs) == list(FedYoYoArgs.model_fields)
+    assert knobs["asd_average"] == "correct" and knobs["lam"] == "4" and knobs["warmup"] == "0.1667"
+    assert runs["listings"]["fedavg_knobs"].stdout.splitlines()[1] == "no knobs"
+    wrong = CliRunner().invoke(app, ["methods", "fedyoyoo"])
+    assert wrong.exit_code == 2 and wrong.output.startswith("fedlt: error: unknown method 'fedyoyoo'")
+    assert wrong.output.count("\n") == 1
 
 
 def test_datasets_one_per_line(runs) -> None:

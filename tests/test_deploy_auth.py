@@ -133,7 +133,9 @@ def test_a_methods_own_refusals_end_the_plan_before_anything_starts(tmp_path, ex
     (["engine=inprocess"], "a deployment runs on Flower; drop the engine= override"),
     (["engine=[x"], "a deployment runs on Flower; drop the engine= override"),
     (["data.num_clients=[1"], "data.num_clients=[1 contradicts --node-data"),
-    (['run.name=q"x'], "override 'run.name=q\"x' holds a double quote or a backslash"),
+    (['run.name=q"x'], "override 'run.name=q\"x' holds a quote or a backslash, which Flower's run config cannot"),
+    (["run.name=bob's"], "override \"run.name=bob's\" holds a quote or a backslash"),
+    (["run.name=a\\tb"], "override 'run.name=a\\\\tb' holds a quote or a backslash"),
     (["eval.val_data=/nonexistent/val"], "eval.val_data=/nonexistent/val is not a folder; give the server's set"),
     (["run.out_dir={tmp}/afile"], "run.out_dir {tmp}/afile is a file; give a folder"),
 ])
@@ -152,6 +154,36 @@ def test_what_a_deployment_would_fail_on_after_starting_is_refused_by_its_plan(t
         plan_deployment(SMOKE, ["fl.rounds=1", *overrides], node_data=folder)
     assert refusal in str(err.value) and "\n" not in str(err.value)
     plan_deployment(SMOKE, ["fl.rounds=1", "data.num_clients=2", "flower.node_data=true"], node_data=folder)
+
+
+def test_a_path_flowers_run_config_cannot_carry_is_refused_by_the_plan_and_one_it_can_goes_through(tmp_path,
+                                                                                                    exported):
+    """The server's test set, the run folder and the config reach the ServerApp inside Flower's run config:
+    a quote in one of their paths failed there, after the federation had started; a space is carried."""
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    from fedlt.deploy import run_config
+
+    folder = _filled(_sites(tmp_path, "a", "b"), exported)
+    quoted = tmp_path / "it's" / "test"
+    shutil.copytree(exported / "server" / "test", quoted)
+    with pytest.raises(ConfigError, match=re.escape(f"{str(quoted.resolve())!r} (the deployment's eval.test_data) "
+                                                    "holds a quote or a backslash, which Flower's run config cannot "
+                                                    "carry; move or rename that folder")):
+        plan_deployment(SMOKE, ["fl.rounds=1"], node_data=folder, server_test=quoted)
+    odd_config = tmp_path / 'c"q' / "smoke.yaml"
+    odd_config.parent.mkdir()
+    shutil.copy(SMOKE, odd_config)
+    with pytest.raises(ConfigError, match=r"^the config path .* holds a quote or a backslash"):
+        plan_deployment(str(odd_config), ["fl.rounds=1"], node_data=folder)
+    spaced = tmp_path / "server set" / "test"
+    shutil.copytree(exported / "server" / "test", spaced)
+    plan = plan_deployment(SMOKE, ["fl.rounds=1", "run.name=a b"], node_data=folder, server_test=spaced)
+    carried = parse_config_args([run_config(plan.config, plan.overrides)])
+    assert shlex.split(carried["overrides"]) == plan.overrides
+    assert f"eval.test_data={spaced.resolve()}" in plan.overrides
 
 
 def test_a_deployments_server_sets_are_one_folder_each_and_go_to_the_serverapp_as_checked(tmp_path, exported,

@@ -137,13 +137,23 @@ def deploy_cmd(
 
 
 @app.command("methods")
-def methods_cmd() -> None:
-    """List the methods, one line each (a plug-in's names its package)."""
-    from fedlt.methods.registry import list_methods
+def methods_cmd(name: Optional[str] = typer.Argument(None, help="a method: print its knobs")) -> None:
+    """List the methods, one line each (a plug-in's names its package); with NAME, that method's knobs
+    (method_args.KNOB=VALUE), their defaults and what each does."""
+    from fedlt.methods.registry import get_method, list_methods
 
-    def go() -> None:  # guarded: a broken plug-in is one line, exit 2
-        for name, desc in list_methods():
-            typer.echo(f"{name:14s} {desc}")
+    def go() -> None:  # guarded: a broken plug-in or an unknown name is one line, exit 2
+        if name is None:
+            for method, desc in list_methods():
+                typer.echo(f"{method:14s} {desc}")
+            return
+        spec = get_method(name)
+        typer.echo(f"{name}: {spec.description}")
+        typer.echo("knobs (method_args.NAME=VALUE):" if spec.args.model_fields else "no knobs")
+        for key, field in spec.args.model_fields.items():
+            default = field.default if field.default_factory is None else field.default_factory()
+            shown = f"{default:.4g}" if isinstance(default, float) else str(default)
+            typer.echo(f"  {key:26s} {shown:10s} {field.description or ''}")
 
     _guard(go)
 

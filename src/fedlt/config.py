@@ -440,7 +440,8 @@ class Config(_Section):
         "inprocess", description="inprocess: one deterministic process; flower: Flower's simulation engine (fedlt[flower])"
     )
     method: str = Field("fedavg", description="the federated method (see `fedlt methods`)")
-    method_args: dict[str, Any] = Field(default_factory=dict, description="method-specific knobs (see `fedlt methods`)")
+    method_args: dict[str, Any] = Field(default_factory=dict,
+                                        description="method-specific knobs (see `fedlt methods NAME`)")
     calibration: list[str] = Field(
         default_factory=list,
         description="server-side classifier calibrations applied to the method's model (creff, ccvr, fedncm, fed3r, "

@@ -154,6 +154,44 @@ def _toml_string(value: str, what: str) -> str:
     return '"' + value.replace("\\", "\\\\") + '"'
 
 
+def run_config(config: Path, overrides: list[str]) -> str:
+    """Flower's ``--run-config`` for the fedlt app: the config's path and the overrides, both as
+    double-quoted TOML strings (``flower_app.deployed_config`` reads them back)."""
+    return f'config="{config.resolve()}" overrides="{shlex.join(overrides)}"'
+
+
+def _read_back(config: Path, overrides: list[str]) -> bool:
+    """Whether Flower's run-config parser gives the config's path and the overrides back unchanged."""
+    from flwr.common.config import parse_config_args
+
+    try:
+        parsed = parse_config_args([run_config(config, overrides)])
+        return parsed.get("config") == str(config.resolve()) and shlex.split(parsed.get("overrides", "")) == overrides
+    except Exception:  # a TOML or click error, or shlex's unbalanced quote: not carried
+        return False
+
+
+def check_run_config(config: Path, overrides: list[str], given: list[str]) -> None:
+    """Refuse, before anything starts, what Flower's run config would not carry to the ServerApp unchanged
+    (a quote or a backslash in a path or an override): it would fail only once the federation is up. Names
+    the config path, the user's override, or the folder (``--server-test``, ``run.out_dir``) that holds it."""
+    if _read_back(config, overrides):
+        return
+    fix = "which Flower's run config cannot carry"
+    if not _read_back(config, []):
+        raise ConfigError(f"the config path {str(config.resolve())!r} holds a quote or a backslash, {fix}; "
+                          "move or rename the file")
+    for override in overrides:
+        if not _read_back(config, [override]):
+            if override in given:
+                raise ConfigError(f"override {override!r} holds a quote or a backslash, {fix}; write the value "
+                                  "without them (a YAML config file can hold it)")
+            raise ConfigError(f"{override.partition('=')[2]!r} (the deployment's {override.partition('=')[0]}) "
+                              f"holds a quote or a backslash, {fix}; move or rename that folder")
+    raise ConfigError(f"the overrides together are not something Flower's run config can carry; "
+                      "give them in a YAML config file")
+
+
 def node_data_sites(folder: Path) -> list[Site]:
     """One site per subfolder of ``folder`` (sorted by name; hidden folders skipped), each SuperNode
     told its folder's absolute path and its name: the node side loads ``data`` by itself."""
@@ -302,9 +340,8 @@ class Federation:
         ConfigError for a config the ServerApp refused)."""
         outcome = Path(self.env[OUTCOME_ENV])
         outcome.unlink(missing_ok=True)
-        run_config = f'config="{config.resolve()}" overrides="{shlex.join(overrides)}"'
         flwr = self.start("flwr-run.log", str(Path(sys.executable).with_name("flwr")), "run", str(APP_DIR),
-                          "deploy", "--stream", "--run-config", run_config)
+                          "deploy", "--stream", "--run-config", run_config(config, overrides))
         deadline = time.monotonic() + timeout
         log = GrowingFile(self.workdir / "flwr-run.log")
         try:
@@ -605,10 +642,7 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
     check_tls(tls, auth)
     if nodes is not None and nodes < 1:
         raise ConfigError(f"--nodes {nodes}: use 1 or more SuperNodes")
-    for override in overrides:
-        if '"' in override or "\\" in override:  # inside the quoted string of Flower's --run-config
-            raise ConfigError(f"override {override!r} holds a double quote or a backslash, which the deployed run's "
-                              "config cannot carry; write the value without them (a YAML config file can hold it)")
+    check_run_config(Path(config), overrides, overrides)  # the user's own first: named before the config is read
     extra = []
     if node_data is not None:
         sites = node_data_sites(node_data)
@@ -645,7 +679,9 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
     check_output_path(out_dir, True, "run.out_dir")
     sets = [f"eval.{key}={Path(path).expanduser().resolve()}" for key in ("test_data", "val_data")
             if (path := getattr(cfg.eval, key))]  # as checked here, whatever folder the ServerApp runs in
-    return Plan(Path(config), [*given, *sets, "engine=flower", f"run.out_dir={out_dir}"], sites, tls, auth)
+    final = [*given, *sets, "engine=flower", f"run.out_dir={out_dir}"]
+    check_run_config(Path(config), final, overrides)
+    return Plan(Path(config), final, sites, tls, auth)
 
 
 def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False, auth: bool = False,

@@ -223,7 +223,7 @@ def render() -> str:
 
     lines += ["## `method_args`: each method's knobs", "",
               "`method_args.KEY=VALUE`; a knob the chosen method does not have is an error that lists its knobs "
-              "(`fedlt methods` prints them too). Methods not listed here have no knobs.", ""]
+              "(`fedlt methods NAME` prints them too). Methods not listed here have no knobs.", ""]
     for spec in METHODS.values():
         if not spec.args.model_fields:
             continue

@@ -54,7 +54,8 @@ def node_refusal(method: str) -> str | None:
 
 
 def uploads(method: str, out: Path) -> dict[str, list[str]]:
-    """Exchange -> the entries of a client's reply (model tensors counted, payload by name and shape)."""
+    """Exchange -> the entries of a client's reply: model tensors counted, payload by name and shape, the
+    sample count every reply carries (the weight of an average), and the metrics by name."""
     summary = run(tiny(method, out), quiet=True).summary
     table: dict[str, list[str]] = {}
     for kind, record in summary["messages"].items():
@@ -63,7 +64,10 @@ def uploads(method: str, out: Path) -> dict[str, list[str]]:
         for key, entry in reply["payload"].items():
             shape = entry.get("shape")
             entries.append(f"`{key}`" + (f" {tuple(shape)}" if shape else ""))
-        table[kind] = entries or ["nothing"]
+        entries.append("`num_samples`")
+        if reply.get("metrics"):
+            entries.append("metrics " + ", ".join(f"`{name}`" for name in reply["metrics"]))
+        table[kind] = entries
     return table
 
 
