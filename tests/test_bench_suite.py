@@ -17,8 +17,8 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from conftest import TINY_SUITE, wait_until_group_ends, write_suite
-from fedlt.bench.suite import (REPO_ROOT, cell_dir, load_suite, method_args_difference, run_suite, slug,
-                               write_suite_file)
+from fedlt.bench.suite import (REPO_ROOT, calibration_args_difference, cell_dir, load_suite, method_args_difference,
+                               run_suite, slug, write_suite_file)
 from fedlt.bench.workers import STOP_GRACE_S
 from fedlt.config import load_config
 from fedlt.cli import app
@@ -442,14 +442,12 @@ def test_a_cell_run_under_other_resolved_calibration_knobs_is_not_reused(tiny_su
     summary.write_text(json.dumps({**tree, "calibration": ["creff", "ccvr"], "calibration_args": knob_later}))
     with pytest.raises(ConfigError, match=re.escape("(calibration_args.creff_matching_bias: 'row' -> 'released')")):
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
-    summary.write_text(json.dumps({**before_record, "calibration": ["creff", "ccvr"]}))
-    # a row that spells the earlier defaults keeps such a cell: the values it ran with match, not their spelling
-    spelled = {**TINY_SUITE, "methods": [{**TINY_SUITE["methods"][0], "overrides": [
-        *TINY_SUITE["methods"][0]["overrides"], "calibration_args.creff_feature_momentum=0.5",
-        "calibration_args.creff_matching_bias=row"]}]}
-    cells = run_suite(load_suite(write_suite(tmp_path / "spelled.yaml", spelled)), mine, dry_run=True,
-                      rows=["FedAvg + CCVR"], echo=lambda line: None).cells
-    assert {c.state for c in cells} == {"done"}
+    # a CReFF row that spells the earlier defaults keeps such a run: the values it ran with match, not their spelling
+    spelled = load_config(None, ["method=creff", "calibration_args.creff_feature_momentum=0.5",
+                                 "calibration_args.creff_matching_bias=row"])
+    assert calibration_args_difference({"calibration": ["creff"]}, {}, spelled) is None
+    assert calibration_args_difference({"calibration": ["creff"]}, {}, load_config(None, ["method=creff"])) == (
+        "calibration_args.creff_feature_momentum: 0.5 -> 0.0")
 
 
 @pytest.mark.parametrize(("override", "why"), [("seed=3", "a suite gives each cell its seed (pick them with --seeds)"),

@@ -11,8 +11,10 @@ import torch
 import fedlt
 from fedlt.calibration.math.stats import class_feature_sums, class_moments
 from conftest import pooled_client_features, run_capturing_stats, run_until_crash_in_round_3
-from fedlt.calibration.wrapper import STATS_QUERY
+from fedlt.calibration.calibrators import CALIBRATORS
+from fedlt.calibration.wrapper import STATS_QUERY, reads_knob
 from fedlt.errors import ConfigError
+from fedlt.methods.registry import METHODS
 from fedlt.results import TIMING_KEYS
 
 ALL_POST_HOC = ["ccvr", "fedncm", "fed3r", "taunorm", "oracle"]
@@ -28,6 +30,11 @@ def tiny(tmp_path, **top) -> dict:
         "run": {"out_dir": str(tmp_path), "checkpoint_every": 2, "threads": 1},
     }
     cfg.update(top)
+    if "calibration_args" not in top:  # the cheap knobs of the calibrations that run (another's is refused)
+        method, chosen = cfg.get("method", "fedavg"), cfg.get("calibration", [])
+        names = [*METHODS[method].calibration, *([chosen] if isinstance(chosen, str) else chosen)]
+        known = [name for name in names if name in CALIBRATORS]  # an unknown name is the test's refusal
+        cfg["calibration_args"] = {k: v for k, v in cfg["calibration_args"].items() if reads_knob(known, k)}
     return cfg
 
 
@@ -131,6 +138,17 @@ def test_calibration_errors_are_config_errors(tmp_path):
         fedlt.run(tiny(tmp_path, calibration="creff", calibration_args={"creff_m": 3}), quiet=True)
     with pytest.raises(ConfigError, match="no calibration"):
         fedlt.run(tiny(tmp_path, calibration=[], calibration_args={"fed3r_lambda": 1.0}), quiet=True)
+    # a knob no chosen calibration reads would be recorded as if applied
+    with pytest.raises(ConfigError, match=re.escape(
+            "calibration_args.creff_retrain_steps is read by calibration=creff, which this run does not use (it uses "
+            "ccvr); drop it")):
+        fedlt.run(tiny(tmp_path, calibration="ccvr", calibration_args={"creff_retrain_steps": 5}), quiet=True)
+    with pytest.raises(ConfigError, match=re.escape(
+            "calibration_args.retrain_lr is read by calibration=ccvr or oracle, which this run does not use (it uses "
+            "fedncm, fed3r); drop it")):
+        fedlt.run(tiny(tmp_path, calibration=["fedncm", "fed3r"], calibration_args={"retrain_lr": 0.5}), quiet=True)
+    with pytest.raises(ConfigError, match="calibration_args.ccvr_virtual_per_class is read by calibration=ccvr"):
+        fedlt.run(tiny(tmp_path, method="sfd", calibration_args={"ccvr_virtual_per_class": 5}), quiet=True)
     assert not any(tmp_path.iterdir())
 
 

@@ -36,6 +36,7 @@ from test_datasets import rewrite_cifar10, write_cifar10, write_cinic, write_idx
 
 import fedlt
 from fedlt.calibration.calibrators import CALIBRATORS, Calibrator, TauNorm
+from fedlt.calibration.wrapper import reads_knob
 from fedlt.config import build_config
 from fedlt.data.registry import DATASETS
 from fedlt.engine.simulation import RunResult, Simulation
@@ -78,8 +79,9 @@ def tiny(out: Path, method: str, calibration: list[str], loss: str = "ce", parti
         "fl": {"rounds": rounds, "participation": participation, "local_epochs": local_epochs},
         "run": {"out_dir": str(out), "threads": 1, "backend": backend},
     }
-    if calibration or METHODS[method].calibration:
-        tree["calibration_args"] = CHEAP_CALIBRATION_ARGS
+    names = [*METHODS[method].calibration, *calibration]
+    if names:  # the cheap knobs of the calibrations that run (another's is refused)
+        tree["calibration_args"] = {k: v for k, v in CHEAP_CALIBRATION_ARGS.items() if reads_knob(names, k)}
     return tree
 
 

@@ -7,6 +7,7 @@ import gzip
 import io
 import os
 import pickle
+import re
 import struct
 import time
 from pathlib import Path
@@ -605,6 +606,14 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
                                                      "annotations": [{"image_id": 1}], "categories": []}))
     with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*KeyError"):
         load_dataset("inat", image_size=8)
+    # values of the wrong type: a number for a file name, a list for a category id
+    for image, category in (({"id": 1, "file_name": 5}, 0), ({"id": 1, "file_name": "x.jpg"}, [0])):
+        (root / "train2018.json").write_text(json.dumps({
+            "images": [image], "annotations": [{"id": 7, "image_id": 1, "category_id": category}],
+            "categories": [{"id": 0, "name": "Aves"}]}))
+        with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*TypeError: every "
+                                            r"file_name must be a string and every category id an integer\)"):
+            load_dataset("inat", image_size=8)
 
 
 def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1007,3 +1016,20 @@ def test_an_unwritable_cache_costs_one_warning_line_and_the_data_still_load(
     assert len(lines) == 2  # one per split
     assert all(line.startswith(f"fedlt: warning: could not write the data cache {tmp_path / 'a-file' / 'cache'}/")
                and line.endswith("set FEDLT_CACHE to a writable folder") for line in lines), lines
+
+
+def test_images_larger_than_the_memory_available_are_refused_before_any_is_made(tmp_path, monkeypatch):
+    """A data.image_size the config allows (up to 1024) can ask for more memory than there is: the
+    synthetic images, and a list dataset's decoded ones, are refused in one line before allocation."""
+    from fedlt.data.sources import common
+
+    monkeypatch.setattr(common, "available_memory", lambda: 10**9)
+    with pytest.raises(DataError, match=re.escape("synthetic: 4000 images at 512x512 px need 15.7 GB of memory, more "
+                                                  "than the 1.0 GB available; use a smaller data.image_size")):
+        load_dataset("synthetic", image_size=512)
+    assert load_dataset("synthetic", image_size=16).train.images.shape[-1] == 16
+    never = lambda path: pytest.fail("decoded an image")  # noqa: E731
+    with pytest.raises(DataError, match=r"^imagenet_lt: 1000 images at 1024x1024 px need 3\.1 GB of memory"):
+        common.decode_all([tmp_path / "x.jpg"] * 1000, never, (3, 1024, 1024), "imagenet_lt")
+    monkeypatch.setattr(common, "available_memory", lambda: None)  # not Linux: not checked
+    common.check_memory("imagenet_lt", 1000, (3, 1024, 1024))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlt.api import run
+from fedlt.calibration.wrapper import reads_knob
 from fedlt.methods.registry import METHODS
 from fedlt.run_parts import check_config
 from fedlt.config import build_config
@@ -38,7 +39,7 @@ def tiny(method: str, out: Path) -> dict[str, Any]:
         "eval": {"every": 2}, "run": {"out_dir": str(out), "threads": 1, "checkpoint_every": 0},
     }
     if spec.calibration:
-        tree["calibration_args"] = _CHEAP_CALIBRATION
+        tree["calibration_args"] = {k: v for k, v in _CHEAP_CALIBRATION.items() if reads_knob(spec.calibration, k)}
     return tree
 
 

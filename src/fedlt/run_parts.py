@@ -191,7 +191,7 @@ def check_config(cfg: Config) -> MethodSpec:
         from fedlt.calibration.wrapper import parse_calibration_args, with_calibration
 
         spec = with_calibration(spec, calibration)
-        parse_calibration_args(cfg.calibration_args)
+        parse_calibration_args(cfg.calibration_args, calibration)
     elif cfg.calibration_args:
         raise ConfigError("calibration_args given but no calibration; add e.g. calibration=ccvr or drop them")
     _check_loss(cfg, spec)

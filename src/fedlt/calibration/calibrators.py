@@ -116,6 +116,9 @@ class Calibrator:
     #: whether it works on an ensemble's combined head: averaging linear experts' logits is one
     #: linear map over their features side by side, so a head over that feature replaces them all
     ensembles: ClassVar[bool] = True
+    #: the shared knobs it reads (those of ``calibration_args`` not named ``<calibration>_...``); None:
+    #: any of them (a plug-in's, which does not say)
+    shared_knobs: ClassVar[frozenset[str] | None] = None
 
     @classmethod
     def refusal(cls, method: str, head: ModelHead) -> str | None:
@@ -189,6 +192,7 @@ class CReFF(Calibrator):
 
     name = "creff"
     reads_fit_replies = True
+    shared_knobs = frozenset({"retrain_batch_size"})
 
     def __init__(self, args, ctx):
         super().__init__(args, ctx)
@@ -277,6 +281,7 @@ class CCVR(Calibrator):
 
     name = "ccvr"
     needs = frozenset({"class_sums"})
+    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_batch_size"})
     #: the virtual features and labels the head was re-trained on (for the report's projection)
     _virtual: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -304,6 +309,7 @@ class FedNCM(Calibrator):
     """FedNCM (Legate et al. 2023): nearest class mean of L2-normalised features."""
 
     name = "fedncm"
+    shared_knobs = frozenset()
     needs = frozenset({"normalized_sums"})
 
     def finish(self, stats, head) -> None:
@@ -320,6 +326,7 @@ class Fed3R(Calibrator):
     """Fed3R (Fanì et al. 2024): closed-form ridge-regression classifier from summed statistics."""
 
     name = "fed3r"
+    shared_knobs = frozenset()
     needs = frozenset({"ridge_sums"})
 
     def finish(self, stats, head) -> None:
@@ -333,6 +340,7 @@ class TauNorm(Calibrator):
     needs nothing from clients."""
 
     name = "taunorm"
+    shared_knobs = frozenset()
     acts_on = "learned_linear"
 
     def finish(self, stats, head) -> None:
@@ -346,6 +354,7 @@ class RealFeatureOracle(Calibrator):
     name = "oracle"
     private = False
     needs = frozenset({"features"})
+    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_batch_size"})
 
     def finish(self, stats, head) -> None:
         feats, labels = stats["features"]
@@ -376,6 +385,7 @@ class SAFS(Calibrator):
     learned classifier fine-tuned on them with CE (:mod:`fedlt.calibration.math.safs`)."""
 
     name = "safs"
+    shared_knobs = frozenset()
     needs = frozenset({"class_sums", "rff_sums"})
 
     def __init__(self, args, ctx):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -312,8 +312,31 @@ def balanced_sample(labels: torch.Tensor, per_class: int, generator: torch.Gener
     return torch.cat(keep) if keep else torch.zeros(0, dtype=torch.int64, device=labels.device)
 
 
-def parse_calibration_args(raw: dict) -> CalibrationArgs:
-    return parse_args(CalibrationArgs, raw, "calibration_args", "calibration")
+def knob_owner(key: str) -> str | None:
+    """The calibration a ``calibration_args`` knob belongs to by its name (``<calibration>_...``); None for
+    a shared knob (``retrain_*``)."""
+    return next((name for name in CALIBRATORS if key.startswith(f"{name}_")), None)
+
+
+def reads_knob(names: Sequence[str], key: str) -> bool:
+    """Whether one of the calibrations ``names`` reads the knob ``key`` (a plug-in may read any shared one)."""
+    owner = knob_owner(key)
+    if owner is not None:
+        return owner in names
+    return any(CALIBRATORS[name].shared_knobs is None or key in CALIBRATORS[name].shared_knobs for name in names)
+
+
+def parse_calibration_args(raw: dict, names: Sequence[str] | None = None) -> CalibrationArgs:
+    """``calibration_args`` validated; with the run's calibrations ``names``, a knob none of them reads is
+    refused too: the run's config would record it as if it had been applied."""
+    args = parse_args(CalibrationArgs, raw, "calibration_args", "calibration")
+    for key in raw if names is not None else ():
+        if not reads_knob(names, key):
+            users = [knob_owner(key)] if knob_owner(key) else [
+                name for name in CALIBRATORS if key in (CALIBRATORS[name].shared_knobs or ())]
+            raise ConfigError(f"calibration_args.{key} is read by calibration={' or '.join(users)}, which this run "
+                              f"does not use (it uses {', '.join(names)}); drop it")
+    return args
 
 
 def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:

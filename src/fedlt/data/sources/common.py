@@ -68,14 +68,35 @@ def to_chw(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's ``MemAvailable``); None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(dataset: str, images: int, shape: tuple[int, int, int], bytes_per_value: int = 1) -> None:
+    """Refuse, before allocating, images that need more memory than the system has available: at a
+    large ``data.image_size`` they would fail mid-allocation, or be killed by the system later."""
+    need, free = images * int(np.prod(shape)) * bytes_per_value, available_memory()
+    if free is not None and need > free:
+        raise DataError(f"{dataset}: {images} images at {shape[-2]}x{shape[-1]} px need {need / 1e9:.1f} GB of memory, "
+                        f"more than the {free / 1e9:.1f} GB available; use a smaller data.image_size")
+
+
 def decode_all(
-    paths: Sequence[Path], decode: Callable[[Path], np.ndarray], shape: tuple[int, int, int]
+    paths: Sequence[Path], decode: Callable[[Path], np.ndarray], shape: tuple[int, int, int], dataset: str = "images"
 ) -> torch.Tensor:
     """Decode ``paths`` into one uint8 tensor of shape ``(len(paths), *shape)``.
 
     Threads are enough: PIL releases the GIL while it decodes, and threads keep the
     exceptions ``decode`` raises (a :class:`DataError` naming the file) intact.
     """
+    check_memory(dataset, len(paths), shape)
     out = np.empty((len(paths), *shape), dtype=np.uint8)
 
     def fill(start: int, stop: int) -> None:

@@ -215,6 +215,9 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
             raise DataError(f"{layout.dataset}: {path}: annotation {orphan.get('id', '?')!r} names image_id "
                             f"{orphan['image_id']!r}, which is not among its images; {layout.fix}")
         pairs = [(files[a["image_id"]], a["category_id"]) for a in tree["annotations"]]
+        if not all(isinstance(name, str) for name in files.values()) or not all(
+                type(cid) is int for cid in [*(c for _, c in pairs), *(c for c, _ in categories)]):
+            raise TypeError("every file_name must be a string and every category id an integer")
     except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON (nested too deep), bytes,
         # or shape
         raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
@@ -283,7 +286,7 @@ def _decode(layout: ListLayout, root: Path, list_file: Path, paths: list[str], i
     fix = f"fix {list_file.name} or {layout.fix}"
     images = decode_all(
         [root / path for path in paths], lambda path: decode_image(path, image_size, layout.dataset, fix),
-        (3, image_size, image_size)
+        (3, image_size, image_size), layout.dataset
     )
     cache.store(_cache_entry(layout, root, list_file, paths, image_size), {"images": images})
     return images

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
+from fedlt.data.sources.common import check_memory
 
 DEFAULT_IMAGE_SIZE = 16
 NUM_CLASSES = 10
@@ -38,6 +39,8 @@ def make_synthetic(image_size: int = DEFAULT_IMAGE_SIZE, classes: int = NUM_CLAS
                    train_per_class: int = TRAIN_PER_CLASS, test_per_class: int = TEST_PER_CLASS) -> DatasetPair:
     """The synthetic dataset: ``classes`` classes of 3 x ``image_size`` x ``image_size`` images, 300/100
     per class by default."""
+    # the uint8 images and, while a split is made, its float32 noise: at most 5 bytes a value
+    check_memory("synthetic", classes * (train_per_class + test_per_class), (3, image_size, image_size), 5)
     generator = torch.Generator().manual_seed(_SEED)
     names = [f"class{k}" for k in range(classes)]
     coarse = torch.rand(classes, 3, _TEMPLATE_GRID, _TEMPLATE_GRID, generator=generator)
