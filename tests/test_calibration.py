@@ -236,3 +236,20 @@ def test_calibrated_variants_are_evaluated_on_one_pass_through_the_encoder(tmp_p
     whole = fedlt.run(tiny(tmp_path / "whole", **over), quiet=True)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
     assert strip(shared.metrics) == strip(whole.metrics)
+
+
+def test_a_run_started_with_a_knob_no_calibration_reads_still_resumes(tmp_path):
+    """A new run with such a knob is refused; one an earlier version started with it (the knob had no
+    effect) resumes, since its config may not change on resume."""
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.results import new_run_dir
+
+    tree = tiny(tmp_path, calibration="ccvr", calibration_args={"retrain_steps": 20, "creff_retrain_steps": 3})
+    with pytest.raises(ConfigError, match="creff_retrain_steps is read by calibration=creff"):
+        fedlt.run(tree, quiet=True)
+    cfg = build_config(tree)
+    first = prepare(cfg).run(new_run_dir(cfg), quiet=True)  # as an earlier version ran it
+    (first.run_dir / "summary.json").unlink()
+    resumed = fedlt.resume(first.run_dir, quiet=True)
+    assert resumed.summary["final"]["acc"] == first.summary["final"]["acc"]

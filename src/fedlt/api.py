@@ -13,7 +13,7 @@ from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, ch
 from fedlt.errors import ConfigError
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
-from fedlt.run_parts import check_config, setup_parts
+from fedlt.run_parts import check_new_config, setup_parts
 
 
 def prepare(cfg: Config) -> Simulation:
@@ -36,6 +36,7 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
         cfg = load_config(config, overrides)
     if cfg.engine == "flower":
         return _run_flower(cfg, quiet)
+    check_new_config(cfg)
     sim = prepare(cfg)
     run_dir = new_run_dir(cfg)
     return sim.run(run_dir, quiet=quiet)
@@ -43,7 +44,7 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
 
 def _run_flower(cfg: Config, quiet: bool) -> RunResult:
     """The config on Flower's simulation engine; checked first, so a bad config starts no Ray."""
-    spec = check_config(cfg)
+    spec = check_new_config(cfg)
     if spec.pooled:
         raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
     try:

@@ -150,10 +150,14 @@ def methods_cmd(name: Optional[str] = typer.Argument(None, help="a method: print
         spec = get_method(name)
         typer.echo(f"{name}: {spec.description}")
         typer.echo("knobs (method_args.NAME=VALUE):" if spec.args.model_fields else "no knobs")
+        shown = {}  # each default as a config writes it
         for key, field in spec.args.model_fields.items():
             default = field.default if field.default_factory is None else field.default_factory()
-            shown = f"{default:.4g}" if isinstance(default, float) else str(default)
-            typer.echo(f"  {key:26s} {shown:10s} {field.description or ''}")
+            shown[key] = "null" if default is None else str(default).lower() if isinstance(default, bool) \
+                else f"{default:.4g}" if isinstance(default, float) else str(default)
+        width = max(map(len, shown.values()), default=0)
+        for key, field in spec.args.model_fields.items():
+            typer.echo(f"  {key:26s} {shown[key]:{width}s}  {field.description or ''}")
 
     _guard(go)
 

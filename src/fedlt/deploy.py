@@ -162,8 +162,10 @@ def run_config(config: Path, overrides: list[str]) -> str:
 
 def _read_back(config: Path, overrides: list[str]) -> bool:
     """Whether Flower's run-config parser gives the config's path and the overrides back unchanged."""
-    from flwr.common.config import parse_config_args
-
+    try:
+        from flwr.common.config import parse_config_args
+    except ImportError:
+        raise ConfigError("fedlt deploy needs Flower: pip install 'fedlt[flower]'") from None
     try:
         parsed = parse_config_args([run_config(config, overrides)])
         return parsed.get("config") == str(config.resolve()) and shlex.split(parsed.get("overrides", "")) == overrides
@@ -575,10 +577,10 @@ def check_deployable(config: str, overrides: list[str]):
     """The config as the ServerApp will build it, with every check that needs no process: a
     refused config ends the deploy command before anything starts."""
     from fedlt.config import load_config
-    from fedlt.run_parts import check_config
+    from fedlt.run_parts import check_new_config
 
     cfg = load_config(config, [*overrides, "engine=flower"])
-    if check_config(cfg).pooled:
+    if check_new_config(cfg).pooled:
         raise ConfigError(f"method {cfg.method} trains on pooled data and cannot be deployed over Flower; "
                           "run it with `fedlt run` (engine=inprocess)")
     return cfg

@@ -182,16 +182,34 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
                               f"(docs/{page}.md), or use {other}")
 
 
+def run_calibrations(cfg: Config) -> list[str]:
+    """The calibrations a run applies: its method's own, then the configured ones."""
+    own = get_method(cfg.method).calibration
+    return [*own, *(name for name in cfg.calibration if name not in own)]
+
+
+def check_new_config(cfg: Config) -> MethodSpec:
+    """:func:`check_config`, and what a new run (not a resumed one, which was accepted when it started)
+    must not hold: a calibration knob none of its calibrations reads, which its config would record as if
+    it had been applied."""
+    spec = check_config(cfg)
+    if cfg.calibration_args:
+        from fedlt.calibration.wrapper import parse_calibration_args
+
+        parse_calibration_args(cfg.calibration_args, run_calibrations(cfg))
+    return spec
+
+
 def check_config(cfg: Config) -> MethodSpec:
     """Every check that needs no data: method and its knobs, calibrations, loss, each pair of them,
     model and dataset names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""
     spec = get_method(cfg.method)
-    calibration = [*spec.calibration, *(n for n in cfg.calibration if n not in spec.calibration)]
+    calibration = run_calibrations(cfg)
     if calibration:
         from fedlt.calibration.wrapper import parse_calibration_args, with_calibration
 
         spec = with_calibration(spec, calibration)
-        parse_calibration_args(cfg.calibration_args, calibration)
+        parse_calibration_args(cfg.calibration_args)
     elif cfg.calibration_args:
         raise ConfigError("calibration_args given but no calibration; add e.g. calibration=ccvr or drop them")
     _check_loss(cfg, spec)

@@ -495,7 +495,7 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     still to train (its files, long tail, validation split and partition), before anything trains."""
     from fedlt.config import load_config
     from fedlt.data.federated import build_federated_data, federation_seed
-    from fedlt.run_parts import check_config
+    from fedlt.run_parts import check_new_config
 
     federations: dict[str, tuple[Config, str]] = {}  # data settings and federation seed -> one such cell
     selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
@@ -504,7 +504,7 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
-            spec = check_config(cfg)
+            spec = check_new_config(cfg)
         except FedltError as err:
             raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
         check_row_reads(suite, rows[cell.row], cfg, spec)

@@ -313,9 +313,10 @@ def balanced_sample(labels: torch.Tensor, per_class: int, generator: torch.Gener
 
 
 def knob_owner(key: str) -> str | None:
-    """The calibration a ``calibration_args`` knob belongs to by its name (``<calibration>_...``); None for
-    a shared knob (``retrain_*``)."""
-    return next((name for name in CALIBRATORS if key.startswith(f"{name}_")), None)
+    """The built-in calibration a ``calibration_args`` knob belongs to by its name (``<calibration>_...``;
+    a plug-in adds no knob); None for a shared knob (``retrain_*``)."""
+    return next((name for name in CALIBRATORS if CALIBRATORS[name].shared_knobs is not None
+                 and key.startswith(f"{name}_")), None)
 
 
 def reads_knob(names: Sequence[str], key: str) -> bool:

@@ -77,7 +77,7 @@ def _read_split(split: Path, classes: list[str]) -> tuple[torch.Tensor, torch.Te
             raise DataError(f"{DATASET}: class folder {split / name} holds no .png files; {_FIX}")
         paths.extend(files)
         labels.extend([label] * len(files))
-    images = decode_all(paths, _decode, (3, _SIDE, _SIDE))
+    images = decode_all(paths, _decode, (3, _SIDE, _SIDE), "cinic10")
     return images, torch.tensor(labels, dtype=torch.int64)
 
 

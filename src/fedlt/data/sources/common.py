@@ -84,8 +84,8 @@ def check_memory(dataset: str, images: int, shape: tuple[int, int, int], bytes_p
     large ``data.image_size`` they would fail mid-allocation, or be killed by the system later."""
     need, free = images * int(np.prod(shape)) * bytes_per_value, available_memory()
     if free is not None and need > free:
-        raise DataError(f"{dataset}: {images} images at {shape[-2]}x{shape[-1]} px need {need / 1e9:.1f} GB of memory, "
-                        f"more than the {free / 1e9:.1f} GB available; use a smaller data.image_size")
+        raise DataError(f"{dataset}: {images} images at {shape[-2]}x{shape[-1]} px need about {need / 1e9:.1f} GB of "
+                        f"memory, more than the {free / 1e9:.1f} GB available; use a smaller data.image_size")
 
 
 def decode_all(

@@ -97,7 +97,7 @@ def load_image_folder(root: Path, split: str, declared: DeclaredDataset) -> Imag
         raise DataError(f"{_PREFIX}: {folder} holds no images; put them in {folder}/<class>/ (one folder per class)")
     entries.sort(key=lambda e: (e[0], e[1]))
     images = decode_all([path for _, _, path in entries], lambda path: _decode(path, channels, side),
-                        (channels, side, side))
+                        (channels, side, side), f"{_PREFIX}: {folder}")
     labels = torch.tensor([label for _, label, _ in entries], dtype=torch.int64)
     return ImageDataset(images, labels, list(declared.classes), tuple(declared.mean), tuple(declared.std))
 

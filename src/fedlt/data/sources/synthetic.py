@@ -39,7 +39,7 @@ def make_synthetic(image_size: int = DEFAULT_IMAGE_SIZE, classes: int = NUM_CLAS
                    train_per_class: int = TRAIN_PER_CLASS, test_per_class: int = TEST_PER_CLASS) -> DatasetPair:
     """The synthetic dataset: ``classes`` classes of 3 x ``image_size`` x ``image_size`` images, 300/100
     per class by default."""
-    # the uint8 images and, while a split is made, its float32 noise: at most 5 bytes a value
+    # the uint8 images and float32 copies while they are made (noise, statistics): 5 bytes a value, about
     check_memory("synthetic", classes * (train_per_class + test_per_class), (3, image_size, image_size), 5)
     generator = torch.Generator().manual_seed(_SEED)
     names = [f"class{k}" for k in range(classes)]
