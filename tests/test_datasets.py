@@ -489,7 +489,8 @@ def test_cinic_bad_folders(tmp_path: Path) -> None:
 
 def test_parallel_decoding_keeps_order_and_errors() -> None:
     paths = [Path(str(i)) for i in range(1000)]  # many chunks on the thread pool
-    images = common.decode_all(paths, lambda p: np.full((1, 2, 2), int(p.name) % 256, dtype=np.uint8), (1, 2, 2))
+    images = common.decode_all(paths, lambda p: np.full((1, 2, 2), int(p.name) % 256, dtype=np.uint8), (1, 2, 2),
+                               "test")
     assert images.shape == (1000, 1, 2, 2) and images[:, 0, 0, 0].tolist() == [i % 256 for i in range(1000)]
 
     def fail_on_777(path: Path) -> np.ndarray:
@@ -498,7 +499,7 @@ def test_parallel_decoding_keeps_order_and_errors() -> None:
         return np.zeros((1, 2, 2), dtype=np.uint8)
 
     with pytest.raises(DataError, match="bad 777"):
-        common.decode_all(paths, fail_on_777, (1, 2, 2))
+        common.decode_all(paths, fail_on_777, (1, 2, 2), "test")
 
 
 # ----------------------------------------------------------------------------- ImageNet-LT / iNat (list files)

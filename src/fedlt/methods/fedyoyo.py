@@ -27,7 +27,8 @@ pass. Crops pad an eighth of the image side (4 px on 32 px, as released); flips 
   normalised into ``pi_k``. ``a R a^T`` is the squared norm of the mean of the unit vectors
   ``(h_i - mu_c) / ||h_i - mu_c||``, so no ``m x m`` matrix is formed. Many samples, and samples
   that point in different directions, give a large effective number; near-duplicates count
-  once. The estimate is also this round's ``pi_k``. The client uploads ``pi_k`` with its update; the server's ``pi_g`` is the
+  once. The estimate is also this round's ``pi_k``. The client uploads ``pi_k`` with its
+  update; the server's ``pi_g`` is the
   sample-weighted mean of the client priors (FedAvg of the priors).
 
 Options where the released code (which produced the paper's numbers) departs from the text:

@@ -89,7 +89,7 @@ def check_memory(dataset: str, images: int, shape: tuple[int, int, int], bytes_p
 
 
 def decode_all(
-    paths: Sequence[Path], decode: Callable[[Path], np.ndarray], shape: tuple[int, int, int], dataset: str = "images"
+    paths: Sequence[Path], decode: Callable[[Path], np.ndarray], shape: tuple[int, int, int], dataset: str
 ) -> torch.Tensor:
     """Decode ``paths`` into one uint8 tensor of shape ``(len(paths), *shape)``.
 
