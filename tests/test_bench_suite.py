@@ -300,7 +300,7 @@ def test_a_row_whose_cells_ran_other_code_takes_no_new_cells_unless_mixed_code(t
                                                           rows=["FedAvg + CCVR"], echo=lambda line: None).cells}
     dry = CliRunner().invoke(app, ["bench", str(path), "--out", str(mine), "--seeds", "0,1,5", "--dry-run",
                                    "--mixed-code"])
-    assert dry.exit_code == 0 and "6 cells: 4 finished, 2 to run" in dry.stderr
+    assert dry.exit_code == 0 and "6 cells: 4 finished, 2 to run" in dry.stdout and not dry.stderr
 
 
 def test_a_cell_whose_checkpoint_is_cut_off_is_refused_before_anything_trains(tiny_suite, tmp_path):
@@ -612,7 +612,7 @@ def test_builtin_suites_validate_and_list(tmp_path, monkeypatch):
         built.clear()
         dry = CliRunner().invoke(app, ["bench", name, "--dry-run", "--out", str(tmp_path / name)])
         assert dry.exit_code == 0, (name, dry.stderr)
-        assert "0 finished" in dry.stderr
+        assert "0 finished" in dry.stdout
         assert built and len(built) == len(set(built)), (name, built)
         if name == "paper-creff":  # two datasets, three imbalance factors, three seeds
             assert sorted({b[0] for b in built}) == ["cifar10", "cifar100"] and len(built) == 18
@@ -740,7 +740,7 @@ def test_row_option_runs_only_the_named_rows_and_a_variant_names_its_runs(tmp_pa
     assert len(lines) == 1 and "--row 'Nosuch' is no row of suite tiny; use one of: FedAvg + CCVR, FedAvg, FedProx" in lines[0]
     result = CliRunner().invoke(app, ["bench", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"),
                                       "--row", "FedProx", "--dry-run"])
-    assert result.exit_code == 0 and "2 cells: 0 finished, 2 to run" in result.stderr
+    assert result.exit_code == 0 and "2 cells: 0 finished, 2 to run" in result.stdout and not result.stderr
 
 
 def test_reference_config_commands_run_exactly_the_reference_suites_cells(tmp_path):

@@ -498,6 +498,16 @@ def test_a_methods_knobs_are_listed_with_their_defaults(runs) -> None:
     wrong = CliRunner().invoke(app, ["methods", "fedyoyoo"])
     assert wrong.exit_code == 2 and wrong.output.startswith("fedlt: error: unknown method 'fedyoyoo'")
     assert wrong.output.count("\n") == 1
+    from fedlt.methods.base import Client, MethodArgs, MethodSpec, Server
+    from fedlt.methods.registry import METHODS
+
+    METHODS["needy"] = MethodSpec("needy", "a knob without default", Server, Client,
+                                  type("NeedyArgs", (MethodArgs,), {"__annotations__": {"beta": float}}))
+    try:
+        shown = CliRunner().invoke(app, ["methods", "needy"]).stdout.splitlines()
+    finally:
+        del METHODS["needy"]
+    assert shown[2].split() == ["beta", "(required)"], shown  # not pydantic's PydanticUndefined
 
 
 def test_datasets_one_per_line(runs) -> None:

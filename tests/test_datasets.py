@@ -289,6 +289,10 @@ def test_the_binary_versions_read_as_the_python_ones(tmp_path: Path) -> None:
     (folder / "test_batch.bin").write_bytes((folder / "test_batch.bin").read_bytes()[:-1])
     message = error_of("cifar10", tmp_path)
     assert "test_batch.bin holds 6145 bytes, not a whole number of 3073-byte records" in message
+    (folder / "test_batch.bin").write_bytes((folder / "data_batch_2.bin").read_bytes())
+    (folder / "data_batch_2.bin").write_bytes((folder / "data_batch_2.bin").read_bytes()[:3073])  # a whole record
+    message = error_of("cifar10", tmp_path)  # the batches of the release are equal: a short one is cut off
+    assert f"{folder / 'data_batch_2.bin'} holds 1 records and the other batches 2, so it is cut off" in message
 
     folder = tmp_path / "c100" / "cifar-100-binary"
     folder.mkdir(parents=True)
@@ -613,8 +617,25 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
             "images": [image], "annotations": [{"id": 7, "image_id": 1, "category_id": category}],
             "categories": [{"id": 0, "name": "Aves"}]}))
         with pytest.raises(DataError, match=r"train2018\.json is not a COCO-style annotation file .*TypeError: every "
-                                            r"file_name must be a string and every category id an integer\)"):
+                                            r"file_name must be a string and every category id an integer\); "
+                                            r"extract it again from the official train2018\.json\.tar\.gz"):
             load_dataset("inat", image_size=8)
+    # the annotations as the organisers ship them, not yet extracted: the error says so, not "list file ... txt"
+    (root / "train2018.json").unlink()
+    (root / "train2018.json.tar.gz").write_bytes(b"")
+    packed = re.escape(str(root / "train2018.json.tar.gz"))
+    with pytest.raises(DataError, match=rf"^inat: list file iNaturalist18_train\.txt not found in .*; {packed} is "
+                                        rf"there but not extracted: run `tar -xzf train2018\.json\.tar\.gz` in "
+                                        rf"{re.escape(str(root))}$"):
+        load_dataset("inat", image_size=8)
+
+
+def test_a_cifar_archive_not_yet_extracted_is_named_with_the_command_that_extracts_it(tmp_path: Path) -> None:
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"")
+    message = error_of("cifar10", tmp_path)
+    assert message.startswith(f"cifar10: no cifar-10-batches-py/ in {tmp_path}") and message.endswith(
+        f"{tmp_path / 'cifar-10-python.tar.gz'} is there but not extracted: run `tar -xzf cifar-10-python.tar.gz` "
+        f"in {tmp_path}"), message
 
 
 def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1034,3 +1055,25 @@ def test_images_larger_than_the_memory_available_are_refused_before_any_is_made(
         common.decode_all([tmp_path / "x.jpg"] * 1000, never, (3, 1024, 1024), "imagenet_lt")
     monkeypatch.setattr(common, "available_memory", lambda: None)  # not Linux: not checked
     common.check_memory("imagenet_lt", 1000, (3, 1024, 1024))
+
+
+@pytest.mark.parametrize("limit, usage, expected", [
+    ("4000000000", "3000000000", 10**9),   # a container's limit leaves less than MemAvailable says
+    ("max", "3000000000", 2 * 10**9),      # cgroup v2 without a limit: MemAvailable
+    ("9223372036854771712", "1", 2 * 10**9),  # cgroup v1 without a limit (its huge default)
+    ("1000", "2000", 0),                   # over the limit already
+    (None, None, 2 * 10**9),               # no cgroup files: MemAvailable
+])
+def test_available_memory_is_capped_by_a_containers_memory_limit(tmp_path, monkeypatch, limit, usage, expected):
+    from fedlt.data.sources import common
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       9999999 kB\nMemAvailable:   1953125 kB\n")  # 2e9 bytes
+    files = (tmp_path / "memory.max", tmp_path / "memory.current")
+    if limit is not None:
+        files[0].write_text(limit + "\n")
+        files[1].write_text(usage + "\n")
+    real_path = common.Path
+    monkeypatch.setattr(common, "Path", lambda p: meminfo if p == "/proc/meminfo" else real_path(p))
+    monkeypatch.setattr(common, "CGROUP_MEMORY", (files,))
+    assert common.available_memory() == expected

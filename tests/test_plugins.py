@@ -278,3 +278,134 @@ def test_a_bench_with_workers_refuses_a_method_registered_in_code_before_any_cel
         assert len(result.ran) == 2 and not result.failed
     finally:
         del METHODS["squeeze"]
+
+
+def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_the_hook(tmp_path):
+    """A plug-in's slip used to fail deep in the engine (a dict for a Reply: "'dict' object has no
+    attribute 'nbytes'"), rounds later (numpy in ctx.state at the first checkpoint), or not at all (weights
+    worth 0 samples, an average returned instead of loaded, misnamed weights: the global model never
+    trained and the run reported it). Each is now one line naming the hook and the fix, in round 1."""
+    from fedlt.errors import PluginError
+    from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+
+    class Client(FedAvgClient):
+        slip = None
+
+        def fit(self, ctx, msg):
+            reply = super().fit(ctx, msg)
+            if self.slip == "dict":
+                return {"weights": reply.weights}
+            if self.slip == "no_samples":
+                return Reply(weights=reply.weights, metrics=reply.metrics)
+            if self.slip == "renamed":
+                return Reply({"model." + k: v for k, v in reply.weights.items()}, reply.num_samples)
+            if self.slip == "numpy_state":
+                ctx.state["prior"] = ctx.data.host_prior()  # fedlt's own helper returns numpy
+            return reply
+
+    class Returns(FedAvgServer):
+        def aggregate(self, rnd, replies):
+            return weighted_average(replies)
+
+    class TensorMetric(FedAvgServer):
+        def metrics(self):
+            return {"norm": self.model.head.weight.norm(), "n": np.int64(3), "bad": object()}
+
+    class NumpyState(FedAvgServer):
+        def state_dict(self):
+            return {**super().state_dict(), "seen": {"rounds": [np.float64(1.0)]}}
+
+    import numpy as np
+
+    from fedlt.messages import Reply
+    from fedlt.methods.aggregation import weighted_average
+
+    cases = {
+        "dict": (FedAvgServer, r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.Reply$"),
+        "no_samples": (FedAvgServer, r"^SlipClient\.fit replied with weights worth num_samples=0 from a client "
+                                     r"holding \d+ samples; the average ignores such replies: set Reply\(num_samples"),
+        "renamed": (FedAvgServer, r"^FedAvgServer\.aggregate: the replies' weight 'model\.\S+' and \d+ more name no "
+                                  r"entry of the model"),
+        "numpy_state": (FedAvgServer, r"^SlipClient\.fit left ctx\.state\['prior'\] \(a numpy\.ndarray\) in "
+                                      r"ctx\.state, which a checkpoint cannot keep"),
+        "returns": (Returns, r"^Returns\.aggregate returned dict, which the engine ignores"),
+        "metric": (TensorMetric, r"^TensorMetric\.metrics\(\) gave 'bad' as a object, which a metrics line"),
+        "server_state": (NumpyState, r"^NumpyState\.state_dict\(\) holds state_dict\(\)\['seen'\]\['rounds'\]\[0\] "
+                                     r"\(a numpy\.float64\), which a checkpoint cannot keep"),
+    }
+    try:
+        for slip, (server, message) in cases.items():
+            client = type("SlipClient", (Client,), {"slip": slip})
+            METHODS["slip"] = MethodSpec("slip", "breaks the contract", server, client)
+            with pytest.raises(PluginError, match=message):
+                fedlt.run(run(tmp_path, slip, method="slip", run={"checkpoint_every": 10}), quiet=True)
+        # what a slip looked like is accepted where it is not one: one-element tensors and numpy numbers
+        # from metrics() are read as floats, a client without samples may reply with weights worth 0
+        TensorMetric.metrics = lambda self: {"norm": self.model.head.weight.norm(), "n": np.int64(3)}
+        METHODS["slip"] = MethodSpec("slip", "reads metrics", TensorMetric, FedAvgClient)
+        rows = fedlt.run(run(tmp_path, "metric-ok", method="slip", eval={"every": 1}), quiet=True).metrics
+        assert [type(r["norm"]) for r in rows] == [float, float] and rows[0]["n"] == 3
+        assert rows[0]["norm"] != rows[1]["norm"]  # the model trained
+    finally:
+        METHODS.pop("slip", None)
+
+
+def test_check_client_hook_lets_a_client_without_samples_reply_with_weights_worth_nothing():
+    from fedlt.engine.clients import check_client_hook
+    from fedlt.errors import PluginError
+    from fedlt.messages import Reply
+
+    weights = {"w": __import__("torch").zeros(2)}
+    check_client_hook("C", "fit", Reply(weights, 0), {"n": 1, "t": weights["w"], "l": [1, (2.0, "x")]}, samples=0)
+    check_client_hook("C", "query('stats')", Reply(weights, 0), {}, samples=5)  # a query's reply weighs nothing
+    with pytest.raises(PluginError, match=r"^C\.fit replied with weights worth num_samples=0 from a client holding 5"):
+        check_client_hook("C", "fit", Reply(weights, 0), {}, samples=5)
+    with pytest.raises(PluginError, match=r"^C\.fit left a key of ctx\.state \(a numpy\.int64\) in ctx\.state"):
+        check_client_hook("C", "fit", Reply(weights, 3), {__import__("numpy").int64(1): 1}, samples=3)
+
+
+def test_a_dataset_added_in_code_is_refused_where_other_processes_load_it(monkeypatch):
+    """A dataset added to DATASETS in a script ran sequentially, but the workers of run.backend=parallel
+    failed with "unknown dataset", leaving a half-written folder; refused before anything starts. The
+    vectorized refusal of a method registered in code no longer suggests the parallel backend it refuses."""
+    from fedlt.data.registry import DATASETS
+    from fedlt.run_parts import choose_backend, check_config
+
+    monkeypatch.setitem(DATASETS, "mine", DATASETS["synthetic"])
+    cfg = lambda *over: fedlt.load_config(None, ["data.dataset=mine", *over])  # noqa: E731
+    check_config(cfg())
+    with pytest.raises(ConfigError, match=r"^dataset mine is added to DATASETS in this process's code, and the worker "
+                                          r"processes of run.backend=parallel load .*; use run.backend=sequential$"):
+        check_config(cfg("run.backend=parallel"))
+    own_step = type("OwnStep", (Client,), {"fit": lambda self, ctx, msg: None})
+    METHODS["squeeze"] = MethodSpec("squeeze", "registered in code", Server, own_step)
+    try:
+        with pytest.raises(ConfigError, match=r"does not support method squeeze .*; use run\.backend=auto or "
+                                              r"sequential$"):
+            choose_backend(fedlt.load_config(None, ["method=squeeze", "run.backend=vectorized"]), own_step,
+                           __import__("torch").device("cpu"))
+    finally:
+        del METHODS["squeeze"]
+
+
+def test_a_calibration_whose_finish_returns_its_head_is_refused_instead_of_reporting_the_uncalibrated_model(tmp_path):
+    """finish returning the head it built (instead of storing it in self._head) left the run's headline
+    the uncalibrated model under the calibration's name; refused in one line naming the hook."""
+    from fedlt.calibration.calibrators import Calibrator, linear_head, weight_and_bias
+    from fedlt.errors import PluginError
+
+    class Doubled(Calibrator):
+        name = "doubled"
+        acts_on = "learned_linear"
+
+        def finish(self, stats, head):
+            weight, bias = weight_and_bias(head)
+            return linear_head(2 * weight, bias)
+
+    CALIBRATORS["doubled"] = Doubled
+    try:
+        with pytest.raises(PluginError, match=r"^Doubled\.finish returned Linear, which is ignored: finish sets the "
+                                              r"calibrated head \(self\._head\) and returns None$"):
+            fedlt.run(run(tmp_path, "doubled", method="fedavg", calibration=["doubled"]), quiet=True)
+    finally:
+        del CALIBRATORS["doubled"]

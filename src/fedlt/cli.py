@@ -153,7 +153,8 @@ def methods_cmd(name: Optional[str] = typer.Argument(None, help="a method: print
         shown = {}  # each default as a config writes it
         for key, field in spec.args.model_fields.items():
             default = field.default if field.default_factory is None else field.default_factory()
-            shown[key] = "null" if default is None else str(default).lower() if isinstance(default, bool) \
+            shown[key] = "(required)" if field.is_required() else "null" if default is None \
+                else str(default).lower() if isinstance(default, bool) \
                 else f"{default:.4g}" if isinstance(default, float) else str(default)
         width = max(map(len, shown.values()), default=0)
         for key, field in spec.args.model_fields.items():
@@ -481,7 +482,7 @@ def bench_run_cmd(
         folder = out or Path("runs/bench") / loaded.spec.name
         _check_out(folder, folder=True, writes=not dry_run)  # a dry run only reads a kept folder
         result = run_suite(loaded, folder, seeds=seed_list, workers=workers, dry_run=dry_run,
-                           echo=lambda line: typer.echo(line, err=True), overrides=list(overrides or []),
+                           echo=lambda line: typer.echo(line, err=not dry_run), overrides=list(overrides or []),
                            rows=list(rows or []) or None, mixed_machines=mixed_machines,
                            mixed_code=mixed_code)
         if dry_run:

@@ -23,6 +23,12 @@ class DataError(FedltError):
     """A missing, unreadable or corrupt dataset file, or an impossible data split."""
 
 
+class PluginError(FedltError):
+    """A method's or calibration's hook broke the engine's contract (a wrong return type, state a
+    checkpoint cannot keep ...): the message names the hook and the fix, which a traceback through
+    the engine would not."""
+
+
 class TrainingDiverged(FedltError):
     """The clients' training loss became NaN or infinite: the optimiser settings do not suit the run."""
 

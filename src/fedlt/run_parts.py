@@ -17,7 +17,7 @@ import torch
 from fedlt.calibration.calibrators import CALIBRATORS
 from fedlt.config import Config, LossConfig
 from fedlt.data.federated import FederatedData, build_federated_data, check_class_order
-from fedlt.data.registry import DATASETS
+from fedlt.data.registry import BUILTIN_DATASETS, DATASETS
 from fedlt.errors import ConfigError
 from fedlt.losses import LOSSES, PRIOR_LOSSES, make_loss
 from fedlt.methods.base import Client, MethodArgs, MethodSpec, declares_local_objective
@@ -98,8 +98,9 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
             others = ", ".join(f"run.backend={b}" for b in client_cls.objective_backends)
             raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its step is more than a loss "
                               f"of the logits); use {others}, run.backend=auto or run.backend=sequential")
+        others = "auto or sequential" if METHODS.in_code_only(cfg.method) else "auto, sequential or parallel"
         raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
-                          "use run.backend=auto, sequential or parallel")
+                          f"use run.backend={others}")
     return wanted
 
 
@@ -180,6 +181,9 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
             raise ConfigError(f"{kind} {name} is registered in this process's code, and {where} build the run by "
                               f"name in processes of their own; register it through a fedlt.{kind}s entry point "
                               f"(docs/{page}.md), or use {other}")
+    if cfg.data.dataset in DATASETS and cfg.data.dataset not in BUILTIN_DATASETS:
+        raise ConfigError(f"dataset {cfg.data.dataset} is added to DATASETS in this process's code, and {where} load "
+                          f"the data by name in processes of their own; use {other}")
 
 
 def run_calibrations(cfg: Config) -> list[str]:

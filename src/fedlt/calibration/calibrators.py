@@ -85,6 +85,8 @@ class CalibrationArgs(MethodArgs):
 
 
 def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    """A linear head holding ``weight`` (classes x features) and ``bias``: what a calibrator's
+    :meth:`Calibrator.finish` stores in ``self._head``."""
     head = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
     with torch.no_grad():
         head.weight.copy_(weight)
@@ -158,7 +160,8 @@ class Calibrator:
 
     def finish(self, stats: dict[str, Any], head: nn.Linear | None) -> None:
         """Post-training step from the merged client statistics; ``head`` is the model's learned
-        linear head (:attr:`ModelHead.linear`), None when it has none."""
+        linear head (:attr:`ModelHead.linear`), None when it has none. It stores the calibrated head in
+        ``self._head`` (what :meth:`head` returns, and the run evaluates) and returns None."""
 
     def artifacts(self) -> dict[str, torch.Tensor]:
         """Tensors for the report (e.g. synthetic features); none by default."""

@@ -19,7 +19,7 @@ from fedlt.calibration.calibrators import CALIBRATORS, CalibrationArgs, creff_cl
 from fedlt.calibration.math.classifiers import ridge_sums
 from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.math.stats import class_feature_sums, merge_sums
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, PluginError
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
     Client, ClientContext, LocalObjective, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state,
@@ -166,7 +166,9 @@ class CalibratedServer(Server):
         read = self.model_head.linear
         learned = read(self._backbone()) if read is not None else None
         for cal in self.calibrators:
-            cal.finish(self._stats, learned)
+            if (returned := cal.finish(self._stats, learned)) is not None:
+                raise PluginError(f"{type(cal).__name__}.finish returned {type(returned).__name__}, which is "
+                                  "ignored: finish sets the calibrated head (self._head) and returns None")
         self._stats = {}
 
     # -- evaluation ---------------------------------------------------------------------------

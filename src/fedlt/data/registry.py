@@ -136,6 +136,9 @@ DATASETS: dict[str, DatasetInfo] = {
     ) for name, (classes, train, test) in synthetic.STAND_INS.items()},
 }
 
+#: the datasets every process of fedlt knows; one added to DATASETS in code exists in its own process only
+BUILTIN_DATASETS = frozenset(DATASETS)
+
 
 def list_datasets() -> list[tuple[str, str]]:
     """``(name, description)`` pairs in registry order, for ``fedlt datasets``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,27 @@ from fedlt.results import save_tensors
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
+
+
+#: what ``torch.load(weights_only=True)`` rebuilds, by exact type (a numpy float64 is a float, but not one of these)
+SAFE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+SAFE_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+
+
+def unsafe_entry(value: Any, path: str) -> str | None:
+    """The first entry of ``value`` a checkpoint cannot keep, as ``path[key]... (its type)``; None if all can."""
+    if isinstance(value, torch.Tensor) or type(value) in SAFE_LEAVES:
+        return None
+    if type(value) not in SAFE_CONTAINERS:
+        return f"{path} (a {type(value).__module__}.{type(value).__qualname__})".replace(" a builtins.", " a ")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if not isinstance(value, set) \
+        else ((None, v) for v in value)
+    for key, item in items:
+        if isinstance(value, dict) and (found := unsafe_entry(key, f"a key of {path}")) is not None:
+            return found
+        if (found := unsafe_entry(item, path if key is None else f"{path}[{key!r}]")) is not None:
+            return found
+    return None
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:

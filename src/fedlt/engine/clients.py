@@ -18,7 +18,9 @@ from fedlt.data.augment import get_augmentation
 from fedlt.data.federated import FederatedData
 from fedlt.engine.sampling import lr_at
 from fedlt.engine import secure_aggregation as secagg
+from fedlt.engine.checkpoint import unsafe_entry
 from fedlt.engine.portable_model import decode_model
+from fedlt.errors import PluginError
 from fedlt.evaluation import (SharedEncoderFeatures, equal, head_of_features, local_accuracy, per_class_counts,
                               predict)
 from fedlt.messages import Message, Reply
@@ -133,10 +135,12 @@ class ClientRuntime:
         if kind != EVALUATE:
             self.forget_test_features()
         ctx = self.context(cid, rnd, state)
-        if kind == "fit":
-            return self.client.fit(ctx, msg)
-        if kind.startswith("query:"):
-            return self.client.query(kind.removeprefix("query:"), ctx, msg)
+        if kind == "fit" or kind.startswith("query:"):
+            hook = "fit" if kind == "fit" else f"query('{kind.removeprefix('query:')}')"
+            reply = self.client.fit(ctx, msg) if kind == "fit" else \
+                self.client.query(kind.removeprefix("query:"), ctx, msg)
+            check_client_hook(type(self.client).__name__, hook, reply, state, len(ctx.data))
+            return reply
         if kind == EVALUATE:
             payload = self._personalized_accuracy(self.client, ctx, msg, "")
             for name, reading in self._readings.items():  # each from the initial worker, as the first
@@ -187,3 +191,18 @@ class ClientRuntime:
             if i == 0:
                 payload.update(pm_sum=local_accuracy(correct) or 0.0, pm_n=int(correct.numel() > 0))
         return Reply(payload=payload)
+
+
+def check_client_hook(owner: str, hook: str, reply: Any, state: dict[str, Any], samples: int) -> None:
+    """A client hook's reply and state as the engine needs them, refused in one line naming the hook:
+    a wrong type fails deep in the engine, weights worth 0 samples are silently left out of the
+    average, and state a checkpoint cannot keep fails only at the first checkpoint, rounds later."""
+    where = f"{owner}.{hook}"
+    if not isinstance(reply, Reply):
+        raise PluginError(f"{where} returned {type(reply).__name__}; a client hook returns a fedlt.Reply")
+    if hook == "fit" and reply.weights and reply.num_samples <= 0 < samples:
+        raise PluginError(f"{where} replied with weights worth num_samples={reply.num_samples} from a client holding "
+                          f"{samples} samples; the average ignores such replies: set Reply(num_samples=...)")
+    if (bad := unsafe_entry(state, "ctx.state")) is not None:
+        raise PluginError(f"{where} left {bad} in ctx.state, which a checkpoint cannot keep: keep tensors, "
+                          "numbers, strings and lists, tuples, sets or dicts of them (e.g. torch.as_tensor(...))")

@@ -23,14 +23,14 @@ import torch
 from fedlt.config import Config, config_difference
 from fedlt.data.federated import FederatedData, federation_seed
 from fedlt.calibration.wrapper import parse_calibration_args
-from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, unsafe_entry
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation, summed_entries
 from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
-from fedlt.errors import ConfigError, FedltError, TrainingDiverged
+from fedlt.errors import ConfigError, FedltError, PluginError, TrainingDiverged
 from fedlt.evaluation import (
     HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, head_of_features, mean_local_accuracy,
     personalized_figures, predict, shot_groups, validation_figures, validation_metrics,
@@ -54,6 +54,24 @@ STAGES = ("setup", "before_fit", "after_fit", "final")
 #: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
 #: is executed (device, backend, threads ...), where its data are read from
 RESUME_MAY_CHANGE = ("run.", "data.root", "eval.batch_size")
+
+
+def server_metrics(server: Any) -> dict[str, Any]:
+    """``Server.metrics()`` as its metrics line writes it: a one-element tensor or numpy number becomes a
+    float (a client's tensor loss is read the same way); anything JSON cannot write is refused naming it."""
+    out = {}
+    for key, value in server.metrics().items():
+        if (value.numel() if isinstance(value, torch.Tensor) else
+                value.size if isinstance(value, (np.ndarray, np.generic)) else 0) == 1:
+            value = value.item()
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise PluginError(f"{type(server).__name__}.metrics() gave {key!r} as a {type(value).__name__}, which "
+                              "a metrics line cannot hold: return numbers (float(...)), strings or lists of them"
+                              ) from None
+        out[key] = value
+    return out
 
 
 def check_resumable(cfg: Config, run_dir: Path) -> None:
@@ -278,13 +296,16 @@ class Simulation:
         else:
             messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
             replies = self._exchange("fit", rnd, messages)
-        self.server.aggregate(rnd, replies)
+        if (returned := self.server.aggregate(rnd, replies)) is not None:
+            raise PluginError(f"{type(self.server).__name__}.aggregate returned {type(returned).__name__}, which the "
+                              "engine ignores: aggregate loads the average into self.model and returns None")
         self._run_queries("after_fit", rnd, sampled)
         self.server.end_round(rnd)
         losses = [(r.metrics["train_loss"], r.num_samples) for r in replies.values()
                   if r.num_samples > 0 and r.metrics.get("train_loss") is not None]
         total = sum(n for _, n in losses)
-        return {"train_loss": sum(l * n for l, n in losses) / total if total else None, **self.server.metrics()}
+        return {"train_loss": sum(l * n for l, n in losses) / total if total else None,
+                **server_metrics(self.server)}
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:
@@ -475,6 +496,8 @@ class Simulation:
             for rnd in range(start + 1, cfg.fl.rounds + 1):
                 t0 = time.perf_counter()
                 row: dict[str, Any] = {"round": rnd, "lr": lr_at(cfg.fl, rnd), **self.fit_round(rnd)}
+                if rnd == start + 1:  # a state no checkpoint can keep fails here, not rounds later at the first one
+                    self._check_server_state()
                 diverged = self._divergence(row)
                 last = rnd == cfg.fl.rounds
                 evaluated = last or rnd % cfg.eval.every == 0
@@ -527,6 +550,11 @@ class Simulation:
             self.close()
         summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
         return RunResult(run_dir, summary, rows)
+
+    def _check_server_state(self) -> None:
+        if (bad := unsafe_entry(self.server.state_dict(), "state_dict()")) is not None:
+            raise PluginError(f"{type(self.server).__name__}.state_dict() holds {bad}, which a checkpoint cannot "
+                              "keep: keep tensors, numbers, strings and lists, tuples, sets or dicts of them")
 
     def _write_diverged(self, run_dir: Path, rows: list[dict[str, Any]], row: dict[str, Any], reason: str,
                         elapsed: float) -> None:

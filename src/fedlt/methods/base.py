@@ -34,7 +34,7 @@ from torch import nn
 
 from fedlt import fused
 from fedlt.config import Config, NoBoolForNumbers, with_type_hint
-from fedlt.errors import ConfigError
+from fedlt.errors import ConfigError, PluginError
 from fedlt.messages import Message, Query, Reply
 from fedlt.models import FedModel, create_model
 from fedlt.seeding import numpy_rng, torch_generator
@@ -368,7 +368,13 @@ class Server:
     def aggregate(self, rnd: int, replies: dict[int, Reply]) -> None:
         from fedlt.methods.aggregation import weighted_average
 
-        self.model.load_state_dict(weighted_average(replies), strict=False)
+        average = weighted_average(replies)
+        unknown = self.model.load_state_dict(average, strict=False).unexpected_keys
+        if unknown:
+            more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+            raise PluginError(f"{type(self).__name__}.aggregate: the replies' weight {unknown[0]!r}{more} name no "
+                              "entry of the model, so their average would be dropped; a client replies with the "
+                              "names of ctx.model.state_dict()")
 
     def end_round(self, rnd: int) -> None:
         """Server-side steps after aggregation (calibration, realignment ...)."""

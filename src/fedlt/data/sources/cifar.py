@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
-from fedlt.data.sources.common import check_labels, require_dir
+from fedlt.data.sources.common import check_labels, require_dir, unextracted
 from fedlt.errors import DataError
 
 
@@ -131,7 +131,7 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
     if not folder.is_dir():
         raise DataError(
             f"{layout.dataset}: no {layout.folder}/ in {root} and no {layout.meta} in it either "
-            f"(expected {', '.join(names)}); {_fix(layout)}"
+            f"(expected {', '.join(names)}); {unextracted([root], [layout.archive]) or _fix(layout)}"
         )
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
@@ -158,6 +158,7 @@ def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
         raise DataError(f"{layout.dataset}: {folder / names_file} lists {len(names)} class names, expected "
                         f"{layout.num_classes}; {_fix(layout)}")
     record = label_bytes + 3 * _SIDE**2
+    records: dict[str, int] = {}
 
     def split(files: tuple[str, ...]) -> ImageDataset:
         rows = []
@@ -167,6 +168,7 @@ def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
                 raise DataError(f"{layout.dataset}: {folder / name} holds {data.size} bytes, not a whole number of "
                                 f"{record}-byte records; {_fix(layout)}")
             rows.append(data.reshape(-1, record))
+            records[name] = len(rows[-1])
             check_labels(layout.dataset, folder / name, torch.from_numpy(rows[-1][:, label_at].astype(np.int64)),
                          layout.num_classes, _fix(layout))
         table = np.concatenate(rows)
@@ -174,7 +176,12 @@ def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
         images = torch.from_numpy(np.ascontiguousarray(table[:, label_bytes:]).reshape(-1, 3, _SIDE, _SIDE))
         return ImageDataset(images, labels, list(names), layout.mean, layout.std)
 
-    return DatasetPair(split(train), split((test,)))
+    pair = DatasetPair(split(train), split((test,)))
+    if len(train) > 1 and len(set(records.values())) > 1:  # the release's batches are equal (CIFAR-10: 10,000 each)
+        short = min(records, key=records.get)
+        raise DataError(f"{layout.dataset}: {folder / short} holds {records[short]} records and the other batches "
+                        f"{max(records.values())}, so it is cut off; {_fix(layout)}")
+    return pair
 
 
 class _ArrayUnpickler(pickle.Unpickler):

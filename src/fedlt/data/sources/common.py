@@ -68,14 +68,48 @@ def to_chw(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
+#: where a container's memory limit and use are read (cgroup v2, then v1); "max" or a huge number: no limit
+CGROUP_MEMORY = (
+    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+)
+
+
+def _container_headroom() -> int | None:
+    """Bytes left under the process's cgroup memory limit: a container's limit is invisible in
+    ``MemAvailable``, and crossing it gets the process killed instead of an error."""
+    for limit_file, usage_file in CGROUP_MEMORY:
+        try:
+            limit = limit_file.read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:
+                return None
+            return max(int(limit) - int(usage_file.read_text().strip()), 0)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def available_memory() -> int | None:
-    """Bytes of memory the system can give without swapping (Linux's ``MemAvailable``); None elsewhere."""
+    """Bytes of memory the process can get without swapping: Linux's ``MemAvailable``, or less where a
+    container's memory limit leaves less; None where neither is known."""
+    free = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    headroom = _container_headroom()
+    return free if headroom is None else headroom if free is None else min(free, headroom)
+
+
+def unextracted(folders: Sequence[Path], archives: Sequence[str]) -> str | None:
+    """How to extract the first of ``archives`` found in ``folders``: a release downloaded but not
+    unpacked, which an error about the missing files alone would leave the user puzzling over."""
+    for folder in folders:
+        for name in archives:
+            if (folder / name).is_file():
+                return f"{folder / name} is there but not extracted: run `tar -xzf {name}` in {folder}"
     return None
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.sources import cache
-from fedlt.data.sources.common import check_labels, decode_all, read_rgb, require_dir, to_chw
+from fedlt.data.sources.common import check_labels, decode_all, read_rgb, require_dir, to_chw, unextracted
 from fedlt.errors import DataError
 
 DEFAULT_IMAGE_SIZE = 64
@@ -191,7 +191,11 @@ def _find_list(layout: ListLayout, root: Path, name: str) -> Path:
         if candidate.is_file():
             return candidate
     where = " or ".join(str(c.parent) for c in candidates)
-    raise DataError(f"{layout.dataset}: list file {given.name} not found in {where}; {layout.fix}")
+    annotation = given.name in (layout.annotations or ())
+    packed = None if given.is_absolute() else unextracted(
+        [root, root.parent], [f"{name}.tar.gz" for name in (given.name, *(layout.annotations or ()))])
+    raise DataError(f"{layout.dataset}: {'annotation' if annotation else 'list'} file {given.name} not found in "
+                    f"{where}; {packed or layout.fix}")
 
 
 def _reads_annotations(layout: ListLayout, root: Path) -> bool:
@@ -221,7 +225,8 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
     except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON (nested too deep), bytes,
         # or shape
         raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
-                        f"and categories ({type(exc).__name__}: {exc}); {layout.fix}") from None
+                        f"and categories ({type(exc).__name__}: {exc}); extract it again from the official "
+                        f"{path.name}.tar.gz (or download that again)") from None
     ids = ids if ids is not None else {cid: label for label, (cid, _) in enumerate(categories)}
     unknown = next((cid for _, cid in pairs if cid not in ids), None)
     if unknown is not None or not pairs:
