@@ -819,3 +819,28 @@ def test_a_run_folder_this_process_holds_may_be_held_again_and_a_bench_never_del
     assert (cell / "config.yaml").read_text() == "seed: 0\n"  # left to the bench writing it
     fcntl.flock(released := os.open(tmp_path, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # nothing held here
     os.close(released)
+
+
+def test_a_long_setup_stage_says_so_and_a_quick_one_prints_nothing(tmp_path, monkeypatch, capsys):
+    """A method's setup stage can take a minute before round 1 (FedLoGe builds its SSE-C there) and
+    printed nothing meanwhile; past a few seconds the progress now names it, once."""
+    import time
+
+    from fedlt.engine import simulation
+    from fedlt.methods.fedavg import FedAvgServer
+
+    cfg = lambda name: tiny(tmp_path, fl__rounds=1, loss={"name": "bsm", "prior": "global"},  # noqa: E731
+                            run={"out_dir": str(tmp_path), "name": name, "threads": 1})
+    fedlt.run(cfg("quick"))
+    assert "setup stage" not in capsys.readouterr().err
+    receive = FedAvgServer.receive
+    monkeypatch.setattr(FedAvgServer, "receive", lambda self, q, r: (time.sleep(2), receive(self, q, r))[1])
+    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.05)
+    fedlt.run(cfg("slow"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[fedavg/bsm sequential] the method's setup stage, before round 1 ..." and len(lines) == 2, lines
+    assert lines[1].startswith("[fedavg/bsm sequential] round 1/1 | acc ")
+    per_round = float(lines[1].split(" | ")[-2].removesuffix(" s/round"))
+    assert per_round < read_metrics(tmp_path / "slow")[0]["time_s"] + 1.5, lines  # the setup's 2 s are not a round's
+    fedlt.run(cfg("slow-quiet"), quiet=True)
+    assert capsys.readouterr().err == ""

@@ -244,6 +244,8 @@ def test_default_gamma_is_the_papers_on_every_model_and_a_given_gamma_wins(tmp_p
 
     args = {"classifier": "etf"} if given is None else {"classifier": "etf", "gamma": given}  # dense: norms exactly gamma
     sim = prepare(build_config({**tiny(tmp_path, **args), "model": {"name": model}}))
+    assert sim.server.gamma is None  # built in the setup stage, which shows progress when it takes long
+    sim.setup()
     assert sim.server.gamma == expected and sim.server.metrics()["sse_c_gamma"] == expected
     row_norms = sim.server.model.head.fixed.weight.norm(dim=1)
     assert torch.allclose(row_norms, torch.full_like(row_norms, expected), rtol=1e-5)

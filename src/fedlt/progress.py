@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 
 def _duration(seconds: float) -> str:
@@ -38,6 +41,23 @@ class Progress:
             eta = elapsed / max(done, 1) * (self.total - rnd)
             print(f"[{self.label}] round {rnd}/{self.total} | {self.latest} | {elapsed / max(done, 1):.2f} s/round"
                   f" | ETA {_duration(eta)}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def waiting(self, what: str, after: float = 5.0) -> Iterator[None]:
+        """Say ``what`` is going on if it takes longer than ``after`` seconds (a method's setup stage can
+        take a minute before round 1: FedLoGe's SSE-C); quick work prints nothing. Work that is not a
+        round: the rounds' time per round and ETA start after it."""
+        timer = None
+        if not self.quiet and self.live is None:
+            timer = threading.Timer(after, lambda: print(f"[{self.label}] {what} ...", file=sys.stderr, flush=True))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.t0 = time.perf_counter()
 
     def close(self) -> None:
         if self.live is not None:

@@ -51,6 +51,8 @@ from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
 STAGES = ("setup", "before_fit", "after_fit", "final")
+#: seconds of a setup stage before the progress says it is going on (FedLoGe's SSE-C: up to a minute)
+SETUP_NOTICE_AFTER = 5.0
 #: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
 #: is executed (device, backend, threads ...), where its data are read from
 RESUME_MAY_CHANGE = ("run.", "data.root", "eval.batch_size")
@@ -483,14 +485,19 @@ class Simulation:
             self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
             if start == cfg.fl.rounds and ckpt.get("artifacts") and not (run_dir / ARTIFACTS_FILE).is_file():
                 self._save_artifacts(run_dir, ckpt["artifacts"])  # a finished run's, lost since
-        else:
+        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
+        if not resume:
             rows = []
             self._write_partition(run_dir)
-            self.setup()
+            try:
+                with progress.waiting("the method's setup stage, before round 1", after=SETUP_NOTICE_AFTER):
+                    self.setup()
+            except BaseException:
+                progress.close()
+                raise
         if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
             self.segments.append({"from_round": start + 1, "device": str(self.device), "backend": self.backend,
                                   "environment": self._environment()})
-        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         tracker = Tracker(cfg, run_dir)
         try:
             for rnd in range(start + 1, cfg.fl.rounds + 1):

@@ -226,9 +226,7 @@ class FedLoGeServer(Server):
     def __init__(self, ctx: ServerContext):
         super().__init__(ctx)
         self._views: dict[str, FedModel] = {}
-        self.gamma: float | None = None
-        if self.args.gamma != "auto":
-            self.build_classifier(self.args.gamma)
+        self.gamma: float | None = None  # the SSE-C is built in the setup stage (Adam steps: seconds to a minute)
 
     @classmethod
     def secure_phases(cls, config):
@@ -247,6 +245,9 @@ class FedLoGeServer(Server):
 
     def next_query(self, stage, rnd, clients):
         if stage == "setup" and self.gamma is None:
+            if self.args.gamma != "auto":
+                self.build_classifier(self.args.gamma)
+                return None
             return Query(NORM_QUERY, {cid: Message(weights=broadcast_state(self.model)) for cid in clients})
         return None
 
