@@ -621,8 +621,12 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
                                             r"extract it again from the official train2018\.json\.tar\.gz"):
             load_dataset("inat", image_size=8)
     # the annotations as the organisers ship them, not yet extracted: the error says so, not "list file ... txt"
+    (root / "train2018.json").write_text(json.dumps({"images": [], "annotations": [], "categories": []}))
+    (root.parent / "val2018.json").rename(root.parent / "val.json")
+    (root / "train2018.json.tar.gz").write_bytes(b"")  # kept after extracting: not what is missing
+    with pytest.raises(DataError, match=r"^inat: annotation file val2018\.json not found in .*; pass data\.root"):
+        load_dataset("inat", image_size=8)
     (root / "train2018.json").unlink()
-    (root / "train2018.json.tar.gz").write_bytes(b"")
     packed = re.escape(str(root / "train2018.json.tar.gz"))
     with pytest.raises(DataError, match=rf"^inat: list file iNaturalist18_train\.txt not found in .*; {packed} is "
                                         rf"there but not extracted: run `tar -xzf train2018\.json\.tar\.gz` in "
@@ -630,12 +634,17 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
         load_dataset("inat", image_size=8)
 
 
-def test_a_cifar_archive_not_yet_extracted_is_named_with_the_command_that_extracts_it(tmp_path: Path) -> None:
-    (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"")
-    message = error_of("cifar10", tmp_path)
-    assert message.startswith(f"cifar10: no cifar-10-batches-py/ in {tmp_path}") and message.endswith(
-        f"{tmp_path / 'cifar-10-python.tar.gz'} is there but not extracted: run `tar -xzf cifar-10-python.tar.gz` "
-        f"in {tmp_path}"), message
+@pytest.mark.parametrize("dataset, archive, says", [
+    ("cifar10", "cifar-10-python.tar.gz", "no cifar-10-batches-py/ in"),
+    ("cifar10", "cifar-10-binary.tar.gz", "no cifar-10-batches-py/ in"),
+    ("cifar100", "cifar-100-binary.tar.gz", "no cifar-100-python/ in"),
+    ("cinic10", "CINIC-10.tar.gz", "no train/, test/ folder in"),
+])
+def test_an_archive_not_yet_extracted_is_named_with_the_command_that_extracts_it(tmp_path, dataset, archive, says):
+    (tmp_path / archive).write_bytes(b"")
+    message = error_of(dataset, tmp_path)
+    assert message.startswith(f"{dataset}: {says}") and message.endswith(
+        f"{tmp_path / archive} is there but not extracted: run `tar -xzf {archive}` in {tmp_path}"), message
 
 
 def test_list_cache_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1057,22 +1066,27 @@ def test_images_larger_than_the_memory_available_are_refused_before_any_is_made(
     common.check_memory("imagenet_lt", 1000, (3, 1024, 1024))
 
 
-@pytest.mark.parametrize("limit, usage, expected", [
-    ("4000000000", "3000000000", 10**9),   # a container's limit leaves less than MemAvailable says
-    ("max", "3000000000", 2 * 10**9),      # cgroup v2 without a limit: MemAvailable
-    ("9223372036854771712", "1", 2 * 10**9),  # cgroup v1 without a limit (its huge default)
-    ("1000", "2000", 0),                   # over the limit already
-    (None, None, 2 * 10**9),               # no cgroup files: MemAvailable
+@pytest.mark.parametrize("limit, usage, cache, expected", [
+    ("4000000000", "3000000000", None, 10**9),  # a container's limit leaves less than MemAvailable says
+    ("4000000000", "3900000000", "3400000000", 2 * 10**9),  # most of the use is reclaimable page cache
+    ("4000000000", "3900000000", "400000000", 5 * 10**8),
+    ("max", "3000000000", None, 2 * 10**9),     # cgroup v2 without a limit: MemAvailable
+    ("9223372036854771712", "1", None, 2 * 10**9),  # cgroup v1 without a limit (its huge default)
+    ("1000", "2000", None, 0),                  # over the limit already
+    (None, None, None, 2 * 10**9),              # no cgroup files: MemAvailable
 ])
-def test_available_memory_is_capped_by_a_containers_memory_limit(tmp_path, monkeypatch, limit, usage, expected):
+def test_available_memory_is_capped_by_a_containers_memory_limit(tmp_path, monkeypatch, limit, usage, cache,
+                                                                 expected):
     from fedlt.data.sources import common
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       9999999 kB\nMemAvailable:   1953125 kB\n")  # 2e9 bytes
-    files = (tmp_path / "memory.max", tmp_path / "memory.current")
+    files = (tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat", "inactive_file")
     if limit is not None:
         files[0].write_text(limit + "\n")
         files[1].write_text(usage + "\n")
+    if cache is not None:
+        files[2].write_text(f"anon 12345\nfile 999\ninactive_file {cache}\nactive_file 7\n")
     real_path = common.Path
     monkeypatch.setattr(common, "Path", lambda p: meminfo if p == "/proc/meminfo" else real_path(p))
     monkeypatch.setattr(common, "CGROUP_MEMORY", (files,))

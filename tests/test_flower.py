@@ -618,8 +618,9 @@ def test_a_client_apps_failure_is_one_line_without_rays_wrapping():
     ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
            "(pid=4242, ip=10.0.0.1)\n  File \"/x/flwr/simulation/ray_transport/ray_actor.py\", line 65, in run\n"
            "    raise ClientAppException(str(ex)) from ex\n\nException ClientAppException occurred. Message: unknown "
-           "method 'squeeze'; use method=<one of fedavg, fedprox>\n")
+           "method 'squeeze'; use method=<one of fedavg, fedprox>'>")  # Flower 1.41 closes its <'...'> wrapping
     assert client_failure(ray) == "unknown method 'squeeze'; use method=<one of fedavg, fedprox>"
+    assert client_failure(ray[:-2] + "\n'>") == client_failure(ray[:-2]) == client_failure(ray)
     assert client_failure("Traceback (most recent call last):\n  File \"a.py\", line 1\nValueError: boom\n") == \
         "ValueError: boom"
     assert client_failure("ValueError: boom") == "ValueError: boom" and client_failure("\n") == "no reason given"

@@ -301,6 +301,8 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
                 return Reply({"model." + k: v for k, v in reply.weights.items()}, reply.num_samples)
             if self.slip == "numpy_state":
                 ctx.state["prior"] = ctx.data.host_prior()  # fedlt's own helper returns numpy
+            if self.slip == "set_state":
+                ctx.state["seen"] = {1, 2}  # a checkpoint keeps it, a Flower node's state cannot
             return reply
 
     class Returns(FedAvgServer):
@@ -327,7 +329,8 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
         "renamed": (FedAvgServer, r"^FedAvgServer\.aggregate: the replies' weight 'model\.\S+' and \d+ more name no "
                                   r"entry of the model"),
         "numpy_state": (FedAvgServer, r"^SlipClient\.fit left ctx\.state\['prior'\] \(a numpy\.ndarray\) in "
-                                      r"ctx\.state, which a checkpoint cannot keep"),
+                                      r"ctx\.state, which a checkpoint or a Flower node cannot keep"),
+        "set_state": (FedAvgServer, r"^SlipClient\.fit left ctx\.state\['seen'\] \(a set\) in ctx\.state"),
         "returns": (Returns, r"^Returns\.aggregate returned dict, which the engine ignores"),
         "metric": (TensorMetric, r"^TensorMetric\.metrics\(\) gave 'bad' as a object, which a metrics line"),
         "server_state": (NumpyState, r"^NumpyState\.state_dict\(\) holds state_dict\(\)\['seen'\]\['rounds'\]\[0\] "
@@ -339,6 +342,17 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
             METHODS["slip"] = MethodSpec("slip", "breaks the contract", server, client)
             with pytest.raises(PluginError, match=message):
                 fedlt.run(run(tmp_path, slip, method="slip", run={"checkpoint_every": 10}), quiet=True)
+        # the same slips inside a calibration's wrapper name the method's own client, and fail as early
+        METHODS["slip"] = MethodSpec("slip", "breaks the contract", FedAvgServer,
+                                     type("SlipClient", (Client,), {"slip": "dict"}))
+        with pytest.raises(PluginError, match=r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.Reply$"):
+            fedlt.run(run(tmp_path, "wrapped", method="slip", calibration=["ccvr"]), quiet=True)
+        # and in the graphed backend's step, which builds the reply itself
+        local = type("LocalSlip", (FedAvgClient,), {"local_objective": lambda self, ctx, msg: (
+            ctx.state.__setitem__("prior", ctx.data.host_prior()), super(local, self).local_objective(ctx, msg))[1]})
+        METHODS["slip"] = MethodSpec("slip", "breaks the contract in its objective", FedAvgServer, local)
+        with pytest.raises(PluginError, match=r"^LocalSlip\.local_objective left ctx\.state\['prior'\] \(a numpy"):
+            fedlt.run(run(tmp_path, "graphed", method="slip", run={"backend": "graphed"}), quiet=True)
         # what a slip looked like is accepted where it is not one: one-element tensors and numpy numbers
         # from metrics() are read as floats, a client without samples may reply with weights worth 0
         TensorMetric.metrics = lambda self: {"norm": self.model.head.weight.norm(), "n": np.int64(3)}

@@ -152,7 +152,7 @@ def test_secure_fedavg_matches_plain_fedavg_and_its_server_never_sees_a_client_r
 
     seen: list[list[int]] = []
     original = Server.aggregate  # FedAvg's
-    monkeypatch.setattr(Server, "aggregate", lambda self, rnd, r: (seen.append(sorted(r)), original(self, rnd, r)))
+    monkeypatch.setattr(Server, "aggregate", lambda self, rnd, r: (seen.append(sorted(r)), original(self, rnd, r))[1])
     loss = {"name": "bsm", "prior": "global"}  # adds a summed query (the global class counts)
     plain = fedlt.run(tiny(tmp_path, "fedavg", "plain", loss=loss), quiet=True)
     seen.clear()

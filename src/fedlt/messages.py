@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedlt.errors import PluginError
+
 Payload = dict[str, Any]
 
 
@@ -67,6 +69,12 @@ class Reply:
 
     def nbytes(self) -> tuple[int, int]:
         return payload_nbytes(self.weights), payload_nbytes(self.payload) + payload_nbytes(self.metrics) + 8
+
+
+def check_reply(reply: Any, where: str) -> None:
+    """A client hook's answer is a :class:`Reply`; anything else fails deep in the engine."""
+    if not isinstance(reply, Reply):
+        raise PluginError(f"{where} returned {type(reply).__name__}; a client hook returns a fedlt.Reply")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from fedlt.calibration.math.classifiers import ridge_sums
 from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.math.stats import class_feature_sums, merge_sums
 from fedlt.errors import ConfigError, PluginError
-from fedlt.messages import Message, Query, Reply
+from fedlt.messages import Message, Query, Reply, check_reply
 from fedlt.methods.base import (
     Client, ClientContext, LocalObjective, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state,
     declares_local_objective, parse_args,
@@ -250,6 +250,7 @@ class CalibratedClient(Client):
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         extra = self._before_training(ctx, msg)
         reply = self.inner.fit(ctx, msg)
+        check_reply(reply, f"{type(self.inner).__name__}.fit")
         reply.payload.update(extra)
         return reply
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +26,44 @@ REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run ag
 
 
 #: what ``torch.load(weights_only=True)`` rebuilds, by exact type (a numpy float64 is a float, but not one of these)
-SAFE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
-SAFE_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+CHECKPOINT_LEAVES = (bool, int, float, complex, str, bytes, bytearray, type(None), torch.Size, torch.dtype,
+                     torch.device, torch.layout)
+CHECKPOINT_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
+#: what also crosses a network to and from a Flower node (a client's state there): dicts with string or int keys
+PORTABLE_LEAVES = (bool, int, float, str, type(None))
+PORTABLE_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
-def unsafe_entry(value: Any, path: str) -> str | None:
-    """The first entry of ``value`` a checkpoint cannot keep, as ``path[key]... (its type)``; None if all can."""
-    if isinstance(value, torch.Tensor) or type(value) in SAFE_LEAVES:
+def unsafe_entry(value: Any, path: str, portable: bool = False) -> str | None:
+    """The first entry of ``value`` a checkpoint (with ``portable``, also a Flower node's state) cannot
+    keep, as ``path[key]... (its type)``; None if all can."""
+    leaves, containers = (PORTABLE_LEAVES, PORTABLE_CONTAINERS) if portable else \
+        (CHECKPOINT_LEAVES, CHECKPOINT_CONTAINERS)
+    if isinstance(value, torch.Tensor) or type(value) in leaves:
         return None
-    if type(value) not in SAFE_CONTAINERS:
-        return f"{path} (a {type(value).__module__}.{type(value).__qualname__})".replace(" a builtins.", " a ")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if not isinstance(value, set) \
-        else ((None, v) for v in value)
+    if type(value) not in containers:
+        return f"{path} (a {_type_name(value)})"
+    if isinstance(value, dict):
+        items = value.items()
+    else:
+        items = enumerate(value) if not isinstance(value, set) else ((None, v) for v in value)
     for key, item in items:
-        if isinstance(value, dict) and (found := unsafe_entry(key, f"a key of {path}")) is not None:
+        if isinstance(value, dict) and (found := _unsafe_key(key, path, portable)) is not None:
             return found
-        if (found := unsafe_entry(item, path if key is None else f"{path}[{key!r}]")) is not None:
+        if (found := unsafe_entry(item, path if key is None else f"{path}[{key!r}]", portable)) is not None:
             return found
     return None
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _unsafe_key(key: Any, path: str, portable: bool) -> str | None:
+    if portable and type(key) not in (str, int):
+        return f"a key of {path} (a {_type_name(key)})"
+    return unsafe_entry(key, f"a key of {path}", portable)
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:

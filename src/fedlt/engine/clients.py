@@ -23,7 +23,7 @@ from fedlt.engine.portable_model import decode_model
 from fedlt.errors import PluginError
 from fedlt.evaluation import (SharedEncoderFeatures, equal, head_of_features, local_accuracy, per_class_counts,
                               predict)
-from fedlt.messages import Message, Reply
+from fedlt.messages import Message, Reply, check_reply
 from fedlt.methods.base import ClientContext, ClientData, MethodSpec, TrainSettings, clone_state
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
@@ -139,7 +139,8 @@ class ClientRuntime:
             hook = "fit" if kind == "fit" else f"query('{kind.removeprefix('query:')}')"
             reply = self.client.fit(ctx, msg) if kind == "fit" else \
                 self.client.query(kind.removeprefix("query:"), ctx, msg)
-            check_client_hook(type(self.client).__name__, hook, reply, state, len(ctx.data))
+            mine = getattr(self.client, "inner", self.client)  # a calibration wraps the method's client
+            check_client_hook(type(mine).__name__, hook, reply, state, len(ctx.data))
             return reply
         if kind == EVALUATE:
             payload = self._personalized_accuracy(self.client, ctx, msg, "")
@@ -198,11 +199,11 @@ def check_client_hook(owner: str, hook: str, reply: Any, state: dict[str, Any], 
     a wrong type fails deep in the engine, weights worth 0 samples are silently left out of the
     average, and state a checkpoint cannot keep fails only at the first checkpoint, rounds later."""
     where = f"{owner}.{hook}"
-    if not isinstance(reply, Reply):
-        raise PluginError(f"{where} returned {type(reply).__name__}; a client hook returns a fedlt.Reply")
+    check_reply(reply, where)
     if hook == "fit" and reply.weights and reply.num_samples <= 0 < samples:
         raise PluginError(f"{where} replied with weights worth num_samples={reply.num_samples} from a client holding "
                           f"{samples} samples; the average ignores such replies: set Reply(num_samples=...)")
-    if (bad := unsafe_entry(state, "ctx.state")) is not None:
-        raise PluginError(f"{where} left {bad} in ctx.state, which a checkpoint cannot keep: keep tensors, "
-                          "numbers, strings and lists, tuples, sets or dicts of them (e.g. torch.as_tensor(...))")
+    if (bad := unsafe_entry(state, "ctx.state", portable=True)) is not None:
+        raise PluginError(f"{where} left {bad} in ctx.state, which a checkpoint or a Flower node cannot keep: keep "
+                          "tensors, numbers, strings, and lists, tuples or dicts of them (string or int keys), "
+                          "e.g. torch.as_tensor(...)")

@@ -66,8 +66,10 @@ def _lost_reason(error) -> str:
 def client_failure(reason: str) -> str:
     """The line of a ClientApp's failure that says what failed. Flower's simulation passes on Ray's
     report: terminal colour codes, the actor's traceback, then ``... occurred. Message: <the error>``."""
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", reason)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", reason).strip()
     wrapped = "Message: " in plain
+    if wrapped and plain.startswith("<class ") and plain.endswith("'>"):  # Flower's <class ...>:<'report'>
+        plain = plain[:-2]
     lines = [line.strip() for line in plain.rsplit("Message: ", 1)[-1].splitlines() if line.strip()]
     if not lines:
         return "no reason given"

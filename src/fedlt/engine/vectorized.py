@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
+from fedlt.engine.clients import check_client_hook
 from fedlt.messages import Message, Reply
 from fedlt.training.batched import shared_loss, train_clients
 from fedlt.training.graphed import GraphedTrainer, Job
@@ -65,6 +66,9 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
             weights = finish(state, extra) if finish else state  # before the payload: finish may add to it
             replies[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
                                  payload=dict(objectives[cid].payload))
+            mine = getattr(sim.client, "inner", sim.client)  # a calibration wraps the method's client
+            check_client_hook(type(mine).__name__, "local_objective", replies[cid], contexts[cid].state,
+                              len(contexts[cid].data))
             sim._forget_empty_state(cid)
             sim._account("fit", msg, replies[cid])
         else:

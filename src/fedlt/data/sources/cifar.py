@@ -131,7 +131,8 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
     if not folder.is_dir():
         raise DataError(
             f"{layout.dataset}: no {layout.folder}/ in {root} and no {layout.meta} in it either "
-            f"(expected {', '.join(names)}); {unextracted([root], [layout.archive]) or _fix(layout)}"
+            f"(expected {', '.join(names)}); "
+            f"{unextracted([root], [layout.archive, layout.archive.replace('-python', '-binary')]) or _fix(layout)}"
         )
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:

@@ -14,7 +14,7 @@ import torch
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.sources.cifar import CIFAR10
-from fedlt.data.sources.common import decode_all, read_rgb, require_dir, to_chw
+from fedlt.data.sources.common import decode_all, read_rgb, require_dir, to_chw, unextracted
 from fedlt.errors import DataError
 
 DATASET = "cinic10"
@@ -38,7 +38,8 @@ def load_cinic10(root: Path, include_valid: bool = False) -> DatasetPair:
     train_splits = ["train", "valid"] if include_valid else ["train"]
     missing = [split for split in [*train_splits, "test"] if not (root / split).is_dir()]
     if missing:
-        raise DataError(f"{DATASET}: no {', '.join(s + '/' for s in missing)} folder in {root}; {_FIX}")
+        raise DataError(f"{DATASET}: no {', '.join(s + '/' for s in missing)} folder in {root}; "
+                        f"{unextracted([root], ['CINIC-10.tar.gz']) or _FIX}")
     classes = _class_names(root / "train")
     if classes != CLASSES:  # labels follow the sorted folder names: another set would shift them silently
         missing, extra = sorted(set(CLASSES) - set(classes)), sorted(set(classes) - set(CLASSES))

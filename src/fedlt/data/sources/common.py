@@ -68,24 +68,34 @@ def to_chw(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
-#: where a container's memory limit and use are read (cgroup v2, then v1); "max" or a huge number: no limit
+#: where a container's memory limit, use and statistics are read (cgroup v2, then v1), and the statistic
+#: of the use that is reclaimable page cache; a limit of "max" or a huge number: none
 CGROUP_MEMORY = (
-    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"), Path("/sys/fs/cgroup/memory.stat"),
+     "inactive_file"),
+    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+     Path("/sys/fs/cgroup/memory/memory.stat"), "total_inactive_file"),
 )
 
 
 def _container_headroom() -> int | None:
     """Bytes left under the process's cgroup memory limit: a container's limit is invisible in
-    ``MemAvailable``, and crossing it gets the process killed instead of an error."""
-    for limit_file, usage_file in CGROUP_MEMORY:
+    ``MemAvailable``, and crossing it gets the process killed instead of an error. The use counts
+    page cache the kernel reclaims when needed; its inactive part is not counted, as container tools do."""
+    for limit_file, usage_file, stat_file, reclaimable in CGROUP_MEMORY:
         try:
             limit = limit_file.read_text().strip()
             if limit == "max" or int(limit) >= 1 << 60:
                 return None
-            return max(int(limit) - int(usage_file.read_text().strip()), 0)
+            used = int(usage_file.read_text().strip())
         except (OSError, ValueError):
             continue
+        try:
+            stats = dict(line.split() for line in stat_file.read_text().splitlines() if len(line.split()) == 2)
+            used -= int(stats.get(reclaimable, 0))
+        except (OSError, ValueError):
+            pass
+        return max(int(limit) - used, 0)
     return None
 
 

@@ -192,8 +192,10 @@ def _find_list(layout: ListLayout, root: Path, name: str) -> Path:
             return candidate
     where = " or ".join(str(c.parent) for c in candidates)
     annotation = given.name in (layout.annotations or ())
-    packed = None if given.is_absolute() else unextracted(
-        [root, root.parent], [f"{name}.tar.gz" for name in (given.name, *(layout.annotations or ()))])
+    folders = [root, root.parent]
+    absent = [name for name in (given.name, *(layout.annotations or ()))  # the official annotations, if not there
+              if not any((folder / name).is_file() for folder in folders)]
+    packed = None if given.is_absolute() else unextracted(folders, [f"{name}.tar.gz" for name in absent])
     raise DataError(f"{layout.dataset}: {'annotation' if annotation else 'list'} file {given.name} not found in "
                     f"{where}; {packed or layout.fix}")
 
