@@ -591,6 +591,11 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
         warnings.warn("Tip: In future versions of Ray, Ray will no longer override accelerator", FutureWarning)
         warnings.warn("a warning of the run", FutureWarning)
         log(logging.WARNING, "a line of Flower's own")
+        # a ClientApp that raised a FedltError: fedlt's error line says it; another exception's traceback stays
+        log(logging.ERROR, "An exception was raised when processing a message by RayBackend")
+        log(logging.ERROR, "ray::ClientAppActor.run()\n  File \"x.py\"\nfedlt.errors.PluginError: S.fit returned dict")
+        log(logging.ERROR, "Traceback (most recent call last):\nfedlt.errors.ConfigError: unknown method 'x'")
+        log(logging.ERROR, "Traceback (most recent call last):\nZeroDivisionError: division by zero")
 
     class Lines(logging.Handler):
         def emit(self, record):
@@ -606,7 +611,8 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
     finally:
         flower_log.removeHandler(lines)
     assert [str(w.message) for w in caught] == ["a warning of the run"]
-    assert shown == ["a line of Flower's own"]
+    assert shown == ["a line of Flower's own",
+                     "Traceback (most recent call last):\nZeroDivisionError: division by zero"]
     assert flower_app.logging.getLogger("flwr").filters == []  # Flower's logger as it was
 
 

@@ -412,15 +412,26 @@ def simulation_backend(cfg: Config) -> dict[str, Any]:
     return {"client_resources": resources, "init_args": {"include_dashboard": False}}
 
 
+#: the line Flower logs before its report of any failed ClientApp (the report itself says what failed)
+RAY_FAILURE_PREAMBLE = "An exception was raised when processing a message by"
+#: a FedltError as a traceback names it
+FEDLT_ERROR = re.compile(r"\bfedlt\.errors\.\w+: ")
+
+
 @contextmanager
 def without_runtime_notices() -> Iterator[None]:
     """Silences two notices every simulation printed that its user cannot act on: Flower's deprecation
     of ``run_simulation`` (the Python entry point fedlt's simulation is built on) and Ray's tip on a
-    future default of its GPU masking. Flower's other log lines and every other warning still show."""
+    future default of its GPU masking; and Flower's report of a ClientApp that raised a FedltError (Ray's
+    traceback, 80 lines), which the run's one error line says. Flower's other log lines, the traceback of
+    any other exception (a bug to debug) and every other warning still show."""
     flower_log = logging.getLogger("flwr")
 
     def keep(record: logging.LogRecord) -> bool:
-        return "`run_simulation` function is deprecated" not in record.getMessage()
+        text = record.getMessage()
+        if record.levelno >= logging.ERROR and (text.startswith(RAY_FAILURE_PREAMBLE) or FEDLT_ERROR.search(text)):
+            return False
+        return "`run_simulation` function is deprecated" not in text
 
     flower_log.addFilter(keep)
     try:
