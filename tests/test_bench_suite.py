@@ -903,3 +903,40 @@ def test_a_kept_cell_from_before_a_config_key_existed_is_a_cell_of_that_keys_def
             f"{saved.parent} holds a run of another config (data.hflip: not recorded (the run predates it, so it ran "
             "the default 'auto') -> False)")):
         run_suite(flipped, mine, dry_run=True, rows=["FedProx"], echo=lambda line: None)
+
+
+def test_a_bench_that_ignores_sigint_keeps_its_cells_running_through_one_and_still_stops_on_sigterm(tmp_path):
+    """A bench started where SIGINT is ignored (a shell's background job, nohup) went on after a Ctrl-C to
+    its process group, but its workers did not: the cells running were logged FAILED and the queued ones
+    went on. The workers now ignore it too; the bench's own stop (on SIGTERM) still stops them at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tree = {**TINY_SUITE, "seeds": [0, 1, 2], "methods": [TINY_SUITE["methods"][1]],
+            "overrides": [*TINY_SUITE["overrides"], "fl.rounds=400", "eval.every=100", "run.checkpoint_every=1"]}
+    path = write_suite(tmp_path / "s.yaml", tree)
+    out = tmp_path / "out"
+    bench = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "bench", str(path), "--out", str(out), "--workers",
+                              "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    cells = [cell_dir(out, "IF=10, alpha=0.5", "FedProx", seed) for seed in range(3)]
+    deadline = time.monotonic() + 240
+
+    while not all((c / "checkpoint.pt").is_file() for c in cells[:2]):
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.2)
+    os.killpg(bench.pid, signal.SIGINT)  # Ctrl-C to the whole group: the bench, and its workers
+    checkpoint = (cells[0] / "checkpoint.pt").stat().st_mtime_ns
+    while (cells[0] / "checkpoint.pt").stat().st_mtime_ns == checkpoint:  # the cell trains on
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.2)
+    os.kill(bench.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode == 143 and "FAILED" not in err and "Traceback" not in err, err
+    assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the workers stopped on the bench's request
+    wait_until_group_ends(bench.pid)
+    assert not cells[2].exists() and not (out / "failed.json").exists()

@@ -575,7 +575,7 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 130 and len(lines) == 1
     assert "`fedlt run --resume RUN_DIR` resumes an in-process run" in lines[0]
-    assert "an engine=flower run starts again" in lines[0] and "`fedlt bench` run again" in lines[0]
+    assert "an engine=flower run starts again" in lines[0] and "the same `fedlt bench` command runs" in lines[0]
     stop = KeyboardInterrupt()
     stop.resume_hint = "`fedlt run --resume runs/x` goes on from its checkpoint of round 2"
     monkeypatch.setattr(fedlt.api, "run", lambda *args, **kwargs: (_ for _ in ()).throw(stop))
@@ -583,7 +583,7 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
     assert result.exit_code == 130 and result.stderr.strip() == f"fedlt: interrupted; {stop.resume_hint}"
     with pytest.raises(typer.Exit):  # a bench's own cells in this process: the bench goes on, not the cell alone
         _guard(lambda: (_ for _ in ()).throw(stop))
-    assert "`fedlt bench` run again its unfinished cells" in capsys.readouterr().err
+    assert "the same `fedlt bench` command runs a suite's unfinished cells again" in capsys.readouterr().err
 
 
 def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():

@@ -274,10 +274,11 @@ def test_csv_has_interval_difference_p_value_and_one_column_per_seed(tmp_path):
     report = write_report(fake_suite(tmp_path / "out"), with_plots=False)
     rows = {r["row"]: r for r in csv.DictReader((report.out / "tables.csv").open())}
     header = next(csv.reader((report.out / "tables.csv").open()))
-    assert header[:17] == ["setting", "row", "variant", "ranked", "reference", "seeds", "code", "acc_mean", "acc_std",
-                           "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi",
-                           "acc_diff_p", "acc_resolved"]
-    assert header[17:21] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"] and len(header) == 7 + 6 * 13  # 6 metrics, val_acc included
+    assert header[:18] == ["setting", "row", "variant", "chosen", "ranked", "reference", "seeds", "code", "acc_mean",
+                           "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff", "acc_diff_half", "acc_diff_ci_lo",
+                           "acc_diff_ci_hi", "acc_diff_p", "acc_resolved"]
+    assert header[18:22] == ["acc_seed0", "acc_seed1", "acc_seed2", "many_acc_mean"]
+    assert len(header) == 8 + 6 * 13  # 6 metrics, val_acc included
     a = rows["A"]
     assert [a[k] for k in ("reference", "seeds", "code", "acc_mean", "acc_std", "acc_ci_lo", "acc_ci_hi", "acc_diff",
                            "acc_diff_half", "acc_diff_ci_lo", "acc_diff_ci_hi", "acc_diff_p", "acc_resolved")] == \
@@ -484,10 +485,25 @@ def test_claims_section_gives_the_paired_difference_and_a_verdict_no_stronger_th
         "| P | E vs FedAvg | E - FedAvg, GM acc | - | +2.23 ±1.69 [0.54, 3.92] | 0.0296 | 3 | **holds** "
         "| not resolved | holds |",
         "| P | D vs FedAvg | D - FedAvg, GM acc | - | - | - | 0 | **not measured**; the two rows share no finished seed "
-        "| not measured | not measured |",
+        "that measures it (an empty shot group measures none) | not measured | not measured |",
     ]
     assert "the p-values of all 4 directional claims measured here are adjusted together" in section
     assert "## Claims, checked" not in write_report(fake_suite(tmp_path / "none"), with_plots=False).markdown
+
+
+def test_a_claim_judged_on_the_same_difference_on_every_seed_is_no_stronger_than_the_tables_mark():
+    """The tables judge a difference the same on every seed by the sign test (3 seeds: p = 0.25, n.r.);
+    the claim's verdict read the point interval and said "holds" beside it."""
+    from fedlt.reporting.claims import ClaimSpec, verdict
+    from fedlt.reporting.stats import paired_difference
+
+    three, six = (paired_difference({s: 11.0 for s in range(n)}, {s: 10.0 for s in range(n)}) for n in (3, 6))
+    assert (three.ci, three.resolved, six.resolved) == ((1.0, 1.0), False, True)
+    better, close = ClaimSpec("P", "B over A", "B", "A"), ClaimSpec("P", "B as A", "B", "A", margin=2.0)
+    assert verdict(better, three)[0] == verdict(close, three)[0] == "not resolved"
+    assert verdict(better, six)[0] == verdict(close, six)[0] == "holds"
+    assert verdict(ClaimSpec("P", "A over B", "A", "B"), paired_difference({s: 10.0 for s in range(6)},
+                                                          {s: 11.0 for s in range(6)}))[0] == "does not hold"
 
 
 def test_a_claim_naming_no_row_is_refused_with_the_fix(tmp_path):

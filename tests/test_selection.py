@@ -89,6 +89,11 @@ def test_a_grid_row_runs_every_candidate_and_reports_the_one_validation_selects(
     assert f"{acc['0.05']:.2f}" != f"{acc['0.001']:.2f}"
     assert f"| FedProx | {acc[chosen]:.2f} ± " in text  # the table's row is the selected candidate's test accuracy
     assert "val acc" in text
+    import csv  # the CSV and LaTeX tables name the candidate too: a reader of either sees which reading it is
+
+    rows = {(r["setting"], r["row"]): r for r in csv.DictReader((out / "report" / "tables.csv").open())}
+    assert rows[("a", "FedProx")]["chosen"] == f"fl.lr={chosen}" and rows[("a", "FedAvg")]["chosen"] == ""
+    assert f"FedProx: fl.lr={chosen}, chosen on validation data." in (out / "report" / "tables.tex").read_text()
 
 
 def test_a_grid_row_without_a_validation_set_is_refused_before_anything_runs(tmp_path):

@@ -69,7 +69,7 @@ def _guard(fn: Callable[[], None], run_hint: bool = False) -> None:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
         hint = run_hint and getattr(stop, "resume_hint", None) or (  # a bench's runs are its cells: run it again
             "`fedlt run --resume RUN_DIR` resumes an in-process run from its last checkpoint (an engine=flower run "
-            "starts again), and `fedlt bench` run again its unfinished cells")
+            "starts again), and the same `fedlt bench` command runs a suite's unfinished cells again")
         typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
         raise typer.Exit(143 if by else 130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix

@@ -21,6 +21,8 @@ from fedlt.errors import terminate_as_interrupt
 #: seconds the running cells get to stop after an interrupt before their workers are killed
 STOP_GRACE_S = 60.0
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+#: the signal by which the bench asks its workers to stop their cells (SIGINT may be ignored by the bench)
+STOP_REQUEST = signal.SIGUSR1
 
 _stop: Any = None  # in a worker: the pool's stop event
 _in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
@@ -28,22 +30,28 @@ _in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
 
 @contextmanager
 def _workers_born_deaf() -> Iterator[None]:
-    """Workers spawned inside start with SIGINT ignored (a disposition a new process inherits), until
-    :func:`_start_worker` installs theirs: Ctrl-C while they import torch would end each in a traceback."""
+    """Workers spawned inside start with SIGINT and the stop request ignored (a disposition a new process
+    inherits), until :func:`_start_worker` installs theirs: Ctrl-C while they import torch would end each in
+    a traceback, and a stop request would kill it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, STOP_REQUEST)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _start_worker(stop) -> None:
+def _start_worker(stop, sigint_ignored: bool) -> None:
+    """SIGUSR1 is the bench's own request to stop; SIGINT (Ctrl-C to the process group) too, unless
+    the bench ignores it (started in the background by a shell, or under ``nohup``), as the bench then goes on."""
     global _stop
     _stop = stop
-    signal.signal(signal.SIGINT, _interrupt_cell)
+    signal.signal(STOP_REQUEST, _interrupt_cell)
+    if not sigint_ignored:
+        signal.signal(signal.SIGINT, _interrupt_cell)
 
 
 def _interrupt_cell(signum: int, _frame) -> None:
@@ -88,7 +96,10 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
     before the workers stopped are still passed to ``done``, then the interrupt is raised again."""
     context = get_context("spawn")
     stop = context.Event()
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(stop,))
+    main = threading.current_thread() is threading.main_thread()
+    ignored = main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
+                               initargs=(stop, ignored))
     with _workers_born_deaf():
         futures = {pool.submit(_cell, fn, *args): key for key, args in jobs}
     reported: set[Future] = set()
@@ -106,7 +117,7 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGINT)  # as Ctrl-C in a terminal would; a second one is ignored
+                os.kill(process.pid, STOP_REQUEST)  # as Ctrl-C in a terminal would; a second one is ignored
         wait([f for f in futures if not f.done()], timeout=STOP_GRACE_S)
         for process in processes:
             if process.is_alive():

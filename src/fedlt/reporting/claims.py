@@ -60,15 +60,17 @@ class ClaimCheck:
 def verdict(spec: ClaimSpec, diff: PairedDiff | None) -> tuple[str, str]:
     """The verdict on one claim from its paired difference, and a remark on the paper's size."""
     if diff is None:
-        return UNMEASURED, "the two rows share no finished seed"
+        return UNMEASURED, "the two rows share no finished seed that measures it (an empty shot group measures none)"
     if diff.ci is None:
         return UNRESOLVED, f"{diff.n} paired seed{'s' * (diff.n != 1)}: no interval"
     lo, hi = diff.ci
     if spec.margin is not None:
         m = spec.margin
         result = HOLDS if -m <= lo and hi <= m else FAILS if lo > m or hi < -m else UNRESOLVED
+        if diff.std == 0.0 and 2 * 0.5 ** diff.n >= ALPHA:  # the same difference on every seed: its interval is a
+            result = UNRESOLVED                              # point, and the sign test decides, as in the tables
     else:
-        result = HOLDS if lo > 0 else FAILS if hi < 0 else UNRESOLVED
+        result = (HOLDS if diff.mean > 0 else FAILS) if diff.resolved else UNRESOLVED
     remark = ""
     if spec.paper_diff is not None and not lo <= spec.paper_diff <= hi:
         side = "smaller" if spec.paper_diff > hi else "larger"

@@ -85,6 +85,8 @@ class Row:
     #: where the PM figures come from when a personal reading was chosen (``select_personal``):
     #: ``AS_RUN`` or a key of ``final.pm_variants``; None: from the same figures as the GM's
     personal: str | None = None
+    #: the grid candidate chosen on validation data whose cells the row reads (e.g. ``fl.lr=0.05``); None: no grid
+    chosen: str | None = None
 
     def by_seed(self, metric: str) -> dict[int, float]:
         """Final value of ``metric`` per seed, for the seeds that report it (pairing is by seed)."""
@@ -241,7 +243,7 @@ def _collect_suite(path: Path) -> Collection:
         for m in spec.methods:
             if m.settings is not None and s.name not in m.settings:
                 continue
-            folder, variant, noted = m.name, None, len(warnings)
+            folder, variant, noted, chosen = m.name, None, len(warnings), None
             if m.grid:
                 chosen = selections[m.name].chosen.get(s.name)
                 if chosen is None:
@@ -264,7 +266,7 @@ def _collect_suite(path: Path) -> Collection:
             reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \
                 if m.name in personal else None
             rows.append(Row(m.name, variant, runs, ranked=not upper and m.name not in spec.unranked, expected=expected,
-                            personal=reading))
+                            personal=reading, chosen=chosen or None))
             for label, key in m.variants.items():
                 rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
                                 expected=expected))

@@ -21,8 +21,9 @@ class SuiteCost:
 
     def sentence(self) -> str:
         return (f"Measured by this run (bench-log.jsonl): {self.cells} cells, {self.cpu_s / 60:.1f} CPU-minutes, "
-                f"{_minutes(self.span_s)} wall from the first cell's start to the last cell's end "
-                f"({_minutes(self.cell_wall_s)} of cell time summed over cells).")
+                f"{_minutes(self.span_s)} wall from the first cell's start to the last cell's end, pauses "
+                f"between bench calls included ({_minutes(self.cell_wall_s)} of cell time summed over cells; "
+                "failed cells count none).")
 
 
 def _minutes(seconds: float) -> str:

@@ -17,7 +17,8 @@ resolved too; and a row whose difference to the reference is not resolved is nev
 reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
-The CSV has one line per (setting, row) with the code versions its runs ran (``code``, separated by ``; ``)
+The CSV has one line per (setting, row) with the grid candidate chosen on validation data whose cells the
+row reads (``chosen``, empty without a grid), the code versions its runs ran (``code``, separated by ``; ``)
 and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi, m_diff, m_diff_half, m_diff_ci_lo,
 m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row, empty on that row), then
 one column ``m_seed<S>`` per seed found in any table, empty where the row lacks that seed:
@@ -327,7 +328,7 @@ def csv_text(tables: list[Table]) -> str:
     metrics = [m for m, _ in COLUMNS]
     seeds = sorted({run.seed for t in tables for row in t.rows for run in row.runs})
     fields = ("mean", "std", "ci_lo", "ci_hi", "diff", "diff_half", "diff_ci_lo", "diff_ci_hi", "diff_p", "resolved")
-    writer.writerow(["setting", "row", "variant", "ranked", "reference", "seeds", "code",
+    writer.writerow(["setting", "row", "variant", "chosen", "ranked", "reference", "seeds", "code",
                      *(f"{m}_{k}" for m in metrics for k in (*fields, *(f"seed{s}" for s in seeds)))])
     for t in tables:
         for i, row in enumerate(t.rows):
@@ -340,7 +341,7 @@ def csv_text(tables: list[Table]) -> str:
                            _f(d.mean if d else None), _f(d.half_width if d else None), _f(d_ci[0]), _f(d_ci[1]),
                            "" if d is None or d.p is None else f"{d.p:.4g}", "" if d is None else int(d.resolved),
                            *(_f(per_seed.get(seed)) for seed in seeds)]
-            writer.writerow([t.setting.name, row.label, row.variant or "", int(row.ranked),
+            writer.writerow([t.setting.name, row.label, row.variant or "", row.chosen or "", int(row.ranked),
                              t.rows[t.reference].label, len(row.runs), "; ".join(by_version(row.runs)), *values])
     return buf.getvalue()
 
@@ -377,7 +378,9 @@ def latex(c: Collection, tables: list[Table]) -> str:
                   "over the third is too; rows whose difference to the reference is not resolved are never marked"
                   + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "")
                   + ("; $^\\ddagger$ seeds run on different code (tables.md names them)" if any(mixed(r) for r in t.rows)
-                     else "") + ".}",
+                     else "") + "."
+                  + "".join(f" {latex_escape(r.label)}: {latex_escape(r.chosen)}, chosen on validation data."
+                            for r in t.rows if r.chosen) + "}",
                   r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
                   "Method & " + " & ".join(latex_escape(header) if kind == "delta" else "95\\% CI" if kind == "ci"
                                            else LATEX_HEADERS[metric] for kind, metric, header in columns)
