@@ -450,7 +450,10 @@ def test_table_prints_a_markdown_row_for_the_run(run_dir: Path, runs) -> None:
     assert row[:4] == [run_dir.name, "fedavg", "ce", "2"]
     assert row[4] == f"{summary['final']['acc']:.2f}"
     assert row[8] == f"{summary['final']['pm_acc']:.2f}"
-    assert summary["shot_rule"] in proc.stdout
+    best = summary["best_round"]  # the figure that chose it named: test accuracy here, no validation split
+    assert row[9] == f"{best['acc']:.2f} ({best['round']}, acc)" and best["selected_by"] == "acc"
+    assert summary["shot_rule"] in proc.stdout and "one chosen by acc, the test accuracy itself, is an optimistic" \
+        in proc.stdout
 
 
 # ---- help and listings ----------------------------------------------------------------------

@@ -20,7 +20,8 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
     summaries = [(name, check_summary(s, name)) for name, s in summaries]
     rules = sorted({s.get("shot_rule", "") for _, s in summaries})
     lines = [
-        "| run | method | loss | final round | GM acc | many | medium | few | PM acc | best-round GM acc (round) |",
+        "| run | method | loss | final round | GM acc | many | medium | few | PM acc | best round's GM acc "
+        "(round, chosen by) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summaries:
@@ -35,7 +36,7 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(
             f"| {label} | {s['method']} | {loss} | {f['round']} | {_cell(f.get('acc'))} | {_cell(f.get('many_acc'))} "
             f"| {_cell(f.get('medium_acc'))} | {_cell(f.get('few_acc'))} | {_cell(f.get('pm_acc'))} "
-            f"| {_cell(b.get('acc'))} ({b.get('round', '-')}) |"
+            f"| {_cell(b.get('acc'))} ({b.get('round', '-')}, {b.get('selected_by') or '-'}) |"
         )
         for variant, v in (f.get("variants") or {}).items():
             tag = f"{variant}, not private" if variant == "oracle" else variant
@@ -45,5 +46,8 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
             )
     lines += ["", "Shot groups: " + "; ".join(rules),
               "Rows `[name]` are heads evaluated on the same run's backbone; `[uncalibrated]` is the method "
-              "without calibration. PM accuracy is reported for the headline model only."]
+              "without calibration. PM accuracy is reported for the headline model only. The best round is the "
+              "one with the highest figure named (val_acc with a validation split): one chosen by acc, the test "
+              "accuracy itself, is an optimistic figure, not a result. Every run given is listed, a bench's grid "
+              "candidates too; `fedlt report` shows only the candidate chosen on validation data."]
     return "\n".join(lines)
