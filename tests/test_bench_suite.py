@@ -906,7 +906,7 @@ def test_a_kept_cell_from_before_a_config_key_existed_is_a_cell_of_that_keys_def
 
 
 def test_a_bench_that_ignores_sigint_keeps_its_cells_running_through_one_and_still_stops_on_sigterm(tmp_path):
-    """A bench started where SIGINT is ignored (a shell's background job, nohup) went on after a Ctrl-C to
+    """A bench started where SIGINT is ignored (`cmd &` in a script) went on after a Ctrl-C to
     its process group, but its workers did not: the cells running were logged FAILED and the queued ones
     went on. The workers now ignore it too; the bench's own stop (on SIGTERM) still stops them at once."""
     import os

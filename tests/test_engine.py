@@ -844,3 +844,20 @@ def test_a_long_setup_stage_says_so_and_a_quick_one_prints_nothing(tmp_path, mon
     assert per_round < read_metrics(tmp_path / "slow")[0]["time_s"] + 1.5, lines  # the setup's 2 s are not a round's
     fedlt.run(cfg("slow-quiet"), quiet=True)
     assert capsys.readouterr().err == ""
+
+
+def test_an_interrupt_in_the_setup_stage_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    """FedLoGe's SSE-C is built in the setup stage, after the run's folder exists: Ctrl-C there said how to
+    resume a run that has no checkpoint to resume from."""
+    from fedlt.methods.fedavg import FedAvgServer
+
+    def interrupted(self, query, replies):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FedAvgServer, "receive", interrupted)
+    cfg = tiny(tmp_path, fl__rounds=1, loss={"name": "bsm", "prior": "global"},
+               run={"out_dir": str(tmp_path), "name": "setup", "threads": 1})
+    with pytest.raises(KeyboardInterrupt) as stop:
+        fedlt.run(cfg, quiet=True)
+    assert stop.value.resume_hint == (f"{tmp_path / 'setup'} stopped in the setup stage, before round 1, so there "
+                                      "is nothing to resume; start the run again")

@@ -596,11 +596,16 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
         log(logging.ERROR, "ray::ClientAppActor.run()\n  File \"x.py\"\nfedlt.errors.PluginError: S.fit returned dict")
         log(logging.ERROR, "Traceback (most recent call last):\nfedlt.errors.ConfigError: unknown method 'x'")
         log(logging.ERROR, "Traceback (most recent call last):\nZeroDivisionError: division by zero")
+        log(logging.ERROR, chained)  # a bug raised while handling a FedltError: its traceback stays
 
     class Lines(logging.Handler):
         def emit(self, record):
             shown.append(record.getMessage())
 
+    chained = ("ray::ClientAppActor.run()\nfedlt.errors.PluginError: S.fit returned dict\n\nDuring handling of the "
+               "above exception, another exception occurred:\n\nKeyError: 'missing'\n\nThe above exception was the "
+               "direct cause of the following exception:\n\n    raise ClientAppException(str(ex)) from ex\n"
+               "flwr.clientapp.client_app.ClientAppException: \nfedlt.errors.PluginError: quoted later")
     shown: list[str] = []
     monkeypatch.setattr(flwr.simulation, "run_simulation", runtime)
     flower_log = logging.getLogger("flwr")
@@ -612,7 +617,7 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
         flower_log.removeHandler(lines)
     assert [str(w.message) for w in caught] == ["a warning of the run"]
     assert shown == ["a line of Flower's own",
-                     "Traceback (most recent call last):\nZeroDivisionError: division by zero"]
+                     "Traceback (most recent call last):\nZeroDivisionError: division by zero", chained]
     assert flower_app.logging.getLogger("flwr").filters == []  # Flower's logger as it was
 
 

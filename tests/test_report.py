@@ -23,7 +23,8 @@ from fedlt.results import read_summary
 def summary(acc, variants=None, calibration=()):
     final = {"round": 25, "acc": acc, "many_acc": acc + 10, "medium_acc": acc - 10, "few_acc": acc - 20,
              "pm_acc": 80.0, "variants": variants}
-    return {"method": "creff", "loss": "ce", "final": final, "best_round": {"round": 20, "acc": acc + 1},
+    return {"method": "creff", "loss": "ce", "final": final, "best_round": {"round": 20, "acc": acc + 1,
+                                                                            "selected_by": "val_acc"},
             "shot_rule": "count: many > 1000", "calibration": list(calibration)}
 
 
@@ -34,7 +35,7 @@ def test_one_row_per_run_and_per_variant_with_labels():
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run")]
     assert [r.split(" | ")[0] for r in rows] == ["| cal [creff]", "| cal [uncalibrated]", "| cal [oracle, not private]",
                                                  "| plain"]
-    assert "| 72.50 | 82.50 | 62.50 | 52.50 | 80.00 | 73.50 (20) |" in rows[0]
+    assert "| 72.50 | 82.50 | 62.50 | 52.50 | 80.00 | 73.50 (20, val_acc) |" in rows[0]
     assert rows[1].endswith("| 60.00 | 80.00 | 40.00 | 30.50 | - | - |")
     assert "Shot groups: count: many > 1000" in text
 
@@ -180,7 +181,7 @@ def test_damaged_metrics_or_saved_features_are_one_error_and_nothing_is_written(
 def test_the_comparison_table_shows_a_figure_a_summary_lacks_as_a_dash():
     bare = {**summary(50.0), "final": {"round": 25, "acc": 50.0}, "best_round": {"round": 20}}
     row = [line for line in comparison_table([("bare", bare)]).splitlines() if line.startswith("| bare")][0]
-    assert row.endswith("| 25 | 50.00 | - | - | - | - | - (20) |")
+    assert row.endswith("| 25 | 50.00 | - | - | - | - | - (20, -) |")  # a summary that does not say what chose it
 
 
 def test_the_comparison_table_names_a_run_that_did_not_finish():

@@ -282,6 +282,10 @@ def test_a_personal_reading_is_chosen_on_local_validation_and_the_pm_column_read
         assert row.by_seed("pm_acc") == {0: expected} and row.by_seed("acc") == {0: final["acc"]}
     markdown = write_report(out, with_plots=False).markdown
     assert "**FedLoGe: personalized model**, selected on `val_pm_acc`" in markdown
+    import csv  # the CSV names the reading its PM columns come from
+
+    named = {r["setting"]: r["chosen"] for r in csv.DictReader((out / "report" / "tables.csv").open())}
+    assert named == {s: ("" if key == AS_RUN else f"PM: {key}") for s in ("a", "b")}
     # a reading the runs do not report (a misspelled key) is named, never silently passed over
     import yaml
 

@@ -48,8 +48,10 @@ class Progress:
         take a minute before round 1: FedLoGe's SSE-C); quick work prints nothing. Work that is not a
         round: the rounds' time per round and ETA start after it."""
         timer = None
-        if not self.quiet and self.live is None:
-            timer = threading.Timer(after, lambda: print(f"[{self.label}] {what} ...", file=sys.stderr, flush=True))
+        if self.live is not None:  # a terminal's bar names it at once, in place
+            self.live.update(self.task, latest=what)
+        elif not self.quiet:
+            timer = threading.Timer(after, self._say, (f"[{self.label}] {what} ...\n",))
             timer.daemon = True
             timer.start()
         try:
@@ -57,7 +59,14 @@ class Progress:
         finally:
             if timer is not None:
                 timer.cancel()
+            if self.live is not None:
+                self.live.update(self.task, latest=self.latest)
             self.t0 = time.perf_counter()
+
+    @staticmethod
+    def _say(line: str) -> None:
+        sys.stderr.write(line)  # one write: a line of another thread cannot land inside it
+        sys.stderr.flush()
 
     def close(self) -> None:
         if self.live is not None:

@@ -46,7 +46,8 @@ def _workers_born_deaf() -> Iterator[None]:
 
 def _start_worker(stop, sigint_ignored: bool) -> None:
     """SIGUSR1 is the bench's own request to stop; SIGINT (Ctrl-C to the process group) too, unless
-    the bench ignores it (started in the background by a shell, or under ``nohup``), as the bench then goes on."""
+    the bench ignores it (started as ``cmd &`` by a non-interactive shell, or after ``trap '' INT``), as the
+    bench then goes on."""
     global _stop
     _stop = stop
     signal.signal(STOP_REQUEST, _interrupt_cell)

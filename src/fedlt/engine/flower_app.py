@@ -414,8 +414,15 @@ def simulation_backend(cfg: Config) -> dict[str, Any]:
 
 #: the line Flower logs before its report of any failed ClientApp (the report itself says what failed)
 RAY_FAILURE_PREAMBLE = "An exception was raised when processing a message by"
-#: a FedltError as a traceback names it
-FEDLT_ERROR = re.compile(r"\bfedlt\.errors\.\w+: ")
+#: an exception's line in a traceback ("KeyError: 'x'", "fedlt.errors.DataError: ..."), at a line's start
+EXCEPTION_LINE = re.compile(r"(?m)^([A-Za-z_][\w.]*): ")
+
+
+def raised_fedlt_error(report: str) -> bool:
+    """Whether a logged traceback is of a ClientApp that ended with a FedltError: the last exception before
+    Ray wraps it (``raise ClientAppException(...)``), so a bug raised while handling one keeps its traceback."""
+    own = EXCEPTION_LINE.findall(report.split("raise ClientAppException(")[0])
+    return bool(own) and own[-1].startswith("fedlt.errors.")
 
 
 @contextmanager
@@ -429,7 +436,7 @@ def without_runtime_notices() -> Iterator[None]:
 
     def keep(record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if record.levelno >= logging.ERROR and (text.startswith(RAY_FAILURE_PREAMBLE) or FEDLT_ERROR.search(text)):
+        if record.levelno >= logging.ERROR and (text.startswith(RAY_FAILURE_PREAMBLE) or raised_fedlt_error(text)):
             return False
         return "`run_simulation` function is deprecated" not in text
 

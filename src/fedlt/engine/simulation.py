@@ -488,12 +488,15 @@ class Simulation:
         progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
         if not resume:
             rows = []
-            self._write_partition(run_dir)
             try:
+                self._write_partition(run_dir)
                 with progress.waiting("the method's setup stage, before round 1", after=SETUP_NOTICE_AFTER):
                     self.setup()
-            except BaseException:
+            except BaseException as stop:
                 progress.close()
+                if isinstance(stop, KeyboardInterrupt):
+                    stop.resume_hint = (f"{run_dir} stopped in the setup stage, before round 1, so there is nothing "
+                                        "to resume; start the run again")
                 raise
         if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
             self.segments.append({"from_round": start + 1, "device": str(self.device), "backend": self.backend,

@@ -85,7 +85,8 @@ class Row:
     #: where the PM figures come from when a personal reading was chosen (``select_personal``):
     #: ``AS_RUN`` or a key of ``final.pm_variants``; None: from the same figures as the GM's
     personal: str | None = None
-    #: the grid candidate chosen on validation data whose cells the row reads (e.g. ``fl.lr=0.05``); None: no grid
+    #: what was chosen on validation data for the row: the grid candidate whose cells it reads (e.g.
+    #: ``fl.lr=0.05``) and the personal reading of its PM (``PM: NAME``), joined by ``; ``; None: neither
     chosen: str | None = None
 
     def by_seed(self, metric: str) -> dict[int, float]:
@@ -265,11 +266,13 @@ def _collect_suite(path: Path) -> Collection:
             expected = len(m.seeds or spec.seeds)
             reading = personal[m.name].variants.get(personal[m.name].chosen.get(s.name, AS_RUN), AS_RUN) \
                 if m.name in personal else None
+            picked = "; ".join(part for part in (chosen, f"PM: {reading}" if reading not in (None, AS_RUN) else "")
+                               if part)
             rows.append(Row(m.name, variant, runs, ranked=not upper and m.name not in spec.unranked, expected=expected,
-                            personal=reading, chosen=chosen or None))
-            for label, key in m.variants.items():
+                            personal=reading, chosen=picked or None))
+            for label, key in m.variants.items():  # heads of the same runs: the same candidate's cells
                 rows.append(Row(label, key, runs, ranked=key != "oracle" and label not in spec.unranked,
-                                expected=expected))
+                                expected=expected, chosen=chosen or None))
                 missing = [r.path for r in runs if r.final(key) is None]
                 if missing:
                     have = sorted((runs[0].final(None) or {}).get("variants") or {})

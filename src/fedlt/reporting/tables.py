@@ -17,9 +17,9 @@ resolved too; and a row whose difference to the reference is not resolved is nev
 reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
-The CSV has one line per (setting, row) with the grid candidate chosen on validation data whose cells the
-row reads (``chosen``, empty without a grid), the code versions its runs ran (``code``, separated by ``; ``)
-and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi, m_diff, m_diff_half, m_diff_ci_lo,
+The CSV has one line per (setting, row) with what was chosen for it on validation data (``chosen``: the
+grid candidate whose cells it reads, ``PM: NAME`` its personal reading; empty without either), the code
+versions its runs ran (``code``, separated by ``; ``) and, per metric ``m``: ``m_mean, m_std, m_ci_lo, m_ci_hi, m_diff, m_diff_half, m_diff_ci_lo,
 m_diff_ci_hi, m_diff_p, m_resolved`` (the difference to the reference row, empty on that row), then
 one column ``m_seed<S>`` per seed found in any table, empty where the row lacks that seed:
 rectangular, and every number in it can be recomputed from those columns.
