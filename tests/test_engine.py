@@ -861,3 +861,20 @@ def test_an_interrupt_in_the_setup_stage_says_there_is_nothing_to_resume(tmp_pat
         fedlt.run(cfg, quiet=True)
     assert stop.value.resume_hint == (f"{tmp_path / 'setup'} stopped in the setup stage, before round 1, so there "
                                       "is nothing to resume; start the run again")
+
+
+def test_a_long_final_stage_says_so_before_the_last_rounds_line(tmp_path, monkeypatch, capsys):
+    """A calibration's final step (SAFS: ~40 s on a CPU) ran silently inside the last round; past a few
+    seconds the progress names it, and the last round's s/round still counts it (it is that round's work)."""
+    import time
+
+    from fedlt.engine import simulation
+    from fedlt.methods.base import Server
+
+    finish = Server.finish
+    monkeypatch.setattr(Server, "finish", lambda self: (time.sleep(1), finish(self))[1])
+    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.05)
+    fedlt.run(tiny(tmp_path, fl__rounds=1, run={"out_dir": str(tmp_path), "name": "final", "threads": 1}))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[fedavg/ce sequential] the method's final stage, after the last round's training ..."
+    assert len(lines) == 2 and float(lines[1].split(" | ")[-2].removesuffix(" s/round")) >= 1.0, lines

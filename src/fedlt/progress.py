@@ -43,10 +43,10 @@ class Progress:
                   f" | ETA {_duration(eta)}", file=sys.stderr, flush=True)
 
     @contextmanager
-    def waiting(self, what: str, after: float = 5.0) -> Iterator[None]:
+    def waiting(self, what: str, after: float = 5.0, restart_clock: bool = True) -> Iterator[None]:
         """Say ``what`` is going on if it takes longer than ``after`` seconds (a method's setup stage can
-        take a minute before round 1: FedLoGe's SSE-C); quick work prints nothing. Work that is not a
-        round: the rounds' time per round and ETA start after it."""
+        take a minute before round 1: FedLoGe's SSE-C; its final stage too: SAFS); quick work prints
+        nothing. With ``restart_clock``, work that is not a round: the rounds' s/round and ETA start after it."""
         timer = None
         if self.live is not None:  # a terminal's bar names it at once, in place
             self.live.update(self.task, latest=what)
@@ -61,7 +61,8 @@ class Progress:
                 timer.cancel()
             if self.live is not None:
                 self.live.update(self.task, latest=self.latest)
-            self.t0 = time.perf_counter()
+            if restart_clock:
+                self.t0 = time.perf_counter()
 
     @staticmethod
     def _say(line: str) -> None:

@@ -51,7 +51,7 @@ from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
 STAGES = ("setup", "before_fit", "after_fit", "final")
-#: seconds of a setup stage before the progress says it is going on (FedLoGe's SSE-C: up to a minute)
+#: seconds of a setup or final stage before the progress names it (FedLoGe's SSE-C, SAFS: up to a minute)
 SETUP_NOTICE_AFTER = 5.0
 #: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
 #: is executed (device, backend, threads ...), where its data are read from
@@ -513,8 +513,10 @@ class Simulation:
                 evaluated = last or rnd % cfg.eval.every == 0
                 if diverged is None:
                     if last:
-                        self._run_queries("final", rnd, self.all_clients)
-                        self.server.finish()
+                        with progress.waiting("the method's final stage, after the last round's training",
+                                              after=SETUP_NOTICE_AFTER, restart_clock=False):
+                            self._run_queries("final", rnd, self.all_clients)
+                            self.server.finish()
                     for kind in TRAFFIC_KINDS:
                         pending["comm"][kind] += self._traffic[kind]
                     self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
