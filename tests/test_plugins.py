@@ -370,12 +370,13 @@ def test_check_client_hook_lets_a_client_without_samples_reply_with_weights_wort
     from fedlt.messages import Reply
 
     weights = {"w": __import__("torch").zeros(2)}
-    check_client_hook("C", "fit", Reply(weights, 0), {"n": 1, "t": weights["w"], "l": [1, (2.0, "x")]}, samples=0)
-    check_client_hook("C", "query('stats')", Reply(weights, 0), {}, samples=5)  # a query's reply weighs nothing
+    C = type("C", (), {})()  # noqa: N806 - the client, named in the refusals
+    check_client_hook(C, "fit", Reply(weights, 0), {"n": 1, "t": weights["w"], "l": [1, (2.0, "x")]}, samples=0)
+    check_client_hook(C, "query('stats')", Reply(weights, 0), {}, samples=5)  # a query's reply weighs nothing
     with pytest.raises(PluginError, match=r"^C\.fit replied with weights worth num_samples=0 from a client holding 5"):
-        check_client_hook("C", "fit", Reply(weights, 0), {}, samples=5)
+        check_client_hook(C, "fit", Reply(weights, 0), {}, samples=5)
     with pytest.raises(PluginError, match=r"^C\.fit left a key of ctx\.state \(a numpy\.int64\) in ctx\.state"):
-        check_client_hook("C", "fit", Reply(weights, 3), {__import__("numpy").int64(1): 1}, samples=3)
+        check_client_hook(C, "fit", Reply(weights, 3), {__import__("numpy").int64(1): 1}, samples=3)
 
 
 def test_a_dataset_added_in_code_is_refused_where_other_processes_load_it(monkeypatch):

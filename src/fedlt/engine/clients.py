@@ -136,11 +136,9 @@ class ClientRuntime:
             self.forget_test_features()
         ctx = self.context(cid, rnd, state)
         if kind == "fit" or kind.startswith("query:"):
-            hook = "fit" if kind == "fit" else f"query('{kind.removeprefix('query:')}')"
-            reply = self.client.fit(ctx, msg) if kind == "fit" else \
-                self.client.query(kind.removeprefix("query:"), ctx, msg)
-            mine = getattr(self.client, "inner", self.client)  # a calibration wraps the method's client
-            check_client_hook(type(mine).__name__, hook, reply, state, len(ctx.data))
+            name = kind.removeprefix("query:")
+            reply = self.client.fit(ctx, msg) if kind == "fit" else self.client.query(name, ctx, msg)
+            check_client_hook(self.client, "fit" if kind == "fit" else f"query('{name}')", reply, state, len(ctx.data))
             return reply
         if kind == EVALUATE:
             payload = self._personalized_accuracy(self.client, ctx, msg, "")
@@ -194,11 +192,12 @@ class ClientRuntime:
         return Reply(payload=payload)
 
 
-def check_client_hook(owner: str, hook: str, reply: Any, state: dict[str, Any], samples: int) -> None:
-    """A client hook's reply and state as the engine needs them, refused in one line naming the hook:
-    a wrong type fails deep in the engine, weights worth 0 samples are silently left out of the
-    average, and state a checkpoint cannot keep fails only at the first checkpoint, rounds later."""
-    where = f"{owner}.{hook}"
+def check_client_hook(client: Any, hook: str, reply: Any, state: dict[str, Any], samples: int) -> None:
+    """A client hook's reply and state as the engine needs them, refused in one line naming the hook of the
+    method's own client (inside a calibration's wrapper): a wrong type fails deep in the engine, weights
+    worth 0 samples are silently left out of the average, and state a checkpoint cannot keep fails only at
+    the first checkpoint, rounds later."""
+    where = f"{type(getattr(client, 'inner', client)).__name__}.{hook}"
     check_reply(reply, where)
     if hook == "fit" and reply.weights and reply.num_samples <= 0 < samples:
         raise PluginError(f"{where} replied with weights worth num_samples={reply.num_samples} from a client holding "

@@ -63,8 +63,8 @@ def server_metrics(server: Any) -> dict[str, Any]:
     float (a client's tensor loss is read the same way); anything JSON cannot write is refused naming it."""
     out = {}
     for key, value in server.metrics().items():
-        if (value.numel() if isinstance(value, torch.Tensor) else
-                value.size if isinstance(value, (np.ndarray, np.generic)) else 0) == 1:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or \
+                isinstance(value, (np.ndarray, np.generic)) and value.size == 1:
             value = value.item()
         try:
             json.dumps(value, allow_nan=True)

@@ -66,8 +66,7 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
             weights = finish(state, extra) if finish else state  # before the payload: finish may add to it
             replies[cid] = Reply(weights=weights, num_samples=len(contexts[cid].data), metrics=metrics,
                                  payload=dict(objectives[cid].payload))
-            mine = getattr(sim.client, "inner", sim.client)  # a calibration wraps the method's client
-            check_client_hook(type(mine).__name__, "local_objective", replies[cid], contexts[cid].state,
+            check_client_hook(sim.client, "local_objective", replies[cid], contexts[cid].state,
                               len(contexts[cid].data))
             sim._forget_empty_state(cid)
             sim._account("fit", msg, replies[cid])
