@@ -305,6 +305,11 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
                 ctx.state["seen"] = {1, 2}  # a checkpoint keeps it, a Flower node's state cannot
             return reply
 
+        def personalize(self, ctx, msg):
+            super().personalize(ctx, msg)
+            if self.slip == "personal_state":
+                ctx.state["cache"] = np.zeros(2)
+
     class Returns(FedAvgServer):
         def aggregate(self, rnd, replies):
             return weighted_average(replies)
@@ -331,6 +336,7 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
         "numpy_state": (FedAvgServer, r"^SlipClient\.fit left ctx\.state\['prior'\] \(a numpy\.ndarray\) in "
                                       r"ctx\.state, which a checkpoint or a Flower node cannot keep"),
         "set_state": (FedAvgServer, r"^SlipClient\.fit left ctx\.state\['seen'\] \(a set\) in ctx\.state"),
+        "personal_state": (FedAvgServer, r"^SlipClient\.personalize left ctx\.state\['cache'\] \(a numpy\.ndarray"),
         "returns": (Returns, r"^Returns\.aggregate returned dict, which the engine ignores"),
         "metric": (TensorMetric, r"^TensorMetric\.metrics\(\) gave 'bad' as a object, which a metrics line"),
         "server_state": (NumpyState, r"^NumpyState\.state_dict\(\) holds state_dict\(\)\['seen'\]\['rounds'\]\[0\] "
@@ -338,10 +344,11 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
     }
     try:
         for slip, (server, message) in cases.items():
-            client = type("SlipClient", (Client,), {"slip": slip})
+            client = type("SlipClient", (Client,), {"slip": slip, "personalized": slip == "personal_state"})
             METHODS["slip"] = MethodSpec("slip", "breaks the contract", server, client)
             with pytest.raises(PluginError, match=message):
-                fedlt.run(run(tmp_path, slip, method="slip", run={"checkpoint_every": 10}), quiet=True)
+                fedlt.run(run(tmp_path, slip, method="slip", run={"checkpoint_every": 10},
+                              eval={"personalized": slip == "personal_state"}), quiet=True)
         # the same slips inside a calibration's wrapper name the method's own client, and fail as early
         METHODS["slip"] = MethodSpec("slip", "breaks the contract", FedAvgServer,
                                      type("SlipClient", (Client,), {"slip": "dict"}))
@@ -377,6 +384,13 @@ def test_check_client_hook_lets_a_client_without_samples_reply_with_weights_wort
         check_client_hook(C, "fit", Reply(weights, 0), {}, samples=5)
     with pytest.raises(PluginError, match=r"^C\.fit left a key of ctx\.state \(a numpy\.int64\) in ctx\.state"):
         check_client_hook(C, "fit", Reply(weights, 3), {__import__("numpy").int64(1): 1}, samples=3)
+    loop = [1]
+    loop.append({"back": loop})  # a cycle: refused in one line, not a RecursionError
+    with pytest.raises(PluginError, match=r"^C\.fit left ctx\.state\['l'\]\[1\]\['back'\] \(a list that contains "
+                                          r"itself\) in ctx\.state"):
+        check_client_hook(C, "fit", Reply(weights, 3), {"l": loop}, samples=3)
+    shared = [1.0]
+    check_client_hook(C, "fit", Reply(weights, 3), {"a": shared, "b": [shared, shared]}, samples=3)  # shared, no cycle
 
 
 def test_a_dataset_added_in_code_is_refused_where_other_processes_load_it(monkeypatch):

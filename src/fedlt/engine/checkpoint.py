@@ -34,15 +34,19 @@ PORTABLE_LEAVES = (bool, int, float, str, type(None))
 PORTABLE_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
-def unsafe_entry(value: Any, path: str, portable: bool = False) -> str | None:
+def unsafe_entry(value: Any, path: str, portable: bool = False, _enclosing: tuple[int, ...] = ()) -> str | None:
     """The first entry of ``value`` a checkpoint (with ``portable``, also a Flower node's state) cannot
-    keep, as ``path[key]... (its type)``; None if all can."""
+    keep, as ``path[key]... (its type)``; None if all can. A container inside itself is one: neither a
+    Flower record nor a JSON-like state can hold a cycle, and walking it would never end."""
     leaves, containers = (PORTABLE_LEAVES, PORTABLE_CONTAINERS) if portable else \
         (CHECKPOINT_LEAVES, CHECKPOINT_CONTAINERS)
     if isinstance(value, torch.Tensor) or type(value) in leaves:
         return None
     if type(value) not in containers:
         return f"{path} (a {_type_name(value)})"
+    if id(value) in _enclosing:
+        return f"{path} (a {_type_name(value)} that contains itself)"
+    _enclosing = (*_enclosing, id(value))
     if isinstance(value, dict):
         items = value.items()
     else:
@@ -50,7 +54,8 @@ def unsafe_entry(value: Any, path: str, portable: bool = False) -> str | None:
     for key, item in items:
         if isinstance(value, dict) and (found := _unsafe_key(key, path, portable)) is not None:
             return found
-        if (found := unsafe_entry(item, path if key is None else f"{path}[{key!r}]", portable)) is not None:
+        item_path = path if key is None else f"{path}[{key!r}]"
+        if (found := unsafe_entry(item, item_path, portable, _enclosing)) is not None:
             return found
     return None
 

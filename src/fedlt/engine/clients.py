@@ -155,6 +155,7 @@ class ClientRuntime:
         """``client``'s personalized model's accuracy on this client's local test set and, where
         there is one, its local validation set, as ``EVALUATE``'s summable entries."""
         client.personalize(ctx, msg)
+        check_client_state(client, "personalize", ctx.state)
         data, batch_size = self.eval_data, self.cfg.eval.batch_size
         shared = head_of_features(self.worker) and keeps_sent_encoder(self.worker, msg)
         out: dict[str, Any] = {}
@@ -202,6 +203,12 @@ def check_client_hook(client: Any, hook: str, reply: Any, state: dict[str, Any],
     if hook == "fit" and reply.weights and reply.num_samples <= 0 < samples:
         raise PluginError(f"{where} replied with weights worth num_samples={reply.num_samples} from a client holding "
                           f"{samples} samples; the average ignores such replies: set Reply(num_samples=...)")
+    check_client_state(client, hook, state)
+
+
+def check_client_state(client: Any, hook: str, state: dict[str, Any]) -> None:
+    """``ctx.state`` after a client hook, refused in one line if a checkpoint or a Flower node cannot keep it."""
+    where = f"{type(getattr(client, 'inner', client)).__name__}.{hook}"
     if (bad := unsafe_entry(state, "ctx.state", portable=True)) is not None:
         raise PluginError(f"{where} left {bad} in ctx.state, which a checkpoint or a Flower node cannot keep: keep "
                           "tensors, numbers, strings, and lists, tuples or dicts of them (string or int keys), "
