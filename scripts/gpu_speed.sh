@@ -16,6 +16,8 @@
 #       replaces a step's time limit (e.g. paper-rounds=500). Run from
 #       the repository root; PYTHON=... picks the interpreter; SRC=DIR times another version's package
 #       (e.g. `git archive OLD src | tar -x -C DIR/..`), to compare two versions on one machine.
+#       MODELS=resnet8,resnet32 narrows the backends step to those models, PAPERS="gbme fedyoyo" the
+#       paper-rounds step to those methods: a short device lease measures what is still missing.
 set -uo pipefail
 out="${1:?usage: scripts/gpu_speed.sh OUT_DIR [STEP[=SECONDS] ...]}"
 shift
@@ -44,16 +46,22 @@ step() {  # step NAME SECONDS COMMAND...: run when asked for, with a time limit,
   echo "== $name: exit ${PIPESTATUS[0]}"
 }
 fedlt=("$py" -m fedlt.cli)
+models="${MODELS:-resnet8,resnet32,resnet18,cnn}"
+declare -A paper_rows=([creff]=CReFF [fedloge]=FedLoGe [sfd]=SFD [gbme]=GBME [fedyoyo]=FedYoYo)
+papers=() rows=()
+for paper in ${PAPERS:-creff fedloge sfd gbme fedyoyo}; do
+  [[ -n ${paper_rows[$paper]:-} ]] || { echo "PAPERS: unknown method '$paper': use creff, fedloge, sfd, gbme or fedyoyo" >&2; exit 2; }
+  papers+=("paper-$paper") rows+=(--row "paper-$paper:${paper_rows[$paper]}")
+done
 
 "$py" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$out/device.txt"
 step tests 150 "$py" -m pytest -v -p no:cacheprovider tests/test_gpu.py  # -v: a cut-off step still names what ran
-step backends 250 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models resnet8,resnet32,resnet18,cnn \
+step backends 250 "${fedlt[@]}" bench speed --backends --rounds 2 --no-k-table --models "$models" \
   --sampled 10,40 --synthetic-size 32 --compare sequential,graphed --out "$out/backends.md" "${clients[@]}"
 step profile 100 "${fedlt[@]}" bench profile --models resnet8,resnet32 --sampled 10 --synthetic-size 32 \
   --backends sequential,graphed --out "$out/profile.md" "${clients[@]}"
-step paper-rounds 400 "${fedlt[@]}" bench paper-rounds paper-creff paper-fedloge paper-sfd paper-gbme paper-fedyoyo \
-  --row paper-creff:CReFF --row paper-fedloge:FedLoGe --row paper-sfd:SFD --row paper-gbme:GBME \
-  --row paper-fedyoyo:FedYoYo --backends sequential,graphed --out "$out/paper-rounds.md" run.device=cuda
+step paper-rounds 400 "${fedlt[@]}" bench paper-rounds "${papers[@]}" "${rows[@]}" --backends sequential,graphed \
+  --out "$out/paper-rounds.md" run.device=cuda
 step host-work 120 bash -c 'for model in resnet8 resnet32; do for paths in gpu cpu; do
   "$0" scripts/client_host_work.py 40 --profile --as-on=$paths model.name=$model run.device=cuda \
     run.channels_last=false || exit; done; done' "$py"
