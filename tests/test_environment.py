@@ -126,3 +126,10 @@ def test_same_code_needs_equal_source_hashes_or_one_clean_commit():
     assert environment.code_version(hashed) == "0123456789abcdef"
     assert environment.code_version({"source_hash": None, "git_commit": "abc1234+dirty"}) == "abc1234+dirty"
     assert environment.code_version({}) is None
+
+    # a method or calibration from outside fedlt is code of its own, named beside fedlt's
+    plugin = {**hashed, "outside_code": {"clipavg": "plug-in fedlt-example-plugin 0.1.0"}}
+    upgraded = {**hashed, "outside_code": {"clipavg": "plug-in fedlt-example-plugin 0.2.0"}}
+    assert same(plugin, dict(plugin)) and not same(plugin, upgraded) and not same(plugin, hashed)
+    assert same(hashed, {**hashed, "outside_code": {}})  # a record without the key ran fedlt's own code
+    assert environment.code_version(plugin) == "0123456789abcdef + clipavg: plug-in fedlt-example-plugin 0.1.0"

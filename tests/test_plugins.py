@@ -100,6 +100,10 @@ def test_example_plugin_is_listed_with_its_package_and_runs_in_process(example, 
     assert finite(result.summary) and result.summary["method_args"] == {"max_norm": 0.01, "server_lr": 1.0}
     assert result.summary["final"]["server_metrics"]["clipped_fraction"] == 1.0
     assert result.summary["final"]["variants"]["uncalibrated"]["loss"] != pytest.approx(fedavg.summary["final"]["loss"])
+    # fedlt's source hash does not cover the plug-in's code: the run names it beside the hash
+    assert result.summary["environment"]["outside_code"] == {"clipavg": "plug-in fedlt-example-plugin 0.1.0",
+                                                            "equalnorm": "plug-in fedlt-example-plugin 0.1.0"}
+    assert "outside_code" not in fedavg.summary["environment"]
     # its declarations are checked like a built-in's: the server reads each reply, equalnorm needs a learned head
     with pytest.raises(ConfigError, match="method clipavg's server reads each client's fit reply"):
         fedlt.run(run(tmp_path, "secure", secagg={"enabled": True}), quiet=True)
@@ -132,6 +136,14 @@ def test_bench_workers_find_the_plugin(example, tmp_path):
     summaries = [json.loads(p.read_text()) for p in sorted(out.rglob("summary.json"))]
     assert sorted(s["method"] for s in summaries) == ["clipavg", "fedavg"]
     assert all(finite(s) for s in summaries)
+    # a later version of the plug-in is other code: the bench refuses to add seeds to its row
+    clip = next(p.parent for p in out.rglob("summary.json") if json.loads(p.read_text())["method"] == "clipavg")
+    summary = json.loads((clip / "summary.json").read_text())
+    summary["environment"]["outside_code"]["clipavg"] = "plug-in fedlt-example-plugin 0.0.9"
+    (clip / "summary.json").write_text(json.dumps(summary))
+    again = CliRunner().invoke(app, ["bench", str(path), "--out", str(out), "--seeds", "0,1", "--no-report"])
+    assert again.exit_code == 2 and "row 'ClipAvg' (IF=10)" in again.output, again.output
+    assert "+ clipavg: plug-in fedlt-example-plugin 0.0.9: seed 0" in again.output
 
 
 def test_flower_clientapp_finds_the_plugin(example, tmp_path, monkeypatch):

@@ -21,11 +21,15 @@ import torch
 from fedlt._version import __version__
 
 
-def collect(device: torch.device | str | None = None, backend: str | None = None) -> dict[str, Any]:
+def collect(device: torch.device | str | None = None, backend: str | None = None,
+            outside_code: dict[str, str] | None = None) -> dict[str, Any]:
     """The environment of the calling process now (call it during or right after the run:
-    ``threads`` is torch's current setting); ``backend`` is how the run trained its clients."""
+    ``threads`` is torch's current setting); ``backend`` is how the run trained its clients;
+    ``outside_code`` names the run's method and calibrations whose code is not fedlt's (a plug-in and
+    its version, or one registered in code), which fedlt's source hash does not cover."""
     device = torch.device(device) if device is not None else None
     return {
+        **({"outside_code": dict(outside_code)} if outside_code else {}),
         "fedlt": __version__,
         "git_commit": git_commit(),
         "source_hash": source_hash(),
@@ -108,13 +112,19 @@ def hash_sources(package: Path) -> str:
 
 def code_version(env: dict[str, Any]) -> str | None:
     """The code behind a record, as reports name it: its source hash, else (a record from before fedlt
-    hashed its sources) its git commit; None when neither was recorded."""
-    return env.get("source_hash") or env.get("git_commit")
+    hashed its sources) its git commit; None when neither was recorded. A method or calibration from
+    outside fedlt follows, e.g. ``3fc74e33027df234 + clipavg: plug-in fedlt-example-plugin 0.1.0``."""
+    version = env.get("source_hash") or env.get("git_commit")
+    outside = env.get("outside_code") or {}
+    return version and version + "".join(f" + {name}: {origin}" for name, origin in sorted(outside.items()))
 
 
 def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two records provably ran the same fedlt source: equal source hashes where both have one,
-    else the same clean commit. A ``+dirty`` commit without a hash is unknown code, the same as nothing."""
+    """Whether two records provably ran the same fedlt source (equal source hashes where both have one,
+    else the same clean commit; a ``+dirty`` commit without a hash is unknown code, the same as nothing)
+    and the same code from outside fedlt, as far as its names and versions tell."""
+    if (a.get("outside_code") or {}) != (b.get("outside_code") or {}):
+        return False
     if a.get("source_hash") and b.get("source_hash"):
         return a["source_hash"] == b["source_hash"]
     commit = a.get("git_commit")

@@ -104,6 +104,13 @@ class PluginRegistry(MutableMapping[str, T], Generic[T]):
         entry, ep = self._plugins.get(name, (None, None))
         return distribution(ep) if ep is not None and self._entries.get(name) is entry else None
 
+    def provenance(self, name: str) -> str | None:
+        """Where the code of ``name`` comes from when it is not fedlt's own: ``plug-in DIST VERSION`` or
+        ``registered in code``; None for a built-in (fedlt's source hash names it)."""
+        if (origin := self.origin(name)) is not None:
+            return f"plug-in {origin}"
+        return "registered in code" if self.in_code_only(name) else None
+
     def in_code_only(self, name: str) -> bool:
         """Whether ``name`` is registered in this process's code (``REGISTRY[name] = ...``), neither a built-in
         nor an entry point: a new process (a worker, a Flower node) that looks it up by name does not find

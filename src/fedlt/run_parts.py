@@ -186,6 +186,13 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
                           f"the data by name in processes of their own; use {other}")
 
 
+def outside_code(cfg: Config) -> dict[str, str]:
+    """The run's method and calibrations whose code is not fedlt's, with where it comes from
+    (:meth:`fedlt.plugins.PluginRegistry.provenance`): a run records them beside fedlt's source hash."""
+    named = [(cfg.method, METHODS), *((name, CALIBRATORS) for name in cfg.calibration)]
+    return {name: origin for name, registry in named if (origin := registry.provenance(name)) is not None}
+
+
 def run_calibrations(cfg: Config) -> list[str]:
     """The calibrations a run applies: its method's own, then the configured ones."""
     own = get_method(cfg.method).calibration

@@ -725,8 +725,13 @@ def check_same_code(suite: Suite, out: Path, todo: list[Cell]) -> None:
             finished.setdefault((cell.setting, cell.method), []).append((cell, env))
     if not finished:
         return
-    here = collect_environment()
+    from fedlt.config import load_config
+    from fedlt.run_parts import outside_code
+
+    rows_cell = {(c.setting, c.method): c for c in todo}
     for (setting, method), cells in finished.items():
+        row_cfg = load_config(suite.base, rows_cell[setting, method].overrides)
+        here = collect_environment(outside_code=outside_code(row_cfg))
         envs = [here, *(env for _, env in cells)]
         if all(same_code(a, b) for i, a in enumerate(envs) for b in envs[i + 1:]):
             continue

@@ -44,7 +44,7 @@ from fedlt.results import (
     ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics,
     save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
 )
-from fedlt.run_parts import choose_backend, no_global_model_refusal
+from fedlt.run_parts import choose_backend, no_global_model_refusal, outside_code
 from fedlt.training.graphed import GraphedTrainer
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
@@ -585,7 +585,8 @@ class Simulation:
                               {"diverged_round": row["round"], **self._summary_extra(elapsed)})
 
     def _environment(self) -> dict[str, Any]:
-        return collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine)
+        return collect_environment(self.device, self.backend if self.engine == "inprocess" else self.engine,
+                                   outside_code(self.cfg))
 
     def _summary_extra(self, elapsed: float) -> dict[str, Any]:
         """What a summary says beyond the metrics: the data, shot groups, machine, messages, knobs. The
