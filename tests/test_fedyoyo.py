@@ -545,6 +545,36 @@ def test_feddecorr_term_small_for_decorrelated_and_large_for_collinear_features(
     assert decorrelation_loss(torch.randn(1, d)).item() == 0.0
 
 
+def test_feddecorr_default_is_the_released_loss_about_batch_size_times_the_formula():
+    """The released loss (the default) is the mean squared off-diagonal entry of Z^T Z over N: with the
+    unbiased variance Z^T Z = (N - 1) K, so it is (N-1)^2/N times the formula's off-diagonal part over d(d-1)."""
+    n, d = 32, 16
+    feats = torch.randn(n, d, generator=gen(6), dtype=torch.float64) @ torch.randn(d, d, generator=gen(7),
+                                                                                  dtype=torch.float64)
+    paper, code = decorrelation_loss(feats, "paper"), decorrelation_loss(feats, "code")
+    z = (feats - feats.mean(0)) / feats.std(0, unbiased=False)
+    k = z.T @ z / n
+    off_diagonal = k.pow(2).sum() - k.diagonal().pow(2).sum()
+    # to the 1e-8 added to each variance (~10 here): rel 1e-6 leaves a wide margin
+    assert paper.item() == pytest.approx(k.pow(2).sum().item() / d**2, rel=1e-6)
+    assert code.item() == pytest.approx((n - 1) ** 2 / n * off_diagonal.item() / (d * (d - 1)), rel=1e-6)
+    # white features: each off-diagonal entry of Z^T Z has variance ~N, so the released term is ~1 (a mean
+    # of 2,016 independent chi-square(1) / 1 values here: standard deviation 0.03)
+    white = torch.randn(4096, 64, generator=gen(8))
+    assert decorrelation_loss(white, "code").item() == pytest.approx(1.0, abs=0.15)
+    collinear = torch.randn(n, 1, generator=gen(5), dtype=torch.float64) * torch.linspace(0.5, 2.0, d)
+    assert decorrelation_loss(collinear, "code").item() == pytest.approx((n - 1) ** 2 / n, rel=1e-6)
+    assert decorrelation_loss(torch.randn(1, d), "code").item() == 0.0
+    assert decorrelation_loss(torch.randn(n, 1), "code").item() == 0.0
+    # the gradient, what training feels, is about N times the formula's
+    grads = []
+    for normalization in ("paper", "code"):
+        x = feats.clone().requires_grad_(True)
+        decorrelation_loss(x, normalization).backward()
+        grads.append(x.grad.norm().item())
+    assert 0.5 * n < grads[1] / grads[0] < 1.5 * n
+
+
 # ---- end to end -------------------------------------------------------------------------------
 def tiny(tmp_path, name: str, **over) -> dict:
     cfg = {
