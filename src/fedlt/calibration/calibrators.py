@@ -51,6 +51,8 @@ class CalibrationArgs(MethodArgs):
                                           "gradient-matching optimiser of Zhao et al. 2021)")
     retrain_steps: int = Field(300, ge=1, description="CCVR / oracle: classifier re-training steps")
     retrain_lr: float = Field(0.1, gt=0, description="CCVR / oracle: re-training lr")
+    retrain_momentum: float = Field(0.9, ge=0, lt=1, description="CCVR / oracle: re-training SGD momentum (SFD's "
+                                    "CCVR: lr 0.01 with momentum 0.9)")
     retrain_batch_size: int = Field(32, ge=1, description="re-training mini-batch (CReFF, CCVR, oracle)")
     ccvr_virtual_per_class: int = Field(100, ge=1, description="CCVR: virtual features sampled per class")
     fed3r_lambda: float = Field(0.01, gt=0, description="Fed3R: ridge regularisation")
@@ -185,7 +187,7 @@ class Calibrator:
         init = weight_and_bias(head) if head is not None else None
         weight, bias = retrain_linear(feats.to(device).float(), labels.to(device), self.num_classes, init=init,
                                       steps=a.retrain_steps, lr=a.retrain_lr, batch_size=a.retrain_batch_size,
-                                      generator=generator)
+                                      momentum=a.retrain_momentum, generator=generator)
         return linear_head(weight, bias)
 
 
@@ -284,7 +286,7 @@ class CCVR(Calibrator):
 
     name = "ccvr"
     needs = frozenset({"class_sums"})
-    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_batch_size"})
+    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_momentum", "retrain_batch_size"})
     #: the virtual features and labels the head was re-trained on (for the report's projection)
     _virtual: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -357,7 +359,7 @@ class RealFeatureOracle(Calibrator):
     name = "oracle"
     private = False
     needs = frozenset({"features"})
-    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_batch_size"})
+    shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_momentum", "retrain_batch_size"})
 
     def finish(self, stats, head) -> None:
         feats, labels = stats["features"]
