@@ -1,7 +1,8 @@
 """FedRep (Collins et al., ICML 2021): a shared representation with personal heads.
 
 Each round a client first fits its personal head with the body frozen (``head_epochs``, the
-paper's 10), then trains the body with its head frozen (``fl.local_epochs``). The body is
+paper's 10), then trains the body with its head frozen (``fl.local_epochs``, as every method's local
+training; the authors' runs train it for 1 epoch, which ``fl.local_epochs=1`` reproduces). The body is
 aggregated; the head stays in the client's ``ctx.state``. A client joining for the first time
 starts its head from the global head it receives.
 
