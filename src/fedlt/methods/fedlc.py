@@ -17,7 +17,7 @@ Choices where the paper is loose:
   FedDecorr authors' one).
 - A class the client does not hold has ``n = 0`` and an infinite margin, the limit of the
   formula: it drops out of the local softmax, so local training never pushes its logit down
-  (the authors' released code behaves the same way through ``0 ** -0.25 = inf``).
+  (the public implementations behave the same way through ``0 ** -0.25 = inf``).
 - The paper states no value for tau; public implementations use 0.1 to 1. We default to 1.0,
   where the margins (at most 1 logit, for a single sample) are large enough to matter.
 
