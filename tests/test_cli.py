@@ -497,7 +497,13 @@ def test_a_methods_knobs_are_listed_with_their_defaults(runs) -> None:
     knobs = {line.split()[0]: line.split()[1] for line in lines[2:]}
     assert list(knobs) == list(FedYoYoArgs.model_fields)
     assert knobs["asd_average"] == "correct" and knobs["lam"] == "4" and knobs["warmup"] == "0.1667"
-    assert runs["listings"]["fedavg_knobs"].stdout.splitlines()[1] == "no knobs"
+    assert runs["listings"]["fedavg_knobs"].stdout.splitlines()[1:] == ["no knobs of method_args"]
+    # a method tuned through its own calibration (CReFF, SFD) lists the knobs that calibration reads
+    creff = CliRunner().invoke(app, ["methods", "creff"]).stdout.splitlines()
+    assert creff[1:3] == ["no knobs of method_args", "knobs of its calibration creff (calibration_args.NAME=VALUE):"]
+    knobs = {line.split()[0]: line.split()[1] for line in creff[3:]}
+    assert knobs["creff_feature_lr"] == "0.1" and knobs["retrain_batch_size"] == "32"
+    assert not any(k.startswith(("safs_", "ccvr_")) or k == "retrain_lr" for k in knobs), knobs
     wrong = CliRunner().invoke(app, ["methods", "fedyoyoo"])
     assert wrong.exit_code == 2 and wrong.output.startswith("fedlt: error: unknown method 'fedyoyoo'")
     assert wrong.output.count("\n") == 1

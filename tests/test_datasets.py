@@ -962,6 +962,25 @@ def test_fedlt_data_may_name_the_fashion_mnist_folder_itself(tmp_path: Path, mon
     assert len(load_dataset("fmnist").train) == 9
 
 
+def test_without_the_debian_package_set_up_s_download_in_data_is_read(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/setup.sh downloads Fashion-MNIST into data/ when apt cannot install it; a shell without its
+    FEDLT_DATA (the quick start's) still finds it there, and only when the system copy is missing."""
+    from fedlt.data import registry
+
+    system = tmp_path / "system"
+    monkeypatch.setitem(registry.DATASETS, "fmnist", dataclasses.replace(registry.DATASETS["fmnist"],
+                                                                          default_root=system))
+    monkeypatch.delenv("FEDLT_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"data folder {system} does not exist"):
+        load_dataset("fmnist")
+    write_fmnist(tmp_path / "data" / "fashion-mnist", n_train=5)
+    assert len(load_dataset("fmnist").train) == 5
+    write_fmnist(system, n_train=9)  # installed system-wide: that copy, as before
+    assert len(load_dataset("fmnist").train) == 9
+
+
 def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path: Path) -> None:
     path = tmp_path / "deep.png"
     Image.fromarray(np.full((4, 4), 30000, np.uint16)).save(path)

@@ -149,18 +149,31 @@ def methods_cmd(name: Optional[str] = typer.Argument(None, help="a method: print
             return
         spec = get_method(name)
         typer.echo(f"{name}: {spec.description}")
-        typer.echo("knobs (method_args.NAME=VALUE):" if spec.args.model_fields else "no knobs")
-        shown = {}  # each default as a config writes it
-        for key, field in spec.args.model_fields.items():
-            default = field.default if field.default_factory is None else field.default_factory()
-            shown[key] = "(required)" if field.is_required() else "null" if default is None \
-                else str(default).lower() if isinstance(default, bool) \
-                else f"{default:.4g}" if isinstance(default, float) else str(default)
-        width = max(map(len, shown.values()), default=0)
-        for key, field in spec.args.model_fields.items():
-            typer.echo(f"  {key:26s} {shown[key]:{width}s}  {field.description or ''}")
+        typer.echo("knobs (method_args.NAME=VALUE):" if spec.args.model_fields else "no knobs of method_args")
+        _echo_knobs(spec.args.model_fields)
+        if spec.calibration:  # CReFF, SFD, the calibration methods: tuned through their calibration's knobs
+            from fedlt.calibration.calibrators import CalibrationArgs
+            from fedlt.calibration.wrapper import reads_knob
+
+            own = {k: f for k, f in CalibrationArgs.model_fields.items() if reads_knob(spec.calibration, k)}
+            typer.echo(f"knobs of its calibration {', '.join(spec.calibration)} (calibration_args.NAME=VALUE):"
+                       if own else f"its calibration {', '.join(spec.calibration)} has no knobs")
+            _echo_knobs(own)
 
     _guard(go)
+
+
+def _echo_knobs(fields: dict) -> None:
+    """A knob table: each pydantic field's name, its default as a config writes it, and its description."""
+    shown = {}
+    for key, field in fields.items():
+        default = field.default if field.default_factory is None else field.default_factory()
+        shown[key] = "(required)" if field.is_required() else "null" if default is None \
+            else str(default).lower() if isinstance(default, bool) \
+            else f"{default:.4g}" if isinstance(default, float) else str(default)
+    width = max(map(len, shown.values()), default=0)
+    for key, field in fields.items():
+        typer.echo(f"  {key:26s} {shown[key]:{width}s}  {field.description or ''}")
 
 
 @app.command("calibrations")
@@ -174,8 +187,7 @@ def calibrations_cmd() -> None:
 
     _guard(go)
     typer.echo("\nknobs (calibration_args.NAME=VALUE):")
-    for key, field in CalibrationArgs.model_fields.items():
-        typer.echo(f"  {key:26s} {field.default!s:8s} {field.description}")
+    _echo_knobs(CalibrationArgs.model_fields)
 
 
 @app.command("datasets")

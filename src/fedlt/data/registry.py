@@ -38,7 +38,8 @@ class DatasetInfo:
     subfolder : conventional folder name under ``$FEDLT_DATA`` (``None``: needs no files)
     image_size : the images' side: fixed, or the default when ``resizable``
     resizable : whether ``load_dataset``'s ``image_size`` chooses the side
-    default_root : folder used when neither ``root`` nor ``$FEDLT_DATA`` is given
+    default_root : folder used when neither ``root`` nor ``$FEDLT_DATA`` is given (``data/SUBFOLDER`` of the
+                   working directory instead when it is missing and that exists: set-up's download)
     hflip : whether a horizontal flip keeps the label (not for digits)
     val_loader : the dataset's own validation split, if it has one (``data.val_from=dataset``)
     long_tailed : the training files are long-tailed already, so a class may not spare
@@ -226,7 +227,8 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
             return default  # FEDLT_DATA holds other datasets (not this one's files); this one is installed system-wide
         return base
     if info.default_root is not None:
-        return info.default_root
+        local = Path("data") / info.subfolder  # where scripts/setup.sh downloads it when apt cannot install it
+        return local if not info.default_root.is_dir() and local.is_dir() else info.default_root
     raise DataError(
         f"{name}: no data folder given and FEDLT_DATA is unset; pass data.root=DIR "
         f"or set FEDLT_DATA=DIR (looked up as DIR/{info.subfolder} first)"
