@@ -406,7 +406,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | No
 KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"},
                              "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"},
                              "fedyoyo": {"view_interpolation": "bilinear", "asd_average": "batch",
-                                         "prior_features": "train"}}
+                                         "prior_features": "train"},
+                             "feddecorr": {"normalization": "paper"}}
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:
