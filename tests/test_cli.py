@@ -196,6 +196,16 @@ def error_cases(data: Path) -> dict[str, Case]:
                                     "sequential, parallel, vectorized", out_dir=False),
         "profile_bad_model": Case(["bench", "profile", *SYN, "--models", "resnet9"], "unknown model 'resnet9'",
                                   out_dir=False),
+        "empty_out": Case(["report", str(data / "not-a-run"), "--out", ""], "option --out was given an empty value",
+                          out_dir=False),
+        "bench_out_is_a_run": Case(["bench", str(data / "suite.yaml"), "--out", str(data / "cut-config"), "--dry-run"],
+                                   f"--out {data / 'cut-config'} is the folder of a run", out_dir=False),
+        "suite_given_to_run": Case(["run", str(data / "suite.yaml")], "is a benchmark suite, not a run config",
+                                   "fedlt bench"),
+        "run_config_given_to_bench": Case(["bench", str(data / "run.yaml"), "--dry-run"],
+                                          "is a run config, not a suite", "fedlt run", out_dir=False),
+        "rounds_beyond_any_run": Case(["run", *SYN, "fl.rounds=1000000000000000000000"], "fl.rounds",
+                                      "less than or equal to 1000000"),
         "profile_parallel": Case(["bench", "profile", *SYN, "--backends", "sequential,parallel"],
                                  "--backends parallel", "worker processes", out_dir=False),
         "paper_rounds_not_a_paper_suite": Case(["bench", "paper-rounds", "demo"], "demo is not a paper suite",
@@ -257,6 +267,8 @@ def make_data_folders(data: Path) -> None:
     (data / "cut-off-run" / "summary.json").write_text('{"method": "fedavg", "fin')
     (data / "cut-config").mkdir()  # a run folder's config.yaml cut short in the middle of loss:
     (data / "cut-config" / "config.yaml").write_text("data:\n  dataset: synthetic\nloss:\n  name")
+    (data / "suite.yaml").write_text("name: tiny\nmethods:\n  - {name: FedAvg, overrides: [method=fedavg]}\n")
+    (data / "run.yaml").write_text("seed: 0\nmethod: fedavg\ndata: {dataset: synthetic}\n")
     for kind, save in MALICIOUS.items():
         (data / kind).mkdir()
         (data / kind / "config.yaml").write_text(yaml.safe_dump(load_config(None, [*SYN, "fl.rounds=2"]).dump()))
@@ -568,13 +580,14 @@ def test_an_output_folder_the_system_will_not_write_is_refused_before_any_work(t
 
 
 def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
-    """Ctrl-C ends with 130 and one line: an in-process run resumes, a Flower run starts again, a
-    bench resumes its unfinished cells."""
+    """Ctrl-C ends with 130 and one line: an in-process run resumes from its folder, one that had not
+    started (or ran on Flower) starts again, a bench resumes its unfinished cells, and any other command
+    (a report) is run again."""
     import typer
     from typer.testing import CliRunner
 
     import fedlt.api
-    from fedlt.cli import _guard, app
+    from fedlt.cli import BENCH_HINT, _guard, app
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -583,16 +596,21 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
     result = CliRunner().invoke(app, ["run", "data.dataset=synthetic", "--quiet"])
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 130 and len(lines) == 1
-    assert "`fedlt run --resume RUN_DIR` resumes an in-process run" in lines[0]
-    assert "an engine=flower run starts again" in lines[0] and "the same `fedlt bench` command runs" in lines[0]
+    assert lines == ["fedlt: interrupted; there is nothing to resume (the run had not started, or ran on Flower); run "
+                     "the same command again"]
     stop = KeyboardInterrupt()
     stop.resume_hint = "`fedlt run --resume runs/x` goes on from its checkpoint of round 2"
     monkeypatch.setattr(fedlt.api, "run", lambda *args, **kwargs: (_ for _ in ()).throw(stop))
     result = CliRunner().invoke(app, ["run", "data.dataset=synthetic", "--quiet"])
     assert result.exit_code == 130 and result.stderr.strip() == f"fedlt: interrupted; {stop.resume_hint}"
     with pytest.raises(typer.Exit):  # a bench's own cells in this process: the bench goes on, not the cell alone
-        _guard(lambda: (_ for _ in ()).throw(stop))
-    assert "the same `fedlt bench` command runs a suite's unfinished cells again" in capsys.readouterr().err
+        _guard(lambda: (_ for _ in ()).throw(stop), hint=BENCH_HINT)
+    assert capsys.readouterr().err == "fedlt: interrupted; the same `fedlt bench` command runs the suite's unfinished " \
+                                      "cells again\n"
+    with pytest.raises(typer.Exit):  # a report, a table, an export: nothing of its own to resume
+        _guard(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert capsys.readouterr().err == "fedlt: interrupted; what it had written may be incomplete; run the same " \
+                                      "command again\n"
 
 
 def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():

@@ -382,6 +382,30 @@ def test_overrides_given_as_one_string_are_refused_with_the_fix() -> None:
         apply_overrides({}, "fl.rounds=2")  # type: ignore[arg-type]
 
 
+def test_overrides_and_configs_of_the_wrong_type_are_one_error_naming_the_types(tmp_path: Path) -> None:
+    """The API's arguments of another type failed deep in pathlib (``expected str ... not int``)."""
+    import fedlt
+
+    with pytest.raises(ConfigError, match=r"^overrides must be key=value strings; 1 is of type int"):
+        load_config(None, ["fl.rounds=2", 1])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"^overrides must be a list of key=value strings, not an object of type int"):
+        load_config(None, 5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^config must be a fedlt Config, a dict or a YAML file's path, not an "
+                                          r"object of type list; key=value strings go in overrides"):
+        fedlt.run(["data.dataset=synthetic"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^run_dir must be a run directory's path \(str or Path\), not an object "
+                                          r"of type NoneType"):
+        fedlt.resume(None)  # type: ignore[arg-type]
+
+
+def test_a_mapping_given_for_a_section_merges_into_it() -> None:
+    """``data={alpha: 0.1}`` replaced the whole section, silently dropping an earlier ``data.num_clients=4``."""
+    cfg = load_config(None, ["data.num_clients=4", "data={alpha: 0.1}", "fl={rounds: 3}"])
+    assert (cfg.data.num_clients, cfg.data.alpha, cfg.fl.rounds) == (4, 0.1, 3)
+    tree = apply_overrides({"method_args": {"mu": 0.5}}, ["method_args={beta: 1}", "seed={a: 1}"])
+    assert tree == {"method_args": {"mu": 0.5, "beta": 1}, "seed": {"a": 1}}  # a plain value is replaced
+
+
 def test_config_file_after_an_override_says_to_give_it_first() -> None:
     with pytest.raises(ConfigError, match=r"'configs/x.yaml' is a config file among the key=value overrides; give it"):
         apply_overrides({}, ["fl.rounds=2", "configs/x.yaml"])

@@ -111,3 +111,5 @@ def test_parallel_backend_choice(tmp_path):
     assert default_workers(cfg) == 2
     cores = len(os.sched_getaffinity(0))
     assert default_workers(config(tmp_path, "run.backend=parallel", "run.workers=null")) == min(cores, 4)
+    # never more processes than clients: no exchange asks more at once (64 workers for 4 clients took 40x as long)
+    assert default_workers(config(tmp_path, "run.backend=parallel", "run.workers=64")) == 6  # data.num_clients

@@ -395,15 +395,19 @@ def test_a_folder_of_runs_names_its_unfinished_ones(tmp_path):
             in markdown.splitlines())
 
 
-def test_a_report_names_metrics_lines_damaged_in_the_middle_but_not_a_torn_last_line(tmp_path):
-    """A kill mid-write tears the last line of metrics.jsonl (resume passes over it); a damaged line
-    before it costs the curves a round, which the report says instead of drawing them silently."""
+def test_a_report_names_damaged_metrics_lines_of_a_finished_run(tmp_path):
+    """A kill mid-write tears the last line of metrics.jsonl, and the resume that finishes the run rewrites
+    the file without it; so in a finished run (its summary is written last) any unreadable line is damage
+    that costs the curves a round, which the report says instead of drawing them silently."""
     run = tmp_path / "runs" / "a"
     run.mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps(run_summary(70.0)))
     rows = [json.dumps({"round": r, "acc": 50.0 + r}) for r in (1, 2, 3)]
-    (run / "metrics.jsonl").write_text("\n".join([*rows, '{"round": 4, "ac']) + "\n")
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     assert "unreadable" not in write_report(tmp_path / "runs", with_plots=False).markdown
+    (run / "metrics.jsonl").write_text("garbage\n")  # a finished run's last line is no tear: its summary came after
+    assert (f"> note: {run / 'metrics.jsonl'}: line(s) 1 unreadable; its curves lack those rounds (its final "
+            "figures come from summary.json)") in write_report(run, with_plots=False).markdown.splitlines()
     (run / "metrics.jsonl").write_text("\n".join([rows[0], rows[1][:9], rows[2]]) + "\n")
     for folder in (tmp_path / "runs", run):  # a folder of runs, and the run itself
         assert (f"> note: {run / 'metrics.jsonl'}: line(s) 2 unreadable; its curves lack those rounds (its final "

@@ -29,6 +29,9 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
         quiet: bool = False) -> RunResult:
     """Run one experiment. ``config`` is a Config, a nested dict, or a YAML path; ``overrides`` are
     ``key=value`` strings applied on top."""
+    if config is not None and not isinstance(config, (Config, dict, str, Path)):
+        raise ConfigError(f"config must be a fedlt Config, a dict or a YAML file's path, not an object of type {type(config).__name__}"
+                          "; key=value strings go in overrides=[...]")
     if isinstance(config, (Config, dict)):
         tree = config.dump() if isinstance(config, Config) else copy.deepcopy(config)
         cfg = build_config(apply_overrides(tree, overrides or []))
@@ -59,6 +62,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
     may change only what a resume may (``run.*``, ``data.root``, ``eval.batch_size``: where the run's
     files and data are, how it is executed). A new ``data.root`` is written into the run's
     ``config.yaml``; the others hold for this resume, and the summary's ``segments`` record them."""
+    if not isinstance(run_dir, (str, Path)):
+        raise ConfigError(f"run_dir must be a run directory's path (str or Path), not an object of type {type(run_dir).__name__}")
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")

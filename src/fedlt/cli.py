@@ -56,9 +56,15 @@ app.add_typer(data_app, name="data")
 REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 
 
-def _guard(fn: Callable[[], None], run_hint: bool = False) -> None:
+#: what an interrupted command says where it has nothing of its own to resume from
+RERUN_HINT = "what it had written may be incomplete; run the same command again"
+BENCH_HINT = "the same `fedlt bench` command runs the suite's unfinished cells again"
+
+
+def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HINT) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback. An interrupt
-    names how the work goes on; with ``run_hint`` (one run's command) from the run's own folder."""
+    names how the work goes on: ``hint``, or with ``run_hint`` (one run's command) from the run's own
+    folder (none yet: the run had not started)."""
     try:
         with terminate_as_interrupt():
             fn()
@@ -67,9 +73,9 @@ def _guard(fn: Callable[[], None], run_hint: bool = False) -> None:
         raise typer.Exit(2)
     except KeyboardInterrupt as stop:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
-        hint = run_hint and getattr(stop, "resume_hint", None) or (  # a bench's runs are its cells: run it again
-            "`fedlt run --resume RUN_DIR` resumes an in-process run from its last checkpoint (an engine=flower run "
-            "starts again), and the same `fedlt bench` command runs a suite's unfinished cells again")
+        if run_hint:
+            hint = getattr(stop, "resume_hint", None) or ("there is nothing to resume (the run had not started, or "
+                                                          "ran on Flower); run the same command again")
         typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
         raise typer.Exit(143 if by else 130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
@@ -508,7 +514,7 @@ def bench_run_cmd(
         if result.failed or result.diverged_before:  # the same exit code for the same folder, whichever call
             raise typer.Exit(1)
 
-    _guard(go)
+    _guard(go, hint=BENCH_HINT)
 
 
 @bench_app.command("list")
@@ -613,11 +619,23 @@ def _click_exceptions():
     return exceptions
 
 
+#: the options that take a path, which the command line would read "" as the working directory
+PATH_OPTIONS = ("--out", "--resume", "--data-root", "--server-test", "--workdir", "--node-data")
+
+
 def main() -> None:
     """Usage errors (unknown option, missing argument, bad option value) are user input too: one
     line, exit code 2, like every other error; running with no arguments prints the help."""
     click = _click_exceptions()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    args = sys.argv[1:]
+    empty = next((flag.split("=")[0] for flag, value in zip(args, [*args[1:], None])
+                  if flag.split("=")[0] in PATH_OPTIONS and (flag.endswith("=") or (flag in PATH_OPTIONS and value == ""))),
+                 None)
+    if empty is not None:  # a path option given "" would mean the working directory
+        typer.echo(f"fedlt: error: option {empty} was given an empty value; give it one (e.g. a folder's path)",
+                   err=True)
+        sys.exit(2)
     try:
         code = app(standalone_mode=False, prog_name="fedlt")
     except click.NoArgsIsHelpError as help_request:

@@ -281,7 +281,7 @@ class ModelConfig(_Section):
 class FLConfig(_Section):
     """Federation and local optimisation."""
 
-    rounds: int = Field(50, ge=1, description="communication rounds (R)")
+    rounds: int = Field(50, ge=1, le=1_000_000, description="communication rounds (R)")
     participation: UnitFraction = Field(0.4, description="fraction of clients sampled each round, in (0, 1]")
     local_epochs: int = Field(2, ge=1, description="passes over the local data per round")
     batch_size: int = Field(32, ge=1, description="local mini-batch size")
@@ -498,7 +498,16 @@ def override_list(overrides: list[str] | None) -> list[str]:
     if isinstance(overrides, (str, bytes)):
         raise ConfigError(f"overrides must be a list of key=value strings, not the string {overrides!r}; "
                           f"write overrides=[{overrides!r}]")
-    return list(overrides)
+    try:
+        items = list(overrides)
+    except TypeError:
+        raise ConfigError(f"overrides must be a list of key=value strings, not an object of type {type(overrides).__name__}; "
+                          "write e.g. overrides=['fl.rounds=2']") from None
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"overrides must be key=value strings; {item!r} is of type {type(item).__name__}: write it "
+                              "as a string, e.g. 'fl.rounds=2'")
+    return items
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -525,8 +534,18 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                                       f"earlier override), but {prefix} is a section of keys; put its keys under it")
                 raise ConfigError(f"override '{key}': {prefix} is a value, not a section of keys; write {prefix}=VALUE")
             node = child
-        node[parts[-1]] = _parse_scalar(value)
+        _set_merged(node, parts[-1], _parse_scalar(value))
     return tree
+
+
+def _set_merged(node: dict[str, Any], key: str, value: Any) -> None:
+    """``node[key] = value``, except that a mapping given for a section merges into it, as its dotted keys
+    would: ``data={alpha: 0.1}`` after ``data.num_clients=4`` keeps the 4."""
+    if isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _set_merged(node[key], k, v)
+    else:
+        node[key] = value
 
 
 def _key_of(loc: tuple) -> str:
@@ -654,6 +673,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
         tree = read_yaml_mapping(p)
+        if "methods" in tree and "name" in tree:  # a suite's keys, which no run config has
+            raise ConfigError(f"{p} is a benchmark suite, not a run config; run it with fedlt bench {p}")
     if path is None:
         return build_config(apply_overrides(tree, overrides or []))
     try:

@@ -38,6 +38,7 @@ from fedlt.bench.workers import run_in_workers
 from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
+from fedlt.results import CONFIG_FILE
 
 if TYPE_CHECKING:
     from fedlt.config import Config
@@ -270,9 +271,16 @@ def _describe(err: ValidationError) -> str:
     return f"{where}: {message}" if first["loc"] else message  # a check across keys names its keys itself
 
 
+#: top-level keys of a run config that no suite has: a run config given to fedlt bench
+RUN_CONFIG_KEYS = frozenset({"seed", "method", "data", "fl", "model", "loss", "eval", "run", "method_args"})
+
+
 def parse_suite(tree: Any, source: str) -> SuiteSpec:
     if not isinstance(tree, dict):
         raise ConfigError(f"suite {source} must be a mapping with name, seeds, settings and methods")
+    if "methods" not in tree and set(tree) & RUN_CONFIG_KEYS:
+        raise ConfigError(f"{source} is a run config, not a suite (a suite has name, settings and methods); run it "
+                          "with fedlt run, or name it as a suite's base: config")
     try:
         return SuiteSpec.model_validate(tree)
     except ValidationError as err:
@@ -555,7 +563,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
     """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error (a
     run of another config, or of other resolved method arguments where its summary records them)."""
     from fedlt.engine.checkpoint import CHECKPOINT_FILE
-    from fedlt.results import CONFIG_FILE, SUMMARY_FILE, read_summary
+    from fedlt.results import SUMMARY_FILE, read_summary
 
     saved_path = cell.run_dir / CONFIG_FILE
     if not saved_path.is_file():
@@ -768,6 +776,9 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     unless ``mixed_code``, a row whose finished cells ran other code than this process."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more")
+    if (out / CONFIG_FILE).is_file() and not (out / SUITE_FILE).is_file():
+        raise ConfigError(f"--out {out} is the folder of a run (it holds {CONFIG_FILE}), not of a bench; give the "
+                          "bench a new folder, or the one an earlier call of the suite wrote")
     bad = [o for o in overrides or [] if "=" not in o]
     if bad:
         raise ConfigError(f"'{bad[0]}' is not key=value; after the suite give overrides like data.root=/data")

@@ -51,8 +51,11 @@ def cpu_cores() -> int:
 
 
 def default_workers(cfg: Config) -> int:
-    """``run.workers``, else one per CPU core, never more than a round samples."""
-    return max(1, cfg.run.workers or min(cpu_cores(), cfg.clients_per_round()))
+    """``run.workers`` (never more than there are clients: no exchange asks more at once), else one per
+    CPU core, never more than a round samples."""
+    if cfg.run.workers:
+        return min(cfg.run.workers, cfg.data.num_clients)
+    return max(1, min(cpu_cores(), cfg.clients_per_round()))
 
 
 class ClientPool:

@@ -55,7 +55,9 @@ def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) 
         return args_cls.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
+        # the knob and any list index, without the union member tags pydantic adds (gamma.float)
+        loc = first["loc"]
+        key = ".".join(str(p) for i, p in enumerate(loc) if i == 0 or isinstance(p, int))
         if first["type"] == "extra_forbidden":
             valid = ", ".join(args_cls.model_fields) or "none"
             raise ConfigError(f"{owner} has no knob {section}.{key}; its knobs: {valid}") from None

@@ -93,7 +93,7 @@ def plot_curves(setting: Setting, path: Path) -> Path | None:
         ax.set(xlabel="communication round" + (" (centralized: epoch)" if epochs else ""), ylabel="test accuracy (%)", title=f"GM accuracy, {what}")
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # rounds are whole numbers
         ax.grid(alpha=0.3)
-    axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
+    _legend(axes[1], loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
     band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
     fig.suptitle(f"{setting.name}: accuracy vs round ({band}; post-hoc heads appear at the last round only)",
                  fontsize=10)
@@ -134,7 +134,7 @@ def plot_diagnostics(setting: Setting, path: Path, max_keys: int = 4) -> Path | 
         ax.set(xlabel="communication round", ylabel=key, title=key)
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
+    _legend(axes[0][-1], loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title="method")
     seeds = max(len(r.runs) for r in rows)
     band = f"mean ± std over {seeds} seeds" if seeds > 1 else "1 seed"
     fig.suptitle(f"{setting.name}: the methods' own diagnostics vs round ({band})", fontsize=10)
@@ -176,7 +176,7 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
            title=f"{setting.name}: GM accuracy by shot group "
                  + (f"(mean over {seeds} seeds; error bars: 95% interval of the mean)" if seeds > 1 else "(1 seed)"))
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method / head")
+    _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method / head")
     return _save(fig, path)
 
 
@@ -263,8 +263,14 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
            ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size "
                  + (f"(mean over {seeds} seeds by size rank)" if seeds > 1 else "(1 seed)"))
     ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
+    _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
     return _save(fig, path)
+
+
+def _legend(ax, **options) -> None:
+    """The legend of ``ax``, where it has a labelled line (runs whose metrics hold no rows draw none)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**options)
 
 
 def synthetic_sets(artifacts: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -312,6 +318,6 @@ def plot_features(artifacts: dict[str, Any], path: Path, title: str, class_names
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("PC 2 of real features")
     if num_classes <= 20:
-        axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, title="class", markerscale=2)
+        _legend(axes[0][-1], loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, title="class", markerscale=2)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
