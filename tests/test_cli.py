@@ -139,7 +139,7 @@ def error_cases(data: Path) -> dict[str, Case]:
         "unknown_method_knob": Case(["run", "method=fedprox", "method_args.foo=1", *SYN], "method_args.foo",
                                     "knobs: mu"),
         "impossible_min_client_size": Case(["run", "data.min_client_size=100000", *SYN],
-                                           "data.min_client_size=100000", "use data.min_client_size <="),
+                                           "data.min_client_size=100000", "use a data.min_client_size well below"),
         "few_above_many_threshold": Case(["run", "eval.many_threshold=100", *SYN], "eval.few_threshold=200",
                                          "eval.many_threshold=100", "set eval.few_threshold <="),
         "vectorized_unsupported_method": Case(["run", "method=feddecorr", "run.backend=vectorized", *SYN],

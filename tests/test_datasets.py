@@ -919,6 +919,13 @@ def test_cifar_labels_must_be_integers_and_numpy_pickles_load(tmp_path: Path) ->
     assert np.array_equal(pair.train.images[2:4].reshape(2, -1).numpy(), x)
 
 
+def test_an_empty_cifar_folder_is_named_as_empty_not_as_missing_inside_itself(tmp_path: Path) -> None:
+    (tmp_path / "cifar-10-batches-py").mkdir()  # data.root=DIR narrows to DIR/cifar-10-batches-py
+    message = error_of("cifar10", tmp_path)
+    assert message.startswith(f"cifar10: {tmp_path / 'cifar-10-batches-py'} holds none of data_batch_1") and \
+        "no cifar-10-batches-py/ in" not in message
+
+
 def test_cifar_binary_errors_name_the_file_at_fault(tmp_path: Path) -> None:
     folder = tmp_path / "cifar-10-batches-bin"
     folder.mkdir()

@@ -187,10 +187,11 @@ def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: n
         smallest = int(split.class_counts().min())  # largest N named is one that fits both rules
         most = smallest - max(math.ceil(cfg.imbalance_factor), 1)
         if n > most:
-            raise DataError(
-                f"data.val_per_class={n} held out of {cfg.dataset}'s training source leaves {smallest - n} images in "
-                f"its smallest class, too few for data.imbalance_factor={cfg.imbalance_factor:g} (the tail would get "
-                f"none); use data.val_per_class <= {max(most, 0)} or data.val_from=test")
+            problem = (f"leaves {smallest - n} images in its smallest class, too few for data.imbalance_factor="
+                       f"{cfg.imbalance_factor:g} (the tail would get none)") if n <= smallest else \
+                f"is more than its smallest class holds ({smallest} images)"
+            raise DataError(f"data.val_per_class={n} held out of {cfg.dataset}'s training source {problem}; use "
+                            f"data.val_per_class <= {max(most, 0)} or data.val_from=test")
     rows = balanced_indices(split.labels.numpy(), n, classes, rng, keep_one=True,
                             where=f"the {source} split of {cfg.dataset}", fix=f" or data.val_from={other}")
     rest = split.subset(torch.as_tensor(complement(len(split), rows)))

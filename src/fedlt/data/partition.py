@@ -262,7 +262,8 @@ def _check_min_size(kind: str, min_size: int, num_clients: int, num_samples: int
         raise DataError(
             f"{kind} partition: data.min_client_size={min_size} is impossible for {num_clients} clients "
             f"and {num_samples} samples ({num_clients} x {min_size} > {num_samples}); "
-            f"use data.min_client_size <= {num_samples // num_clients} or fewer clients"
+            f"use a data.min_client_size well below {num_samples // num_clients} (what an even split would give "
+            "each client; a random split rarely comes near it) or fewer clients"
         )
 
 

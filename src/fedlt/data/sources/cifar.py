@@ -128,6 +128,9 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
         return _load_binary(layout, binary)
     folder = root if (root / layout.meta).is_file() else root / layout.folder
     names = [*layout.train, layout.test, layout.meta]
+    if not folder.is_dir() and root.name == layout.folder:  # data.root narrowed to the dataset's own, empty, folder
+        raise DataError(f"{layout.dataset}: {root} holds none of {', '.join(names)}; "
+                        f"{unextracted([root.parent], [layout.archive]) or _fix(layout)}")
     if not folder.is_dir():
         raise DataError(
             f"{layout.dataset}: no {layout.folder}/ in {root} and no {layout.meta} in it either "
