@@ -331,6 +331,10 @@ def test_a_cell_run_under_other_resolved_method_arguments_is_not_reused(tiny_sui
             f"cell 'IF=10, alpha=0.5 / FedProx / seed 0': {summary.parent} holds a run of another config "
             "(method_args.mu: 0.5 -> 0.01); delete that folder or pass --out to a fresh one")):
         run_suite(load_suite(path), mine, dry_run=True, echo=lambda line: None)
+    # an override that changes every cell: one error counting them all, not one folder per call
+    with pytest.raises(ConfigError, match=r"seed \d+': \S+ holds a run of another config \(fl\.lr: [\d.]+ -> 0\.0123\), "
+                                          r"and so do \d+ more cells' folders \(.*\); delete them, or pass --out"):
+        run_suite(load_suite(path), mine, dry_run=True, overrides=["fl.lr=0.0123"], echo=lambda line: None)
     # a row that now spells out the default the run resolved keeps it (its config file set no knob)
     summary.write_text(json.dumps(tree))
     spelled = {**TINY_SUITE, "methods": [TINY_SUITE["methods"][0], {"name": "FedProx", "overrides": [

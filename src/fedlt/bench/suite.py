@@ -510,6 +510,7 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     selected = {m.name for m in suite.spec.methods if m.grid or m.select_with}  # rows whose cells are chosen among
     personal = {m.name for m in suite.spec.methods if m.select_personal}  # rows whose personal reading is chosen
     rows = {m.name: m for m in suite.spec.methods}
+    others: list[OtherConfig] = []
     for cell in cells:
         try:
             cfg = load_config(suite.base, cell.overrides)
@@ -523,11 +524,16 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
             raise ConfigError(f"suite {suite.spec.name}, row '{cell.row}': {what}, but its cells have no validation "
                               "set; add data.val_per_class=N (e.g. 500) to the suite's overrides")
         cell.threads = cfg.run.threads
-        validate_cell_folder(cell, cfg)
+        try:
+            validate_cell_folder(cell, cfg)
+        except OtherConfig as other:
+            others.append(other)
+            continue
         if cell.state != "done":  # a partition can be impossible for one seed only (a retried Dirichlet draw)
             data = cfg.data.model_copy(update={"seed": federation_seed(cfg.data, cfg.seed)})  # data.seed=S is seed S
             key = json.dumps(data.model_dump(mode="json"), sort_keys=True)
             federations.setdefault(key, (cfg, cell.label))
+    refuse_other_configs(others)
     loaded: dict = {}  # each dataset read once: the federations go dataset by dataset
     by_dataset = sorted(federations.values(), key=lambda item: json.dumps(
         [item[0].data.dataset, item[0].data.root, item[0].data.image_size]))
@@ -546,6 +552,7 @@ def check_kept_cells(suite: Suite, out: Path, cells: list[Cell], overrides: list
     from fedlt.config import load_config
 
     given = {c.run_dir for c in cells}
+    others: list[OtherConfig] = []
     seeds = set(suite.spec.seeds)
     for folder in out.glob("*/*/seed*"):
         if re.fullmatch(r"seed\d+", folder.name) and folder.is_dir():
@@ -556,7 +563,33 @@ def check_kept_cells(suite: Suite, out: Path, cells: list[Cell], overrides: list
                 cfg = load_config(suite.base, cell.overrides)
             except FedltError as err:
                 raise ConfigError(f"suite {suite.spec.name}, cell '{cell.label}': {err}") from None
-            validate_cell_folder(cell, cfg)
+            try:
+                validate_cell_folder(cell, cfg)
+            except OtherConfig as other:
+                others.append(other)
+    refuse_other_configs(others)
+
+
+class OtherConfig(ConfigError):
+    """A cell's folder holds a run of another config."""
+
+    def __init__(self, cell: Cell, diff: str):
+        super().__init__(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); delete that "
+                         "folder or pass --out to a fresh one")
+        self.cell, self.diff = cell, diff
+
+
+def refuse_other_configs(found: list[OtherConfig]) -> None:
+    """One error for every cell folder that holds a run of another config (a changed override changes every
+    cell of a row, and naming them one per call made the user delete them one per call)."""
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        first, others = found[0], [f.cell.run_dir for f in found[1:]]
+        listed = ", ".join(map(str, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(f"cell '{first.cell.label}': {first.cell.run_dir} holds a run of another config "
+                          f"({first.diff}), and so do {len(others)} more cells' folders ({listed}); delete them, or "
+                          "pass --out to a fresh folder")
 
 
 def validate_cell_folder(cell: Cell, cfg: Config) -> None:
@@ -594,8 +627,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         raw = saved.get("calibration_args")
         diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)
     if diff is not None:
-        raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds a run of another config ({diff}); "
-                          "delete that folder or pass --out to a fresh one")
+        raise OtherConfig(cell, diff)
     if summary:
         cell.state, cell.diverged = "done", summary.get("status") == "diverged"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
