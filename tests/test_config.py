@@ -477,6 +477,10 @@ def test_knobs_that_would_be_ignored_are_refused_naming_what_they_need() -> None
     assert "fl.lr_decay sets the step schedule's decay, but fl.lr_schedule=cosine" in config_error(
         overrides=["fl.lr_schedule=cosine", "fl.lr_decay=0.5"])
     assert load_config(None, ["fl.lr_schedule=step", "fl.lr_decay_at=[0.5]"]).fl.lr_decay_at == [0.5]
+    assert config_error(overrides=["eval.shot_rule=cumulative", "eval.few_threshold=10"]) == (
+        "invalid config value eval: eval.few_threshold sets the count rule's shot groups, but eval.shot_rule="
+        "cumulative groups by cumulative shares; drop eval.few_threshold or use eval.shot_rule=count")
+    assert load_config(None, ["eval.many_threshold=100"]).eval.many_threshold == 100
     for overrides, fragment in [
         (["loss.name=focal", "loss.tau=3"], "loss.tau=3.0 scales logit adjustment's log-prior (loss.name=la), and "
                                             "loss.name=focal has no tau; drop loss.tau or use loss.name=la"),

@@ -70,6 +70,9 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
     overrides = override_list(overrides)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
+        if key in ("run.name", "run.out_dir"):
+            raise ConfigError(f"{key}: a resumed run stays in its folder {run_dir}; copy that folder to go on "
+                              "elsewhere, and resume the copy")
         if not key.startswith(RESUME_MAY_CHANGE):
             raise ConfigError(f"{key}: a resumed run goes on with its saved config; only run.*, data.root and "
                               "eval.batch_size may change (where its files and data are, how it runs)")

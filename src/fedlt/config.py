@@ -340,6 +340,14 @@ class EvalConfig(_Section):
     few_threshold: int | None = Field(None, ge=0, description="few-shot: < this many training samples (default by #classes)")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
     batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory; results change at most by float rounding)")
+
+    @model_validator(mode="after")
+    def _thresholds_are_the_count_rules(self) -> "EvalConfig":
+        given = [k for k in ("many_threshold", "few_threshold") if getattr(self, k) is not None]
+        if given and self.shot_rule != "count":
+            raise ValueError(f"eval.{given[0]} sets the count rule's shot groups, but eval.shot_rule={self.shot_rule} "
+                             f"groups by cumulative shares; drop eval.{given[0]} or use eval.shot_rule=count")
+        return self
     test_data: str | None = Field(
         None, description="flower.node_data: the server's balanced test set, an image-folder tree (test/<class>/...); "
         "without it the nodes evaluate on their own test splits (federated evaluation)")
