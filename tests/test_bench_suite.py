@@ -871,7 +871,8 @@ def test_a_call_for_some_rows_or_seeds_refuses_a_folder_whose_other_runs_are_of_
     edited = load_suite(write_suite(tmp_path / "edited.yaml", {**TINY_SUITE, "methods": rows}))
     for call in ({"rows": ["FedAvg + CCVR"]}, {"seeds": [2]}):
         with pytest.raises(ConfigError, match=r"cell 'IF=10, alpha=0.5 / FedProx / seed 0': .* holds a run of another "
-                                              r"config \(fl.lr: 0.05 -> 0.02\); delete that folder"):
+                                              r"config \(fl.lr: 0.05 -> 0.02\), and so does 1 more cell's folder "
+                                              r"\(\S+seed1\); delete them"):
             run_suite(edited, out, dry_run=True, echo=lambda line: None, **call)
     kept = load_suite(write_suite(tmp_path / "kept.yaml", TINY_SUITE))  # unedited: the same calls pass
     assert [c.state for c in run_suite(kept, out, dry_run=True, seeds=[2], echo=lambda line: None).cells] == ["new"] * 2

@@ -445,7 +445,7 @@ def _non_default_config() -> Config:
         "seed=3", "method=fedprox", "method_args.mu=0.05", "data.dataset=synthetic", "data.alpha=0.1",
         "data.imbalance_factor=50", "data.num_clients=7", "data.root=/some/where", "fl.rounds=4",
         "fl.participation=0.5", "fl.lr_schedule=step", "fl.lr_decay_at=[0.25, 0.9]", "fl.grad_clip=5",
-        "loss.name=la", "loss.prior=global", "eval.shot_rule=cumulative", "eval.many_threshold=30",
+        "loss.name=la", "loss.prior=global", "eval.many_threshold=30",
         "run.name=exp1", "run.compile=true", "secagg.enabled=true", "secagg.neighbours=5",
     ])
 

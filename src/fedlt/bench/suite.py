@@ -278,7 +278,7 @@ RUN_CONFIG_KEYS = frozenset({"seed", "method", "data", "fl", "model", "loss", "e
 def parse_suite(tree: Any, source: str) -> SuiteSpec:
     if not isinstance(tree, dict):
         raise ConfigError(f"suite {source} must be a mapping with name, seeds, settings and methods")
-    if "methods" not in tree and set(tree) & RUN_CONFIG_KEYS:
+    if "methods" not in tree and "name" not in tree and set(tree) & RUN_CONFIG_KEYS:
         raise ConfigError(f"{source} is a run config, not a suite (a suite has name, settings and methods); run it "
                           "with fedlt run, or name it as a suite's base: config")
     try:
@@ -587,8 +587,9 @@ def refuse_other_configs(found: list[OtherConfig]) -> None:
     if found:
         first, others = found[0], [f.cell.run_dir for f in found[1:]]
         listed = ", ".join(map(str, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        more = "does 1 more cell's folder" if len(others) == 1 else f"do {len(others)} more cells' folders"
         raise ConfigError(f"cell '{first.cell.label}': {first.cell.run_dir} holds a run of another config "
-                          f"({first.diff}), and so do {len(others)} more cells' folders ({listed}); delete them, or "
+                          f"({first.diff}), and so {more} ({listed}); delete them, or "
                           "pass --out to a fresh folder")
 
 
