@@ -945,3 +945,25 @@ def test_a_bench_that_ignores_sigint_keeps_its_cells_running_through_one_and_sti
     assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the workers stopped on the bench's request
     wait_until_group_ends(bench.pid)
     assert not cells[2].exists() and not (out / "failed.json").exists()
+
+
+def test_new_cells_train_with_the_thread_count_of_the_folders_finished_cells(tmp_path):
+    """A thread count changes the floats and rows are paired by seed, so a bench called again with other
+    --workers (or one cell resumed in the bench's process) must not give its new cells another count."""
+    suite = {**TINY_SUITE, "overrides": [o for o in TINY_SUITE["overrides"] if not o.startswith("run.threads")]
+             + ["fl.rounds=1"], "seeds": [0], "methods": [{"name": "FedProx", "overrides": ["method=fedprox"]}]}
+    path, out = write_suite(tmp_path / "threads.yaml", suite), tmp_path / "out"
+    before = torch.get_num_threads()
+    try:
+        run_suite(load_suite(path), out, echo=lambda line: None)
+        first = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 0) / "summary.json"
+        tree = json.loads(first.read_text())
+        tree["environment"]["threads"] = 3  # as if the earlier call ran its cells with 3 threads each
+        first.write_text(json.dumps(tree))
+        lines: list[str] = []
+        run_suite(load_suite(path), out, seeds=[0, 1], echo=lines.append)
+        assert "[bench tiny] cells run with 3 thread(s) each, as the folder's finished cells did" in "\n".join(lines)
+        second = json.loads((cell_dir(out, "IF=10, alpha=0.5", "FedProx", 1) / "summary.json").read_text())
+        assert second["environment"]["threads"] == 3
+    finally:
+        torch.set_num_threads(before)

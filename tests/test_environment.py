@@ -41,6 +41,23 @@ def test_a_run_summary_records_its_environment(tmp_path):
     assert torch.get_num_threads() == 1
 
 
+def test_a_run_without_run_threads_does_not_inherit_an_earlier_runs_threads(tmp_path, monkeypatch):
+    """A bench's cells run one after another in one process: a cell with run.threads=1 left torch on one
+    thread for the next cell without run.threads, whose floats then depended on the order cells ran in."""
+    from fedlt import run_parts
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(run_parts, "_PROCESS_THREADS", 2)  # this process's own choice, before any run
+    try:
+        fedlt.run(None, overrides=[*TINY, f"run.out_dir={tmp_path}"], quiet=True)
+        assert torch.get_num_threads() == 1
+        rest = [o for o in TINY if not o.startswith("run.threads")]
+        res = fedlt.run(None, overrides=[*rest, f"run.out_dir={tmp_path}"], quiet=True)
+        assert res.summary["environment"]["threads"] == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_bench_log_record_carries_the_environment_of_its_cell(tmp_path):
     from fedlt.bench.suite import load_suite, run_suite
 

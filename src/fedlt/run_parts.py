@@ -321,11 +321,23 @@ def setup_parts(cfg: Config) -> tuple[MethodSpec, FederatedData, torch.device]:
     return spec, build_federated_data(cfg.data, cfg.seed, device), device
 
 
+#: torch's thread count in this process before the first run set one (the threads of run.threads=null)
+_PROCESS_THREADS: int | None = None
+
+
+def process_threads() -> int:
+    """The threads of a run without run.threads: torch's choice for this process, before any run set one."""
+    global _PROCESS_THREADS
+    if _PROCESS_THREADS is None:
+        _PROCESS_THREADS = torch.get_num_threads()
+    return _PROCESS_THREADS
+
+
 def setup_runtime(cfg: Config) -> tuple[MethodSpec, torch.device]:
     """The checked method and the device, with torch's settings applied (no data read)."""
     spec = check_config(cfg)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    # every run sets it: a run without run.threads must not inherit an earlier run's in this process
+    torch.set_num_threads(cfg.run.threads or process_threads())
     device = resolve_device(cfg.run.device)
     if cfg.run.deterministic:
         torch.backends.cudnn.deterministic = True

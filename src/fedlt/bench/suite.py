@@ -831,10 +831,18 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
             echo(f"{c.state:7s} {c.label:60s} {c.run_dir}")
         echo(f"{len(cells)} cells: {len(result.skipped)} finished, {len(todo)} to run")
         return result
+    from fedlt.run_parts import process_threads
+
     write_suite_file(suite, out, seeds)
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
-    base = str(suite.base) if suite.base else None
     name = suite.spec.name
+    kept = kept_threads(result.skipped)
+    if kept is not None and any(not c.threads for c in todo):
+        if kept != (threads or process_threads()):
+            echo(f"[bench {name}] cells run with {kept} thread(s) each, as the folder's finished cells did (a thread "
+                 "count changes the floats, and rows are paired by seed)")
+        threads = kept
+    base = str(suite.base) if suite.base else None
     echo(f"[bench {name}] {len(cells)} cells, {len(result.skipped)} already finished, {len(todo)} to run"
          f" with {workers} worker(s) -> {out}")
     t0 = time.perf_counter()
@@ -875,6 +883,22 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     for cell, error in [*result.failed, *((c, "diverged (kept from an earlier call)") for c in kept)]:
         echo(f"[bench {name}] failed: {cell.label}: {error}")
     return result
+
+
+def kept_threads(finished: list[Cell]) -> int | None:
+    """The one thread count the finished cells without their own ``run.threads`` trained with (the last
+    process of a resumed one), or None when they record none or several."""
+    from fedlt.results import read_summary
+
+    counts = set()
+    for cell in finished:
+        if cell.threads:
+            continue
+        summary = read_summary(cell.run_dir)
+        env = summary.get("environment") if isinstance(summary.get("environment"), dict) else {}
+        if isinstance(env.get("threads"), int):
+            counts.add(env["threads"])
+    return counts.pop() if len(counts) == 1 else None
 
 
 def load_failures(out: Path, pending: set[str] = frozenset()) -> dict[str, Any]:
