@@ -719,9 +719,11 @@ def test_an_interrupted_run_names_its_folder_and_whether_it_can_resume(tmp_path,
         f"{tmp_path / 'early'} stopped before its first checkpoint (run.checkpoint_every=2), so there is nothing to "
         "resume; start the run again")
     monkeypatch.setattr(fedlt.results, "plot_curves", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as late:
         fedlt.resume(run_dir, quiet=True)
     assert not (run_dir / "summary.json").exists()  # not finished: resumed again, it writes all three
+    # after the last round's checkpoint: the line names it, not a placeholder folder
+    assert late.value.resume_hint == f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round 4"
     monkeypatch.undo()
     assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 4
     assert {"summary.json", "report.md", "curves.png"} <= {p.name for p in run_dir.iterdir()}

@@ -549,19 +549,28 @@ class Simulation:
                     checkpointed = rnd
                 progress.update(rnd, row if evaluated else None)
         except KeyboardInterrupt as stop:
-            every, folder = cfg.run.checkpoint_every, shlex.quote(str(run_dir))
-            stop.resume_hint = (
-                f"{run_dir} is an engine=flower run, which cannot resume; start it again" if self.engine != "inprocess"
-                else f"`fedlt run --resume {folder}` goes on from its checkpoint of round {checkpointed}"
-                if checkpointed else f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={every}), "
-                                     "so there is nothing to resume; start the run again")
+            stop.resume_hint = self._resume_hint(run_dir, checkpointed)
             raise
         finally:
             progress.close()
             tracker.close()
             self.close()
-        summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
+        try:  # the summary, report and plot, after the last checkpoint
+            summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
+        except KeyboardInterrupt as stop:
+            stop.resume_hint = self._resume_hint(run_dir, checkpointed)
+            raise
         return RunResult(run_dir, summary, rows)
+
+    def _resume_hint(self, run_dir: Path, checkpointed: int) -> str:
+        """How a run interrupted after its checkpoint of round ``checkpointed`` (0: none yet) goes on."""
+        every, folder = self.cfg.run.checkpoint_every, shlex.quote(str(run_dir))
+        if self.engine != "inprocess":
+            return f"{run_dir} is an engine=flower run, which cannot resume; start it again"
+        if checkpointed:
+            return f"`fedlt run --resume {folder}` goes on from its checkpoint of round {checkpointed}"
+        return (f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={every}), so there is nothing "
+                "to resume; start the run again")
 
     def _check_server_state(self) -> None:
         if (bad := unsafe_entry(self.server.state_dict(), "state_dict()")) is not None:
