@@ -289,7 +289,7 @@ def test_a_row_whose_cells_ran_other_code_takes_no_new_cells_unless_mixed_code(t
                        ({**tree["environment"], "source_hash": None, "git_commit": "abc1234+dirty"}, "abc1234+dirty")):
         summary.write_text(json.dumps({**tree, "environment": env}))
         with pytest.raises(ConfigError, match=re.escape(
-                f"row 'FedProx' ({setting}) in {mine} holds finished cells of other or unidentifiable code "
+                f"row 'FedProx' ({setting}) in {mine} holds finished or started cells of other or unidentifiable code "
                 f"({source_hash()}: seed 0; {shown}: seed 1; this process: {source_hash()}), and a row's seeds are "
                 "one method; re-run the row at one commit into a fresh --out (or delete its cells there), or pass "
                 "--mixed-code")):
@@ -301,6 +301,17 @@ def test_a_row_whose_cells_ran_other_code_takes_no_new_cells_unless_mixed_code(t
     dry = CliRunner().invoke(app, ["bench", str(path), "--out", str(mine), "--seeds", "0,1,5", "--dry-run",
                                    "--mixed-code"])
     assert dry.exit_code == 0 and "6 cells: 4 finished, 2 to run" in dry.stdout and not dry.stderr
+    # a started cell's rounds are one method too: resuming it under other code than trained its first ones is refused
+    from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    summary.write_text(json.dumps(tree))
+    started = cell_dir(mine, setting, "FedProx", 0)
+    state = load_checkpoint(started)
+    state["segments"][0]["environment"]["source_hash"] = "fedcba9876543210"
+    save_checkpoint(started, state)
+    (started / "summary.json").unlink()
+    with pytest.raises(ConfigError, match=re.escape(f"fedcba9876543210: seed 0; this process: {source_hash()})")):
+        run_suite(load_suite(path), mine, dry_run=True, rows=["FedProx"], echo=lambda line: None)
 
 
 def test_a_cell_whose_checkpoint_is_cut_off_is_refused_before_anything_trains(tiny_suite, tmp_path):

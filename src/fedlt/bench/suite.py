@@ -759,17 +759,23 @@ def check_same_machine(suite: Suite, out: Path, todo: list[Cell]) -> None:
 def check_same_code(suite: Suite, out: Path, todo: list[Cell]) -> None:
     """Refuse to add cells to a row whose finished cells ran other fedlt source than this process, or
     than each other (:func:`fedlt.environment.same_code`): a row's seeds are averaged and paired as one
-    method, and a code change between seeds makes them two."""
+    method, and a code change between seeds makes them two. A cell to resume counts with the code that
+    trained its first rounds (its checkpoint's record): its rounds too are one method."""
+    from fedlt.config import load_config
+    from fedlt.engine.checkpoint import load_checkpoint
+    from fedlt.run_parts import outside_code
+
     rows = {(c.setting, c.method) for c in todo}
     finished: dict[tuple[str, str], list[tuple[Cell, dict[str, Any]]]] = {}
     for cell, env in finished_environments(suite, out):
         if (cell.setting, cell.method) in rows:
             finished.setdefault((cell.setting, cell.method), []).append((cell, env))
+    for cell in (c for c in todo if c.state == "resume"):
+        segments = load_checkpoint(cell.run_dir, mmap=True).get("segments") or []
+        for env in (s.get("environment") for s in segments if isinstance(s, dict)):
+            finished.setdefault((cell.setting, cell.method), []).append((cell, env if isinstance(env, dict) else {}))
     if not finished:
         return
-    from fedlt.config import load_config
-    from fedlt.run_parts import outside_code
-
     rows_cell = {(c.setting, c.method): c for c in todo}
     for (setting, method), cells in finished.items():
         row_cfg = load_config(suite.base, rows_cell[setting, method].overrides)
@@ -781,7 +787,8 @@ def check_same_code(suite: Suite, out: Path, todo: list[Cell]) -> None:
         for cell, env in cells:
             seeds.setdefault(code_version(env) or "not recorded", []).append(cell.seed)
         ran = "; ".join(f"{version}: seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}" for version, s in seeds.items())
-        raise ConfigError(f"row '{method}' ({setting}) in {out} holds finished cells of other or unidentifiable code "
+        raise ConfigError(f"row '{method}' ({setting}) in {out} holds finished or started cells of other or "
+                          "unidentifiable code "
                           f"({ran}; this process: {code_version(here)}), and a row's seeds are one method; re-run the "
                           "row at one commit into a fresh --out (or delete its cells there), or pass --mixed-code")
 
