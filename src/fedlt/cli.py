@@ -629,13 +629,12 @@ def main() -> None:
     click = _click_exceptions()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     args = sys.argv[1:]
-    empty = next((flag.split("=")[0] for flag, value in zip(args, [*args[1:], None])
-                  if flag.split("=")[0] in PATH_OPTIONS and (flag.endswith("=") or (flag in PATH_OPTIONS and value == ""))),
-                 None)
-    if empty is not None:  # a path option given "" would mean the working directory
-        typer.echo(f"fedlt: error: option {empty} was given an empty value; give it one (e.g. a folder's path)",
-                   err=True)
-        sys.exit(2)
+    for flag, following in zip(args, [*args[1:], None]):
+        name, eq, value = flag.partition("=")  # --out=VALUE, or --out VALUE
+        if name in PATH_OPTIONS and (value if eq else following) == "":  # "" would mean the working directory
+            typer.echo(f"fedlt: error: option {name} was given an empty value; give it one (e.g. a folder's path)",
+                       err=True)
+            sys.exit(2)
     try:
         code = app(standalone_mode=False, prog_name="fedlt")
     except click.NoArgsIsHelpError as help_request:

@@ -168,11 +168,12 @@ def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
-def read_metrics(run_dir: Path, up_to_round: int | None = None, damaged: list[int] | None = None
-                 ) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path, up_to_round: int | None = None, damaged: list[int] | None = None,
+                 finished: bool = False) -> list[dict[str, Any]]:
     """The rows of ``run_dir``'s metrics file, passing over lines that are no row. ``damaged``, when
     given, gets the numbers of the unreadable lines before the last one: a kill mid-write tears only
-    the last line, so those are damage that cost the reports rows."""
+    the last line, so those are damage that cost the reports rows; of a ``finished`` run (its summary is
+    written last, and the resume that finished it rewrote the file) the last line's too."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return []
@@ -182,7 +183,7 @@ def read_metrics(run_dir: Path, up_to_round: int | None = None, damaged: list[in
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):  # a line torn by a kill mid-write, after the checkpoint
-            if damaged is not None and number < len(lines) and line.strip():
+            if damaged is not None and (finished or number < len(lines)) and line.strip():
                 damaged.append(number)
             continue
         if isinstance(row, dict) and isinstance(row.get("round"), int):  # anything else is no row of a run

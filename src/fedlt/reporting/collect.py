@@ -10,7 +10,6 @@ that row is in the setting, else the setting's first row.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates
 from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
-from fedlt.results import ENGINE_KEYS, METRICS_FILE, PM_VARIANTS, SUMMARY_FILE, read_metrics, read_summary
+from fedlt.results import ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, read_metrics, read_summary
 
 if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
@@ -61,10 +60,7 @@ class Run:
         """A warning naming the unreadable lines in the middle of this run's metrics file (the rounds
         its curves then lack), or ``""``."""
         damaged: list[int] = []
-        read_metrics(self.path, damaged=damaged)
-        lines = (self.path / METRICS_FILE).read_bytes().splitlines() if (self.path / METRICS_FILE).is_file() else []
-        if lines and lines[-1].strip() and not _is_json(lines[-1]):  # not torn by a kill: the summary came after
-            damaged.append(len(lines))
+        read_metrics(self.path, damaged=damaged, finished=True)  # a Run has its summary: nothing was torn
         if not damaged:
             return ""
         return (f"{self.path / 'metrics.jsonl'}: line(s) {', '.join(map(str, damaged[:5]))} unreadable; its curves "
@@ -76,14 +72,6 @@ class Run:
         return [{"round": r["round"], **{k: v for k, v in r.items() if k not in ENGINE_KEYS
                                          and isinstance(v, (int, float)) and not isinstance(v, bool)}}
                 for r in read_metrics(self.path)]
-
-
-def _is_json(line: bytes) -> bool:
-    try:
-        json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return True
 
 
 @dataclass
