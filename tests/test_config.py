@@ -535,3 +535,38 @@ def test_two_saved_runs_differ_where_one_lacks_a_key_the_other_sets_off_its_defa
         "data.interpolation: 'released' -> not recorded (that run predates it, so it ran the default 'bilinear')")
     assert config_difference(old, other, common=True) == (
         "data.interpolation: not recorded (the run predates it, so it ran the default 'bilinear') -> 'released'")
+
+
+def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> None:
+    """Knobs the config sets whose switch is off: a suite's rows keep such pins, so a run says so instead
+    of refusing them; knobs left at their defaults, or read, are not named."""
+    from fedlt.api import _note_unread
+    from fedlt.run_parts import unread_settings
+
+    cases = [
+        (["method=fedyoyo", "method_args.asd=false", "method_args.lam=2", "method_args.asd_average=batch",
+          "method_args.gamma=0.2"],
+         ["method_args.lam is not read with asd=false (they shape ASD's term)",
+          "method_args.asd_average is not read with asd=false (they shape ASD's term)"]),
+        (["method=fedyoyo", "method_args.lam=2"], []),
+        (["method=gbme", "method_args.dp_delta=0.01", "method_args.dp_clip=2"],
+         ["method_args.dp_delta is not read without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)",
+          "method_args.dp_clip is not read without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)"]),
+        (["method=gbme", "method_args.dp_epsilon=0.5", "method_args.dp_delta=0.01"], []),
+        (["method=fedloge", "method_args.finetune_lr=0.01"],
+         ["method_args.finetune_lr is not read with finetune_epochs=0 (no fine-tuning)"]),
+        (["method=fedloge", "method_args.finetune_lr=0.01", "method_args.finetune_epochs=1"], []),
+        (["method=sfd", "method_args.scl_weight=0", "method_args.scl_temperature=0.1"],
+         ["method_args.scl_temperature is not read with scl_weight=0 (no contrastive branch)"]),
+        (["method=sfd", "method_args.scl_temperature=0.1"], []),
+        (["data.val_from=test"], ["data.val_from is not read with data.val_per_class=0 (no validation split)"]),
+        (["data.val_from=test", "data.val_per_class=50"], []),
+        (["method=fedyoyo", "method_args.asd=false"], []),
+    ]
+    for overrides, expected in cases:
+        assert unread_settings(load_config(None, overrides)) == expected, overrides
+    cfg = load_config(None, ["method=fedloge", "method_args.finetune_lr=0.01"])
+    _note_unread(cfg, quiet=True)
+    assert capsys.readouterr().err == ""
+    _note_unread(cfg, quiet=False)
+    assert capsys.readouterr().err == "note: method_args.finetune_lr is not read with finetune_epochs=0 (no fine-tuning)\n"

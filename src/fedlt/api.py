@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, ch
 from fedlt.errors import ConfigError
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
-from fedlt.run_parts import check_new_config, setup_parts
+from fedlt.run_parts import check_new_config, setup_parts, unread_settings
 
 
 def prepare(cfg: Config) -> Simulation:
@@ -40,6 +41,7 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
     if cfg.engine == "flower":
         return _run_flower(cfg, quiet)
     check_new_config(cfg)
+    _note_unread(cfg, quiet)
     sim = prepare(cfg)
     run_dir = new_run_dir(cfg)
     return sim.run(run_dir, quiet=quiet)
@@ -54,7 +56,15 @@ def _run_flower(cfg: Config, quiet: bool) -> RunResult:
         from fedlt.engine.flower_app import simulate
     except ImportError:
         raise ConfigError("engine=flower needs Flower: pip install 'fedlt[flower]'") from None
+    _note_unread(cfg, quiet)
     return simulate(cfg, quiet=quiet)
+
+
+def _note_unread(cfg: Config, quiet: bool) -> None:
+    """A line per setting that the run records but never reads: the config stays as given."""
+    if not quiet:
+        for line in unread_settings(cfg):
+            print(f"note: {line}", file=sys.stderr, flush=True)
 
 
 def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bool = False) -> RunResult:

@@ -211,6 +211,14 @@ def check_new_config(cfg: Config) -> MethodSpec:
     return spec
 
 
+def unread_settings(cfg: Config) -> list[str]:
+    """Settings a config gives that its other settings leave unread (see ``MethodArgs.unread_knobs``)."""
+    unread = parse_method_args(get_method(cfg.method), cfg.method_args).unread_knobs()
+    if "val_from" in cfg.data.model_fields_set and cfg.data.val_per_class == 0:
+        unread.append("data.val_from is not read with data.val_per_class=0 (no validation split)")
+    return unread
+
+
 def check_config(cfg: Config) -> MethodSpec:
     """Every check that needs no data: method and its knobs, calibrations, loss, each pair of them,
     model and dataset names, tracking. ``fedlt bench`` runs it on every cell before the first one trains."""

@@ -48,6 +48,16 @@ class MethodArgs(NoBoolForNumbers):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # nan / inf: a typo, never a knob's value
 
+    def unread_knobs(self) -> list[str]:
+        """The knobs this config sets that its other knobs leave unread, each with why: a new run says so,
+        since its config records them as if they had acted (the settings of a suite's rows keep them)."""
+        return [f"method_args.{knob} is not read {why}" for knobs, why in self.unread_when()
+                for knob in knobs if knob in self.model_fields_set]
+
+    def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        """Groups of knobs that this combination of knobs leaves unread, with the reason."""
+        return []
+
 
 def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) -> MethodArgs:
     """Validate a knob section (``method_args``, ``calibration_args``) as one-line ConfigErrors."""

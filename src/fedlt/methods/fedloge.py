@@ -158,6 +158,9 @@ class FedLoGeArgs(MethodArgs):
                              "finetune_epochs=0 or personal_head=realigned")
         return self
 
+    def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        return [(("finetune_lr",), "with finetune_epochs=0 (no fine-tuning)")] if not self.finetune_epochs else []
+
 
 class FedLoGeHead(nn.Module):
     """The classifier slot of a FedLoGe model: ``fixed`` (the SSE-C during training; the head

@@ -179,6 +179,11 @@ class FedYoYoArgs(MethodArgs):
             raise ValueError("applies to strong_policy=autoaugment only")
         return value
 
+    def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        if not self.asd:
+            return [(("lam", "warmup", "asd_average", "teacher_filter"), "with asd=false (they shape ASD's term)")]
+        return []
+
     def uses_autoaugment(self) -> bool:
         """Whether a view of ASD's pair is the strong one and it applies AutoAugment."""
         return self.strong_policy == "autoaugment" and "strong" in (self.teacher_view, self.student_view)

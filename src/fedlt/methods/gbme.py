@@ -229,6 +229,12 @@ class GBMEArgs(MethodArgs):
                              "drop it or set ensemble=true")
         return self
 
+    def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        if self.dp_epsilon is None:
+            return [(("dp_delta", "dp_clip", "dp_adjacency", "dp_calibration", "dp_noise"),
+                     "without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)")]
+        return []
+
     def pass_kind(self) -> str:
         if self.lpi_pass != "auto":
             return self.lpi_pass

@@ -53,6 +53,11 @@ class SFDArgs(MethodArgs):
     projector_hidden: int | None = Field(None, ge=1, description="projector hidden width (default: feature_dim // 2)")
     projector_dim: int | None = Field(None, ge=1, description="projector output width (default: feature_dim // 4)")
 
+    def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        if self.scl_weight == 0:
+            return [(("scl_temperature", "scl_delta", "scl_form"), "with scl_weight=0 (no contrastive branch)")]
+        return []
+
 
 class ProjectedEncoder(nn.Module):
     """The backbone's encoder plus the contrastive projector; ``forward`` is the backbone's."""
