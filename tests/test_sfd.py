@@ -106,11 +106,12 @@ def test_a_ce_gives_a_missing_class_a_repulsive_gradient_iff_beta_pi_positive():
         adaptive_logit_offset(counts, 1.5)
 
 
-def eq7_reference(h, y, tau, log_n):
-    """Eq. 7 written out per anchor (positives exclude the anchor); log_n None: Khosla et al.'s SCL."""
+def eq7_reference(h, y, tau, log_n, anchor_positive=False):
+    """Eq. 7 written out per anchor; positives A(i) with the anchor as printed (``anchor_positive``) or
+    without it, as Khosla et al.'s (the ``paper`` form); log_n None: the standard SCL."""
     losses = []
     for i in range(len(y)):
-        pos = [a for a in range(len(y)) if a != i and y[a] == y[i]]
+        pos = [a for a in range(len(y)) if (anchor_positive or a != i) and y[a] == y[i]]
         if not pos:
             continue
         den = sum(torch.exp(h[i] @ h[b] / tau + (log_n[y[b]] if log_n is not None else 0.0))
@@ -135,6 +136,29 @@ def test_a_scl_is_standard_scl_for_equal_counts_and_has_eq7_gradients():
     (g_eq7,) = torch.autograd.grad(eq7_reference(h, y, 0.07, log_n), h)
     assert torch.allclose(g_ours, g_eq7, atol=1e-10)
     assert adaptive_supcon(h[:3], torch.tensor([0, 1, 2]), 0.07, log_n).item() == 0.0
+
+
+def test_eq7_as_printed_counts_the_anchor_among_its_positives_so_a_lone_anchor_learns():
+    """A(i) = {a | y_a = y_i} holds i: its term repels the anchor from every other sample, so class 3's
+    lone sample, which Khosla et al.'s positives skip, has a gradient; the gradients are Eq. 7's."""
+    gen = torch.Generator().manual_seed(2)
+    y = torch.tensor([0, 1, 0, 2, 1, 1, 3, 0])
+    h = F.normalize(torch.randn(8, 5, generator=gen, dtype=torch.float64), dim=1).requires_grad_(True)
+    log_n = torch.log(torch.tensor([50.0, 5.0, 20.0, 1.0], dtype=torch.float64))
+    for counts in (log_n, None):
+        (g_ours,) = torch.autograd.grad(adaptive_supcon(h, y, 0.07, counts, anchor_positive=True), h)
+        (g_eq7,) = torch.autograd.grad(eq7_reference(h, y, 0.07, counts, anchor_positive=True), h)
+        assert torch.allclose(g_ours, g_eq7, atol=1e-10)
+    # a batch of lone samples: Khosla et al.'s positives leave nothing to learn, Eq. 7's repel them
+    pair = h[[0, 1]].detach().requires_grad_(True)
+    (g_without,) = torch.autograd.grad(adaptive_supcon(pair, y[[0, 1]], 0.07, log_n), pair)
+    (g_with,) = torch.autograd.grad(adaptive_supcon(pair, y[[0, 1]], 0.07, log_n, anchor_positive=True), pair)
+    assert torch.equal(g_without, torch.zeros_like(pair)) and g_with.norm() > 1
+    with_anchor = adaptive_supcon(h, y, 0.07, log_n, anchor_positive=True)
+    # the value: Eq. 7 less each anchor's constant log n_yi (Delta as log(n_yb / n_yi)), over all 8 anchors
+    printed = eq7_reference(h, y, 0.07, log_n, anchor_positive=True)
+    assert with_anchor.item() == pytest.approx((printed - log_n[y].mean()).item(), rel=1e-12)
+    assert adaptive_supcon(h[:1], y[:1], 0.07, log_n, anchor_positive=True).item() == 0.0
 
 
 def released_reference(h, y, tau, log_n):
@@ -166,12 +190,13 @@ def test_released_a_scl_matches_its_definition_and_differs_from_eq7():
     assert released_supcon(h[:1], y[:1], 0.07, log_n).item() == 0.0
 
 
-def test_sfd_trains_with_the_released_a_scl_on_request(tmp_path):
-    paper = fedlt.run(tiny(tmp_path, run={"out_dir": str(tmp_path), "name": "paper", "threads": 1}), quiet=True)
-    released = fedlt.run(tiny(tmp_path, method_args={"scl_form": "released"},
-                              run={"out_dir": str(tmp_path), "name": "released", "threads": 1}), quiet=True)
-    assert paper.metrics[0]["train_loss"] != released.metrics[0]["train_loss"]
+def test_sfd_trains_with_the_released_a_scl_by_default_and_eq7_on_request(tmp_path):
+    released = fedlt.run(tiny(tmp_path, run={"out_dir": str(tmp_path), "name": "released", "threads": 1}), quiet=True)
+    eq7 = fedlt.run(tiny(tmp_path, method_args={"scl_form": "eq7"},
+                         run={"out_dir": str(tmp_path), "name": "eq7", "threads": 1}), quiet=True)
+    assert released.metrics[0]["train_loss"] != eq7.metrics[0]["train_loss"]
     assert released.summary["method_args"]["scl_form"] == "released"
+    assert eq7.summary["method_args"]["scl_form"] == "eq7"
 
 
 def test_synthetic_counts_follow_the_size_rank():

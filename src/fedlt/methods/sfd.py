@@ -47,9 +47,10 @@ class SFDArgs(MethodArgs):
                                      "for >= 100 classes, else 0.1; 0: no contrastive branch)")
     scl_temperature: float = Field(0.07, gt=0, description="A-SCL temperature tau")
     scl_delta: bool = Field(True, description="A-SCL: add Delta = log n_y to the denominator (false: standard SCL)")
-    scl_form: Literal["paper", "released"] = Field(
-        "paper", description="A-SCL as Eq. 7 (positives exclude the anchor; Delta on every other sample), or as the "
-        "released code (Delta on other-class samples only; the anchor is its own positive)")
+    scl_form: Literal["released", "eq7", "paper"] = Field(
+        "released", description="A-SCL as the released code (Delta on other-class samples only; the anchor is its "
+        "own positive), as Eq. 7 is printed (eq7: Delta on every other sample; A(i) holds the anchor), or Eq. 7 "
+        "with Khosla et al.'s positives (paper: without the anchor; the earlier default)")
     projector_hidden: int | None = Field(None, ge=1, description="projector hidden width (default: feature_dim // 2)")
     projector_dim: int | None = Field(None, ge=1, description="projector output width (default: feature_dim // 4)")
 
@@ -103,6 +104,11 @@ class SFDServer(Server):
         return Message(weights=broadcast_state(self.model), payload={"sfd/scl_weight": weight})
 
 
+#: A-SCL by ``method_args.scl_form``
+SUPCON_FORMS: dict[str, Callable[..., torch.Tensor]] = {
+    "released": released_supcon, "eq7": partial(adaptive_supcon, anchor_positive=True), "paper": adaptive_supcon}
+
+
 def abbl_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, *, offset: torch.Tensor, contrast: bool,
               scl_weight: torch.Tensor, temperature: float, log_counts: torch.Tensor | None,
               supcon: Callable[..., torch.Tensor] = adaptive_supcon) -> torch.Tensor:
@@ -139,5 +145,5 @@ class SFDClient(Client):
                        temperature=args.scl_temperature,
                        log_counts=to_device(torch.log(torch.from_numpy(counts).float()), device, torch.float32)
                        if args.scl_delta else None,
-                       supcon=released_supcon if args.scl_form == "released" else adaptive_supcon)
+                       supcon=SUPCON_FORMS[args.scl_form])
         return LocalObjective(loss, on_model=True)

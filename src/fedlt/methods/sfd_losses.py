@@ -8,14 +8,17 @@
   other sample ``b`` of the denominator is weighted by its class count, ``exp(s_ib + log n_yb)``,
   so head-class negatives repel more.
 
-Choices where the paper is silent: positives ``A(i)`` exclude the anchor itself (as in Khosla
-et al. 2020; Eq. 7's denominator already excludes it), anchors without a positive in the batch
-are skipped, and the loss is averaged over the remaining anchors. ``Delta`` is applied as
-``log(n_yb / n_yi)``: for one anchor this only subtracts the constant ``log n_yi`` from Eq. 7, so
-the gradients are Eq. 7's, and A-SCL is then exactly the standard SCL when all counts are equal.
-The released code's A-SCL (:func:`released_supcon`, ``method_args.scl_form=released``) adds ``Delta``
-to negatives only, counts the anchor as its own positive (every anchor then has one), and averages
-over every anchor.
+Eq. 7's positives are ``A(i) = {a | y_a = y_i}``, the anchor itself among them (its term is
+``s_ii - log sum_{b != i} exp(s_ib + Delta_yb)``: a repulsion from every other sample, so an anchor
+alone with its class in the batch still learns), and the loss is averaged over every anchor
+(``anchor_positive=True``, ``method_args.scl_form=eq7``). The earlier default read the positives as
+Khosla et al. 2020 do, without the anchor, skipping anchors with no other sample of their class
+(``scl_form=paper``). ``Delta`` is applied as ``log(n_yb / n_yi)``: for one anchor this only
+subtracts the constant ``log n_yi`` from Eq. 7, so the gradients are Eq. 7's, and A-SCL is then
+exactly the standard SCL when all counts are equal.
+The released code's A-SCL (:func:`released_supcon`, ``scl_form=released``, the default: it produced
+the paper's numbers) also counts the anchor among its positives and every anchor, but adds ``Delta``
+to other-class samples only.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ def adaptive_ce(logits: torch.Tensor, targets: torch.Tensor, offset: torch.Tenso
 
 
 def adaptive_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature: float = 0.07,
-                    log_counts: torch.Tensor | None = None) -> torch.Tensor:
+                    log_counts: torch.Tensor | None = None, anchor_positive: bool = False) -> torch.Tensor:
     """Eq. 7 on L2-normalised ``projections`` (B, p); ``log_counts`` (C,) = ``log n_c`` of the client
-    (None: the standard supervised contrastive loss). See the module docstring for conventions."""
+    (None: the standard supervised contrastive loss); ``anchor_positive``: the anchor among its own
+    positives, as Eq. 7's A(i) has it (False: Khosla et al.'s). See the module docstring."""
     if projections.dim() != 2 or labels.shape != (projections.shape[0],):
         raise ValueError(f"expected projections (B, p) and labels (B,), got {tuple(projections.shape)} and "
                          f"{tuple(labels.shape)}")
@@ -65,7 +69,7 @@ def adaptive_supcon(projections: torch.Tensor, labels: torch.Tensor, temperature
         sim = sim + (delta[None, :] - delta[:, None])  # log(n_yb / n_yi)
     self_mask = torch.eye(b, dtype=torch.bool, device=sim.device)
     log_prob = sim - torch.logsumexp(sim.masked_fill(self_mask, float("-inf")), dim=1, keepdim=True)
-    positive = (labels[:, None] == labels[None, :]) & ~self_mask
+    positive = (labels[:, None] == labels[None, :]) & (torch.ones_like(self_mask) if anchor_positive else ~self_mask)
     num_pos = positive.sum(dim=1)
     anchors = num_pos > 0
     if b < 2:
