@@ -740,7 +740,8 @@ def test_list_bad_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_list_file_override(tmp_path: Path) -> None:
     root = tmp_path / "imagenet"
     write_list_dataset(root, "mine_train.txt", "mine_test.txt")
-    pair = listfile.load_imagenet_lt(root, 8, train_list="mine_train.txt", test_list=str(root / "mine_test.txt"))
+    pair = listfile.load_list_dataset(listfile.IMAGENET_LT, root, 8, train_list="mine_train.txt",
+                                      test_list=str(root / "mine_test.txt"))
     assert len(pair.train) == 4 and len(pair.test) == 2
 
 

@@ -882,3 +882,22 @@ def test_a_long_final_stage_says_so_before_the_last_rounds_line(tmp_path, monkey
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "[fedavg/ce sequential] the method's final stage, after the last round's training ..."
     assert len(lines) == 2 and float(lines[1].split(" | ")[-2].removesuffix(" s/round")) >= 1.0, lines
+
+
+def test_a_checkpoint_that_does_not_fit_in_memory_is_not_called_unreadable(tmp_path, monkeypatch):
+    """Running out of memory while loading says so; the file is sound, and 'delete it' would lose the run."""
+    from fedlt.engine import checkpoint
+    from fedlt.errors import FedltError
+
+    checkpoint.save_checkpoint(tmp_path, {"round": 1})
+
+    def load(*args, **kwargs):
+        raise kind("out of memory")
+
+    for kind in (MemoryError, torch.cuda.OutOfMemoryError):
+        monkeypatch.setattr(checkpoint.torch, "load", load)
+        with pytest.raises(kind):
+            checkpoint.load_checkpoint(tmp_path)
+    kind = RuntimeError  # a damaged file is still named as one
+    with pytest.raises(FedltError, match="is not a readable fedlt checkpoint \\(RuntimeError\\); delete it"):
+        checkpoint.load_checkpoint(tmp_path)

@@ -58,6 +58,25 @@ def test_a_run_without_run_threads_does_not_inherit_an_earlier_runs_threads(tmp_
         torch.set_num_threads(before)
 
 
+def test_a_first_run_with_run_threads_or_deterministic_leaves_no_setting_to_the_next(monkeypatch):
+    """The process's thread count is read before the first run sets one, even when that run gives
+    run.threads; cuDNN's deterministic mode follows each run's run.deterministic."""
+    from fedlt.config import load_config
+    from fedlt.run_parts import setup_runtime
+
+    before, cudnn = torch.get_num_threads(), torch.backends.cudnn.deterministic
+    monkeypatch.setattr("fedlt.run_parts._PROCESS_THREADS", None)  # no run yet in this process
+    try:
+        torch.set_num_threads(2)
+        setup_runtime(load_config(None, ["data.dataset=synthetic", "run.threads=1", "run.deterministic=true"]))
+        assert torch.get_num_threads() == 1 and torch.backends.cudnn.deterministic
+        setup_runtime(load_config(None, ["data.dataset=synthetic", "run.deterministic=false"]))
+        assert torch.get_num_threads() == 2 and not torch.backends.cudnn.deterministic
+    finally:
+        torch.set_num_threads(before)
+        torch.backends.cudnn.deterministic = cudnn
+
+
 def test_a_bench_log_record_carries_the_environment_of_its_cell(tmp_path):
     from fedlt.bench.suite import load_suite, run_suite
 

@@ -340,7 +340,7 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
     from fedlt.methods.aggregation import weighted_average
 
     cases = {
-        "dict": (FedAvgServer, r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.Reply$"),
+        "dict": (FedAvgServer, r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.messages\.Reply$"),
         "no_samples": (FedAvgServer, r"^SlipClient\.fit replied with weights worth num_samples=0 from a client "
                                      r"holding \d+ samples; the average ignores such replies: set Reply\(num_samples"),
         "renamed": (FedAvgServer, r"^FedAvgServer\.aggregate: the replies' weight 'model\.\S+' and \d+ more name no "
@@ -364,7 +364,7 @@ def test_a_method_that_breaks_the_hook_contract_is_refused_in_one_line_naming_th
         # the same slips inside a calibration's wrapper name the method's own client, and fail as early
         METHODS["slip"] = MethodSpec("slip", "breaks the contract", FedAvgServer,
                                      type("SlipClient", (Client,), {"slip": "dict"}))
-        with pytest.raises(PluginError, match=r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.Reply$"):
+        with pytest.raises(PluginError, match=r"^SlipClient\.fit returned dict; a client hook returns a fedlt\.messages\.Reply$"):
             fedlt.run(run(tmp_path, "wrapped", method="slip", calibration=["ccvr"]), quiet=True)
         # and in the graphed backend's step, which builds the reply itself
         local = type("LocalSlip", (FedAvgClient,), {"local_objective": lambda self, ctx, msg: (

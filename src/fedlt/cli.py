@@ -283,8 +283,10 @@ def _print_and_save(text: str, out: Optional[Path]) -> None:
     """A benchmark's Markdown: printed, and written to ``out`` when given."""
     typer.echo(text)
     if out is not None:
+        from fedlt.results import write_atomic
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        write_atomic(out, text + "\n")
 
 
 @bench_app.command("speed")

@@ -100,7 +100,7 @@ def type_hint(model: type[BaseModel], loc: tuple, error_type: str, given: Any, p
     field = None
     parts: list[str] = []
     for part in loc:  # a union's member tags (``literal['natural','shuffled']``) follow the field's name
-        if not (_is_model(kind) and part in kind.model_fields):
+        if not (is_model(kind) and part in kind.model_fields):
             break
         field = kind.model_fields[part]
         kind = field.annotation
@@ -160,8 +160,8 @@ class DataConfig(_Section):
     num_clients: int = Field(20, ge=1, description="clients in the federation (K)")
     min_client_size: int = Field(0, ge=0, description="Dirichlet, pathological: redraw until every client holds "
                                  "at least this many")
-    max_retries: int = Field(1000, ge=1, description="Dirichlet, pathological: draws tried before giving up with an "
-                             "error")
+    max_retries: int = Field(1000, ge=1, description="Dirichlet, grouped Dirichlet, pathological: draws tried before "
+                             "giving up with an error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut the one draw into equal-size clients "
                              "(data.partition=grouped_dirichlet is the CReFF/FedYoYo code's whole split)")
     val_per_class: int = Field(0, ge=0, description="a balanced validation set of this many images per class, "
@@ -562,7 +562,7 @@ def _key_of(loc: tuple) -> str:
     kind: Any = Config
     parts = []
     for part in loc:
-        if _is_model(kind):
+        if is_model(kind):
             field = kind.model_fields.get(part)
             kind = field.annotation if field else None
         elif not isinstance(part, int):
@@ -598,26 +598,27 @@ def _annotation(key: str) -> Any:
     """The declared type of dotted ``key`` in the schema ("" is the whole Config), or None."""
     kind: Any = Config
     for part in filter(None, key.split(".")):
-        field = _is_model(kind) and kind.model_fields.get(part)
+        field = is_model(kind) and kind.model_fields.get(part)
         if not field:
             return None
         kind = field.annotation
     return kind
 
 
-def _is_model(kind: Any) -> bool:
+def is_model(kind: Any) -> bool:
+    """Whether a field's type is a section of settings (a pydantic model), not a value."""
     return isinstance(kind, type) and issubclass(kind, BaseModel)
 
 
 def _is_section(key: str) -> bool:
     """Whether dotted ``key`` holds keys: a nested section, or a free-form mapping like method_args."""
     kind = _annotation(key)
-    return _is_model(kind) or get_origin(kind) is dict
+    return is_model(kind) or get_origin(kind) is dict
 
 
 def _valid_keys(section: str) -> list[str]:
     kind = _annotation(section)
-    return list(kind.model_fields) if _is_model(kind) else []
+    return list(kind.model_fields) if is_model(kind) else []
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

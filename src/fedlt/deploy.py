@@ -288,10 +288,6 @@ class Federation:
         except subprocess.TimeoutExpired:
             pass
 
-    def kill_node(self, i: int) -> None:
-        """Kill SuperNode ``i`` and its ClientApp process (its process groups)."""
-        self.stop(self.nodes[i])
-
     def flwr(self, calls: dict[str, list[str]], timeout: float = 60) -> dict[str, str]:
         """Run ``flwr`` CLI commands (log name -> arguments) against this federation, all at once, and
         return each one's output; the first that fails or hangs raises a FedltError with its last line."""
@@ -439,13 +435,6 @@ def _descendants(pid: int, table: dict[int, tuple[int, int, str]] | None = None)
             found.append(child)
             todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _members(groups: set[int]) -> list[int]:
@@ -707,7 +696,7 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
             done = fed.run(plan.config, plan.overrides, timeout)
         print("\n".join(line for line in done.stdout[-4000:].splitlines() if not is_progress(line)))  # shown above
         return 0
-    except (ConfigError, DataError) as err:  # bad input, found before anything started
+    except (ConfigError, DataError) as err:  # bad input: found before anything started, or by the ServerApp
         print(f"fedlt: error: {err}", file=sys.stderr)
         return 2
     except FedltError as err:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from fedlt.config import Config
+from fedlt.config import Config, is_model
 
 INTRO = """\
 # Configuration reference
@@ -40,10 +40,6 @@ fl: {rounds: 50}
 *This page is generated from the schema at every documentation build
 (`python -m fedlt.docs_config` prints it).*
 """
-
-
-def _is_model(kind: Any) -> bool:
-    return isinstance(kind, type) and issubclass(kind, BaseModel)
 
 
 def _constraint(meta: list[Any]) -> str:
@@ -108,7 +104,7 @@ def _cell(text: str) -> str:
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        if _is_model(field.annotation):
+        if is_model(field.annotation):
             continue
         rows.append(f"| `{prefix}{name}` | `{_cell(field_type(field))}` | `{_cell(default_text(field))}` | "
                     f"{_cell(field.description or '')} |")
@@ -119,7 +115,7 @@ def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple
     """Every leaf key of the schema as (dotted key, field)."""
     keys = []
     for name, field in model.model_fields.items():
-        if _is_model(field.annotation):
+        if is_model(field.annotation):
             keys += config_keys(field.annotation, f"{prefix}{name}.")
         else:
             keys.append((prefix + name, field))
@@ -212,7 +208,7 @@ def render() -> str:
 
     lines = [INTRO, "## Top level", "", *_table(Config, ""), ""]
     for name, field in Config.model_fields.items():
-        if not _is_model(field.annotation):
+        if not is_model(field.annotation):
             continue
         section = field.annotation
         lines += [f"## `{name}`", ""]

@@ -74,7 +74,7 @@ class Reply:
 def check_reply(reply: Any, where: str) -> None:
     """A client hook's answer is a :class:`Reply`; anything else fails deep in the engine."""
     if not isinstance(reply, Reply):
-        raise PluginError(f"{where} returned {type(reply).__name__}; a client hook returns a fedlt.Reply")
+        raise PluginError(f"{where} returned {type(reply).__name__}; a client hook returns a fedlt.messages.Reply")
 
 
 @dataclass

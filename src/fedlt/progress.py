@@ -9,7 +9,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``, ``3700`` -> ``1h01m``: an elapsed time or ETA in a progress line."""
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
@@ -40,7 +41,7 @@ class Progress:
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - rnd)
             print(f"[{self.label}] round {rnd}/{self.total} | {self.latest} | {elapsed / max(done, 1):.2f} s/round"
-                  f" | ETA {_duration(eta)}", file=sys.stderr, flush=True)
+                  f" | ETA {duration(eta)}", file=sys.stderr, flush=True)
 
     @contextmanager
     def waiting(self, what: str, after: float = 5.0, restart_clock: bool = True) -> Iterator[None]:

@@ -33,7 +33,8 @@ RUN_FILES = (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE, PARTITION_FILE,
 TIMING_KEYS = ("time_s", "elapsed_s")
 #: what the engine itself writes into a metrics line (the test-set metrics, round bookkeeping);
 #: every other key is a method's own diagnostic (``Server.metrics()``)
-EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc", "per_class_acc", "variants")
+SCALAR_EVAL_KEYS = ("acc", "many_acc", "medium_acc", "few_acc", "loss", "pm_acc")
+EVAL_KEYS = (*SCALAR_EVAL_KEYS, "per_class_acc", "variants")
 #: a personalized method's other evaluation-time readings of its personalized model: name -> their
 #: ``pm_acc`` (and ``val_pm_acc``), written only by methods that have such readings
 PM_VARIANTS = "pm_variants"
@@ -221,7 +222,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS},
                   **{k: final.get(k) for k in VAL_KEYS if k in final},
                   **{k: final[k] for k in (PM_VARIANTS,) if final.get(k)}, "server_metrics": server},
-        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in EVAL_KEYS[:-2]},
+        "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in SCALAR_EVAL_KEYS},
                        **{k: best.get(k) for k in VAL_KEYS if k in best}},
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
@@ -286,7 +287,7 @@ def _figures_problem(figures: dict[str, Any], where: str) -> str | None:
     """What is wrong with one evaluation's figures (a summary's ``final`` or ``best_round``, a metrics
     row), as tables, plots and statistics compute with them; None when nothing is. An accuracy must be
     finite (a mean over seeds of NaN is no figure); a loss may be inf or NaN (a diverged run's)."""
-    for key in (*EVAL_KEYS[:-2], *VAL_KEYS):
+    for key in (*SCALAR_EVAL_KEYS, *VAL_KEYS):
         value = figures.get(key)
         if value is None:
             continue
@@ -350,7 +351,8 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     return check_summary(summary, run_dir)
 
 
-def _fmt(value: Any) -> str:
+def percent_cell(value: Any) -> str:
+    """An accuracy in a Markdown table: two decimals, ``-`` where it was not measured."""
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -401,13 +403,13 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else "")
         + (" val PM |" if has_val_pm else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if has_val else "") + ("---|" if has_val_pm else ""),
-        f"| final (headline) | {f['round']} | {_fmt(f['acc'])} | {_fmt(f['many_acc'])} | {_fmt(f['medium_acc'])} "
-        f"| {_fmt(f['few_acc'])} | {_fmt(f['pm_acc'])} |" + (f" {_fmt(f.get('val_acc'))} |" if has_val else "")
-        + (f" {_fmt(f.get('val_pm_acc'))} |" if has_val_pm else ""),
-        f"| best round (by {b['selected_by']}) | {b['round']} | {_fmt(b['acc'])} | {_fmt(b['many_acc'])} "
-        f"| {_fmt(b['medium_acc'])} | {_fmt(b['few_acc'])} | {_fmt(b['pm_acc'])} |"
-        + (f" {_fmt(b.get('val_acc'))} |" if has_val else "")
-        + (f" {_fmt(b.get('val_pm_acc'))} |" if has_val_pm else ""),
+        f"| final (headline) | {f['round']} | {percent_cell(f['acc'])} | {percent_cell(f['many_acc'])} | {percent_cell(f['medium_acc'])} "
+        f"| {percent_cell(f['few_acc'])} | {percent_cell(f['pm_acc'])} |" + (f" {percent_cell(f.get('val_acc'))} |" if has_val else "")
+        + (f" {percent_cell(f.get('val_pm_acc'))} |" if has_val_pm else ""),
+        f"| best round (by {b['selected_by']}) | {b['round']} | {percent_cell(b['acc'])} | {percent_cell(b['many_acc'])} "
+        f"| {percent_cell(b['medium_acc'])} | {percent_cell(b['few_acc'])} | {percent_cell(b['pm_acc'])} |"
+        + (f" {percent_cell(b.get('val_acc'))} |" if has_val else "")
+        + (f" {percent_cell(b.get('val_pm_acc'))} |" if has_val_pm else ""),
         "",
         "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
         "drawn from the test set in each client's training proportions."
@@ -421,7 +423,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
                   "Evaluation-time readings of the same training, described on the method's page under "
                   "docs/methods.", "", "| reading | PM acc |" + (" val PM |" if has_val_pm else ""),
                   "|---|---|" + ("---|" if has_val_pm else "")]
-        lines += [f"| {name} | {_fmt(v.get('pm_acc'))} |" + (f" {_fmt(v.get('val_pm_acc'))} |" if has_val_pm else "")
+        lines += [f"| {name} | {percent_cell(v.get('pm_acc'))} |" + (f" {percent_cell(v.get('val_pm_acc'))} |" if has_val_pm else "")
                   for name, v in f[PM_VARIANTS].items()]
     if f.get("server_metrics"):
         lines += ["", "Method's own metrics (final round): "
@@ -435,8 +437,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         lines += ["", "## Variants of the global model (final round)", "",
                   "| variant | acc | many | medium | few |" + (" val acc |" if has_val else ""),
                   "|---|---|---|---|---|" + ("---|" if has_val else "")]
-        lines += [f"| {name} | {_fmt(v['acc'])} | {_fmt(v['many_acc'])} | {_fmt(v['medium_acc'])} | {_fmt(v['few_acc'])} |"
-                  + (f" {_fmt(v.get('val_acc'))} |" if has_val else "") for name, v in f["variants"].items()]
+        lines += [f"| {name} | {percent_cell(v['acc'])} | {percent_cell(v['many_acc'])} | {percent_cell(v['medium_acc'])} | {percent_cell(v['few_acc'])} |"
+                  + (f" {percent_cell(v.get('val_acc'))} |" if has_val else "") for name, v in f["variants"].items()]
         if "oracle" in f["variants"]:
             lines += ["", "oracle: NOT PRIVATE — clients uploaded real features; a diagnostic upper bound."]
     messages = summary.get("messages") or {}
@@ -449,8 +451,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
                 lines.append(f"| {kind} | {direction.replace('_', ' ')} | {m['model_bytes']} | {entries or '-'} |")
     lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |" + (" val acc |" if has_val else ""),
               "|---|---|---|---|" + ("---|" if has_val else "")]
-    lines += [f"| {r['round']} | {_fmt(r.get('acc'))} | {_fmt(r.get('pm_acc'))} | {_fmt(r.get('train_loss'))} |"
-              + (f" {_fmt(r.get('val_acc'))} |" if has_val else "") for r in rows if "acc" in r or "pm_acc" in r]
+    lines += [f"| {r['round']} | {percent_cell(r.get('acc'))} | {percent_cell(r.get('pm_acc'))} | {percent_cell(r.get('train_loss'))} |"
+              + (f" {percent_cell(r.get('val_acc'))} |" if has_val else "") for r in rows if "acc" in r or "pm_acc" in r]
     comm = summary["communication_bytes"]
     if comm:
         lines += ["", "Communication (MB, whole run): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in comm.items())]

@@ -344,13 +344,14 @@ def process_threads() -> int:
 def setup_runtime(cfg: Config) -> tuple[MethodSpec, torch.device]:
     """The checked method and the device, with torch's settings applied (no data read)."""
     spec = check_config(cfg)
-    # every run sets it: a run without run.threads must not inherit an earlier run's in this process
-    torch.set_num_threads(cfg.run.threads or process_threads())
+    # every run sets its settings: a run must not inherit an earlier run's in this process
+    default_threads = process_threads()  # read before this run sets any
+    torch.set_num_threads(cfg.run.threads or default_threads)
     device = resolve_device(cfg.run.device)
-    if cfg.run.deterministic:
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        if device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums run to run
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
-            torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic = cfg.run.deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False  # autotuning picks kernels by timing, so it is off either way
+    if deterministic and device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(deterministic and device.type == "cuda", warn_only=True)
     return spec, device

@@ -38,6 +38,8 @@ from fedlt.bench.workers import run_in_workers
 from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import ConfigError, FedltError
+from fedlt.progress import duration
+from fedlt.results import write_atomic
 from fedlt.results import CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -689,11 +691,6 @@ class SuiteResult:
         return [c for c in self.skipped if c.diverged]
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
     """The suite a folder's report reads: its own seeds and any run beyond them (``--seeds`` runs some of
     a suite's seeds, or more; the folder keeps the suite's rows, whose own seeds stay some of these)."""
@@ -701,7 +698,7 @@ def write_suite_file(suite: Suite, out: Path, seeds: list[int] | None) -> None:
     tree["seeds"] = sorted(set(suite.spec.seeds) | set(seeds or []))
     tree["base"] = _portable(suite.base) if suite.base else None
     out.mkdir(parents=True, exist_ok=True)
-    (out / SUITE_FILE).write_text(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
+    write_atomic(out / SUITE_FILE, yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
 
 
 def _portable(base: Path) -> str:
@@ -875,7 +872,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
         left = len(todo) - done  # cells still to finish, `workers` at a time, at the mean cell time so far
         eta = sum(walls) / len(walls) * left / max(1, min(workers, left))
         echo(f"[bench {name}] {done + len(result.skipped)}/{len(cells)} | {cell.label}: {what} "
-             f"({_duration(info['wall_s'])}) | elapsed {_duration(elapsed)}, ETA {_duration(eta)}")
+             f"({duration(info['wall_s'])}) | elapsed {duration(elapsed)}, ETA {duration(eta)}")
 
     args = [(c, (base, c.overrides, str(c.run_dir), c.state, None if c.threads else threads)) for c in todo]
     if workers == 1 or len(todo) <= 1:
@@ -886,7 +883,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     kept = result.diverged_before
     echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before"
          + (f", {len(kept)} of them diverged" if kept else "") + f"), {len(result.failed)} failed"
-         + (f" (see {out / FAILED_FILE})" if result.failed or kept else "") + f"; {_duration(time.perf_counter() - t0)}")
+         + (f" (see {out / FAILED_FILE})" if result.failed or kept else "") + f"; {duration(time.perf_counter() - t0)}")
     for cell, error in [*result.failed, *((c, "diverged (kept from an earlier call)") for c in kept)]:
         echo(f"[bench {name}] failed: {cell.label}: {error}")
     return result
@@ -924,7 +921,7 @@ def load_failures(out: Path, pending: set[str] = frozenset()) -> dict[str, Any]:
 def _write_failures(out: Path, failures: dict[str, Any]) -> None:
     path = out / FAILED_FILE
     if failures:
-        path.write_text(json.dumps(list(failures.values()), indent=2) + "\n")
+        write_atomic(path, json.dumps(list(failures.values()), indent=2) + "\n")
     elif path.exists():
         path.unlink()
 

@@ -106,6 +106,8 @@ def _read(path: Path, map_location, mmap: bool) -> dict[str, Any]:
     except pickle.UnpicklingError:  # weights_only refused an object before building it
         raise FedltError(f"{path} holds Python objects that fedlt does not load (unpickling them could run code): "
                          f"{REFUSED}") from None
+    except (torch.cuda.OutOfMemoryError, MemoryError):  # a sound checkpoint that does not fit: not the file's fault
+        raise
     except Exception as err:  # a truncated or foreign file: tell the user which one
         raise FedltError(f"{path} is not a readable fedlt checkpoint ({type(err).__name__}); "
                          "delete it and start the run again") from None

@@ -585,8 +585,8 @@ class Simulation:
         try:
             if "loss" not in row:  # not evaluated yet
                 row.update(self.evaluate(row["round"]))
-        except Exception:  # noqa: BLE001 - a method's own evaluation of a NaN model may fail; the status says why
-            pass
+        except Exception as err:  # noqa: BLE001 - a method's own evaluation of a NaN model may fail: the reason says how
+            reason += f"; its evaluation failed too ({type(err).__name__}: {str(err).strip()[:160]})"
         row["diverged"] = True
         rows.append(row)
         append_metrics(run_dir, row)

@@ -53,15 +53,6 @@ def personal_module(ctx: ClientContext, name: str, module: nn.Module) -> nn.Modu
     return module
 
 
-def personal_linear(ctx: ClientContext, name: str, init: nn.Linear) -> nn.Linear:
-    """This client's personal linear head ``name`` from ``ctx.state``; a client without one
-    starts from a copy of ``init`` (e.g. the global head it just received)."""
-    head = torch.nn.utils.skip_init(nn.Linear, init.in_features, init.out_features, bias=init.bias is not None,
-                                    device=init.weight.device)
-    head.load_state_dict(init.state_dict())
-    return personal_module(ctx, name, head)
-
-
 def fresh_linear(like: nn.Linear, generator: torch.Generator) -> nn.Linear:
     """A new linear layer shaped like ``like`` with ``nn.Linear``'s initialisation drawn from
     ``generator`` (so it does not depend on the global RNG)."""

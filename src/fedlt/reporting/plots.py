@@ -33,8 +33,10 @@ def _save(fig, path: Path) -> Path:
     plt = _plt()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("tmp-" + path.name)
-    fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
+    try:  # closed however it ends: a long-lived process (a bench's report) would keep every failed figure
+        fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     os.replace(tmp, path)
     return path
 

@@ -79,18 +79,14 @@ INAT2018 = ListLayout(
 )
 
 
-def load_imagenet_lt(
-    root: Path, image_size: int = DEFAULT_IMAGE_SIZE, train_list: str | None = None, test_list: str | None = None
-) -> DatasetPair:
+def load_imagenet_lt(root: Path, image_size: int = DEFAULT_IMAGE_SIZE) -> DatasetPair:
     """ImageNet-LT (1000 classes; the test split is the balanced 50k list)."""
-    return load_list_dataset(IMAGENET_LT, root, image_size, train_list, test_list)
+    return load_list_dataset(IMAGENET_LT, root, image_size)
 
 
-def load_inat2018(
-    root: Path, image_size: int = DEFAULT_IMAGE_SIZE, train_list: str | None = None, test_list: str | None = None
-) -> DatasetPair:
+def load_inat2018(root: Path, image_size: int = DEFAULT_IMAGE_SIZE) -> DatasetPair:
     """iNaturalist 2018 (8142 classes; the official validation split serves as test split)."""
-    return load_list_dataset(INAT2018, root, image_size, train_list, test_list)
+    return load_list_dataset(INAT2018, root, image_size)
 
 
 def load_list_dataset(
