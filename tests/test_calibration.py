@@ -45,6 +45,14 @@ def without_timing(rows):
 def test_creff_backbone_is_fedavg_and_uploads_only_held_classes(tmp_path):
     fedavg = fedlt.run(tiny(tmp_path / "a", calibration_args={}), quiet=True)
     creff = fedlt.run(tiny(tmp_path / "b", method="creff", calibration=ALL_POST_HOC), quiet=True)
+    # the report names the head behind its headline, and CReFF's loss as its own objective
+    report = (creff.run_dir / "report.md").read_text()
+    assert report.startswith("# creff on synthetic-LT\n") and "GM: global model on the balanced test set (the " \
+        "backbone with creff's head; the model before it is the variant 'uncalibrated')." in report
+    fedrod = fedlt.run(tiny(tmp_path / "c", method="fedrod", calibration="ccvr", eval={"every": 4}), quiet=True)
+    report = (fedrod.run_dir / "report.md").read_text()
+    assert report.startswith("# fedrod + ccvr on synthetic-LT\n") and ", loss the method's own, seed 1." in report
+    assert fedrod.summary["loss"] == "the method's own" and fedavg.summary["loss"] == "ce"
     # CReFF broadcasts the plain FedAvg model: its uncalibrated variant is FedAvg, to the digit
     for plain, cal in zip(fedavg.metrics, creff.metrics):
         assert cal["variants"]["uncalibrated"]["acc"] == plain["acc"]

@@ -303,7 +303,7 @@ def test_boundary_values_are_valid(overrides: list[str]) -> None:
 
 def test_participation_that_samples_no_client_is_rejected() -> None:
     msg = config_error(overrides=["data.num_clients=10", "fl.participation=0.01"])
-    assert "fl.participation=0.01" in msg and "data.num_clients=10" in msg
+    assert msg.startswith("invalid config: fl.participation=0.01 samples no client out of data.num_clients=10")
     # the suggested value must itself be accepted and sample exactly one client
     assert "at least 0.1" in msg
     cfg = load_config(None, ["data.num_clients=10", "fl.participation=0.1"])
@@ -570,3 +570,14 @@ def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> N
     assert capsys.readouterr().err == ""
     _note_unread(cfg, quiet=False)
     assert capsys.readouterr().err == "note: method_args.finetune_lr is not read with finetune_epochs=0 (no fine-tuning)\n"
+
+
+def test_a_method_with_its_own_objective_names_no_configured_loss() -> None:
+    """SFD, FedRoD and the like read no loss.* setting: their summary, report and progress lines said 'ce'."""
+    from fedlt.results import loss_label, progress_label
+
+    assert progress_label(load_config(None, ["method=sfd"]), "sequential") == "sfd sequential"
+    assert loss_label(load_config(None, ["method=fedrod"])) == "the method's own"
+    assert progress_label(load_config(None, ["loss.name=bsm"]), "graphed") == "fedavg/bsm graphed"
+    assert loss_label(load_config(None, ["loss.name=bsm"])) == "bsm (prior local)"
+    assert loss_label(load_config(None, ["method=creff", "loss.name=focal"])) == "focal"

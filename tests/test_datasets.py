@@ -925,6 +925,9 @@ def test_an_empty_cifar_folder_is_named_as_empty_not_as_missing_inside_itself(tm
     message = error_of("cifar10", tmp_path)
     assert message.startswith(f"cifar10: {tmp_path / 'cifar-10-batches-py'} holds none of data_batch_1") and \
         "no cifar-10-batches-py/ in" not in message
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")  # some of it: what is missing is named
+    assert error_of("cifar10", tmp_path).startswith("cifar10: missing data_batch_2, data_batch_3, data_batch_4, "
+                                                     f"data_batch_5, test_batch, batches.meta in {tmp_path}")
 
 
 def test_cifar_binary_errors_name_the_file_at_fault(tmp_path: Path) -> None:

@@ -664,6 +664,8 @@ def test_a_resume_may_move_the_data_and_change_how_it_runs(tmp_path, monkeypatch
         with pytest.raises(ConfigError, match=re.escape(f"{refused.split('=')[0]}: a resumed run goes on with its "
                                                         "saved config; only run.*, data.root and eval.batch_size")):
             fedlt.resume(run_dir, overrides=[refused], quiet=True)
+    with pytest.raises(ConfigError, match=re.escape("how it runs); for another fl.rounds, start a new run with it")):
+        fedlt.resume(run_dir, overrides=["fl.rounds=5"], quiet=True)
     with pytest.raises(ConfigError, match=re.escape(f"run.name: a resumed run stays in its folder {run_dir}")):
         fedlt.resume(run_dir, overrides=["run.name=other"], quiet=True)  # was accepted and ignored
     moved = tmp_path / "moved"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -450,3 +451,17 @@ def test_a_calibration_whose_finish_returns_its_head_is_refused_instead_of_repor
             fedlt.run(run(tmp_path, "doubled", method="fedavg", calibration=["doubled"]), quiet=True)
     finally:
         del CALIBRATORS["doubled"]
+
+
+def test_resuming_a_plug_in_run_where_the_plug_in_is_missing_says_to_install_it(tmp_path) -> None:
+    import yaml
+
+    from fedlt.config import Config
+    from fedlt.errors import ConfigError
+
+    tree = Config().dump()
+    tree["method"] = "laavg"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path} ran method 'laavg', which no installed method or "
+                                                    "plug-in provides; install the plug-in that registers it")):
+        fedlt.resume(tmp_path, quiet=True)

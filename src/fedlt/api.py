@@ -12,6 +12,7 @@ import yaml
 from fedlt.config import Config, apply_overrides, build_config, load_config, override_list
 from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError
+from fedlt.methods.registry import METHODS
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
 from fedlt.run_parts import check_new_config, setup_parts, unread_settings
@@ -85,8 +86,13 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
                               "elsewhere, and resume the copy")
         if not key.startswith(RESUME_MAY_CHANGE):
             raise ConfigError(f"{key}: a resumed run goes on with its saved config; only run.*, data.root and "
-                              "eval.batch_size may change (where its files and data are, how it runs)")
+                              "eval.batch_size may change (where its files and data are, how it runs); for "
+                              f"another {key}, start a new run with it")
     cfg = load_config(run_dir / CONFIG_FILE, overrides)
+    if cfg.method not in METHODS:  # a plug-in's run, resumed where the plug-in is not installed
+        raise ConfigError(f"{run_dir} ran method '{cfg.method}', which no installed method or plug-in provides; install "
+                          "the plug-in that registers it (a finished run's summary.json names it under environment."
+                          "outside_code), check with `fedlt methods`, then resume")
     if cfg.engine == "flower":
         raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
     for name in (*RUN_FILES, CHECKPOINT_FILE):  # found now, not after the training it would throw away

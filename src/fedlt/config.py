@@ -583,6 +583,8 @@ def _describe(err: ValidationError) -> str:
         return (f"invalid config value {where}: {first.get('input')!r} where a section of keys is expected "
                 f"({', '.join(keys[:4])}, ...); in YAML put its keys under `{where}:`, as an override write "
                 f"{where}.{keys[0]}=VALUE")
+    if not _key_of(first["loc"]):  # a check across sections names its keys itself
+        return f"invalid config: {with_type_hint(first, Config)}"
     return f"invalid config value {where}: {with_type_hint(first, Config)}"
 
 

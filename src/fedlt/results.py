@@ -20,6 +20,7 @@ import yaml
 
 from fedlt.config import DIRICHLET_PARTITIONS, Config
 from fedlt.errors import ConfigError, FedltError
+from fedlt.methods.registry import get_method
 
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
     "config.yaml", "metrics.jsonl", "summary.json", "report.md", "curves.png",
@@ -200,6 +201,20 @@ def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def loss_label(cfg: Config) -> str:
+    """The loss a run trained with, as its summary, report and progress name it: a method with its own
+    objective reads no ``loss.*`` setting, so its runs name no configured loss."""
+    if not get_method(cfg.method).uses_loss_config:
+        return "the method's own"
+    return cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})"
+
+
+def progress_label(cfg: Config, backend: str) -> str:
+    """``[fedavg/bsm sequential]``, ``[sfd sequential]``: what a run's progress lines start with."""
+    own = loss_label(cfg) == "the method's own"
+    return f"{cfg.method if own else f'{cfg.method}/{cfg.loss.name}'} {backend}"
+
+
 def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     """Headline = the final round; the best round is reported separately and labelled as such,
     chosen on validation accuracy where the run has a validation set."""
@@ -215,7 +230,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
     return {
         "method": cfg.method,
         "dataset": cfg.data.dataset,
-        "loss": cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})",
+        "loss": loss_label(cfg),
         "rounds": cfg.fl.rounds,
         # server_metrics: the method's own numbers of the final round (privacy parameters, proxy
         # diagnostics ...), so a summary alone says how the run was made
@@ -386,14 +401,15 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
     d = cfg.data
     has_val = f.get("val_acc") is not None
     has_val_pm = f.get("val_pm_acc") is not None
+    calibrated = summary.get("calibration") or []  # the first is the headline's head
+    added = [name for name in calibrated[:1] if name not in get_method(cfg.method).calibration]  # not its own
     lines = [
-        f"# {cfg.method} on {d.dataset}-LT",
+        f"# {cfg.method}{''.join(' + ' + name for name in added)} on {d.dataset}-LT",
         "",
         f"IF={d.imbalance_factor:g}, {d.partition} partition"
         + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "")
         + f", {d.num_clients} clients, participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
-        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {cfg.loss.name}"
-        f" (prior {cfg.loss.prior}), seed {cfg.seed}.",
+        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}.",
         "",
         f"{summary.get('data', '')}",
         "",
@@ -411,7 +427,10 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         + (f" {percent_cell(b.get('val_acc'))} |" if has_val else "")
         + (f" {percent_cell(b.get('val_pm_acc'))} |" if has_val_pm else ""),
         "",
-        "GM: global model on the balanced test set. PM: mean over clients of accuracy on local test sets "
+        "GM: global model on the balanced test set"
+        + (f" (the backbone with {calibrated[0]}'s head; the model before it is the variant 'uncalibrated')"
+           if calibrated else "")
+        + ". PM: mean over clients of accuracy on local test sets "
         "drawn from the test set in each client's training proportions."
         + (" val: the global model on the balanced validation set (data.val_per_class), disjoint from the "
            "training federation and the test set: make choices on it." if has_val else "")

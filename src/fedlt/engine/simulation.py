@@ -41,8 +41,8 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, read_metrics, rewrite_metrics,
-    save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
+    ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, progress_label, read_metrics,
+    rewrite_metrics, save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
 )
 from fedlt.run_parts import choose_backend, no_global_model_refusal, outside_code
 from fedlt.training.graphed import GraphedTrainer
@@ -485,7 +485,7 @@ class Simulation:
             self._write_partition(run_dir)  # drawn from the seed: a damaged one is made again
             if start == cfg.fl.rounds and ckpt.get("artifacts") and not (run_dir / ARTIFACTS_FILE).is_file():
                 self._save_artifacts(run_dir, ckpt["artifacts"])  # a finished run's, lost since
-        progress = Progress(cfg.fl.rounds, start, f"{cfg.method}/{cfg.loss.name} {self.backend}", quiet)
+        progress = Progress(cfg.fl.rounds, start, progress_label(cfg, self.backend), quiet)
         if not resume:
             rows = []
             try:

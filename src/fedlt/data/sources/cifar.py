@@ -126,9 +126,9 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
                    if (d / layout.binary[3]).is_file() or (d / layout.binary[2]).is_file()), None)
     if binary is not None and not (root / layout.meta).is_file() and not (root / layout.folder).is_dir():
         return _load_binary(layout, binary)
-    folder = root if (root / layout.meta).is_file() else root / layout.folder
+    folder = root if (root / layout.meta).is_file() or root.name == layout.folder else root / layout.folder
     names = [*layout.train, layout.test, layout.meta]
-    if not folder.is_dir() and root.name == layout.folder:  # data.root narrowed to the dataset's own, empty, folder
+    if folder == root and not any((root / name).is_file() for name in names):  # the dataset's own folder, empty
         raise DataError(f"{layout.dataset}: {root} holds none of {', '.join(names)}; "
                         f"{unextracted([root.parent], [layout.archive]) or _fix(layout)}")
     if not folder.is_dir():
