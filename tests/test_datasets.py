@@ -1121,3 +1121,70 @@ def test_available_memory_is_capped_by_a_containers_memory_limit(tmp_path, monke
     monkeypatch.setattr(common, "Path", lambda p: meminfo if p == "/proc/meminfo" else real_path(p))
     monkeypatch.setattr(common, "CGROUP_MEMORY", (files,))
     assert common.available_memory() == expected
+
+
+# ----------------------------------------------------------------------------- a user's own image folders
+
+
+def write_image_folders(root: Path, classes=("owl", "cat", "dog"), counts=(6, 2, 1), side: int = 8,
+                        splits=("train", "test", "val")) -> dict[str, np.ndarray]:
+    """RGB PNGs in ROOT/<split>/<class>/, class c's pixels all equal to 40 c + i; returns each split's labels."""
+    labels = {}
+    for split in splits:
+        rows = []
+        for c, name in enumerate(sorted(classes)):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(counts[c] if split == "train" else 2):
+                Image.fromarray(np.full((side, side, 3), 40 * c + i, np.uint8)).save(folder / f"{name}{i}.png")
+                rows.append(c)
+        labels[split] = np.array(rows)
+    return labels
+
+
+def test_a_users_image_folders_load_as_a_dataset_with_sorted_classes_and_declared_statistics(tmp_path) -> None:
+    from fedlt.data.declaration import declared_dataset
+
+    write_image_folders(tmp_path)
+    pair = load_dataset("imagefolder", root=str(tmp_path), image_size=8, with_val=True, every_class=True)
+    assert pair.train.classes == ["cat", "dog", "owl"] and pair.train.num_classes == 3
+    assert pair.train.class_counts().tolist() == [6, 2, 1] and pair.test.class_counts().tolist() == [2, 2, 2]
+    assert pair.val.class_counts().tolist() == [2, 2, 2]
+    assert tuple(pair.train.images.shape) == (9, 3, 8, 8) and pair.train.images.dtype == torch.uint8
+    # a row's pixels are its class's: labels follow the sorted folder names
+    assert all(int(x[0, 0, 0]) // 40 == int(y) for x, y in zip(pair.train.images, pair.train.labels))
+    declared = declared_dataset(DataConfig(dataset="imagefolder", image_size=8, classes=["cat", "dog", "owl"]))
+    assert (declared.mean, declared.std, declared.channels) == (pair.train.mean, pair.train.std, 3)
+    __import__("shutil").rmtree(tmp_path / "val")
+    assert error_of("imagefolder", tmp_path, image_size=8, with_val=True).startswith(
+        f"imagefolder: no val/ in {tmp_path}, so it has no validation split of its own; add val/<class>/")
+
+
+def test_a_users_image_folders_train_a_federation(tmp_path) -> None:
+    import fedlt
+
+    write_image_folders(tmp_path / "data", counts=(12, 12, 12), splits=("train", "test"))
+    res = fedlt.run(None, overrides=["data.dataset=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=8",
+                                     "data.imbalance_factor=4", "data.num_clients=3", "fl.rounds=1", "run.threads=1",
+                                     f"run.out_dir={tmp_path / 'runs'}"], quiet=True)
+    assert res.summary["class_names"] == ["cat", "dog", "owl"] and res.summary["train_class_counts"] == [12, 6, 3]
+    assert res.summary["final"]["acc"] is not None
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda root: __import__("shutil").rmtree(root / "test"), "imagefolder: no test/ in {root}; pass data.root=DIR"),
+    (lambda root: (root / "test" / "emu").mkdir(),
+     "imagefolder: unknown class folder {root}/test/emu; every split has train/'s: cat, dog, owl"),
+    (lambda root: Image.new("L", (8, 8)).save(root / "train" / "cat" / "grey.png"),
+     "imagefolder: image {root}/train/cat/grey.png has 1 channel(s) (mode L), expected 3 (mode RGB); save it as a "
+     "RGB image"),
+    (lambda root: Image.new("RGB", (9, 8)).save(root / "test" / "dog" / "wide.png"),
+     "imagefolder: image {root}/test/dog/wide.png is 9x8, expected 8x8; images are not resized, resize it or give "
+     "data.image_size the side every image has"),
+    (lambda root: (root / "train" / "cat" / "notes.txt").write_text("x"),
+     "imagefolder: {root}/train/cat/notes.txt is not a .png/.jpg/.jpeg image; convert or remove it"),
+])
+def test_a_users_image_folders_name_what_is_wrong_in_one_line(tmp_path, damage, fragment) -> None:
+    write_image_folders(tmp_path, splits=("train", "test"))
+    damage(tmp_path)
+    assert error_of("imagefolder", tmp_path, image_size=8).startswith(fragment.format(root=tmp_path))

@@ -118,6 +118,15 @@ DATASETS: dict[str, DatasetInfo] = {
         resizable=True,
         long_tailed=True,
     ),
+    "imagefolder": DatasetInfo(
+        "your own images: RGB PNG or JPEG files of side data.image_size (default 32) in DIR/train/<class>/ and "
+        "DIR/test/<class>/ (optionally DIR/val/<class>/), data.root=DIR; classes in sorted folder order",
+        lambda root, size: _folders().load_folder_dataset(root, size),
+        subfolder="imagefolder",
+        image_size=32,
+        resizable=True,
+        val_loader=lambda root, size, classes: _folders().load_folder_val(root, size, classes),
+    ),
     "synthetic": DatasetInfo(
         "seeded toy dataset for tests and smoke runs, 10 classes, 3xSxS (data.image_size, default 16), "
         "3000/1000; generated, no files",
@@ -136,6 +145,13 @@ DATASETS: dict[str, DatasetInfo] = {
         resizable=True,
     ) for name, (classes, train, test) in synthetic.STAND_INS.items()},
 }
+
+def _folders():
+    """The image-folder reader, imported when used: it reads a federation's declarations, which read this registry."""
+    from fedlt.data.sources import imagefolder
+
+    return imagefolder
+
 
 #: the datasets every process of fedlt knows; one added to DATASETS in code exists in its own process only
 BUILTIN_DATASETS = frozenset(DATASETS)
