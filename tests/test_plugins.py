@@ -26,6 +26,7 @@ from fedlt.cli import app
 from fedlt.errors import ConfigError
 from fedlt.methods.base import Client, MethodSpec, Server
 from fedlt.methods.registry import METHODS
+from fedlt.models.registry import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fedlt-example-plugin"
@@ -53,10 +54,10 @@ def site(tmp_path, monkeypatch):
     for path in reversed(paths):
         monkeypatch.syspath_prepend(path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
-    for registry in (METHODS, CALIBRATORS):
+    for registry in (METHODS, CALIBRATORS, MODELS):
         registry.forget_plugins()
     yield site
-    for registry in (METHODS, CALIBRATORS):  # rediscovered lazily, on the restored sys.path
+    for registry in (METHODS, CALIBRATORS, MODELS):  # rediscovered lazily, on the restored sys.path
         registry.forget_plugins()
 
 
@@ -105,6 +106,13 @@ def test_example_plugin_is_listed_with_its_package_and_runs_in_process(example, 
     assert result.summary["environment"]["outside_code"] == {"clipavg": "plug-in fedlt-example-plugin 0.1.0",
                                                             "equalnorm": "plug-in fedlt-example-plugin 0.1.0"}
     assert "outside_code" not in fedavg.summary["environment"]
+    # the plug-in's model: listed with its package, trained like a built-in, named beside the hash
+    models = CliRunner().invoke(app, ["models"])
+    assert "mlp            two-layer perceptron on the flattened image, 256-d feature [plug-in: " \
+           "fedlt-example-plugin 0.1.0]" in models.output
+    mlp = fedlt.run(run(tmp_path, "mlp", method="fedavg", model={"name": "mlp"}), quiet=True)
+    assert finite(mlp.summary) and mlp.summary["environment"]["outside_code"] == {
+        "mlp": "plug-in fedlt-example-plugin 0.1.0"}
     # its declarations are checked like a built-in's: the server reads each reply, equalnorm needs a learned head
     with pytest.raises(ConfigError, match="method clipavg's server reads each client's fit reply"):
         fedlt.run(run(tmp_path, "secure", secagg={"enabled": True}), quiet=True)
@@ -465,3 +473,35 @@ def test_resuming_a_plug_in_run_where_the_plug_in_is_missing_says_to_install_it(
     with pytest.raises(ConfigError, match=re.escape(f"{tmp_path} ran method 'laavg', which no installed method or "
                                                     "plug-in provides; install the plug-in that registers it")):
         fedlt.resume(tmp_path, quiet=True)
+
+
+def test_a_model_registered_in_code_is_checked_once_and_refused_where_it_cannot_reach(tmp_path):
+    """A model from outside fedlt is built once on blank images before its run: an encoder that does not
+    flatten is one line naming the model, not a shape error mid-training; registered in code, it does not
+    reach the workers of run.backend=parallel, which say so before anything is written."""
+    from torch import nn
+
+    from fedlt.models import FedModel
+    from fedlt.models.registry import ModelEntry
+
+    def unflat(num_classes, in_channels=3, image_size=32):
+        return FedModel(nn.Conv2d(in_channels, 4, 3, padding=1), feature_dim=4, num_classes=num_classes)
+
+    def flat(num_classes, in_channels=3, image_size=32):
+        return FedModel(nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 8)), 8, num_classes)
+
+    MODELS["unflat"], MODELS["flat"] = ModelEntry(unflat, "forgets to flatten"), ModelEntry(flat, "flat")
+    try:
+        with pytest.raises(ConfigError, match=re.escape("model 'unflat': its encoder maps 2 images to features of "
+                                                        "shape (2, 4, 16, 16), not (2, 4) (feature_dim); flatten")):
+            fedlt.run(run(tmp_path, "unflat", method="fedavg", model={"name": "unflat"}), quiet=True)
+        assert not (tmp_path / "unflat").exists()
+        with pytest.raises(ConfigError, match=r"^model flat is registered in this process's code, and the worker "
+                                              r"processes of run.backend=parallel build the run by name .* a "
+                                              r"fedlt.models entry point"):
+            fedlt.run(run(tmp_path, "par", method="fedavg", model={"name": "flat"}, run={"backend": "parallel"}),
+                      quiet=True)
+        ok = fedlt.run(run(tmp_path, "flat", method="fedavg", model={"name": "flat"}), quiet=True)
+        assert finite(ok.summary) and ok.summary["environment"]["outside_code"] == {"flat": "registered in code"}
+    finally:
+        del MODELS["unflat"], MODELS["flat"]

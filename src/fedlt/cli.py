@@ -207,7 +207,7 @@ def datasets_cmd() -> None:
 
 @app.command("models")
 def models_cmd() -> None:
-    """List the models, one line each."""
+    """List the models, one line each (a plug-in's names its package)."""
     from fedlt.models import list_models
 
     for name, desc in list_models():

@@ -25,7 +25,7 @@ def collect(device: torch.device | str | None = None, backend: str | None = None
             outside_code: dict[str, str] | None = None) -> dict[str, Any]:
     """The environment of the calling process now (call it during or right after the run:
     ``threads`` is torch's current setting); ``backend`` is how the run trained its clients;
-    ``outside_code`` names the run's method and calibrations whose code is not fedlt's (a plug-in and
+    ``outside_code`` names the run's method, calibrations and model whose code is not fedlt's (a plug-in and
     its version, or one registered in code), which fedlt's source hash does not cover."""
     device = torch.device(device) if device is not None else None
     return {

@@ -174,8 +174,9 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
         where, other = "the worker processes of run.backend=parallel", "run.backend=sequential"
     if where is None:
         return
-    named = [("method", cfg.method, METHODS, "writing-a-method"),  # both kinds of entry point are described there
-             *(("calibration", n, CALIBRATORS, "writing-a-method") for n in cfg.calibration)]
+    named = [("method", cfg.method, METHODS, "writing-a-method"),  # every kind of entry point is described there
+             *(("calibration", n, CALIBRATORS, "writing-a-method") for n in cfg.calibration),
+             ("model", cfg.model.name, MODELS, "writing-a-method")]
     for kind, name, registry, page in named:
         if registry.in_code_only(name):
             raise ConfigError(f"{kind} {name} is registered in this process's code, and {where} build the run by "
@@ -187,9 +188,9 @@ def check_built_by_name(cfg: Config, elsewhere: tuple[str, str] | None = None) -
 
 
 def outside_code(cfg: Config) -> dict[str, str]:
-    """The run's method and calibrations whose code is not fedlt's, with where it comes from
+    """The run's method, calibrations and model whose code is not fedlt's, with where it comes from
     (:meth:`fedlt.plugins.PluginRegistry.provenance`): a run records them beside fedlt's source hash."""
-    named = [(cfg.method, METHODS), *((name, CALIBRATORS) for name in cfg.calibration)]
+    named = [(cfg.method, METHODS), *((name, CALIBRATORS) for name in cfg.calibration), (cfg.model.name, MODELS)]
     return {name: origin for name, registry in named if (origin := registry.provenance(name)) is not None}
 
 

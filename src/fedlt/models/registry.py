@@ -2,12 +2,15 @@
 model from a name.
 
 Every entry declares its input (:class:`ModelInput`), so ``check_config`` can refuse a model x
-dataset pair from the registries alone, before any data are read. A model registered from
-outside the package declares its own::
+dataset pair from the registries alone, before any data are read. A model from outside the package
+declares its own, in a ``fedlt.models`` entry point that names a :class:`ModelEntry` (found by every
+process: bench workers, ``run.backend=parallel``, Flower's nodes), or in code, for this process only::
 
     MODELS["mine"] = ModelEntry(builder, "my network, 512-d feature", ModelInput(min_image_size=32, channels=(3,)))
 
-(a plain ``(builder, description)`` pair gets :data:`DEFAULT_INPUT`).
+(a plain ``(builder, description)`` pair gets :data:`DEFAULT_INPUT`). Such a model is built once on two
+blank images before its run starts, so a broken encoder/head contract is one line, not a shape error
+deep in training.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
+import torch
+
 from fedlt.config import DataConfig
 from fedlt.errors import ConfigError
+from fedlt.plugins import PluginRegistry
 from fedlt.models.base import FedModel
 from fedlt.models.cnn import cnn
 from fedlt.models.resnet import resnet8, resnet18, resnet32, resnet34, resnet50
@@ -75,7 +81,15 @@ class ModelEntry(NamedTuple):
 _FOUR_STAGES = ModelInput(9, why="four stride-2 stages leave a 1x1 map, on which BatchNorm cannot train "
                                  "a client's single image")
 
-MODELS: OrderedDict[str, ModelEntry] = OrderedDict(
+def model_from_plugin(name: str, loaded: object) -> ModelEntry:
+    """What a ``fedlt.models`` entry point loads: a :class:`ModelEntry` (or a ``(builder, description)`` pair)."""
+    if isinstance(loaded, tuple) and len(loaded) in (2, 3) and callable(loaded[0]) and isinstance(loaded[1], str):
+        return ModelEntry(*loaded)
+    raise TypeError(f"loads an object of type {type(loaded).__name__}, not a fedlt.models.registry.ModelEntry; point "
+                    "the entry point at ModelEntry(builder, description, ModelInput(...))")
+
+
+MODELS: PluginRegistry[ModelEntry] = PluginRegistry("fedlt.models", "model", OrderedDict(
     [
         ("cnn", ModelEntry(cnn, "small CNN, 2 conv + FC, 128-d feature (~150k params, CPU default)")),
         ("resnet8", ModelEntry(resnet8, "ResNet-8 of CReFF/FedYoYo, 256-d feature (~1.2M params)")),
@@ -84,12 +98,13 @@ MODELS: OrderedDict[str, ModelEntry] = OrderedDict(
         ("resnet34", ModelEntry(resnet34, "CIFAR-style ResNet-34, 512-d feature (~21.3M params)", _FOUR_STAGES)),
         ("resnet50", ModelEntry(resnet50, "bottleneck ResNet-50, 2048-d feature (~23.5M params)", _FOUR_STAGES)),
     ]
-)
+), model_from_plugin)
 
 
 def list_models() -> list[tuple[str, str]]:
-    """``(name, description)`` pairs in registry order, for ``fedlt models``."""
-    return [(name, entry[1]) for name, entry in MODELS.items()]
+    """``(name, description)`` pairs in registry order, for ``fedlt models``; a plug-in's names its distribution."""
+    return [(name, entry[1] + (f" [plug-in: {origin}]" if (origin := MODELS.origin(name)) else ""))
+            for name, entry in MODELS.items()]
 
 
 def model_input(name: str) -> ModelInput:
@@ -166,4 +181,36 @@ def create_model(
     if unknown:
         accepted = ", ".join(sorted(options)) or "none"
         raise ConfigError(f"model {name!r} does not take option(s) {', '.join(unknown)}: accepted options are {accepted}")
-    return builder(num_classes=num_classes, in_channels=in_channels, image_size=image_size, **kwargs)
+    model = builder(num_classes=num_classes, in_channels=in_channels, image_size=image_size, **kwargs)
+    if MODELS.provenance(name) is not None:  # not fedlt's own: its contract is checked once, before training
+        check_contract(name, model, in_channels, image_size)
+    return model
+
+
+def check_contract(name: str, model: object, in_channels: int, image_size: int) -> None:
+    """A model from outside fedlt is a FedModel whose encoder maps two blank images to (2, feature_dim)
+    features and whose head maps those to (2, num_classes) logits; a one-line ConfigError otherwise."""
+    if not isinstance(model, FedModel):
+        raise ConfigError(f"model {name!r} builds a {type(model).__name__}, not a fedlt.models.FedModel; wrap its "
+                          "layers as FedModel(encoder, feature_dim, num_classes)")
+    was_training = model.training
+    model.eval()  # no BatchNorm statistics move
+    try:
+        device = next(model.parameters(), torch.empty(0)).device
+        with torch.no_grad():
+            features = model.forward_features(torch.zeros(2, in_channels, image_size, image_size, device=device))
+            shape = tuple(features.shape)
+            if shape != (2, model.feature_dim):
+                raise ConfigError(f"model {name!r}: its encoder maps 2 images to features of shape {shape}, not "
+                                  f"(2, {model.feature_dim}) (feature_dim); flatten its output (e.g. end the encoder "
+                                  "with nn.Flatten()) or give FedModel the encoder's width")
+            logits = tuple(model.forward_head(features).shape)
+    except RuntimeError as err:
+        problem = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"model {name!r} fails on 2 blank {in_channels}x{image_size}x{image_size} images "
+                          f"({problem}); check its layers against the dataset's images") from None
+    finally:
+        model.train(was_training)
+    if logits != (2, model.num_classes):
+        raise ConfigError(f"model {name!r}: its head maps the features to logits of shape {logits}, not "
+                          f"(2, {model.num_classes}) (num_classes)")
