@@ -115,6 +115,9 @@ def check_resumed_config(cfg: Config, run_dir: Path, ckpt: dict[str, Any]) -> No
 
 @dataclass
 class RunResult:
+    """A finished run: its folder, ``summary.json`` and ``metrics.jsonl`` as read back (docs/api.md,
+    "The run directory", names their keys)."""
+
     run_dir: Path
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
