@@ -489,6 +489,7 @@ def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tm
     monkeypatch.chdir(tmp_path)  # the SuperLink's working directory: neither config nor runs are here
     resolved = deployed_config({"config": "configs/mine.yaml", "overrides": "fl.rounds=3"}, app)
     assert resolved.fl.rounds == 3 and resolved.run.out_dir == str(app / "runs")
+    assert resolved.engine == "flower"  # the engine it runs on, though the file leaves the default
 
     outcome = tmp_path / "outcome.json"
     monkeypatch.setenv(OUTCOME_ENV, str(outcome))

@@ -61,6 +61,7 @@ def assert_round_trip(out: Path, cfg: Config, data: FederatedData) -> None:
     """Every node folder holds its client's rows and local test set in order; the server its sets."""
     deployed = load_config(out / "federation.yaml")
     assert deployed.flower.node_data is True and deployed.engine == "flower"
+    assert deployed.flower.min_nodes == data.num_clients  # every site awaited
     check_config(deployed)  # the exported config is one a deployment accepts
     declared = declared_dataset(deployed.data)
     classes = declared.classes

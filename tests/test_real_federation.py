@@ -354,6 +354,16 @@ def test_a_node_started_for_a_simulated_partition_is_refused_with_the_node_confi
         node_run(node_tree(tmp_path, "partition", exported), grid)
 
 
+def test_two_nodes_of_one_name_stop_the_run_before_it_starts(tmp_path, exported, server_identity):
+    """Which of two same-named nodes answered first is chance: keeping it trained on the wrong site's data."""
+    grid = NodeGrid(nodes_of(exported))
+    grid.contexts[200].node_config = {**grid.contexts[201].node_config, "data": grid.contexts[200].node_config["data"]}
+    with pytest.raises(FedltError, match=r"^two SuperNodes are named 'client-1' \(nodes \d+ and \d+\), so which one "
+                                         "holds that site's data is unknown; give each node its own name"):
+        node_run(node_tree(tmp_path, "twins", exported), grid)
+    assert not (tmp_path / "runs" / "twins").exists()
+
+
 def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
     nodes = nodes_of(exported)
     grid = NodeGrid(nodes, late={"zz-late": nodes["client-0"]})

@@ -224,3 +224,20 @@ def test_per_class_accuracy_is_averaged_by_class_size_rank_under_any_class_order
     sizes, acc = by_class_size(runs)
     assert sizes.tolist() == [1.0, 10.0, 100.0] and acc.tolist() == [15.0, 55.0, 85.0]  # by index: [75, 35, 45]
     assert_readable_png(plot_per_class(Setting("s", [Row("FedAvg", None, runs)]), tmp_path / "per-class.png"))
+
+
+def test_a_report_of_runs_aborted_before_their_class_counts_were_known_draws_no_per_class_plot(tiny_suite,
+                                                                                                tmp_path):
+    """A Flower run aborted early has no train_class_counts in its summary: the report stopped with a
+    KeyError half-way through its figures."""
+    import shutil
+
+    _, out, _ = tiny_suite
+    copy = tmp_path / "runs"
+    shutil.copytree(out, copy)
+    for path in copy.rglob("summary.json"):
+        summary = json.loads(path.read_text())
+        del summary["train_class_counts"]
+        path.write_text(json.dumps({**summary, "status": "aborted", "reason": "stopped", "rounds_done": 1}))
+    names = {p.name for p in write_report(copy, tmp_path / "report").files}
+    assert "per-class-if-10-alpha-0-5.png" not in names and "curves-if-10-alpha-0-5.png" in names

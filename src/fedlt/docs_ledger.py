@@ -20,13 +20,13 @@ from fedlt.run_parts import check_config
 from fedlt.config import build_config
 from fedlt.errors import ConfigError
 
-#: the smallest knobs that keep a method's own steps cheap (the ledger's shapes do not depend on them
-#: beyond sample counts)
+#: the smallest knobs that keep a method's own steps cheap; the ledger's shapes do not depend on them
+#: beyond sample counts (the random features' width, which an upload's shape shows, stays the default)
 _CHEAP = {"fedloge": {"sse_steps": 5}, "fedetf": {"adapt_iterations": 1, "adapt_epochs": 1},
           "fedbabu": {"finetune_epochs": 1}, "fedrep": {"head_epochs": 1}}
 _CHEAP_CALIBRATION = {"creff_features_per_class": 5, "creff_feature_steps": 2, "creff_retrain_steps": 2,
                       "retrain_steps": 2, "ccvr_virtual_per_class": 5, "safs_steps": 1, "safs_finetune_epochs": 1,
-                      "safs_rff_dim": 16, "safs_max_per_class": 4, "safs_min_per_class": 2}
+                      "safs_max_per_class": 4, "safs_min_per_class": 2}
 
 
 def tiny(method: str, out: Path) -> dict[str, Any]:

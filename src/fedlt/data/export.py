@@ -13,7 +13,8 @@ data (``flower.node_data``; format and row order in :mod:`fedlt.data.sources.ima
 ``<k>`` is zero-padded to the width of K-1, so sorted node names are client order. ``NNNNNN`` is
 the row's position in its split (at least six digits, one width per split), so loading a folder
 gives the rows back in order; PNG is lossless, so the pixels come back bit-identical.
-``federation.yaml`` has ``data.classes`` filled in and ``flower.node_data: true``.
+``federation.yaml`` has ``data.classes`` filled in, ``flower.node_data: true`` and ``flower.min_nodes`` set to
+the number of sites.
 
 The export is written into a hidden ``.OUT.partial-*`` folder beside OUT and renamed to OUT at the
 end (into a hidden ``OUT/.partial-*`` folder whose entries are moved up, when OUT is an existing
@@ -154,10 +155,11 @@ def _classes(cfg: Config, data: FederatedData) -> list[str]:
 
 def _federation_config(cfg: Config, classes: list[str]) -> dict:
     """The config the federation is deployed with: this one, its class names written out, node data on
-    Flower."""
+    Flower, and every site awaited (a server that started with fewer would train without the rest)."""
     tree = cfg.dump()
     tree["data"]["classes"] = classes
     tree["flower"]["node_data"] = True
+    tree["flower"]["min_nodes"] = cfg.data.num_clients
     tree["engine"] = "flower"
     tree["data"]["val_per_class"] = 0  # the server reads its validation set from server/val (eval.val_data)
     build_config(tree)  # a config fedlt would refuse to read back must not be written

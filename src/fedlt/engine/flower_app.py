@@ -331,12 +331,13 @@ def app_dir(grid: Grid) -> Path | None:
 
 
 def deployed_config(run_config: dict[str, Any], base: Path | None) -> Config:
-    """The run config's fedlt config; relative paths (``config``, ``run.out_dir``) resolve
-    against the app directory ``base``, not the SuperLink's working directory."""
+    """The run config's fedlt config, on Flower's engine (the one it runs on, whatever the file says);
+    relative paths (``config``, ``run.out_dir``) resolve against the app directory ``base``, not the
+    SuperLink's working directory."""
     path = str(run_config.get("config", "")) or None
     if path and base is not None and not Path(path).is_absolute():
         path = str(base / path)
-    overrides = shlex.split(str(run_config.get("overrides", "")))
+    overrides = ["engine=flower", *shlex.split(str(run_config.get("overrides", "")))]
     cfg = load_config(path, overrides)
     if base is not None and not Path(cfg.run.out_dir).is_absolute():
         cfg = load_config(path, [*overrides, f"run.out_dir={base / cfg.run.out_dir}"])
@@ -401,7 +402,8 @@ def main(grid: Grid, context: Context) -> None:
                 rounds_done=max(sim.round_started - 1, 0) if sim else 0)
         raise
     _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds)
-    print(f"fedlt: {result.run_dir}: final acc {result.summary['final'].get('acc')}", flush=True)
+    acc = result.summary["final"].get("acc")
+    print(f"fedlt: {result.run_dir}: final acc {'-' if acc is None else f'{acc:.2f}'}", flush=True)
 
 
 def simulation_backend(cfg: Config) -> dict[str, Any]:

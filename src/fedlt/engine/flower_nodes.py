@@ -142,7 +142,8 @@ class NodeDataSimulation(FlowerSimulation):
 
     def _wait_for_nodes(self) -> dict[int, str]:
         """Node id -> name of the SuperNodes that answered, once ``flower.min_nodes`` have, within
-        ``flower.connect_timeout_s``; a node with a name already taken is left out, with a log line."""
+        ``flower.connect_timeout_s``. Two nodes of one name stop the run: which holds the site's data is
+        unknown (replies come in any order), and keeping either would train on the wrong one."""
         fl = self.cfg.flower
         deadline = time.monotonic() + fl.connect_timeout_s
         found: dict[int, str] = {}
@@ -159,9 +160,11 @@ class NodeDataSimulation(FlowerSimulation):
                                          'has flower.node_data=true; start every SuperNode with --node-config '
                                          '\'data="PATH" name="SITE"\'')
                     if meta["name"] in found.values():
-                        log(f"fedlt: a second SuperNode named {meta['name']!r} (node {node}) is refused; give each "
-                            "node its own name")
-                        continue
+                        other = next(n for n, name in found.items() if name == meta["name"])
+                        raise FedltError(f"two SuperNodes are named {meta['name']!r} (nodes {other} and {node}), so "
+                                         "which one holds that site's data is unknown; give each node its own name "
+                                         "(--node-config 'data=\"PATH\" name=\"SITE\"'), stop the extra one, and "
+                                         "start the run again")
                     found[node] = meta["name"]
             if len(found) >= fl.min_nodes:
                 return found

@@ -222,9 +222,9 @@ def by_class_size(runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
     one seed and the tail in another, so averaging by index would mix head and tail."""
     sizes, accs = [], []
     for run in runs:
-        acc = run.summary["final"].get("per_class_acc")
-        if acc:
-            counts = np.asarray(run.summary["train_class_counts"], dtype=float)
+        acc, counts = run.summary["final"].get("per_class_acc"), run.summary.get("train_class_counts")
+        if acc and counts:  # a run aborted before its counts were known has none
+            counts = np.asarray(counts, dtype=float)
             rank = np.argsort(counts, kind="stable")
             sizes.append(counts[rank])
             accs.append(np.asarray(acc, dtype=float)[rank])
@@ -234,7 +234,7 @@ def by_class_size(runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
 def plot_per_class(setting: Setting, path: Path) -> Path | None:
     """Final per-class accuracy against the class's training samples (log x), per method row."""
     rows = [r for r in setting.rows if r.variant is None and r.runs
-            and r.runs[0].summary.get("final", {}).get("per_class_acc")]
+            and r.runs[0].summary.get("final", {}).get("per_class_acc") and r.runs[0].summary.get("train_class_counts")]
     if not rows:
         return None
     plt = _plt()
