@@ -903,3 +903,15 @@ def test_a_checkpoint_that_does_not_fit_in_memory_is_not_called_unreadable(tmp_p
     kind = RuntimeError  # a damaged file is still named as one
     with pytest.raises(FedltError, match="is not a readable fedlt checkpoint \\(RuntimeError\\); delete it"):
         checkpoint.load_checkpoint(tmp_path)
+
+
+def test_a_progress_line_of_a_round_without_accuracy_has_no_empty_field(capsys):
+    from fedlt.progress import Progress
+
+    progress = Progress(3, 0, "fedavg/ce sequential", quiet=False)
+    progress.update(1, {"train_loss": 1.0})  # a round the run did not evaluate, as a federation may report it
+    progress.update(2, {"acc": 51.234})
+    first, second = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"\[fedavg/ce sequential\] round 1/3 \| \d+\.\d\d s/round \| ETA \dm\d\ds", first), first
+    assert re.fullmatch(r"\[fedavg/ce sequential\] round 2/3 \| acc 51\.23 \| \d+\.\d\d s/round \| ETA \dm\d\ds",
+                        second), second

@@ -470,3 +470,17 @@ def test_cli_export_writes_a_federation(tmp_path: Path) -> None:
     assert (out / "nodes" / "client-1" / "train").is_dir() and (out / "server" / "test").is_dir()
     # the command it suggests evaluates on every set it wrote for the server
     assert proc.stdout.rstrip().endswith(f"{out / 'federation.yaml'} eval.val_data={out / 'server' / 'val'}")
+
+
+def test_a_server_sets_errors_name_the_setting_not_a_node(tmp_path: Path) -> None:
+    """The server's own test set is not a node's folder: its errors start with eval.test_data."""
+    from fedlt.engine.flower_nodes import server_set
+    from fedlt.errors import DataError
+
+    cfg = load_config(None, ["data.dataset=cifar10", f"eval.test_data={tmp_path / 'test'}"])
+    folder = tmp_path / "test" / "cat"
+    folder.mkdir(parents=True)
+    Image.fromarray(np.zeros((9, 9, 3), np.uint8)).save(folder / "a.png")
+    with pytest.raises(DataError, match=r"^eval.test_data: image .*a.png is 9x9, expected 32x32; images are not "
+                                        r"resized, resize it first$"):
+        server_set(cfg, "test_data", "cpu")

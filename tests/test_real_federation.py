@@ -370,6 +370,9 @@ def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
     run = node_run(node_tree(tmp_path, "late", exported, eval={"test_data": str(exported / "server" / "test")}), grid)
     assert run.summary["nodes"] == sorted(nodes)
     assert "joined after the federation was formed" in capsys.readouterr().err
+    report = (run.run_dir / "report.md").read_text()  # the sites' data, not a partition the server never drew
+    assert "\n3 sites holding their own data (flower.node_data), participation 1" in report
+    assert "(each site's own test/ folder)" in report and "alpha=" not in report
 
 
 @pytest.mark.parametrize(("top", "refusal"), [

@@ -40,8 +40,9 @@ class Progress:
             done = rnd - self.start
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - rnd)
-            print(f"[{self.label}] round {rnd}/{self.total} | {self.latest} | {elapsed / max(done, 1):.2f} s/round"
-                  f" | ETA {duration(eta)}", file=sys.stderr, flush=True)
+            parts = [f"round {rnd}/{self.total}", self.latest, f"{elapsed / max(done, 1):.2f} s/round",
+                     f"ETA {duration(eta)}"]
+            print(f"[{self.label}] " + " | ".join(p for p in parts if p), file=sys.stderr, flush=True)
 
     @contextmanager
     def waiting(self, what: str, after: float = 5.0, restart_clock: bool = True) -> Iterator[None]:

@@ -406,9 +406,10 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
     lines = [
         f"# {cfg.method}{''.join(' + ' + name for name in added)} on {d.dataset}-LT",
         "",
-        f"IF={d.imbalance_factor:g}, {d.partition} partition"
-        + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "")
-        + f", {d.num_clients} clients, participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
+        (f"{d.num_clients} sites holding their own data (flower.node_data)" if cfg.flower.node_data else
+         f"IF={d.imbalance_factor:g}, {d.partition} partition"
+         + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "") + f", {d.num_clients} clients")
+        + f", participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
         f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}.",
         "",
         f"{summary.get('data', '')}",
@@ -431,7 +432,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         + (f" (the backbone with {calibrated[0]}'s head; the model before it is the variant 'uncalibrated')"
            if calibrated else "")
         + ". PM: mean over clients of accuracy on local test sets "
-        "drawn from the test set in each client's training proportions."
+        + ("(each site's own test/ folder)." if cfg.flower.node_data else
+           "drawn from the test set in each client's training proportions.")
         + (" val: the global model on the balanced validation set (data.val_per_class), disjoint from the "
            "training federation and the test set: make choices on it." if has_val else "")
         + (" val PM: PM on local validation sets, drawn from the validation set as the local test sets are from "

@@ -73,7 +73,7 @@ def server_set(cfg: Config, key: str, device: torch.device | str) -> ImageDatase
     if not folder.is_dir():
         raise DataError(f"eval.{key}={path} is not a folder; give the server's set as an image-folder tree (one "
                         "subfolder per class)")
-    return load_image_folder(folder.parent, folder.name, declared_dataset(cfg.data)).to(device)
+    return load_image_folder(folder.parent, folder.name, declared_dataset(cfg.data), f"eval.{key}").to(device)
 
 
 # ---- node side ------------------------------------------------------------------------------

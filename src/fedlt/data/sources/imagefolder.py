@@ -122,7 +122,8 @@ def load_node_data(root: Path, declared: DeclaredDataset) -> NodeData:
 def load_image_folder(root: Path, split: str, declared: DeclaredDataset, prefix: str = _PREFIX) -> ImageDataset:
     """``root/split/<class folder>/*`` as one dataset in the module's row order (see above): a node's
     split, the server's test or validation set (``eval.test_data``, ``fedlt data export``'s ``server/``),
-    or a split of a user's dataset (``prefix`` ``imagefolder``, how its errors start)."""
+    or a split of a user's dataset; ``prefix`` starts its errors (``node data``, ``eval.test_data``,
+    ``imagefolder``)."""
     folder = Path(root).expanduser() / split
     channels, side = declared.channels, declared.image_size
     if channels not in MODES:
@@ -139,7 +140,7 @@ def load_image_folder(root: Path, split: str, declared: DeclaredDataset, prefix:
                             "folder or remove it")
         label = labels_of.get(entry.name)
         if label is None:
-            rule = "name class folders after data.classes" if prefix == _PREFIX else f"every split has {TRAIN}/'s"
+            rule = f"every split has {TRAIN}/'s" if prefix == FOLDER_DATASET else "name class folders after data.classes"
             raise DataError(f"{prefix}: unknown class folder {entry}; {rule}: {_listing(list(labels_of))}")
         entries.extend((image.name, label, image) for image in _images(entry, prefix))
     if not entries:
@@ -176,8 +177,8 @@ def _decode(path: Path, channels: int, side: int, prefix: str) -> np.ndarray:
     try:
         with Image.open(path) as image:
             if image.size != (side, side):
-                where = "before it goes in the node folder" if prefix == _PREFIX else \
-                    "or give data.image_size the side every image has"
+                where = {_PREFIX: "before it goes in the node folder",
+                         FOLDER_DATASET: "or give data.image_size the side every image has"}.get(prefix, "first")
                 raise DataError(f"{prefix}: image {path} is {image.size[0]}x{image.size[1]}, expected {side}x{side}; "
                                 f"images are not resized, resize it {where}")
             if image.mode != mode:
