@@ -533,8 +533,8 @@ def test_a_methods_knobs_are_listed_with_their_defaults(runs) -> None:
 
 def test_datasets_one_per_line(runs) -> None:
     names = _names(runs, "datasets")
-    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic",
-                     "synthetic_cifar10", "synthetic_cifar100"]
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "imagefolder",
+                     "imagefolder_lt", "synthetic", "synthetic_cifar10", "synthetic_cifar100"]
 
 
 def test_models_one_per_line(runs) -> None:

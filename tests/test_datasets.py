@@ -805,8 +805,8 @@ def test_synthetic_needs_training_and_a_small_cnn_learns_it() -> None:
 
 def test_registry_lists_every_dataset() -> None:
     names = [name for name, _ in list_datasets()]
-    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "synthetic",
-                     "synthetic_cifar10", "synthetic_cifar100"]
+    assert names == ["fmnist", "cifar10", "cifar100", "svhn", "cinic10", "imagenet_lt", "inat", "imagefolder",
+                     "imagefolder_lt", "synthetic", "synthetic_cifar10", "synthetic_cifar100"]
     assert names == list(DATASETS)
     assert all(description and "\n" not in description for _, description in list_datasets())
 
@@ -1188,3 +1188,28 @@ def test_a_users_image_folders_name_what_is_wrong_in_one_line(tmp_path, damage, 
     write_image_folders(tmp_path, splits=("train", "test"))
     damage(tmp_path)
     assert error_of("imagefolder", tmp_path, image_size=8).startswith(fragment.format(root=tmp_path))
+
+
+def test_a_users_long_tailed_folders_keep_every_image_and_validation_comes_from_where_it_is(tmp_path) -> None:
+    """imagefolder long-tails a balanced train/ (IF=1 trims every class to the smallest); imagefolder_lt keeps
+    a long tail as it is. data.val_from=auto takes val/ where it exists, else holds images out."""
+    write_image_folders(tmp_path, counts=(40, 20, 6), splits=("train", "test"))
+    cfg = dict(root=str(tmp_path), image_size=8, num_clients=2, partition="iid")
+    trimmed = build_federated_data(DataConfig(dataset="imagefolder", imbalance_factor=1, **cfg), seed=0)
+    assert trimmed.train.class_counts().tolist() == [6, 6, 6]
+    kept = build_federated_data(DataConfig(dataset="imagefolder_lt", **cfg), seed=0)
+    assert kept.train.class_counts().tolist() == [40, 20, 6]
+    held = build_federated_data(DataConfig(dataset="imagefolder", imbalance_factor=2, val_per_class=1, **cfg), seed=0)
+    assert held.val_source == "train" and held.val.class_counts().tolist() == [1, 1, 1]
+    assert build_federated_data(DataConfig(dataset="imagefolder_lt", val_per_class=1, **cfg), seed=0).val_source == "test"
+    write_image_folders(tmp_path / "v", counts=(4, 4, 4), splits=("val",))
+    (tmp_path / "v" / "val").rename(tmp_path / "val")
+    own = build_federated_data(DataConfig(dataset="imagefolder", imbalance_factor=2, val_per_class=1, **cfg), seed=0)
+    assert own.val_source == "dataset"
+
+
+def test_a_users_class_folders_are_named_as_they_are(tmp_path) -> None:
+    """Folder names a file system allows but fedlt's export would escape (%, :) are the user's class names."""
+    write_image_folders(tmp_path, classes=("50%off", "a:b", "plain"), counts=(2, 2, 2), splits=("train", "test"))
+    pair = load_dataset("imagefolder", root=str(tmp_path), image_size=8)
+    assert pair.train.classes == ["50%off", "a:b", "plain"]

@@ -111,7 +111,7 @@ WRITERS = {
 
 
 def test_every_dataset_is_declared_or_needs_data_classes() -> None:
-    assert set(WRITERS) | {"imagenet_lt", "inat", "imagefolder"} == set(DATASETS)
+    assert set(WRITERS) | {"imagenet_lt", "inat", "imagefolder", "imagefolder_lt"} == set(DATASETS)
 
 
 @pytest.mark.parametrize("name", list(WRITERS))

@@ -331,8 +331,8 @@ def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference(
                       reference="S") == {"T": "best"}
     # T's higher mean comes from a seed S lacks; on the seeds they share T is below S: not best
     assert _acc_marks(_row("S", [75, 76, 77.5]), _row("T", [70, 71, 72, 100]), reference="S") == {}
-    # two rows: the best is bold, and the other, last of two, is not underlined as second
-    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5])) == {"X": "best"}
+    # two rows resolved apart: the best is bold and the other, second of two, underlined
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5])) == {"X": "best", "Z": "second"}
     # one seed, a single ranked row, or an equal pair (the same runs): nothing to resolve
     assert _acc_marks(_row("a", [70]), _row("b", [80]), _row("c", [75])) == {}
     assert _acc_marks(_row("a", [70, 71]), _row("up", [99, 98], ranked=False)) == {}

@@ -304,3 +304,20 @@ def test_sfd_composes_with_user_calibrations_and_validates_knobs(tmp_path):
         prepare(build_config(tiny(tmp_path, calibration_args={"safs_min_per_class": 3000, "safs_max_per_class": 2000})))
     with pytest.raises(ConfigError, match="fixes its own training objective"):
         prepare(build_config(tiny(tmp_path, loss={"name": "la"})))
+
+
+def test_each_scl_form_selects_its_a_scl():
+    """method_args.scl_form reaches the loss it names: released, Eq. 7 as printed, Khosla et al.'s positives."""
+    from fedlt.methods.sfd import SUPCON_FORMS, SFDArgs
+
+    gen = torch.Generator().manual_seed(3)
+    y = torch.tensor([0, 1, 0, 2, 1, 1, 3, 0])
+    h = F.normalize(torch.randn(8, 5, generator=gen, dtype=torch.float64), dim=1)
+    log_n = torch.log(torch.tensor([50.0, 5.0, 20.0, 1.0], dtype=torch.float64))
+    assert SUPCON_FORMS["released"](h, y, 0.07, log_n).item() == pytest.approx(
+        released_reference(h, y, 0.07, log_n).item(), rel=1e-12)
+    printed = eq7_reference(h, y, 0.07, log_n, anchor_positive=True) - log_n[y].mean()
+    assert SUPCON_FORMS["eq7"](h, y, 0.07, log_n).item() == pytest.approx(printed.item(), rel=1e-12)
+    assert SUPCON_FORMS["paper"](h, y, 0.07, None).item() == pytest.approx(eq7_reference(h, y, 0.07, None).item(),
+                                                                           rel=1e-12)
+    assert set(SUPCON_FORMS) == set(SFDArgs.model_fields["scl_form"].annotation.__args__)

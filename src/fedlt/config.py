@@ -133,16 +133,18 @@ class DataConfig(_Section):
     """Source dataset, long-tail subsampling and the split over clients."""
 
     dataset: str = Field("fmnist", description="dataset name (see `fedlt datasets`): fmnist, cifar10, cifar100, svhn, "
-                         "cinic10, imagenet_lt, inat, imagefolder (your own class folders), synthetic; "
+                         "cinic10, imagenet_lt, inat, imagefolder and imagefolder_lt (your own class folders), synthetic; "
                          "synthetic_cifar10 and synthetic_cifar100 (CIFAR's size, for timing)")
     root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, ge=1, le=1024, description="image side of the datasets whose size is "
-                                   "chosen: imagenet_lt and inat are resized to it (default 64), imagefolder's "
-                                   "images have it (default 32), the synthetic datasets are generated at it "
+                                   "chosen: imagenet_lt and inat are resized to it (default 64), the images of "
+                                   "imagefolder and imagefolder_lt have it (default 32), the synthetic datasets are "
+                                   "generated at it "
                                    "(synthetic: default 16; synthetic_cifar10, synthetic_cifar100: 32); fixed-size "
                                    "datasets refuse another; at most 1024")
     imbalance_factor: float = Field(100.0, description="IF = n_max / n_min of the long-tailed training set (not "
-                                    "applied to ImageNet-LT and iNaturalist, long-tailed as distributed)")
+                                    "applied to ImageNet-LT, iNaturalist and imagefolder_lt, long-tailed as "
+                                    "distributed)")
     seed: int | None = Field(None, ge=0, description="seed of the federation: long-tail draw, class order, partition, "
                              "local test sets and client sampling (default: the run's seed); fix it and vary the run's "
                              "seed to measure the training noise of one federation")

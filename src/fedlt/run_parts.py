@@ -352,7 +352,8 @@ def setup_runtime(cfg: Config) -> tuple[MethodSpec, torch.device]:
     deterministic = cfg.run.deterministic
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = False  # autotuning picks kernels by timing, so it is off either way
-    if deterministic and device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
-    torch.use_deterministic_algorithms(deterministic and device.type == "cuda", warn_only=True)
+    if device.type == "cuda":  # atomics in CUDA's index_add/scatter kernels reorder float sums run to run
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)  # a CPU run leaves a caller's setting
     return spec, device

@@ -48,7 +48,8 @@ _CONSTANTS: dict[str, Callable[[int], tuple[list[str] | None, Stats, Stats]]] = 
     "cinic10": lambda size: (list(cinic.CLASSES), cinic.MEAN, cinic.STD),
     "imagenet_lt": lambda size: (None, listfile.IMAGENET_LT.mean, listfile.IMAGENET_LT.std),
     "inat": lambda size: (None, listfile.INAT2018.mean, listfile.INAT2018.std),
-    "imagefolder": lambda size: (None, listfile.IMAGENET_LT.mean, listfile.IMAGENET_LT.std),  # imagefolder.FOLDER_MEAN
+    **dict.fromkeys(("imagefolder", "imagefolder_lt"),  # imagefolder.FOLDER_MEAN, FOLDER_STD
+                    lambda size: (None, listfile.IMAGENET_LT.mean, listfile.IMAGENET_LT.std)),
     "synthetic": _synthetic,
     **{name: partial(_synthetic, name=name) for name in synthetic.STAND_INS},
 }

@@ -16,7 +16,7 @@ from fedlt.data.longtail import distributed_indices, longtail_indices, resolve_c
 from fedlt.data.partition import (
     Partition, dirichlet_partition, grouped_dirichlet_partition, iid_partition, pathological_partition,
 )
-from fedlt.data.registry import DATASETS, load_dataset
+from fedlt.data.registry import DATASETS, has_own_validation, load_dataset
 from fedlt.data.validation import balanced_indices, complement, resolve_source
 from fedlt.errors import ConfigError, DataError
 from fedlt.seeding import numpy_rng
@@ -140,7 +140,7 @@ def build_federated_data(cfg: DataConfig, seed: int, device: torch.device | str 
     info = DATASETS[cfg.dataset] if cfg.dataset in DATASETS else None
     source = None
     if cfg.val_per_class and info is not None:
-        source = resolve_source(cfg.val_from, cfg.dataset, info.val_loader is not None, info.long_tailed)
+        source = resolve_source(cfg.val_from, cfg.dataset, has_own_validation(cfg.dataset, cfg.root), info.long_tailed)
     read = (cfg.dataset, cfg.root, cfg.image_size, source == "dataset")
     pair = (loaded or {}).get(read)
     if pair is None:

@@ -45,6 +45,8 @@ class DatasetInfo:
     long_tailed : the training files are long-tailed already, so a class may not spare
         validation images (``data.val_from=auto`` then splits the test set)
     channels : channels of every image, known without reading them (model x dataset checks)
+    val_folder : where the dataset's own validation split is optional, the subfolder that holds it: the
+        dataset has one (``data.val_from=auto`` takes it) only where that folder exists
     """
 
     description: str
@@ -57,6 +59,7 @@ class DatasetInfo:
     val_loader: ValLoader | None = None
     long_tailed: bool = False
     channels: int = 3
+    val_folder: str | None = None
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -118,15 +121,19 @@ DATASETS: dict[str, DatasetInfo] = {
         resizable=True,
         long_tailed=True,
     ),
-    "imagefolder": DatasetInfo(
+    **{name: DatasetInfo(
         "your own images: RGB PNG or JPEG files of side data.image_size (default 32) in DIR/train/<class>/ and "
-        "DIR/test/<class>/ (optionally DIR/val/<class>/), data.root=DIR; classes in sorted folder order",
+        "DIR/test/<class>/ (optionally DIR/val/<class>/), data.root=DIR; classes in sorted folder order"
+        + ("; long-tailed as they are (no data.imbalance_factor)" if long_tailed else
+           "; long-tailed by data.imbalance_factor from a balanced train/"),
         lambda root, size: _folders().load_folder_dataset(root, size),
         subfolder="imagefolder",
         image_size=32,
         resizable=True,
         val_loader=lambda root, size, classes: _folders().load_folder_val(root, size, classes),
-    ),
+        long_tailed=long_tailed,
+        val_folder="val",
+    ) for name, long_tailed in (("imagefolder", False), ("imagefolder_lt", True))},
     "synthetic": DatasetInfo(
         "seeded toy dataset for tests and smoke runs, 10 classes, 3xSxS (data.image_size, default 16), "
         "3000/1000; generated, no files",
@@ -201,6 +208,20 @@ def load_dataset(
         pair.val = info.val_loader(folder, size, pair.train.classes)
         _finish(name, where, pair.val, "validation")
     return pair
+
+
+def has_own_validation(name: str, root: str | None) -> bool:
+    """Whether dataset ``name`` (files in ``root``) has a validation split of its own."""
+    info = dataset_info(name)
+    if info.val_loader is None:
+        return False
+    if info.val_folder is None:
+        return True
+    try:
+        folder = _resolve_root(name, info, root)
+    except DataError:  # no folder given: the loader names that problem
+        return False
+    return folder is not None and (folder / info.val_folder).is_dir()
 
 
 def dataset_info(name: str) -> DatasetInfo:

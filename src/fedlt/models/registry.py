@@ -8,9 +8,9 @@ process: bench workers, ``run.backend=parallel``, Flower's nodes), or in code, f
 
     MODELS["mine"] = ModelEntry(builder, "my network, 512-d feature", ModelInput(min_image_size=32, channels=(3,)))
 
-(a plain ``(builder, description)`` pair gets :data:`DEFAULT_INPUT`). Such a model is built once on two
-blank images before its run starts, so a broken encoder/head contract is one line, not a shape error
-deep in training.
+(a plain ``(builder, description)`` pair gets :data:`DEFAULT_INPUT`). Each time such a model is built,
+before it trains, it runs on two blank images, so a broken encoder/head contract is one line, not a
+shape error deep in training.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def check_contract(name: str, model: object, in_channels: int, image_size: int) 
                                   f"(2, {model.feature_dim}) (feature_dim); flatten its output (e.g. end the encoder "
                                   "with nn.Flatten()) or give FedModel the encoder's width")
             logits = tuple(model.forward_head(features).shape)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError, TypeError) as err:
         problem = (str(err).strip().splitlines() or [""])[0][:160]
         raise ConfigError(f"model {name!r} fails on 2 blank {in_channels}x{image_size}x{image_size} images "
                           f"({problem}); check its layers against the dataset's images") from None

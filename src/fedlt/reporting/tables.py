@@ -12,8 +12,8 @@ runs ran (:mod:`fedlt.reporting.provenance`; a row whose seeds ran different cod
 
 Bold and underline claim an order, so they are given only where the seeds resolve it. Per
 column, the ranked rows are sorted by mean; the top one is best only if its paired lead over the
-second is resolved; the second is second only if its lead over a third is resolved too (of two
-rows, the second is the last and is not marked); and a row whose difference to the reference is not resolved is never marked (the
+second is resolved; the second is second only if its lead over the third (when there is one) is
+resolved too; and a row whose difference to the reference is not resolved is never marked (the
 reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
@@ -95,7 +95,7 @@ def _marks(rows: list[Row], metric: str, values: list[dict[str, dict[int, float]
     if len(order) >= 2 and leads(order[0], order[1]):
         if clear_of_ref(order[0]):
             marks[(order[0], metric)] = "best"
-        if len(order) >= 3 and leads(order[1], order[2]) and clear_of_ref(order[1]):  # of two, second is last
+        if (len(order) == 2 or leads(order[1], order[2])) and clear_of_ref(order[1]):
             marks[(order[1], metric)] = "second"
     return marks
 

@@ -20,7 +20,8 @@ never from the node's pixels.
 A user's own dataset (``data.dataset=imagefolder``, ``data.root=DIR``) is ``DIR/train/<class>/``,
 ``DIR/test/<class>/`` and optionally ``DIR/val/<class>/`` (the dataset's own validation split) of RGB
 images of side ``data.image_size`` (default 32). Its classes are ``DIR/train``'s folders in sorted
-order, their names unescaped as above; it is standardised with ImageNet's RGB statistics, declared in
+order, named as the folders are (on a federation's nodes, whose folders fedlt names, they are
+escaped as above); ``imagefolder_lt`` keeps the training split's own long tail. It is standardised with ImageNet's RGB statistics, declared in
 advance like every dataset's, so the same folders serve a simulation and, split by node, a federation
 whose nodes hold their data (``data.classes`` lists the classes there).
 """
@@ -28,8 +29,8 @@ whose nodes hold their data (``data.classes`` lists the classes there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -88,8 +89,8 @@ def load_folder_dataset(root: Path, image_size: int) -> DatasetPair:
     folders = [entry.name for entry in _visible(root / TRAIN) if entry.is_dir()]
     if not folders:
         raise DataError(f"{FOLDER_DATASET}: {root / TRAIN} holds no class folders; {_FOLDER_FIX}")
-    declared = _folder_declaration([unquote(name) for name in folders], image_size)
-    return DatasetPair(*(load_image_folder(root, split, declared, FOLDER_DATASET) for split in (TRAIN, TEST)))
+    declared = _folder_declaration(folders, image_size)
+    return DatasetPair(*(load_image_folder(root, split, declared, FOLDER_DATASET, str) for split in (TRAIN, TEST)))
 
 
 def load_folder_val(root: Path, image_size: int, classes: list[str]) -> ImageDataset:
@@ -97,7 +98,7 @@ def load_folder_val(root: Path, image_size: int, classes: list[str]) -> ImageDat
     if not (Path(root) / "val").is_dir():
         raise DataError(f"{FOLDER_DATASET}: no val/ in {root}, so it has no validation split of its own; add "
                         "val/<class>/ or use data.val_from=train or test (or auto)")
-    return load_image_folder(root, "val", _folder_declaration(classes, image_size), FOLDER_DATASET)
+    return load_image_folder(root, "val", _folder_declaration(classes, image_size), FOLDER_DATASET, str)
 
 
 def _folder_declaration(classes: list[str], image_size: int) -> DeclaredDataset:
@@ -119,11 +120,12 @@ def load_node_data(root: Path, declared: DeclaredDataset) -> NodeData:
     return NodeData(train, load_image_folder(root, TEST, declared) if (root / TEST).exists() else None)
 
 
-def load_image_folder(root: Path, split: str, declared: DeclaredDataset, prefix: str = _PREFIX) -> ImageDataset:
+def load_image_folder(root: Path, split: str, declared: DeclaredDataset, prefix: str = _PREFIX,
+                      folder_of: Callable[[str], str] = class_folder_name) -> ImageDataset:
     """``root/split/<class folder>/*`` as one dataset in the module's row order (see above): a node's
     split, the server's test or validation set (``eval.test_data``, ``fedlt data export``'s ``server/``),
     or a split of a user's dataset; ``prefix`` starts its errors (``node data``, ``eval.test_data``,
-    ``imagefolder``)."""
+    ``imagefolder``), ``folder_of`` names a class's folder (a user's own folders are their class names)."""
     folder = Path(root).expanduser() / split
     channels, side = declared.channels, declared.image_size
     if channels not in MODES:
@@ -132,7 +134,7 @@ def load_image_folder(root: Path, split: str, declared: DeclaredDataset, prefix:
         what = "is not a folder" if folder.exists() else "does not exist"
         raise DataError(f"{prefix}: {folder} {what}; put the {split} images in {folder}/<class>/ "
                         "(one folder per class)")
-    labels_of = {class_folder_name(name): label for label, name in enumerate(declared.classes)}
+    labels_of = {folder_of(name): label for label, name in enumerate(declared.classes)}
     entries: list[tuple[str, int, Path]] = []
     for entry in _visible(folder):
         if not entry.is_dir():
