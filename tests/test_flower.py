@@ -657,3 +657,18 @@ def test_sigterm_during_a_flower_simulation_stops_it_as_ctrl_c_does(tmp_path, mo
         with pytest.raises(raised):
             simulate(cfg, quiet=True)
     assert shut == [True]
+
+
+def test_a_serverapp_stopped_by_the_deployments_timeout_records_why(tmp_path, monkeypatch):
+    """fedlt deploy stops the ServerApp when its --timeout runs out; the aborted summary said only 'a signal'."""
+    from fedlt.engine.flower_app import describe_error
+    from fedlt.results import STOP_REASON_ENV
+
+    told = tmp_path / "stop-reason.txt"
+    monkeypatch.setenv(STOP_REASON_ENV, str(told))
+    assert describe_error(KeyboardInterrupt()) == "the ServerApp was stopped by a signal"  # nothing written: a Ctrl-C
+    told.write_text("the deployment's --timeout of 40 s ran out")
+    assert describe_error(KeyboardInterrupt()) == ("the ServerApp was stopped by a signal: the deployment's --timeout "
+                                                   "of 40 s ran out")
+    monkeypatch.delenv(STOP_REASON_ENV)
+    assert describe_error(SystemExit()) == "the ServerApp was stopped by a signal"

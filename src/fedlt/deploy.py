@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError
-from fedlt.results import OUTCOME_ENV, check_output_path, holding
+from fedlt.results import OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
@@ -336,8 +336,9 @@ class Federation:
         """``flwr run`` the fedlt app with ``config`` + ``overrides`` (``--stream``) and wait, watching
         the federation; a run that did not finish raises a FedltError naming the cause (a
         ConfigError for a config the ServerApp refused)."""
-        outcome = Path(self.env[OUTCOME_ENV])
+        outcome, stop_reason = Path(self.env[OUTCOME_ENV]), Path(self.env[STOP_REASON_ENV])
         outcome.unlink(missing_ok=True)
+        stop_reason.unlink(missing_ok=True)
         flwr = self.start("flwr-run.log", str(Path(sys.executable).with_name("flwr")), "run", str(APP_DIR),
                           "deploy", "--stream", "--run-config", run_config(config, overrides))
         deadline = time.monotonic() + timeout
@@ -358,6 +359,7 @@ class Federation:
                 raise FedltError(f"the SuperLink exited (code {self.superlink.returncode}) during the run"
                                  + _outcome_tail(outcome) + f"; logs in {self.workdir}")
             if flwr.poll() is None:
+                stop_reason.write_text(f"the deployment's --timeout of {timeout:g} s ran out")  # the ServerApp's record
                 raise FedltError(f"the run did not finish within {timeout:g} s; logs in {self.workdir}")
         finally:
             self.stop(flwr)
@@ -506,6 +508,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1", OUTCOME_ENV: str(workdir / "outcome.json"),
+           STOP_REASON_ENV: str(workdir / "stop-reason.txt"),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     src = str(APP_DIR / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)

@@ -46,6 +46,9 @@ ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", "diverged", *TIMI
 #: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
 #: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
 OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
+#: the environment variable naming the file where :mod:`fedlt.deploy` says why it stops a ServerApp (its
+#: timeout), so the aborted summary records that rather than only "stopped by a signal"
+STOP_REASON_ENV = "FEDLT_STOP_REASON_FILE"
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -47,7 +47,7 @@ from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
-from fedlt.results import OUTCOME_ENV, new_run_dir, write_aborted_summary, write_atomic
+from fedlt.results import OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic
 from fedlt.run_parts import setup_parts, setup_runtime
 
 HELLO = "hello"
@@ -81,7 +81,9 @@ def describe_error(err: BaseException) -> str:
     if isinstance(err, FedltError):
         return str(err)
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
-        return "the ServerApp was stopped by a signal"
+        told = Path(os.environ.get(STOP_REASON_ENV, "") or os.devnull)  # why fedlt.deploy stopped it, if it did
+        reason = told.read_text().strip() if told.is_file() else ""
+        return f"the ServerApp was stopped by a signal: {reason}" if reason else "the ServerApp was stopped by a signal"
     text = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
@@ -402,8 +404,11 @@ def main(grid: Grid, context: Context) -> None:
                 rounds_done=max(sim.round_started - 1, 0) if sim else 0)
         raise
     _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds)
-    acc = result.summary["final"].get("acc")
-    print(f"fedlt: {result.run_dir}: final acc {'-' if acc is None else f'{acc:.2f}'}", flush=True)
+    final = result.summary["final"]
+    acc, evaluated = final.get("acc"), final.get("round")
+    print(f"fedlt: {result.run_dir}: final acc {'-' if acc is None else f'{acc:.2f}'}"
+          + (f" (of round {evaluated}: the later rounds of {cfg.fl.rounds} were not evaluated; see the run's "
+             "metrics.jsonl)" if evaluated != cfg.fl.rounds else ""), flush=True)
 
 
 def simulation_backend(cfg: Config) -> dict[str, Any]:
