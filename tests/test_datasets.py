@@ -1169,6 +1169,10 @@ def test_a_users_image_folders_train_a_federation(tmp_path) -> None:
                                      f"run.out_dir={tmp_path / 'runs'}"], quiet=True)
     assert res.summary["class_names"] == ["cat", "dog", "owl"] and res.summary["train_class_counts"] == [12, 6, 3]
     assert res.summary["final"]["acc"] is not None
+    # 12 images at most: no class is many-shot by the papers' counts, and the report says how to move them
+    assert "many = classes none" in (res.run_dir / "report.md").read_text()
+    assert "(a group is empty: eval.many_threshold and eval.few_threshold move the counts, eval.shot_rule=cumulative" \
+           in (res.run_dir / "report.md").read_text()
 
 
 @pytest.mark.parametrize("damage, fragment", [

@@ -418,7 +418,10 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"{summary.get('data', '')}",
         "",
         f"Shot groups — {summary.get('shot_rule', '')}: "
-        + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items()),
+        + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items())
+        + (" (a group is empty: eval.many_threshold and eval.few_threshold move the counts, eval.shot_rule=cumulative "
+           "splits by shares of the samples)" if cfg.eval.shot_rule == "count"
+           and not all(summary.get("shot_groups", {}).values()) else ""),
         "",
         "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else "")
         + (" val PM |" if has_val_pm else ""),
