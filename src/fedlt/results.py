@@ -214,8 +214,8 @@ def loss_label(cfg: Config) -> str:
 
 def progress_label(cfg: Config, backend: str) -> str:
     """``[fedavg/bsm sequential]``, ``[sfd sequential]``: what a run's progress lines start with."""
-    own = loss_label(cfg) == "the method's own"
-    return f"{cfg.method if own else f'{cfg.method}/{cfg.loss.name}'} {backend}"
+    name = f"{cfg.method}/{cfg.loss.name}" if get_method(cfg.method).uses_loss_config else cfg.method
+    return f"{name} {backend}"
 
 
 def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -374,6 +374,11 @@ def percent_cell(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def percent_cells(row: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """``row``'s values of ``keys`` as Markdown cells (:func:`percent_cell`), joined by `` | ``."""
+    return " | ".join(percent_cell(row.get(k)) for k in keys)
+
+
 def write_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     """A finished run's summary, report and plot; the summary last, since its presence marks the run
     finished: a run stopped before it is resumed, and its resume writes all three."""
@@ -404,6 +409,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
     d = cfg.data
     has_val = f.get("val_acc") is not None
     has_val_pm = f.get("val_pm_acc") is not None
+    headline = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc", *(("val_acc",) if has_val else ()),
+                *(("val_pm_acc",) if has_val_pm else ()))
     calibrated = summary.get("calibration") or []  # the first is the headline's head
     added = [name for name in calibrated[:1] if name not in get_method(cfg.method).calibration]  # not its own
     lines = [
@@ -426,13 +433,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else "")
         + (" val PM |" if has_val_pm else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if has_val else "") + ("---|" if has_val_pm else ""),
-        f"| final (headline) | {f['round']} | {percent_cell(f['acc'])} | {percent_cell(f['many_acc'])} | {percent_cell(f['medium_acc'])} "
-        f"| {percent_cell(f['few_acc'])} | {percent_cell(f['pm_acc'])} |" + (f" {percent_cell(f.get('val_acc'))} |" if has_val else "")
-        + (f" {percent_cell(f.get('val_pm_acc'))} |" if has_val_pm else ""),
-        f"| best round (by {b['selected_by']}) | {b['round']} | {percent_cell(b['acc'])} | {percent_cell(b['many_acc'])} "
-        f"| {percent_cell(b['medium_acc'])} | {percent_cell(b['few_acc'])} | {percent_cell(b['pm_acc'])} |"
-        + (f" {percent_cell(b.get('val_acc'))} |" if has_val else "")
-        + (f" {percent_cell(b.get('val_pm_acc'))} |" if has_val_pm else ""),
+        f"| final (headline) | {f['round']} | {percent_cells(f, headline)} |",
+        f"| best round (by {b['selected_by']}) | {b['round']} | {percent_cells(b, headline)} |",
         "",
         "GM: global model on the balanced test set"
         + (f" (the backbone with {calibrated[0]}'s head; the model before it is the variant 'uncalibrated')"
@@ -450,8 +452,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
                   "Evaluation-time readings of the same training, described on the method's page under "
                   "docs/methods.", "", "| reading | PM acc |" + (" val PM |" if has_val_pm else ""),
                   "|---|---|" + ("---|" if has_val_pm else "")]
-        lines += [f"| {name} | {percent_cell(v.get('pm_acc'))} |" + (f" {percent_cell(v.get('val_pm_acc'))} |" if has_val_pm else "")
-                  for name, v in f[PM_VARIANTS].items()]
+        pm = ("pm_acc", *(("val_pm_acc",) if has_val_pm else ()))
+        lines += [f"| {name} | {percent_cells(v, pm)} |" for name, v in f[PM_VARIANTS].items()]
     if f.get("server_metrics"):
         lines += ["", "Method's own metrics (final round): "
                   + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in f["server_metrics"].items())]
@@ -464,8 +466,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         lines += ["", "## Variants of the global model (final round)", "",
                   "| variant | acc | many | medium | few |" + (" val acc |" if has_val else ""),
                   "|---|---|---|---|---|" + ("---|" if has_val else "")]
-        lines += [f"| {name} | {percent_cell(v['acc'])} | {percent_cell(v['many_acc'])} | {percent_cell(v['medium_acc'])} | {percent_cell(v['few_acc'])} |"
-                  + (f" {percent_cell(v.get('val_acc'))} |" if has_val else "") for name, v in f["variants"].items()]
+        variant = ("acc", "many_acc", "medium_acc", "few_acc", *(("val_acc",) if has_val else ()))
+        lines += [f"| {name} | {percent_cells(v, variant)} |" for name, v in f["variants"].items()]
         if "oracle" in f["variants"]:
             lines += ["", "oracle: NOT PRIVATE — clients uploaded real features; a diagnostic upper bound."]
     messages = summary.get("messages") or {}
@@ -478,8 +480,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
                 lines.append(f"| {kind} | {direction.replace('_', ' ')} | {m['model_bytes']} | {entries or '-'} |")
     lines += ["", "## Rounds", "", "| round | GM acc | PM acc | train loss |" + (" val acc |" if has_val else ""),
               "|---|---|---|---|" + ("---|" if has_val else "")]
-    lines += [f"| {r['round']} | {percent_cell(r.get('acc'))} | {percent_cell(r.get('pm_acc'))} | {percent_cell(r.get('train_loss'))} |"
-              + (f" {percent_cell(r.get('val_acc'))} |" if has_val else "") for r in rows if "acc" in r or "pm_acc" in r]
+    per_round = ("acc", "pm_acc", "train_loss", *(("val_acc",) if has_val else ()))
+    lines += [f"| {r['round']} | {percent_cells(r, per_round)} |" for r in rows if "acc" in r or "pm_acc" in r]
     comm = summary["communication_bytes"]
     if comm:
         lines += ["", "Communication (MB, whole run): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in comm.items())]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedlt.results import check_summary, percent_cell
+from fedlt.results import check_summary, percent_cell, percent_cells
+
+#: the accuracy and its shot groups, the columns every row has
+SHOTS = ("acc", "many_acc", "medium_acc", "few_acc")
 
 
 def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
@@ -30,15 +33,13 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
             label += (f" ({s['status']}" + ("" if done is None else f" in round {done + 1}" if s["status"] == "diverged"
                                             else f" after round {done}") + ")")
         lines.append(
-            f"| {label} | {s['method']} | {loss} | {f['round']} | {percent_cell(f.get('acc'))} | {percent_cell(f.get('many_acc'))} "
-            f"| {percent_cell(f.get('medium_acc'))} | {percent_cell(f.get('few_acc'))} | {percent_cell(f.get('pm_acc'))} "
+            f"| {label} | {s['method']} | {loss} | {f['round']} | {percent_cells(f, SHOTS + ('pm_acc',))} "
             f"| {percent_cell(b.get('acc'))} ({b.get('round', '-')}, {b.get('selected_by') or '-'}) |"
         )
         for variant, v in (f.get("variants") or {}).items():
             tag = f"{variant}, not private" if variant == "oracle" else variant
             lines.append(
-                f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {percent_cell(v.get('acc'))} "
-                f"| {percent_cell(v.get('many_acc'))} | {percent_cell(v.get('medium_acc'))} | {percent_cell(v.get('few_acc'))} | - | - |"
+                f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {percent_cells(v, SHOTS)} | - | - |"
             )
     lines += ["", "Shot groups: " + "; ".join(rules),
               "Rows `[name]` are heads evaluated on the same run's backbone; `[uncalibrated]` is the method "
