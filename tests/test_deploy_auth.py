@@ -271,6 +271,16 @@ def test_fedlt_deploy_and_the_script_are_the_same_command(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+def test_the_script_without_an_environment_says_how_to_make_one(tmp_path):
+    """scripts/flower_deploy.sh with a Python that lacks torch and flwr: one line naming set-up, exit 2."""
+    bare = tmp_path / "python"
+    bare.write_text("#!/bin/sh\nexit 1\n")  # a Python whose imports all fail
+    bare.chmod(0o755)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "flower_deploy.sh"), SMOKE], capture_output=True, text=True,
+                          env={**os.environ, "FEDLT_PYTHON": str(bare)}, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"fedlt: error: {bare} cannot import torch and flwr: run 'source scripts/setup.sh'")
+
 def _live(work: Path) -> list[int]:
     """Live processes that inherited the deployment's FLWR_HOME."""
     mark = f"FLWR_HOME={work / 'flwr-home'}".encode()
