@@ -1175,6 +1175,25 @@ def test_a_users_image_folders_train_a_federation(tmp_path) -> None:
            in (res.run_dir / "report.md").read_text()
 
 
+
+def test_eval_accuracy_top1_weighs_an_unbalanced_test_set_by_its_images(tmp_path) -> None:
+    """A test/ of 2, 2 and 6 images: acc is the mean of the per-class accuracies by default and the share of
+    images right with eval.accuracy=top1 (the same training, so the same per-class accuracies)."""
+    import fedlt
+
+    write_image_folders(tmp_path / "data", counts=(12, 12, 12), splits=("train", "test"))
+    for i in range(2, 6):
+        Image.fromarray(np.full((8, 8, 3), 80 + i, np.uint8)).save(tmp_path / "data" / "test" / "owl" / f"more{i}.png")
+    runs = {accuracy: fedlt.run(None, overrides=[
+        "data.dataset=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=8", "data.num_clients=3",
+        "data.imbalance_factor=4", "fl.rounds=1", "run.threads=1", f"eval.accuracy={accuracy}", f"run.out_dir={tmp_path / accuracy}"], quiet=True)
+        for accuracy in ("class_mean", "top1")}
+    per_class = runs["top1"].summary["final"]["per_class_acc"]
+    assert len(set(per_class)) > 1  # else both readings coincide and nothing is tested
+    assert runs["class_mean"].summary["final"]["per_class_acc"] == per_class
+    assert runs["class_mean"].summary["final"]["acc"] == pytest.approx(sum(per_class) / 3)
+    assert runs["top1"].summary["final"]["acc"] == pytest.approx((2 * per_class[0] + 2 * per_class[1] + 6 * per_class[2]) / 10)
+
 @pytest.mark.parametrize("damage, fragment", [
     (lambda root: __import__("shutil").rmtree(root / "test"), "imagefolder: no test/ in {root}; pass data.root=DIR"),
     (lambda root: (root / "test" / "emu").mkdir(),

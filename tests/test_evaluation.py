@@ -15,7 +15,7 @@ from fedlt.config import EvalConfig
 from fedlt.data.dataset import ImageDataset
 from fedlt.errors import ConfigError
 from fedlt.evaluation import (
-    SharedEncoderFeatures, ShotGroups, encode, global_metrics, local_accuracy, mean_local_accuracy,
+    SharedEncoderFeatures, ShotGroups, count_metrics, encode, global_metrics, local_accuracy, mean_local_accuracy,
     mean_of_summed_accuracies, personalized_figures, predict, shot_groups,
 )
 from fedlt.messages import Message, Reply, payload_nbytes
@@ -114,6 +114,20 @@ def test_cumulative_rule_is_monotone_in_counts() -> None:
     assert many.sum() >= 0.75 * counts.sum() > many[1:].sum()
 
 
+def test_cumulative_local_rule_groups_by_the_floored_local_test_sizes() -> None:
+    """FedLoGe's released code: class 1's 30 samples spread over five clients give each a local test
+    share of floor(6/100 x 10) = 0 images, so class 1 is few-shot there, many-shot by training counts."""
+    client_counts = np.array([[50, 0, 0], [0, 6, 0], [0, 6, 0], [0, 6, 0], [0, 6, 0], [0, 6, 20]])
+    totals = client_counts.sum(axis=0)  # 50, 30, 20
+    text = shot_groups(totals, EvalConfig(shot_rule="cumulative"), client_counts, 10)
+    assert text.classes == {"many": [0, 1], "medium": [2], "few": []}
+    code = shot_groups(totals, EvalConfig(shot_rule="cumulative_local"), client_counts, 10)
+    assert code.classes == {"many": [0, 2], "medium": [], "few": [1]}  # local test totals 5, 0, 2
+    assert code.rule.startswith("cumulative_local: classes sorted by its clients' local test sets (floor(n_kc / N x 10)")
+    with pytest.raises(ConfigError, match="cumulative_local needs every client's class counts"):
+        shot_groups(totals, EvalConfig(shot_rule="cumulative_local"))
+
+
 # ---- global metrics -----------------------------------------------------------------------
 
 def test_global_metrics_on_a_hand_made_correct_vector() -> None:
@@ -131,6 +145,22 @@ def test_global_metrics_on_a_hand_made_correct_vector() -> None:
     assert m["few_acc"] == pytest.approx(100.0)
     assert m["loss"] == pytest.approx(6.5)
 
+
+
+def test_top1_accuracy_counts_images_and_the_summed_form_agrees() -> None:
+    """eval.accuracy=top1 (FedYoYo's code on SVHN-LT): 7 of 14 images right is 50%, not the class mean
+    56.25; the shot groups stay class means; the per-class sums of federated evaluation give the same."""
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3])
+    correct = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    losses = torch.arange(14, dtype=torch.float32)
+    groups = ShotGroups({"many": [0, 1], "medium": [2], "few": [3]}, "hand-made")
+    top1 = global_metrics(correct, losses, labels, groups, num_classes=4, accuracy="top1")
+    assert top1["acc"] == pytest.approx(50.0) and top1["many_acc"] == pytest.approx(62.5)
+    hits = torch.bincount(labels, weights=correct.double(), minlength=4)
+    totals = torch.bincount(labels, minlength=4).double()
+    for accuracy, want in (("top1", 50.0), ("class_mean", 56.25)):
+        summed = count_metrics(hits, totals, losses.double().sum(), groups, accuracy)
+        assert summed["acc"] == pytest.approx(want) and summed["few_acc"] == pytest.approx(100.0)
 
 def test_global_metrics_acc_on_a_balanced_set_is_the_plain_accuracy_to_the_last_bit() -> None:
     """On a balanced set acc stays the plain mean, bit for bit (the committed results' figure): here the

@@ -382,6 +382,7 @@ def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
     ({"method": "gbme", "method_args": {"diagnose_gpi": True}}, "method_args.diagnose_gpi=true shows the server"),
     ({"calibration": ["oracle"]}, "calibration=oracle (uploads real features)"),
     ({"data": {"val_per_class": 5}}, "data.val_per_class draws a validation set"),
+    ({"eval": {"shot_rule": "cumulative_local"}}, "eval.shot_rule=cumulative_local needs every client's class counts"),
 ])
 def test_options_that_leak_or_need_the_servers_data_are_refused(tmp_path, top, refusal):
     from fedlt.run_parts import check_config

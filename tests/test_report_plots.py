@@ -241,3 +241,17 @@ def test_a_report_of_runs_aborted_before_their_class_counts_were_known_draws_no_
         path.write_text(json.dumps({**summary, "status": "aborted", "reason": "stopped", "rounds_done": 1}))
     names = {p.name for p in write_report(copy, tmp_path / "report").files}
     assert "per-class-if-10-alpha-0-5.png" not in names and "curves-if-10-alpha-0-5.png" in names
+
+
+def test_partition_plot_orders_its_columns_head_to_tail_when_the_classes_were_shuffled(tmp_path, monkeypatch):
+    """Under data.class_order=shuffled class 0 need not be the head: the columns follow the class sizes,
+    each named by its class index and federation total."""
+    from fedlt.reporting import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    counts = [[1, 9, 0], [2, 30, 4]]  # class totals 3, 39, 4: head class 1, then 2, then 0
+    plots.plot_partition({"counts": counts, "dataset": "synthetic", "imbalance_factor": 13, "alpha": 0.5}, tmp_path / "p.png")
+    heatmap = drawn["fig"].axes[0]
+    assert [t.get_text() for t in heatmap.get_xticklabels()] == ["1\n(39)", "2\n(4)", "0\n(3)"]
+    assert np.ma.getdata(heatmap.images[0].get_array()).tolist() == [[9, 0, 1], [30, 4, 2]]

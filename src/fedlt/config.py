@@ -336,11 +336,17 @@ class EvalConfig(_Section):
     """When and how the models are evaluated."""
 
     every: int = Field(5, ge=1, description="evaluate every N rounds (and always after the last)")
-    shot_rule: Literal["count", "cumulative"] = Field(
-        "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples"
+    shot_rule: Literal["count", "cumulative", "cumulative_local"] = Field(
+        "count", description="count: thresholds on training samples per class; cumulative: FedLoGe's 75%/95% of samples "
+        "(its paper's text); cumulative_local: the same shares of the clients' local test sets' class totals, each "
+        "client's floor(n_kc / N x test size), as FedLoGe's released code groups its Table 1's columns"
     )
     many_threshold: int | None = Field(None, ge=0, description="many-shot: > this many training samples (default by #classes)")
     few_threshold: int | None = Field(None, ge=0, description="few-shot: < this many training samples (default by #classes)")
+    accuracy: Literal["class_mean", "top1"] = Field(
+        "class_mean", description="acc on a test set whose classes differ in size (SVHN's own, the nodes' own test "
+        "splits): class_mean = the mean of the per-class accuracies, as a balanced set would weigh them; top1 = the "
+        "share of all test images classified right (FedYoYo's released code on SVHN-LT); equal on a balanced set")
     personalized: bool = Field(True, description="also evaluate on each client's local test set")
     batch_size: int = Field(1000, ge=1, description="evaluation batch size (memory; results change at most by float rounding)")
 

@@ -32,22 +32,34 @@ class ShotGroups:
     rule: str
 
 
-def shot_groups(train_counts: np.ndarray, cfg: EvalConfig) -> ShotGroups:
+def shot_groups(train_counts: np.ndarray, cfg: EvalConfig, client_counts: np.ndarray | None = None,
+                test_size: int = 0) -> ShotGroups:
     """Split classes into many/medium/few-shot by their training-sample counts.
 
     ``count`` rule: many > many_threshold >= medium >= few_threshold > few, with defaults from our
     papers: 100/20 for 100+ classes (CIFAR-100, ImageNet-LT), 1000/200 otherwise (SFD's CIFAR-10).
-    ``cumulative`` rule (FedLoGe): classes sorted by count; those before 75% of all samples are
-    many-shot, before 95% medium, the rest few.
+    ``cumulative`` rule (FedLoGe's text): classes sorted by count; those before 75% of all samples
+    are many-shot, before 95% medium, the rest few. ``cumulative_local`` (FedLoGe's released code):
+    the same shares of what the clients' local test sets would hold of each class, client k's
+    ``floor(n_kc / N * test_size)``: the floors drop classes spread thinly over clients, which
+    moves classes from many to few (``client_counts``: the (K, C) partition counts).
     """
     counts = np.asarray(train_counts)
     c = len(counts)
-    if cfg.shot_rule == "cumulative":
+    if cfg.shot_rule in ("cumulative", "cumulative_local"):
+        of = "training count"
+        if cfg.shot_rule == "cumulative_local":
+            if client_counts is None:
+                raise ConfigError("eval.shot_rule=cumulative_local needs every client's class counts, which a real "
+                                  "federation's server does not hold; use eval.shot_rule=cumulative")
+            shares = np.asarray(client_counts, dtype=np.float64) / max(int(np.sum(client_counts)), 1)
+            counts = np.floor(shares * test_size + 1e-9).astype(np.int64).sum(axis=0)
+            of = f"its clients' local test sets (floor(n_kc / N x {test_size}) summed over clients)"
         order = np.argsort(-counts, kind="stable")
         before = np.concatenate([[0], np.cumsum(counts[order])[:-1]]) / max(counts.sum(), 1)
         label = np.where(before < 0.75, 0, np.where(before < 0.95, 1, 2))
         groups = {g: sorted(int(k) for k in order[label == i]) for i, g in enumerate(GROUPS)}
-        return ShotGroups(groups, "cumulative: classes sorted by training count; many = first 75% of samples, "
+        return ShotGroups(groups, f"{cfg.shot_rule}: classes sorted by {of}; many = first 75% of samples, "
                                   "medium = up to 95%, few = the rest")
     default_many, default_few = (100, 20) if c >= 100 else (1000, 200)
     many_t = cfg.many_threshold if cfg.many_threshold is not None else default_many
@@ -153,17 +165,18 @@ def encode(model: FedModel, data: ImageDataset, batch_size: int) -> torch.Tensor
 
 
 def global_metrics(correct: torch.Tensor, losses: torch.Tensor, labels: torch.Tensor, groups: ShotGroups,
-                   num_classes: int) -> dict:
+                   num_classes: int, accuracy: str = "class_mean") -> dict:
     """Overall / per-class / shot-group accuracy (in %) and mean loss on the test set. ``acc`` is the
     plain accuracy on a balanced set; on a set whose classes differ in size (SVHN's own test split) it
-    is the mean of the per-class accuracies, the figure a balanced set of those classes would give."""
+    is the mean of the per-class accuracies, the figure a balanced set of those classes would give,
+    unless ``accuracy="top1"`` (``eval.accuracy``) asks for the plain share of images classified right."""
     hits = torch.bincount(labels, weights=correct.double(), minlength=num_classes)
     totals = torch.bincount(labels, minlength=num_classes).double()
     per_class = (100 * hits / totals.clamp(min=1)).cpu().tolist()
     measured = [a for a, n in zip(per_class, totals.tolist()) if n > 0]
     balanced = totals[totals > 0].unique().numel() <= 1
     out = {
-        "acc": 100 * correct.double().mean().item() if balanced else float(np.mean(measured)),
+        "acc": 100 * correct.double().mean().item() if balanced or accuracy == "top1" else float(np.mean(measured)),
         "loss": losses.double().mean().item(),
         "per_class_acc": [round(a, 4) for a in per_class],
     }
@@ -182,15 +195,17 @@ def per_class_counts(correct: torch.Tensor, losses: torch.Tensor, labels: torch.
     return hits, totals, loss
 
 
-def count_metrics(hits: torch.Tensor, totals: torch.Tensor, loss: torch.Tensor, groups: ShotGroups) -> dict:
+def count_metrics(hits: torch.Tensor, totals: torch.Tensor, loss: torch.Tensor, groups: ShotGroups,
+                  accuracy: str = "class_mean") -> dict:
     """:func:`global_metrics` from per-class sums (federated evaluation). ``acc`` is the mean of the
     per-class accuracies over the classes that have test samples: on a balanced test set it is the
     same figure as the plain accuracy, on the nodes' own (unbalanced) test splits it weighs every
-    class equally as a balanced test set would."""
+    class equally as a balanced test set would; ``accuracy="top1"``: the pooled share classified right."""
     present = totals > 0
     per_class = (100 * hits / totals.clamp(min=1)).cpu().tolist()
+    class_mean = float(np.mean([a for a, p in zip(per_class, present.tolist()) if p])) if present.any() else None
     out = {
-        "acc": float(np.mean([a for a, p in zip(per_class, present.tolist()) if p])) if present.any() else None,
+        "acc": (100 * hits.sum() / totals.sum()).item() if present.any() and accuracy == "top1" else class_mean,
         "loss": (loss.sum() / totals.sum()).item() if present.any() else None,
         "per_class_acc": [round(a, 4) for a in per_class],
     }

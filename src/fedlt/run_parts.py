@@ -281,6 +281,9 @@ def _check_node_data(cfg: Config, spec: MethodSpec, method_args: MethodArgs) -> 
     if cfg.data.val_per_class:
         raise ConfigError("data.val_per_class draws a validation set from the dataset, which the server of a real "
                           "federation does not hold; set data.val_per_class=0")
+    if cfg.eval.shot_rule == "cumulative_local":
+        raise ConfigError("eval.shot_rule=cumulative_local needs every client's class counts, which the server of a "
+                          "real federation does not hold; use eval.shot_rule=cumulative")
     refusal = spec.server.node_data_refusal(cfg, method_args)
     if refusal:
         raise ConfigError(refusal)

@@ -235,7 +235,7 @@ class NodeDataSimulation(FlowerSimulation):
         variants = {}
         for name in models:
             metrics = count_metrics(_summed(replies, f"hits/{name}"), totals, _summed(replies, f"loss/{name}"),
-                                    self.groups)
+                                    self.groups, self.cfg.eval.accuracy)
             if name == GLOBAL:
                 out.update(metrics)
             else:

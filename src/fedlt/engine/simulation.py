@@ -135,7 +135,7 @@ class Simulation:
         self.cfg, self.spec, self.device = cfg, spec, device
         self.eval_data = data
         self.train_data = data.pooled() if spec.pooled else data
-        self.groups: ShotGroups = shot_groups(data.train_counts, cfg.eval)
+        self.groups: ShotGroups = shot_groups(data.train_counts, cfg.eval, data.partition.counts, len(data.test))
         args = parse_method_args(spec, cfg.method_args)
         #: every knob the method ran with, defaults included: what a suite matches its cells on
         self.resolved_method_args = args.model_dump(mode="json")
@@ -335,7 +335,7 @@ class Simulation:
 
         if model is not None:
             correct, losses = predict(model, test, bs, features=features(model, test, on_test))
-            out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes))
+            out.update(global_metrics(correct, losses, test.labels, self.groups, test.num_classes, self.cfg.eval.accuracy))
             if val is not None:
                 val_correct, val_losses = predict(model, val, bs, features=features(model, val, on_val))
                 out.update(validation_figures(val_correct, val_losses, val, self.groups))
@@ -343,7 +343,7 @@ class Simulation:
         for name, variant in extra.items():
             on_features = features(variant, test, on_test)
             metrics = global_metrics(*predict(variant, test, bs, features=on_features), test.labels, self.groups,
-                                     test.num_classes)
+                                     test.num_classes, self.cfg.eval.accuracy)
             variants[name] = {k: metrics[k] for k in HEADLINE_METRICS}
             if val is not None:
                 variants[name].update(validation_metrics(variant, val, self.groups, bs, features(variant, val, on_val)))

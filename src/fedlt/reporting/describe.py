@@ -20,7 +20,7 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     data = build_federated_data(cfg.data, cfg.seed, "cpu")
     counts = data.partition.counts
     totals = data.train_counts
-    groups = shot_groups(totals, cfg.eval)
+    groups = shot_groups(totals, cfg.eval, counts, len(data.test))
     names = data.train.classes
     d = cfg.data
     part = partition_label(d.partition, d.alpha, d.classes_per_client)

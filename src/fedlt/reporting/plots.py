@@ -189,6 +189,8 @@ def plot_partition(record: dict[str, Any], path: Path, title: str | None = None)
 
     counts = np.asarray(record["counts"], dtype=float)
     k, c = counts.shape
+    order = np.argsort(-counts.sum(0), kind="stable")  # head -> tail, also when the classes were shuffled
+    counts = counts[:, order]
     fig, (ax, side) = plt.subplots(1, 2, figsize=(min(4 + 0.45 * c, 16), min(2 + 0.28 * k, 14)),
                                    gridspec_kw={"width_ratios": [max(c, 4), 2.2], "wspace": 0.05}, sharey=True)
     masked = np.ma.masked_where(counts == 0, counts)
@@ -201,9 +203,9 @@ def plot_partition(record: dict[str, Any], path: Path, title: str | None = None)
                         color="white" if v < np.sqrt(max(counts.max(), 1)) else "black")
     totals = counts.sum(0).astype(int)
     if c <= 20:
-        ax.set_xticks(range(c), [f"{j}\n({totals[j]})" for j in range(c)], fontsize=7)
+        ax.set_xticks(range(c), [f"{order[j]}\n({totals[j]})" for j in range(c)], fontsize=7)
     ax.set_yticks(range(k)) if k <= 40 else None
-    ax.set(xlabel="class index, head → tail (training samples in the federation)", ylabel="client")
+    ax.set(xlabel="class index, head → tail by training samples in the federation (in brackets)", ylabel="client")
     sizes = counts.sum(1)
     side.barh(range(k), sizes, color="grey")
     side.set(xlabel="samples")
