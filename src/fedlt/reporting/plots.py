@@ -205,7 +205,7 @@ def plot_partition(record: dict[str, Any], path: Path, title: str | None = None)
     if c <= 20:
         ax.set_xticks(range(c), [f"{order[j]}\n({totals[j]})" for j in range(c)], fontsize=7)
     ax.set_yticks(range(k)) if k <= 40 else None
-    ax.set(xlabel="class index, head → tail by training samples in the federation (in brackets)", ylabel="client")
+    ax.set(xlabel="class index (training samples), head → tail", ylabel="client")
     sizes = counts.sum(1)
     side.barh(range(k), sizes, color="grey")
     side.set(xlabel="samples")
