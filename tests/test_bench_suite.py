@@ -239,6 +239,36 @@ def test_a_cell_with_an_unreadable_summary_is_unfinished_and_resumes(tiny_suite,
     assert "| FedProx |" in write_report(out, with_plots=False).markdown
 
 
+def test_an_aborted_cell_is_left_out_of_the_report_and_run_again(tiny_suite, tmp_path):
+    """A run that stopped early (a Flower run aborted by its timeout) has a summary, marked aborted: it is
+    no finished seed of its row, and the next `fedlt bench` runs it again from the start."""
+    path, reference, _ = tiny_suite
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    cell = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 1)
+    finished = json.loads((cell / "summary.json").read_text())
+    (cell / "summary.json").write_text(json.dumps({**finished, "status": "aborted", "rounds_done": 1,
+                                                   "reason": "1 of 2 clients answered"}))
+    report = write_report(out, with_plots=False).markdown
+    assert f"row 'FedProx': left out {cell} (aborted after 1 of" in report and "`fedlt bench` runs it again" in report
+    assert "FedProx (1/2 seeds)" in report  # FedProx averages the seed it finished
+    again = run_suite(load_suite(path), out, echo=lambda line: None)
+    assert [c.label for c in again.ran] == ["IF=10, alpha=0.5 / FedProx / seed 1"] and len(again.skipped) == 3
+    rerun = json.loads((cell / "summary.json").read_text())
+    assert rerun.get("status") != "aborted" and rerun["final"] == finished["final"]
+
+
+def test_a_file_where_a_cell_folder_goes_is_one_line(tiny_suite, tmp_path):
+    path, reference, _ = tiny_suite
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    cell = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 1)
+    shutil.rmtree(cell)
+    cell.write_text("hi")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(cell))} is a file where the cell's run directory goes; "
+                                          "move it away or pass --out"):
+        run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None)
+
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite
     path = write_suite(tmp_path / "s.yaml", {**TINY_SUITE, "methods": [TINY_SUITE["methods"][1]]})

@@ -254,7 +254,7 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
     assert "95% CI: the t-interval of the mean over seeds" in caption and "seed by seed" in caption
     assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`n.r.` one not resolved" in caption
     assert "≈" not in report.markdown and "level" not in report.markdown and "within the noise" not in report.markdown
-    assert "best is **bold** only if its lead over the second is resolved" in caption
+    assert "best is **bold** only if its lead over every other ranked row is resolved" in caption
     tex = (report.out / "tables.tex").read_text()
     # the Markdown table's columns: GM's interval and both paired differences too
     assert ("Method & GM & 95\\% CI & $\\Delta$ GM vs FedAvg & Many & Med. & Few & PM & $\\Delta$ PM vs FedAvg "
@@ -327,10 +327,20 @@ def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference(
     assert _acc_marks(_row("R", [60, 61, 62]), _row("T", [74, 70, 75]), _row("S", [72, 72, 72])) == {}
     # T leads S clearly, but its difference to the noisy reference R (30, 7, 24) is not resolved: unmarked
     assert _acc_marks(_row("R", [50, 75, 60]), _row("T", [80, 82, 84]), _row("S", [70, 70.5, 71.2])) == {}
+    assert _acc_marks(_row("R", [50, 75, 60], ranked=False), _row("T", [80, 82, 84]), _row("S", [70, 70.5, 71.2]),
+                      reference="S") == {"T": "best", "S": "second"}
+    # ranked, R stays a row T's lead over is not resolved (30, 7, 24): T is not best of all
     assert _acc_marks(_row("R", [50, 75, 60]), _row("T", [80, 82, 84]), _row("S", [70, 70.5, 71.2]),
-                      reference="S") == {"T": "best"}
+                      reference="S") == {}
     # T's higher mean comes from a seed S lacks; on the seeds they share T is below S: not best
     assert _acc_marks(_row("S", [75, 76, 77.5]), _row("T", [70, 71, 72, 100]), reference="S") == {}
+    # CCVR leads BSM by a resolved margin but not the noisier CReFF, third by mean: paired leads are not
+    # transitive, so no bold (and BSM's lead over CReFF is not resolved either: no underline)
+    assert _acc_marks(_row("CE", [10, 20, 30]), _row("CCVR", [50, 52, 54]), _row("BSM", [48, 50.5, 51]),
+                      _row("CReFF", [60, 30, 58])) == {}
+    # the second must lead every row below it: Y leads V by a resolved margin, not the noisy U
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [90, 91.5, 92.5]), _row("Y", [80, 81, 82.5]),
+                      _row("V", [78, 79, 80]), _row("U", [79, 75, 81])) == {"X": "best"}
     # two rows resolved apart: the best is bold and the other, second of two, underlined
     assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5])) == {"X": "best", "Z": "second"}
     # one seed, a single ranked row, or an equal pair (the same runs): nothing to resolve
@@ -338,6 +348,14 @@ def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference(
     assert _acc_marks(_row("a", [70, 71]), _row("up", [99, 98], ranked=False)) == {}
     assert _acc_marks(_row("a", [70, 71, 72]), _row("b", [70, 71, 72]), _row("c", [60, 61, 62])) == {}
 
+
+def test_the_validation_column_is_never_marked():
+    """Choices are made on validation accuracy; a bold there would read as a result."""
+    seeds = {"A": [50, 51, 52], "B": [60, 61.5, 62.5], "C": [70, 70.5, 72.5]}  # resolved apart, not by constants
+    rows = [Row(label, None, [Run(Path(label, f"seed{s}"), s, {"final": {"acc": a, "val_acc": a}})
+                              for s, a in enumerate(accs)]) for label, accs in seeds.items()]
+    marks = build_table(Setting("s", rows)).marks
+    assert marks == {(2, "acc"): "best", (1, "acc"): "second"}
 
 def test_reference_key_names_the_row_differences_are_taken_against(tmp_path):
     rows = {k: ROWS[k] for k in ("FedAvg", "A", "B")}

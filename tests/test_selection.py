@@ -70,9 +70,14 @@ def test_a_grid_row_runs_every_candidate_and_reports_the_one_validation_selects(
     from fedlt.bench.suite import load_suite, run_suite
     from fedlt.reporting import write_report
 
-    out = tmp_path / "out"
-    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", GRID_SUITE)), out, echo=lambda line: None)
+    out, lines = tmp_path / "out", []
+    result = run_suite(load_suite(write_suite(tmp_path / "grid.yaml", GRID_SUITE)), out, echo=lines.append)
     assert not result.failed and len(result.ran) == 2 * 2 * (1 + 2)  # settings x seeds x (reference + candidates)
+    # a candidate's progress line and log record show its validation accuracy, never its test accuracy
+    candidates = [line for line in lines if "/ FedProx [" in line]
+    assert len(candidates) == 8 and all(": val acc " in line for line in candidates), lines
+    logged = [json.loads(line) for line in (out / "bench-log.jsonl").read_text().splitlines()]
+    assert all(("acc" in r) == ("FedProx [" not in r["cell"]) and r["val_acc"] is not None for r in logged)
     val = {}
     for lr in ("0.001", "0.05"):
         folder = "fedprox-fl-lr-" + lr.replace(".", "-")

@@ -596,12 +596,16 @@ def refuse_other_configs(found: list[OtherConfig]) -> None:
 
 
 def validate_cell_folder(cell: Cell, cfg: Config) -> None:
-    """Classify a cell's folder: new, done (a readable summary), resume (a checkpoint), or an error (a
-    run of another config, or of other resolved method arguments where its summary records them)."""
+    """Classify a cell's folder: new (also a run that aborted), done (a readable summary), resume (a
+    checkpoint), or an error (a run of another config, or of other resolved method arguments where its
+    summary records them)."""
     from fedlt.engine.checkpoint import CHECKPOINT_FILE
     from fedlt.results import SUMMARY_FILE, read_summary
 
     saved_path = cell.run_dir / CONFIG_FILE
+    if cell.run_dir.exists() and not cell.run_dir.is_dir():
+        raise ConfigError(f"cell '{cell.label}': {cell.run_dir} is a file where the cell's run directory goes; "
+                          "move it away or pass --out to a fresh folder")
     if not saved_path.is_file():
         if cell.run_dir.exists() and any(cell.run_dir.iterdir()):
             raise ConfigError(f"cell '{cell.label}': {cell.run_dir} holds files but no fedlt run; "
@@ -631,7 +635,9 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)
     if diff is not None:
         raise OtherConfig(cell, diff)
-    if summary:
+    if summary and summary.get("status") == "aborted":  # stopped early (a Flower run, which cannot resume)
+        cell.state = "new"
+    elif summary:
         cell.state, cell.diverged = "done", summary.get("status") == "diverged"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
         if not zipfile.is_zipfile(cell.run_dir / CHECKPOINT_FILE):  # torch's format: cut off, it has no directory
@@ -661,7 +667,7 @@ def run_cell(base: str | None, overrides: list[str], run_dir: str, state: str, t
             extra = [f"run.threads={threads}", "run.workers=1"] if threads else []
             result = api.run(base, overrides=[*overrides, *extra], quiet=True)
         final = result.summary["final"]
-        out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"),
+        out.update(status="ok", acc=final.get("acc"), pm_acc=final.get("pm_acc"), val_acc=final.get("val_acc"),
                    environment=result.summary["environment"])
     except Exception as err:  # a failing cell must not stop the suite; it is reported
         out.update(status="failed", error=f"{type(err).__name__}: {err}",
@@ -854,12 +860,15 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     walls: list[float] = []
 
     def finished(cell: Cell, info: dict[str, Any]) -> None:
+        if cell.row != cell.method:  # a grid's candidate: chosen on validation, its test accuracy never shown
+            info = {k: v for k, v in info.items() if k not in ("acc", "pm_acc")}
+        shown = "acc" if "acc" in info else "val_acc"
         with open(out / LOG_FILE, "a") as f:
             f.write(json.dumps({"cell": cell.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}) + "\n")
         if info["status"] == "ok":
             result.ran.append(cell)
             failures.pop(str(cell.run_dir), None)
-            what = f"acc {info['acc']:.2f}" if info.get("acc") is not None else "done"
+            what = f"{shown.replace('_', ' ')} {info[shown]:.2f}" if info.get(shown) is not None else "done"
         else:
             result.failed.append((cell, info["error"]))
             failures[str(cell.run_dir)] = {"cell": cell.label, "run_dir": str(cell.run_dir), "error": info["error"],

@@ -257,7 +257,9 @@ def _collect_suite(path: Path) -> Collection:
                          if seed not in {r.seed for r in runs}]
             runs, foreign = _one_config(runs, [*spec.overrides, *s.overrides, *m.overrides])
             warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
-            warnings += [f"row '{m.name}': {r.path}{_aborted(r)}: {r.summary.get('reason')}" for r in runs if _aborted(r)]
+            warnings += [f"row '{m.name}': left out {r.path}{_aborted(r)}: {r.summary.get('reason')}; `fedlt bench` "
+                         "runs it again" for r in runs if _aborted(r)]
+            runs = [r for r in runs if not _aborted(r)]  # its partial rounds are no seed of the row
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
             if not runs and len(warnings) == noted:  # nothing failed or was left out: its cells never ran

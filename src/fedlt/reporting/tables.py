@@ -11,10 +11,12 @@ the rows are equal). Under each table, the smallest half-width its paired differ
 runs ran (:mod:`fedlt.reporting.provenance`; a row whose seeds ran different code is marked ‡).
 
 Bold and underline claim an order, so they are given only where the seeds resolve it. Per
-column, the ranked rows are sorted by mean; the top one is best only if its paired lead over the
-second is resolved; the second is second only if its lead over the third (when there is one) is
-resolved too; and a row whose difference to the reference is not resolved is never marked (the
-reference itself can be). One seed, or a single ranked row, marks nothing. Upper bounds (the
+column, the ranked rows are sorted by mean; the top one is best only if its paired lead over every
+other ranked row is resolved (paired differences are not transitive: a resolved lead over the second
+says nothing of a third whose seeds vary more); the second is second only if its lead over every row
+below it is resolved too; and a row whose difference to the reference is not resolved is never marked
+(the reference itself can be). One seed, or a single ranked row, marks nothing. Validation columns
+are not marked: choices are made on them, results are not read there. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
 The CSV has one line per (setting, row) with what was chosen for it on validation data (``chosen``: the
@@ -73,7 +75,8 @@ def build_table(setting: Setting) -> Table:
     columns = [(m, h) for m, h in COLUMNS if m not in OPTIONAL_COLUMNS or any(c[m] for c in cells)]
     marks: dict[tuple[int, str], str] = {}
     for metric, _ in columns:
-        marks.update(_marks(setting.rows, metric, values, cells, diffs, ref))
+        if not metric.startswith("val_"):
+            marks.update(_marks(setting.rows, metric, values, cells, diffs, ref))
     return Table(setting, columns, cells, diffs, marks, ref)
 
 
@@ -88,14 +91,18 @@ def _marks(rows: list[Row], metric: str, values: list[dict[str, dict[int, float]
         d = paired_difference(values[a][metric], values[b][metric])
         return d is not None and d.resolved and d.mean > 0
 
+    def above(a: int, b: int) -> bool:  # a leads b, or the two share too few seeds to compare (b says so)
+        d = paired_difference(values[a][metric], values[b][metric])
+        return d is None or d.n < 2 or (d.resolved and d.mean > 0)
+
     def clear_of_ref(i: int) -> bool:
         return i == ref or (diffs[i][metric] is not None and diffs[i][metric].resolved)
 
     marks = {}
     if len(order) >= 2 and leads(order[0], order[1]):
-        if clear_of_ref(order[0]):
+        if all(above(order[0], i) for i in order[2:]) and clear_of_ref(order[0]):
             marks[(order[0], metric)] = "best"
-        if (len(order) == 2 or leads(order[1], order[2])) and clear_of_ref(order[1]):
+        if all(above(order[1], i) for i in order[2:]) and clear_of_ref(order[1]):
             marks[(order[1], metric)] = "second"
     return marks
 
@@ -172,9 +179,9 @@ def _caption_text(c: Collection) -> str:
             "the same on every seed, ±0.00, is judged by the sign test, which needs 6 seeds), `n/a (k seeds)` "
             "fewer than 2 shared seeds. Under each table: the smallest half-width its paired differences achieved, "
             "where its runs were measured, and the code they ran. "
-            "Per column the best is **bold** only if its lead over the second is resolved, and the second "
-            "<u>underlined</u> only if its lead over the third is resolved too; a row whose difference to the "
-            f"reference is not resolved is never marked. Rows marked {UNRANKED_MARK} are not ranked: upper bounds "
+            "Per column the best is **bold** only if its lead over every other ranked row is resolved, and the "
+            "second <u>underlined</u> only if its lead over every row below it is resolved too; a row whose "
+            "difference to the reference is not resolved is never marked, nor is the validation column. Rows marked {UNRANKED_MARK} are not ranked: upper bounds "
             "(centralized training, heads re-trained on real features: not private) and the rows a suite names "
             "unranked (controls and diagnoses, not competitors); rows "
             f"marked {MIXED_MARK} ran different code on different seeds.")
@@ -374,8 +381,9 @@ def latex(c: Collection, tables: list[Table]) -> str:
                   "$\\pm$ the half-width of its 95\\% t-interval, and the interval; * the interval excludes 0, "
                   "n.r.\\ not resolved (the interval holds 0). "
                   + (resolution + ". " if resolution else "")
-                  + "Best in bold only if its lead over the second is resolved, second underlined only if its lead "
-                  "over the third is too; rows whose difference to the reference is not resolved are never marked"
+                  + "Best in bold only if its lead over every other ranked row is resolved, second underlined only if "
+                  "its lead over every row below it is too; rows whose difference to the reference is not resolved "
+                  "are never marked"
                   + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "")
                   + ("; $^\\ddagger$ seeds run on different code (tables.md names them)" if any(mixed(r) for r in t.rows)
                      else "") + "."
