@@ -400,6 +400,7 @@ def test_svhn_round_trip_and_label_10_is_digit_0(tmp_path: Path) -> None:
     ("damage", "fragments"),
     [
         ("truncate", ["train_32x32.mat", "cannot read"]),
+        ("html", ["cannot read", "test_32x32.mat (it is no MATLAB file (it does not start with 'MATLAB'))"]),
         ("label", ["label 11", "test_32x32.mat", "1..10"]),
         ("no_x", ["test_32x32.mat", "no variable 'X'"]),
         ("missing", ["missing test_32x32.mat"]),
@@ -412,6 +413,8 @@ def test_svhn_bad_files(tmp_path: Path, damage: str, fragments: list[str]) -> No
     if damage == "truncate":
         path = root / "train_32x32.mat"
         path.write_bytes(path.read_bytes()[:300])
+    elif damage == "html":  # a download that saved an error page under the file's name
+        (root / "test_32x32.mat").write_text("<html><body>404 Not Found</body></html>")
     elif damage == "label":
         scipy.io.savemat(root / "test_32x32.mat", {"X": x, "y": np.array([[3.0], [11.0]])})
     elif damage == "no_x":
@@ -1199,8 +1202,12 @@ def test_eval_accuracy_top1_weighs_an_unbalanced_test_set_by_its_images(tmp_path
     (lambda root: (root / "test" / "emu").mkdir(),
      "imagefolder: unknown class folder {root}/test/emu; every split has train/'s: cat, dog, owl"),
     (lambda root: Image.new("L", (8, 8)).save(root / "train" / "cat" / "grey.png"),
-     "imagefolder: image {root}/train/cat/grey.png has 1 channel(s) (mode L), expected 3 (mode RGB); save it as a "
+     "imagefolder: image {root}/train/cat/grey.png has 1 channel(s) (mode L), expected 3 (mode RGB); save it as an "
      "RGB image"),
+    (lambda root: Image.new("P", (8, 8)).save(root / "train" / "cat" / "palette.png"),
+     "imagefolder: image {root}/train/cat/palette.png has 1 channel(s) (mode P) (a palette image), expected 3 (mode "
+     "RGB); save it as an RGB image"),
+
     (lambda root: Image.new("RGB", (9, 8)).save(root / "test" / "dog" / "wide.png"),
      "imagefolder: image {root}/test/dog/wide.png is 9x8, expected 8x8; images are not resized, resize it or give "
      "data.image_size the side every image has"),
@@ -1211,6 +1218,14 @@ def test_a_users_image_folders_name_what_is_wrong_in_one_line(tmp_path, damage, 
     write_image_folders(tmp_path, splits=("train", "test"))
     damage(tmp_path)
     assert error_of("imagefolder", tmp_path, image_size=8).startswith(fragment.format(root=tmp_path))
+
+
+def test_a_class_missing_from_a_users_test_folder_says_where_to_add_it(tmp_path) -> None:
+    write_image_folders(tmp_path, splits=("train", "test"))
+    __import__("shutil").rmtree(tmp_path / "test" / "dog")
+    assert error_of("imagefolder", tmp_path, image_size=8, every_class=True) == (
+        f"imagefolder: class 1 (dog) has no test samples in {tmp_path}, but imagefolder has 3 classes; add test "
+        f"images of that class to {tmp_path}/test/dog/")
 
 
 def test_a_users_long_tailed_folders_keep_every_image_and_validation_comes_from_where_it_is(tmp_path) -> None:

@@ -140,9 +140,14 @@ def test_imagenet_lt_uses_its_own_validation_list(tmp_path, monkeypatch):
     assert data.val_source == "dataset" and data.val.class_counts().tolist() == [2, 2, 2]
     assert image_keys(data.val.images) <= image_keys(pair.val.images)
     assert torch.equal(data.test.images, pair.test.images)  # neither test nor training source is touched
-    with pytest.raises(DataError, match=r"class 0 has only 3 images in imagenet_lt's validation list; "
-                                        r"use data.val_per_class <= 3$"):
+    with pytest.raises(DataError, match=r"class 0 has only 3 images in imagenet_lt's own validation split; use "
+                                        r"data.val_per_class <= 3, add images of that class to it, or draw the "
+                                        r"validation set from data.val_from=train or test$"):
         build_federated_data(cfg.model_copy(update={"val_per_class": 4}), seed=0)
+    (root / "ImageNet_LT_val.txt").unlink()  # the list is missing: the error names the other sources too
+    with pytest.raises(DataError, match=r"list file ImageNet_LT_val.txt not found in .*\(or draw the validation set "
+                                        r"from data.val_from=train or test\)$"):
+        build_federated_data(cfg, seed=0)
 
 
 def test_inat_defaults_to_the_test_split():

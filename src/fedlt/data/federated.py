@@ -179,7 +179,9 @@ def _hold_out_validation(cfg: DataConfig, source: str, pair: DatasetPair, rng: n
     n, classes = cfg.val_per_class, pair.num_classes
     if source == "dataset":
         rows = balanced_indices(pair.val.labels.numpy(), n, classes, rng, keep_one=False,
-                                where=f"{cfg.dataset}'s validation list", fix="")
+                                where=f"{cfg.dataset}'s own validation split", fix=", add images of that class "
+                                "to it, or draw the validation set from data.val_from=train or test",
+                                names=pair.val.classes)
         return pair.train, pair.test, pair.val.subset(torch.as_tensor(rows))
     split = pair.train if source == "train" else pair.test
     other = "test" if source == "train" else "train"

@@ -289,7 +289,10 @@ def _require_every_class(name: str, where: Path | str, split: ImageDataset, whic
         c = missing[0]
         label = f"class {c}" if split.classes[c] == str(c) else f"class {c} ({split.classes[c]})"
         others = f" and {len(missing) - 1} other classes have" if len(missing) > 1 else " has"
-        raise DataError(
-            f"{name}: {label}{others} no {which} samples in {where}, but {name} has {split.num_classes} "
-            f"classes; the files are incomplete or not {name}'s, {_REFETCH}"
-        )
+        if name.startswith("imagefolder"):  # the user's own folders: the fix is theirs to make
+            folder = Path(where) / ("train" if which == "training" else which) / split.classes[c]
+            fix = f"add {which} images of that class to {folder}/"
+        else:
+            fix = f"the files are incomplete or not {name}'s, {_REFETCH}"
+        raise DataError(f"{name}: {label}{others} no {which} samples in {where}, but {name} has {split.num_classes} "
+                        f"classes; {fix}")

@@ -27,12 +27,12 @@ SOURCES = ("dataset", "train", "test")
 
 
 def balanced_indices(labels: np.ndarray, per_class: int, num_classes: int, rng: np.random.Generator,
-                     keep_one: bool, where: str, fix: str) -> np.ndarray:
+                     keep_one: bool, where: str, fix: str, names: list[str] | None = None) -> np.ndarray:
     """Sorted indices of ``per_class`` uniformly drawn samples of every class of ``labels``.
 
     ``keep_one``: the split must keep at least one sample of every class after the draw (the
     test set it is taken from still has to measure every class). A class that cannot supply
-    them is a DataError naming ``where`` and ``fix``.
+    them is a DataError naming it (by ``names`` too, where given), ``where`` and ``fix``.
     """
     labels = np.asarray(labels)
     sizes = np.bincount(labels, minlength=num_classes)
@@ -42,7 +42,8 @@ def balanced_indices(labels: np.ndarray, per_class: int, num_classes: int, rng: 
         c = int(short[0])
         most = int(sizes.min()) - int(keep_one)
         raise DataError(
-            f"data.val_per_class={per_class}: class {c} has only {int(sizes[c])} images in {where}"
+            f"data.val_per_class={per_class}: class {c}{'' if names is None or names[c] == str(c) else f' ({names[c]})'} has only "
+            f"{int(sizes[c])} images in {where}"
             + (", and one must stay there" if keep_one else "")
             + f"; use data.val_per_class <= {max(most, 0)}{fix}"
         )

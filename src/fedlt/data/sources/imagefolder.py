@@ -184,8 +184,10 @@ def _decode(path: Path, channels: int, side: int, prefix: str) -> np.ndarray:
                 raise DataError(f"{prefix}: image {path} is {image.size[0]}x{image.size[1]}, expected {side}x{side}; "
                                 f"images are not resized, resize it {where}")
             if image.mode != mode:
-                raise DataError(f"{prefix}: image {path} has {len(image.getbands())} channel(s) (mode {image.mode}), "
-                                f"expected {channels} (mode {mode}); save it as a {mode} image")
+                kind = " (a palette image)" if image.mode in ("P", "PA") else ""
+                raise DataError(f"{prefix}: image {path} has {len(image.getbands())} channel(s) (mode {image.mode})"
+                                f"{kind}, expected {channels} (mode {mode}); save it as {'an' if mode == 'RGB' else 'a'} "
+                                f"{mode} image")
             pixels = np.asarray(image, dtype=np.uint8)
     except FileNotFoundError as exc:
         raise DataError(f"{prefix}: image {path} vanished while it was read; keep the folder unchanged") from exc

@@ -192,8 +192,9 @@ def _find_list(layout: ListLayout, root: Path, name: str) -> Path:
     absent = [name for name in (given.name, *(layout.annotations or ()))  # the official annotations, if not there
               if not any((folder / name).is_file() for folder in folders)]
     packed = None if given.is_absolute() else unextracted(folders, [f"{name}.tar.gz" for name in absent])
+    elsewhere = " (or draw the validation set from data.val_from=train or test)" if name == layout.val_list else ""
     raise DataError(f"{layout.dataset}: {'annotation' if annotation else 'list'} file {given.name} not found in "
-                    f"{where}; {packed or layout.fix}")
+                    f"{where}; {packed or layout.fix}{elsewhere}")
 
 
 def _reads_annotations(layout: ListLayout, root: Path) -> bool:
