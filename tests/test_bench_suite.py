@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,33 @@ def test_a_file_where_a_cell_folder_goes_is_one_line(tiny_suite, tmp_path):
     with pytest.raises(ConfigError, match=rf"{re.escape(str(cell))} is a file where the cell's run directory goes; "
                                           "move it away or pass --out"):
         run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None)
+
+def test_a_bench_says_where_its_running_cells_are_between_their_ends(tmp_path, monkeypatch):
+    """Cells train without progress lines of their own; the bench names each running cell's round and
+    accuracy every HEARTBEAT_S seconds (a minute; shortened here), from its metrics.jsonl."""
+    from conftest import TINY_SUITE, write_suite
+    from fedlt.bench import heartbeat
+
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 0.01)
+    tree = {**TINY_SUITE, "seeds": [0], "methods": [TINY_SUITE["methods"][1]],
+            "overrides": [*TINY_SUITE["overrides"][:3], "fl.rounds=6", *TINY_SUITE["overrides"][4:]]}
+    lines = []
+    run_suite(load_suite(write_suite(tmp_path / "s.yaml", tree)), tmp_path / "out", echo=lines.append)
+    beats = [line for line in lines if line.startswith("[bench tiny] running | IF=10, alpha=0.5 / FedProx / seed 0: round ")]
+    assert beats, lines
+    assert all(re.search(r": round [1-6]/6(, acc \d+\.\d\d)?$", line) for line in beats), beats
+    assert any(", acc " in line for line in beats) and lines[-1].startswith("[bench tiny] 1 ran")
+
+
+def test_cell_progress_reads_a_cell_being_written(tmp_path):
+    from fedlt.bench.heartbeat import cell_progress
+
+    (tmp_path / "config.yaml").write_text("fl:\n  rounds: 50\n")
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "train_loss": 2.0}\n{"round": 2, "acc": 41.5}\n'
+                                            '{"round": 3, "train_loss": 1.5}\n{"round": 4, "ac')  # cut off mid-write
+    assert cell_progress(tmp_path, since=0) == "round 3/50, acc 41.50"
+    assert cell_progress(tmp_path, since=time.time() + 60) is None  # not written since the bench began
+    assert cell_progress(tmp_path / "missing", since=0) is None
 
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite

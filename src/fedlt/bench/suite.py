@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from fedlt.environment import code_version, same_code
+from fedlt.bench.heartbeat import heartbeat
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
 from fedlt.bench.workers import run_in_workers
 from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
@@ -884,11 +885,16 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
              f"({duration(info['wall_s'])}) | elapsed {duration(elapsed)}, ETA {duration(eta)}")
 
     args = [(c, (base, c.overrides, str(c.run_dir), c.state, None if c.threads else threads)) for c in todo]
-    if workers == 1 or len(todo) <= 1:
-        for cell, a in args:
-            finished(cell, run_cell(*a))
-    else:
-        run_in_workers(args, workers, run_cell, finished)
+    def still_running() -> list[Cell]:  # or queued: those have written no round yet, so no line names them
+        ended = {id(c) for c, _ in result.failed} | {id(c) for c in result.ran}
+        return [c for c in todo if id(c) not in ended]
+
+    with heartbeat(still_running, echo, f"[bench {name}]"):
+        if workers == 1 or len(todo) <= 1:
+            for cell, a in args:
+                finished(cell, run_cell(*a))
+        else:
+            run_in_workers(args, workers, run_cell, finished)
     kept = result.diverged_before
     echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before"
          + (f", {len(kept)} of them diverged" if kept else "") + f"), {len(result.failed)} failed"

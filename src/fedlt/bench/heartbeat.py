@@ -1,0 +1,63 @@
+"""What a bench's running cells have reached, once a minute: cells train without progress lines of
+their own (those of parallel cells would interleave), and a cell of the reference protocol takes
+minutes, so without this a bench says nothing between the ends of its cells."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from fedlt.results import CONFIG_FILE, METRICS_FILE
+
+#: seconds between two lines (tests shorten it)
+HEARTBEAT_S = 60.0
+
+
+def cell_progress(run_dir: Path, since: float) -> str | None:
+    """``round 12/50, acc 61.20``: where a cell whose metrics changed after ``since`` (epoch seconds)
+    is, from its metrics.jsonl; None for a cell not started since then (or gone meanwhile)."""
+    path = run_dir / METRICS_FILE
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        rows = []
+        for line in path.read_text().splitlines():  # written meanwhile: a cut-off last line is skipped
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        total = ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("fl") or {}).get("rounds", "?")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    rounds = [r for r in rows if isinstance(r, dict) and isinstance(r.get("round"), int)]
+    if not rounds:
+        return None
+    accs = [r["acc"] for r in rounds if isinstance(r.get("acc"), (int, float))]
+    return f"round {rounds[-1]['round']}/{total}" + (f", acc {accs[-1]:.2f}" if accs else "")
+
+
+@contextmanager
+def heartbeat(running: Callable[[], Iterable], echo: Callable[[str], None], prefix: str) -> Iterator[None]:
+    """Every HEARTBEAT_S seconds, one line naming each of ``running()``'s cells (``.label``, ``.run_dir``)
+    that has written a round since this began."""
+    stop, since = threading.Event(), time.time()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            parts = [f"{cell.label}: {where}" for cell in running() if (where := cell_progress(cell.run_dir, since))]
+            if parts:
+                echo(f"{prefix} running | " + " | ".join(parts))
+
+    thread = threading.Thread(target=beat, name="bench-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
