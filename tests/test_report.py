@@ -476,6 +476,9 @@ def test_each_table_names_the_code_behind_it_and_marks_a_row_of_mixed_code(tmp_p
          "Oracle": "abc123"}
     tex = (report.out / "tables.tex").read_text()
     assert "\nB $^\\ddagger$ & " in tex and "$^\\ddagger$ seeds run on different code" in tex
+    # the LaTeX file says, in comments above each table, the code and machine behind it, as tables.md does
+    assert "\n% Code: abc123 (" in tex and "\n% ‡ B: its seeds ran different code: abc123 (seeds 0, 1)" in tex
+    assert "\n% Measured on: " in tex or "\n% note: cells of this table were measured on" in tex
 
 
 def claim(row, against, **more):

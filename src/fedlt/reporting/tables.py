@@ -374,7 +374,10 @@ def latex(c: Collection, tables: list[Table]) -> str:
         ref = latex_escape(t.rows[t.reference].label) if t.rows else ""
         resolution = latex_escape(resolution_text(t))
         columns = _markdown_columns(t)
-        lines += ["", r"\begin{table}[t]", r"\centering",
+        runs = t.setting.all_runs()  # where and with what code the numbers were made, and the table's notes:
+        said = [*environment_lines(runs), *code_lines(runs, t.rows), *t.setting.warnings]  # comments, not caption
+        lines += [""] + [f"% {line.removeprefix('> ')}" for line in said if line.strip()]
+        lines += [r"\begin{table}[t]", r"\centering",
                   f"\\caption{{{latex_escape(c.title)}: {latex_escape(t.setting.name)}. Final-round accuracy (\\%), "
                   + (f"mean $\\pm$ std over {len(c.seeds)} seeds" if len(c.seeds) > 1 else "one seed")
                   + f"; 95\\% CI: the t-interval of GM's mean. $\\Delta$GM ($\\Delta$PM): GM (PM) minus {ref}'s, paired by seed (same partition, same sampled clients), "
