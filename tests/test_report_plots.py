@@ -233,14 +233,16 @@ def test_a_report_of_runs_aborted_before_their_class_counts_were_known_draws_no_
     import shutil
 
     _, out, _ = tiny_suite
-    copy = tmp_path / "runs"
-    shutil.copytree(out, copy)
+    copy = tmp_path / "runs"  # a folder of run directories (a suite's report leaves aborted runs out)
+    for i, run in enumerate(sorted(p.parent for p in out.rglob("summary.json") if p.parent.name.startswith("seed"))):
+        shutil.copytree(run, copy / f"run{i}")
     for path in copy.rglob("summary.json"):
         summary = json.loads(path.read_text())
         del summary["train_class_counts"]
         path.write_text(json.dumps({**summary, "status": "aborted", "reason": "stopped", "rounds_done": 1}))
     names = {p.name for p in write_report(copy, tmp_path / "report").files}
-    assert "per-class-if-10-alpha-0-5.png" not in names and "curves-if-10-alpha-0-5.png" in names
+    setting = "synthetic-lt-if-10-dirichlet-alpha-0-5-4-clients-2-rounds"
+    assert f"per-class-{setting}.png" not in names and f"curves-{setting}.png" in names
 
 
 def test_partition_plot_orders_its_columns_head_to_tail_when_the_classes_were_shuffled(tmp_path, monkeypatch):
