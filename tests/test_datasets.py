@@ -463,6 +463,20 @@ def test_cinic_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert len(with_valid.train) == 40 and len(with_valid.test) == 20
 
 
+def test_cinic_reads_upper_case_png_suffixes(tmp_path: Path) -> None:
+    """CINIC-10 copied through Windows tools may name files X.PNG: they are images, not skipped."""
+    pixels = write_cinic(tmp_path, splits=("train", "test"))
+    for split, name in (("train", "cat"), ("test", "dog"), ("test", "ship")):
+        for png in (tmp_path / split / name).iterdir():
+            png.rename(png.with_suffix(".PNG" if png.stem.endswith("-a") else ".Png"))
+    pair = load_dataset("cinic10", root=str(tmp_path))
+    assert pair.train.images.shape == (20, 3, 32, 32) and len(pair.test) == 20
+    assert pair.train.labels.tolist() == [k for k in range(10) for _ in range(2)]
+    for split, images in (("train", pair.train.images), ("test", pair.test.images)):
+        for k, name in enumerate(CINIC_CLASSES):
+            assert np.array_equal(images[2 * k : 2 * k + 2].numpy(), pixels[(split, name)].transpose(0, 3, 1, 2))
+
+
 def test_cinic_bad_folders(tmp_path: Path) -> None:
     write_cinic(tmp_path, splits=("train", "test"))
     (tmp_path / "test" / "zebra").mkdir()
@@ -635,6 +649,119 @@ def test_inat_reads_the_organisers_coco_style_annotation_files(tmp_path: Path, m
                                         rf"there but not extracted: run `tar -xzf train2018\.json\.tar\.gz` in "
                                         rf"{re.escape(str(root))}$"):
         load_dataset("inat", image_size=8)
+
+
+#: four clearly distinct colours, one per quadrant: a transposed, flipped or mirrored image swaps two of them
+QUADRANTS = {"top left": (230, 20, 20), "top right": (20, 220, 20), "bottom left": (20, 20, 230),
+             "bottom right": (230, 230, 20)}
+
+
+def quadrant_image(width: int, height: int) -> np.ndarray:
+    """An HWC RGB image whose quadrants are QUADRANTS's colours (flat, so JPEG keeps them)."""
+    array = np.empty((height, width, 3), dtype=np.uint8)
+    for name, colour in QUADRANTS.items():
+        rows = slice(0, height // 2) if name.startswith("top") else slice(height // 2, height)
+        cols = slice(0, width // 2) if name.endswith("left") else slice(width // 2, width)
+        array[rows, cols] = colour
+    return array
+
+
+def assert_quadrants(image: np.ndarray, tolerance: int = 12) -> None:
+    """Each quadrant of a (3, S, S) image is its QUADRANTS colour, bar a one-pixel seam blurred by resizing."""
+    half = image.shape[1] // 2
+    for name, colour in QUADRANTS.items():
+        rows = slice(1, half - 1) if name.startswith("top") else slice(half + 1, -1)
+        cols = slice(1, half - 1) if name.endswith("left") else slice(half + 1, -1)
+        block = image[:, rows, cols].astype(int)
+        error = np.abs(block - np.array(colour)[:, None, None]).max()
+        assert error <= tolerance, (name, colour, block.reshape(3, -1).mean(axis=1).round().tolist())
+
+
+def test_list_images_keep_their_orientation_landscape_and_portrait(tmp_path: Path) -> None:
+    """Single-colour fixtures cannot tell a transposed or flipped decode from a right one: landscape and
+    portrait JPEGs (named .JPEG, as ImageNet's are) of four coloured quadrants keep each colour in its corner
+    through draft decoding, resizing and centre cropping."""
+    root = tmp_path / "imagenet"
+    entries = [("train/n01/n01_1.JPEG", 0, (96, 48)), ("train/n02/n02_1.JPEG", 1, (40, 80)),
+               ("val/ILSVRC2012_val_00000001.JPEG", 1, (48, 96)), ("val/ILSVRC2012_val_00000002.JPEG", 0, (80, 40))]
+    for rel, _, (width, height) in entries:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(quadrant_image(width, height)).save(root / rel, "JPEG", quality=95)
+    (root / "ImageNet_LT_train.txt").write_text("".join(f"{rel} {label}\n" for rel, label, _ in entries[:2]))
+    (root / "ImageNet_LT_test.txt").write_text("".join(f"{rel} {label}\n" for rel, label, _ in entries[2:]))
+    pair = load_dataset("imagenet_lt", root=str(root), image_size=16)
+    assert pair.train.images.shape == (2, 3, 16, 16) and pair.test.images.shape == (2, 3, 16, 16)
+    for image in [*pair.train.images, *pair.test.images]:
+        assert_quadrants(image.numpy())
+
+
+def test_list_portrait_images_are_cropped_at_their_centre(tmp_path: Path) -> None:
+    """A 30x90 portrait of red, green and blue bands resized to 16x48: the 16x16 crop is the green middle
+    band, not the top (or bottom) one (the landscape test cannot tell where a crop starts vertically)."""
+    array = np.zeros((90, 30, 3), dtype=np.uint8)
+    array[:30] = (255, 0, 0)
+    array[30:60] = (0, 255, 0)
+    array[60:] = (0, 0, 255)
+    path = tmp_path / "tall.JPEG"
+    Image.fromarray(array).save(path, "PNG")  # PNG content under ImageNet's suffix: exact bands; read by content
+    out = listfile.decode_image(path, 16, "imagenet_lt", "fix")
+    assert out.shape == (3, 16, 16) and out.dtype == np.uint8
+    assert (out[1] >= 200).all() and (out[0, 1:-1] <= 40).all() and (out[2, 1:-1] <= 40).all()
+
+
+def test_cmyk_jpegs_are_converted_to_the_rgb_they_show(tmp_path: Path) -> None:
+    """ImageNet holds a few CMYK JPEGs (Adobe-inverted, as Photoshop writes them and PIL too): decoded as PIL
+    converts CMYK to RGB, black (K) included, never with C, M, Y read as R, G, B."""
+    left, right = (0, 255, 255, 0), (200, 30, 0, 40)  # red; a light blue with some black
+    image = Image.new("CMYK", (32, 16), left)
+    image.paste(right, (16, 0, 32, 16))
+    path = tmp_path / "n01_cmyk.JPEG"
+    image.save(path, "JPEG", quality=95)
+    with Image.open(path) as saved:
+        assert saved.mode == "CMYK"
+    out = listfile.decode_image(path, 16, "imagenet_lt", "fix").astype(int)
+    for cmyk, cols in ((left, slice(0, 7)), (right, slice(9, 16))):
+        rgb = np.array(Image.new("CMYK", (1, 1), cmyk).convert("RGB").getpixel((0, 0)))
+        assert np.abs(out[:, :, cols] - rgb[:, None, None]).max() <= 8, (cmyk, rgb, out[:, 8, cols].tolist())
+    assert out[0, 8, 2] >= 240 and out[1, 8, 2] <= 15  # the red half is red: not (0, 255, 255), cyan
+
+
+def test_inat_annotation_labels_follow_category_ids_not_their_values_or_listing(tmp_path: Path) -> None:
+    """category_id -> label in category id order, as documented: ids 2, 5, 17 become labels 0, 1, 2 and the
+    classes are their names in that order (neither the raw ids, nor name order, nor either file's listing
+    order), and val2018.json is labelled by train2018.json's map, so one category has one label in both."""
+    import json
+
+    root = tmp_path / "inaturalist2018"
+    names = {2: "Reptilia", 5: "Aves", 17: "Mammalia", 9: "Insecta"}  # name order is not id order
+    colours = {2: (250, 10, 10), 5: (10, 250, 10), 17: (10, 10, 250)}
+
+    def annotation_file(split: str, rows: list[tuple[int, int]], listed: tuple[int, ...]) -> dict:
+        images, annotations = [], []
+        for image_id, category in rows:
+            rel = f"train_val2018/{names[category]}/{category}/{split}{image_id}.jpg"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (12, 10), colours[category]).save(root / rel, quality=95)
+            images.append({"id": image_id, "file_name": rel, "width": 12, "height": 10})
+            annotations.append({"id": 1000 + image_id, "image_id": image_id, "category_id": category})
+        return {"images": images, "annotations": annotations,
+                "categories": [{"id": c, "name": names[c], "supercategory": "Animalia"} for c in listed]}
+
+    root.mkdir()
+    (root / "train2018.json").write_text(json.dumps(annotation_file("t", [(1, 17), (2, 2), (3, 5), (4, 2)],
+                                                                    listed=(17, 2, 5))))
+    # another listing order, and one more category (without images): its own id map would differ from train's
+    (root / "val2018.json").write_text(json.dumps(annotation_file("v", [(21, 5), (22, 17), (23, 2)],
+                                                                  listed=(5, 9, 17, 2))))
+    pair = load_dataset("inat", root=str(root), image_size=8)
+    label_of = {2: 0, 5: 1, 17: 2}
+    assert pair.train.classes == ["Reptilia", "Aves", "Mammalia"] == pair.test.classes and pair.num_classes == 3
+    assert sorted(pair.train.labels.tolist()) == [0, 0, 1, 2] and sorted(pair.test.labels.tolist()) == [0, 1, 2]
+    for split in (pair.train, pair.test):  # each row's colour is its category's, and its label that category's
+        for image, label in zip(split.images, split.labels.tolist()):
+            category = next(c for c, k in label_of.items() if k == label)
+            centre = image[:, 4, 4].tolist()
+            assert all(abs(a - b) <= 6 for a, b in zip(centre, colours[category])), (centre, label)
 
 
 @pytest.mark.parametrize("dataset, archive, says", [
@@ -1161,6 +1288,22 @@ def test_a_users_image_folders_load_as_a_dataset_with_sorted_classes_and_declare
     __import__("shutil").rmtree(tmp_path / "val")
     assert error_of("imagefolder", tmp_path, image_size=8, with_val=True).startswith(
         f"imagefolder: no val/ in {tmp_path}, so it has no validation split of its own; add val/<class>/")
+
+
+def test_a_users_image_folders_read_upper_case_suffixes(tmp_path) -> None:
+    """Cameras and Windows tools write X.JPG, X.JPEG, X.PNG (or X.Jpeg): images like any other, in train and test."""
+    write_image_folders(tmp_path, counts=(2, 2, 2), splits=("train", "test"))
+    added = {("train", "cat", "IMG_0001.JPG"): 200, ("train", "dog", "photo.JPEG"): 220,
+             ("train", "owl", "scan.PNG"): 240, ("test", "cat", "shot.Jpeg"): 180, ("test", "owl", "Scan.PNG"): 160}
+    for (split, name, file), value in added.items():
+        kind = "PNG" if file.lower().endswith(".png") else "JPEG"
+        Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(tmp_path / split / name / file, kind, quality=95)
+    pair = load_dataset("imagefolder", root=str(tmp_path), image_size=8)
+    assert pair.train.class_counts().tolist() == [3, 3, 3] and pair.test.class_counts().tolist() == [3, 2, 3]
+    for (split, name, _), value in added.items():
+        data = pair.train if split == "train" else pair.test
+        rows = [k for k, image in enumerate(data.images) if abs(int(image[0, 4, 4]) - value) <= 4]
+        assert len(rows) == 1 and data.labels[rows[0]] == data.classes.index(name), (split, name, rows)
 
 
 def test_a_users_image_folders_train_a_federation(tmp_path) -> None:
