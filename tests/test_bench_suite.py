@@ -296,6 +296,8 @@ def test_cell_progress_reads_a_cell_being_written(tmp_path):
     assert cell_progress(tmp_path, since=0) == "round 3/50, acc 41.50"
     assert cell_progress(tmp_path, since=time.time() + 60) is None  # not written since the bench began
     assert cell_progress(tmp_path / "missing", since=0) is None
+    (tmp_path / "metrics.jsonl").unlink()  # no round evaluated yet
+    assert cell_progress(tmp_path, since=0) == "started, 50 rounds"
 
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite
@@ -916,6 +918,10 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
     assert bench.returncode == 128 + signum, err
     assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the cells stopped at once: no grace waited out
     assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
+    last = err.splitlines()[-1]  # it names the cells it stopped and the round each had reached
+    assert all(f"IF=10, alpha=0.5 / FedProx / seed {seed} (started, 400 rounds)" in last for seed in (0, 1)), last
+    assert last.endswith("the same `fedlt bench` command continues them from the last checkpoint and runs the "
+                         "suite's other unfinished cells"), last
     wait_until_group_ends(bench.pid)  # the workers were stopped before the bench ended
     assert not cells[2].exists() and not cells[3].exists()  # queued: never started
     states = {c.seed: c.state for c in run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, METRICS_FILE
 
 #: seconds between two lines (tests shorten it)
@@ -20,24 +21,27 @@ HEARTBEAT_S = 60.0
 
 
 def cell_progress(run_dir: Path, since: float) -> str | None:
-    """``round 12/50, acc 61.20``: where a cell whose metrics changed after ``since`` (epoch seconds)
-    is, from its metrics.jsonl; None for a cell not started since then (or gone meanwhile)."""
-    path = run_dir / METRICS_FILE
+    """``round 12/50, acc 61.20``: the last evaluated round of a cell whose files changed after
+    ``since`` (epoch seconds), from its metrics.jsonl (rows are written when a round is evaluated);
+    ``started, 50 rounds`` before its first; None for a cell not running since then (or gone)."""
+    metrics = run_dir / METRICS_FILE
     try:
-        if path.stat().st_mtime < since:
+        changed = [p.stat().st_mtime for p in (metrics, run_dir / CONFIG_FILE, run_dir / CHECKPOINT_FILE)
+                   if p.is_file()]
+        if not changed or max(changed) < since:
             return None
+        total = ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("fl") or {}).get("rounds", "?")
         rows = []
-        for line in path.read_text().splitlines():  # written meanwhile: a cut-off last line is skipped
-            try:
+        for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+            try:  # written meanwhile: a cut-off last line is skipped
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-        total = ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("fl") or {}).get("rounds", "?")
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     rounds = [r for r in rows if isinstance(r, dict) and isinstance(r.get("round"), int)]
     if not rounds:
-        return None
+        return f"started, {total} rounds"
     accs = [r["acc"] for r in rounds if isinstance(r.get("acc"), (int, float))]
     return f"round {rounds[-1]['round']}/{total}" + (f", acc {accs[-1]:.2f}" if accs else "")
 

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from fedlt.environment import code_version, same_code
-from fedlt.bench.heartbeat import heartbeat
+from fedlt.bench.heartbeat import cell_progress, heartbeat
 from fedlt.bench.selection import SELECT_METRICS, candidate_label, candidates
 from fedlt.bench.workers import run_in_workers
 from fedlt.config import DuplicateKey, config_difference as _config_difference, load_yaml, read_yaml_mapping, yaml_problem
@@ -889,12 +889,21 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
         ended = {id(c) for c, _ in result.failed} | {id(c) for c in result.ran}
         return [c for c in todo if id(c) not in ended]
 
-    with heartbeat(still_running, echo, f"[bench {name}]"):
-        if workers == 1 or len(todo) <= 1:
-            for cell, a in args:
-                finished(cell, run_cell(*a))
-        else:
-            run_in_workers(args, workers, run_cell, finished)
+    began = time.time()
+    try:
+        with heartbeat(still_running, echo, f"[bench {name}]"):
+            if workers == 1 or len(todo) <= 1:
+                for cell, a in args:
+                    finished(cell, run_cell(*a))
+            else:
+                run_in_workers(args, workers, run_cell, finished)
+    except KeyboardInterrupt as stop:  # the interrupt line names the cells it stopped, and where
+        stopped = [f"{c.label} ({where})" for c in still_running() if (where := cell_progress(c.run_dir, began))]
+        if stopped:
+            stop.resume_hint = (f"stopped {'; '.join(stopped)}: the same `fedlt bench` command continues "
+                                f"{'it' if len(stopped) == 1 else 'them'} from the last checkpoint and runs the "
+                                "suite's other unfinished cells")
+        raise
     kept = result.diverged_before
     echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before"
          + (f", {len(kept)} of them diverged" if kept else "") + f"), {len(result.failed)} failed"
