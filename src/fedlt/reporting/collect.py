@@ -10,14 +10,13 @@ that row is in the setting, else the setting's first row.
 from __future__ import annotations
 
 import copy
-import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates, select
-from fedlt.config import DIRICHLET_PARTITIONS, config_difference, load_config, partition_label, read_yaml_mapping
+from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, read_metrics, read_summary
@@ -338,10 +337,6 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
         if cfg == {}:
             foreign.append(f"{run.path}: its config.yaml is empty, so what it ran is unknown")
             continue
-        unlike = _unlike_the_suite(cfg, given) if cfg else None
-        if unlike:  # copied in from another suite or row, whose seeds may all agree with each other
-            foreign.append(f"{run.path}: it ran {unlike}")
-            continue
         expected = _seeds_of(run.seed, given)
         ran = (cfg.get("seed"), (cfg.get("data") or {}).get("seed")) if cfg is not None else expected
         if ran != expected:
@@ -356,46 +351,6 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
         first = first or ((run.seed, cfg) if cfg is not None else None)
         kept.append(run)
     return kept, foreign
-
-
-def _unlike_the_suite(cfg: dict[str, Any], given: list[str]) -> str | None:
-    """``fl.rounds=4 where its row sets 3``: the first of the row's own overrides (the suite's, its
-    setting's and its row's) that a run's config contradicts; None if it contradicts none. A key the
-    run's config lacks (from before the key existed) is no contradiction; method and calibration knobs
-    are matched by `fedlt bench` on the values the run resolved, and are not checked here."""
-    last = {o.partition("=")[0].strip(): o for o in given}  # a row's override of a key the suite sets wins
-    for override in last.values():
-        expected = None if "{seed}" in override else _as_written(override)  # per seed: checked by the caller
-        if expected is None:
-            continue
-        key, want = expected
-        node: Any = cfg
-        for part in key.split("."):
-            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
-        if node is not _ABSENT and node != want:
-            return f"{key}={node!r} where its row sets {key}={want!r}"
-    return None
-
-
-_ABSENT = object()
-
-
-@functools.lru_cache(maxsize=None)
-def _as_written(override: str) -> tuple[str, Any] | None:
-    """(dotted key, the value a run's config.yaml holds for it) of one override, validated as a run's
-    would be; None for a knob, or an override that cannot be read alone."""
-    key = override.partition("=")[0].strip()
-    if key.split(".")[0] in ("method_args", "calibration_args", "seed") or key == "data.seed":
-        return None
-    try:
-        node: Any = load_config(None, [override]).dump()
-    except (FedltError, ValueError):
-        return None
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return key, node
 
 
 def _without(tree: dict[str, Any], keys: list[str]) -> dict[str, Any]:
