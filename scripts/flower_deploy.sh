@@ -11,9 +11,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${FEDLT_PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 "$PY" -c "import torch, flwr" 2>/dev/null || {
   echo "fedlt: error: $PY cannot import torch and flwr: run 'source scripts/setup.sh' first (it creates .venv), or set FEDLT_PYTHON to a Python that has fedlt's packages" >&2
   exit 2; }
-export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" -m fedlt.cli deploy "$@"

@@ -119,13 +119,14 @@ def test_table_means_stds_differences_and_marks_match_the_cells(tiny_suite):
             d = _paired(seeds, a, b)
             return d is not None and (d[1][0] > 0 or (not above and d[1][1] < 0))
 
-        order = sorted((r["row"] for r in rows if r["ranked"] == "1" and seeds[r["row"]]),
+        order = sorted((r["row"] for r in rows if r["ranked"] == "1" and len(seeds[r["row"]]) >= 2),
                        key=lambda name: -statistics.mean(seeds[name].values()))
         clear = [name for name in order if name == "FedAvg + CCVR" or leads(name, "FedAvg + CCVR", above=False)]
-        marks = {}
+        marks = {}  # best: a resolved lead over every row below; second: over every row below it, under the best
         if len(order) >= 2 and leads(order[0], order[1]):
-            marks[order[0]] = "best"
-            if len(order) == 2 or leads(order[1], order[2]):
+            if all(leads(order[0], other) for other in order[2:]):
+                marks[order[0]] = "best"
+            if all(leads(order[1], other) for other in order[2:]):
                 marks[order[1]] = "second"
         marks = {k: v for k, v in marks.items() if k in clear}
         for name in expected:
@@ -248,11 +249,13 @@ def test_an_aborted_cell_is_left_out_of_the_report_and_run_again(tiny_suite, tmp
     shutil.copytree(reference, out)
     cell = cell_dir(out, "IF=10, alpha=0.5", "FedProx", 1)
     finished = json.loads((cell / "summary.json").read_text())
-    (cell / "summary.json").write_text(json.dumps({**finished, "status": "aborted", "rounds_done": 1,
-                                                   "reason": "1 of 2 clients answered"}))
+    elsewhere = {**finished["environment"], "cpu_capability": "another", "source_hash": "another"}
+    (cell / "summary.json").write_text(json.dumps({**finished, "status": "aborted", "rounds_done": 1, "environment":
+                                                   elsewhere, "reason": "1 of 2 clients answered"}))
     report = write_report(out, with_plots=False).markdown
     assert f"row 'FedProx': left out {cell} (aborted after 1 of" in report and "`fedlt bench` runs it again" in report
     assert "FedProx (1/2 seeds)" in report  # FedProx averages the seed it finished
+    # its machine and code are not a finished cell's, which the folder's others would be checked against
     again = run_suite(load_suite(path), out, echo=lambda line: None)
     assert [c.label for c in again.ran] == ["IF=10, alpha=0.5 / FedProx / seed 1"] and len(again.skipped) == 3
     rerun = json.loads((cell / "summary.json").read_text())
@@ -294,6 +297,7 @@ def test_cell_progress_reads_a_cell_being_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"round": 1, "train_loss": 2.0}\n{"round": 2, "acc": 41.5}\n'
                                             '{"round": 3, "train_loss": 1.5}\n{"round": 4, "ac')  # cut off mid-write
     assert cell_progress(tmp_path, since=0) == "round 3/50, acc 41.50"
+    assert cell_progress(tmp_path, since=0, validation=True) == "round 3/50"  # a candidate's test acc: never
     assert cell_progress(tmp_path, since=time.time() + 60) is None  # not written since the bench began
     assert cell_progress(tmp_path / "missing", since=0) is None
     (tmp_path / "metrics.jsonl").unlink()  # no round evaluated yet
@@ -906,8 +910,8 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
     assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
     last = err.splitlines()[-1]  # it names the cells it stopped and the round each had reached
     assert all(f"IF=10, alpha=0.5 / FedProx / seed {seed} (started, 400 rounds)" in last for seed in (0, 1)), last
-    assert last.endswith("the same `fedlt bench` command continues them from the last checkpoint and runs the "
-                         "suite's other unfinished cells"), last
+    assert last.endswith("the same `fedlt bench` command goes on with them (from the last checkpoint, where there "
+                         "is one) and with the suite's other unfinished cells"), last
     wait_until_group_ends(bench.pid)  # the workers were stopped before the bench ended
     assert not cells[2].exists() and not cells[3].exists()  # queued: never started
     states = {c.seed: c.state for c in run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells}

@@ -126,6 +126,8 @@ def test_cumulative_local_rule_groups_by_the_floored_local_test_sizes() -> None:
     assert code.rule.startswith("cumulative_local: classes sorted by its clients' local test sets (floor(n_kc / N x 10)")
     with pytest.raises(ConfigError, match="cumulative_local needs every client's class counts"):
         shot_groups(totals, EvalConfig(shot_rule="cumulative_local"))
+    with pytest.raises(ConfigError, match=r"a test set of 1 images floors to 0 images of every class"):
+        shot_groups(totals, EvalConfig(shot_rule="cumulative_local"), client_counts, 1)
 
 
 # ---- global metrics -----------------------------------------------------------------------

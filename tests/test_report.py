@@ -255,6 +255,7 @@ def test_suite_table_shows_interval_paired_difference_and_marks_only_a_resolved_
     assert "`*` marks a resolved difference (the interval excludes 0" in caption and "`n.r.` one not resolved" in caption
     assert "≈" not in report.markdown and "level" not in report.markdown and "within the noise" not in report.markdown
     assert "best is **bold** only if its lead over every other ranked row is resolved" in caption
+    assert "Rows marked † are not ranked" in caption and "{" not in caption  # every placeholder filled in
     tex = (report.out / "tables.tex").read_text()
     # the Markdown table's columns: GM's interval and both paired differences too
     assert ("Method & GM & 95\\% CI & $\\Delta$ GM vs FedAvg & Many & Med. & Few & PM & $\\Delta$ PM vs FedAvg "
@@ -341,6 +342,9 @@ def test_marks_need_a_resolved_order_and_a_resolved_difference_to_the_reference(
     # the second must lead every row below it: Y leads V by a resolved margin, not the noisy U
     assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [90, 91.5, 92.5]), _row("Y", [80, 81, 82.5]),
                       _row("V", [78, 79, 80]), _row("U", [79, 75, 81])) == {"X": "best"}
+    # a row of one seed sorting second neither takes a mark nor blocks the others'
+    assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5]), _row("Y", [75, 76, 77.5]),
+                      _row("P", [79])) == {"X": "best", "Y": "second"}
     # two rows resolved apart: the best is bold and the other, second of two, underlined
     assert _acc_marks(_row("Z", [70, 71, 72]), _row("X", [80, 81.5, 82.5])) == {"X": "best", "Z": "second"}
     # one seed, a single ranked row, or an equal pair (the same runs): nothing to resolve

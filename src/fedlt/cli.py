@@ -76,8 +76,8 @@ def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HIN
         if run_hint:
             hint = getattr(stop, "resume_hint", None) or ("there is nothing to resume (the run had not started, or "
                                                           "ran on Flower); run the same command again")
-        else:
-            hint = getattr(stop, "resume_hint", None) or hint
+        else:  # a bench's names the cells it stopped (a run's own resume_hint is not this command's)
+            hint = getattr(stop, "bench_hint", None) or hint
         typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
         raise typer.Exit(143 if by else 130)
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix

@@ -53,7 +53,11 @@ def shot_groups(train_counts: np.ndarray, cfg: EvalConfig, client_counts: np.nda
                 raise ConfigError("eval.shot_rule=cumulative_local needs every client's class counts, which a real "
                                   "federation's server does not hold; use eval.shot_rule=cumulative")
             shares = np.asarray(client_counts, dtype=np.float64) / max(int(np.sum(client_counts)), 1)
-            counts = np.floor(shares * test_size + 1e-9).astype(np.int64).sum(axis=0)
+            counts = np.floor(shares * test_size).astype(np.int64).sum(axis=0)  # the code's int(n_kc / N * size)
+            if counts.sum() == 0:  # every group would be many-shot: nothing to split by
+                raise ConfigError(f"eval.shot_rule=cumulative_local: each client's share of a test set of {test_size} "
+                                  "images floors to 0 images of every class, so no class has a local test total; "
+                                  "use eval.shot_rule=cumulative")
             of = f"its clients' local test sets (floor(n_kc / N x {test_size}) summed over clients)"
         order = np.argsort(-counts, kind="stable")
         before = np.concatenate([[0], np.cumsum(counts[order])[:-1]]) / max(counts.sum(), 1)

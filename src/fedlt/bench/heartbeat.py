@@ -20,10 +20,11 @@ from fedlt.results import CONFIG_FILE, METRICS_FILE
 HEARTBEAT_S = 60.0
 
 
-def cell_progress(run_dir: Path, since: float) -> str | None:
+def cell_progress(run_dir: Path, since: float, validation: bool = False) -> str | None:
     """``round 12/50, acc 61.20``: the last evaluated round of a cell whose files changed after
     ``since`` (epoch seconds), from its metrics.jsonl (rows are written when a round is evaluated);
-    ``started, 50 rounds`` before its first; None for a cell not running since then (or gone)."""
+    ``started, 50 rounds`` before its first; None for a cell not running since then (or gone).
+    ``validation``: a grid's candidate, whose validation accuracy is shown (``val acc``), never its test's."""
     metrics = run_dir / METRICS_FILE
     try:
         changed = [p.stat().st_mtime for p in (metrics, run_dir / CONFIG_FILE, run_dir / CHECKPOINT_FILE)
@@ -42,19 +43,21 @@ def cell_progress(run_dir: Path, since: float) -> str | None:
     rounds = [r for r in rows if isinstance(r, dict) and isinstance(r.get("round"), int)]
     if not rounds:
         return f"started, {total} rounds"
-    accs = [r["acc"] for r in rounds if isinstance(r.get("acc"), (int, float))]
-    return f"round {rounds[-1]['round']}/{total}" + (f", acc {accs[-1]:.2f}" if accs else "")
+    key = "val_acc" if validation else "acc"
+    accs = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
+    return f"round {rounds[-1]['round']}/{total}" + (f", {key.replace('_', ' ')} {accs[-1]:.2f}" if accs else "")
 
 
 @contextmanager
 def heartbeat(running: Callable[[], Iterable], echo: Callable[[str], None], prefix: str) -> Iterator[None]:
-    """Every HEARTBEAT_S seconds, one line naming each of ``running()``'s cells (``.label``, ``.run_dir``)
-    that has written a round since this began."""
+    """Every HEARTBEAT_S seconds, one line naming each of ``running()``'s cells (``.label``, ``.run_dir``,
+    ``.is_candidate``) that has written a round since this began."""
     stop, since = threading.Event(), time.time()
 
     def beat() -> None:
         while not stop.wait(HEARTBEAT_S):
-            parts = [f"{cell.label}: {where}" for cell in running() if (where := cell_progress(cell.run_dir, since))]
+            parts = [f"{cell.label}: {where}" for cell in running()
+                     if (where := cell_progress(cell.run_dir, since, cell.is_candidate))]
             if parts:
                 echo(f"{prefix} running | " + " | ".join(parts))
 

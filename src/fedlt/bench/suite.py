@@ -345,6 +345,11 @@ class Cell:
     def label(self) -> str:
         return f"{self.setting} / {self.method} / seed {self.seed}"
 
+    @property
+    def is_candidate(self) -> bool:
+        """One of a grid row's candidates: chosen on validation, its test accuracy never shown."""
+        return self.row != self.method
+
 
 def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
     return out / slug(setting) / slug(method) / f"seed{seed}"
@@ -736,6 +741,8 @@ def finished_environments(suite: Suite, out: Path) -> Iterator[tuple[Cell, dict[
             summary = read_summary(cell.run_dir)
         except FedltError:  # none, or cut off: unfinished
             continue
+        if summary.get("status") == "aborted":  # runs again from the start: not a finished cell
+            continue
         segments = summary.get("segments")
         envs = [s.get("environment") for s in segments if isinstance(s, dict)] if isinstance(segments, list) \
             else [summary.get("environment")]
@@ -861,7 +868,7 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
     walls: list[float] = []
 
     def finished(cell: Cell, info: dict[str, Any]) -> None:
-        if cell.row != cell.method:  # a grid's candidate: chosen on validation, its test accuracy never shown
+        if cell.is_candidate:
             info = {k: v for k, v in info.items() if k not in ("acc", "pm_acc")}
         shown = "acc" if "acc" in info else "val_acc"
         with open(out / LOG_FILE, "a") as f:
@@ -898,11 +905,11 @@ def run_suite(suite: Suite, out: Path, seeds: list[int] | None = None, workers: 
             else:
                 run_in_workers(args, workers, run_cell, finished)
     except KeyboardInterrupt as stop:  # the interrupt line names the cells it stopped, and where
-        stopped = [f"{c.label} ({where})" for c in still_running() if (where := cell_progress(c.run_dir, began))]
-        if stopped:
-            stop.resume_hint = (f"stopped {'; '.join(stopped)}: the same `fedlt bench` command continues "
-                                f"{'it' if len(stopped) == 1 else 'them'} from the last checkpoint and runs the "
-                                "suite's other unfinished cells")
+        stopped = [f"{c.label} ({where})" for c in still_running()
+                   if (where := cell_progress(c.run_dir, began, c.is_candidate))]
+        stop.bench_hint = (f"stopped {'; '.join(stopped)}: the same `fedlt bench` command goes on with "
+                           f"{'it' if len(stopped) == 1 else 'them'} (from the last checkpoint, where there is one) "
+                           "and with the suite's other unfinished cells") if stopped else None
         raise
     kept = result.diverged_before
     echo(f"[bench {name}] {len(result.ran)} ran, {len(result.skipped)} skipped (finished before"

@@ -248,7 +248,9 @@ class NodeDataSimulation(FlowerSimulation):
         extra = super()._summary_extra(elapsed)
         return {**extra, "nodes": self.client_names,
                 "evaluation": "server test set" if len(self.eval_data.test) else
-                "federated: per-class sums over the nodes' own test splits, accuracy = mean of per-class accuracies"}
+                "federated: per-class sums over the nodes' own test splits, accuracy = "
+                + ("share of test images classified right" if self.cfg.eval.accuracy == "top1" else
+                   "mean of per-class accuracies")}
 
 
 def _summed(replies, key: str) -> torch.Tensor:

@@ -15,7 +15,8 @@ column, the ranked rows are sorted by mean; the top one is best only if its pair
 other ranked row is resolved (paired differences are not transitive: a resolved lead over the second
 says nothing of a third whose seeds vary more); the second is second only if its lead over every row
 below it is resolved too; and a row whose difference to the reference is not resolved is never marked
-(the reference itself can be). One seed, or a single ranked row, marks nothing. Validation columns
+(the reference itself can be). A row of fewer than 2 seeds in a column is neither marked there nor
+counted against the others; one seed, or a single ranked row, marks nothing. Validation columns
 are not marked: choices are made on them, results are not read there. Upper bounds (the
 centralized oracle, real-feature heads, a suite's ``unranked``) are shown but not ranked.
 
@@ -84,25 +85,22 @@ def _marks(rows: list[Row], metric: str, values: list[dict[str, dict[int, float]
            cells: list[dict[str, SeedStats | None]], diffs: list[dict[str, PairedDiff | None]],
            ref: int) -> dict[tuple[int, str], str]:
     """The marking rule of the module docstring, for one column."""
-    order = sorted((i for i, r in enumerate(rows) if r.ranked and cells[i][metric] is not None),
+    # a row of fewer than 2 seeds has no interval to be ranked by: neither marked nor counted against others
+    order = sorted((i for i, r in enumerate(rows) if r.ranked and len(values[i][metric]) >= 2),
                    key=lambda i: -cells[i][metric].mean)
 
     def leads(a: int, b: int) -> bool:  # a is above b by a resolved paired difference
         d = paired_difference(values[a][metric], values[b][metric])
         return d is not None and d.resolved and d.mean > 0
 
-    def above(a: int, b: int) -> bool:  # a leads b, or the two share too few seeds to compare (b says so)
-        d = paired_difference(values[a][metric], values[b][metric])
-        return d is None or d.n < 2 or (d.resolved and d.mean > 0)
-
     def clear_of_ref(i: int) -> bool:
         return i == ref or (diffs[i][metric] is not None and diffs[i][metric].resolved)
 
     marks = {}
     if len(order) >= 2 and leads(order[0], order[1]):
-        if all(above(order[0], i) for i in order[2:]) and clear_of_ref(order[0]):
+        if all(leads(order[0], i) for i in order[2:]) and clear_of_ref(order[0]):
             marks[(order[0], metric)] = "best"
-        if all(above(order[1], i) for i in order[2:]) and clear_of_ref(order[1]):
+        if all(leads(order[1], i) for i in order[2:]) and clear_of_ref(order[1]):
             marks[(order[1], metric)] = "second"
     return marks
 
@@ -181,7 +179,8 @@ def _caption_text(c: Collection) -> str:
             "where its runs were measured, and the code they ran. "
             "Per column the best is **bold** only if its lead over every other ranked row is resolved, and the "
             "second <u>underlined</u> only if its lead over every row below it is resolved too; a row whose "
-            "difference to the reference is not resolved is never marked, nor is the validation column. Rows marked {UNRANKED_MARK} are not ranked: upper bounds "
+            "difference to the reference is not resolved is never marked, nor one of fewer than 2 seeds, nor the "
+            f"validation column. Rows marked {UNRANKED_MARK} are not ranked: upper bounds "
             "(centralized training, heads re-trained on real features: not private) and the rows a suite names "
             "unranked (controls and diagnoses, not competitors); rows "
             f"marked {MIXED_MARK} ran different code on different seeds.")
@@ -376,7 +375,7 @@ def latex(c: Collection, tables: list[Table]) -> str:
         columns = _markdown_columns(t)
         runs = t.setting.all_runs()  # where and with what code the numbers were made, and the table's notes:
         said = [*environment_lines(runs), *code_lines(runs, t.rows), *t.setting.warnings]  # comments, not caption
-        lines += [""] + [f"% {line.removeprefix('> ')}" for line in said if line.strip()]
+        lines += [""] + [f"% {part}" for line in said for part in line.removeprefix("> ").splitlines() if part.strip()]
         lines += [r"\begin{table}[t]", r"\centering",
                   f"\\caption{{{latex_escape(c.title)}: {latex_escape(t.setting.name)}. Final-round accuracy (\\%), "
                   + (f"mean $\\pm$ std over {len(c.seeds)} seeds" if len(c.seeds) > 1 else "one seed")
@@ -385,8 +384,8 @@ def latex(c: Collection, tables: list[Table]) -> str:
                   "n.r.\\ not resolved (the interval holds 0). "
                   + (resolution + ". " if resolution else "")
                   + "Best in bold only if its lead over every other ranked row is resolved, second underlined only if "
-                  "its lead over every row below it is too; rows whose difference to the reference is not resolved "
-                  "are never marked"
+                  "its lead over every row below it is too; rows whose difference to the reference is not resolved, "
+                  "rows of fewer than 2 seeds and the validation column are never marked"
                   + ("; $^\\dagger$ upper bound, not ranked" if any(not r.ranked for r in t.rows) else "")
                   + ("; $^\\ddagger$ seeds run on different code (tables.md names them)" if any(mixed(r) for r in t.rows)
                      else "") + "."

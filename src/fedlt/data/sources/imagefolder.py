@@ -186,7 +186,7 @@ def _decode(path: Path, channels: int, side: int, prefix: str) -> np.ndarray:
             if image.mode != mode:
                 kind = " (a palette image)" if image.mode in ("P", "PA") else ""
                 raise DataError(f"{prefix}: image {path} has {len(image.getbands())} channel(s) (mode {image.mode})"
-                                f"{kind}, expected {channels} (mode {mode}); save it as {'an' if mode == 'RGB' else 'a'} "
+                                f"{kind}, expected {channels} (mode {mode}); save it as {'an' if mode in ('RGB', 'L') else 'a'} "
                                 f"{mode} image")
             pixels = np.asarray(image, dtype=np.uint8)
     except FileNotFoundError as exc:

@@ -44,7 +44,10 @@ def _read(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     except NotImplementedError as exc:
         raise DataError(f"{DATASET}: {path} is a MATLAB v7.3 file, SVHN ships v5 files; {_FIX}") from exc
     except Exception as exc:  # scipy reports corrupt files with many exception types
-        head = path.read_bytes()[:6] if path.is_file() else b""
+        head = b""
+        if path.is_file():
+            with open(path, "rb") as f:
+                head = f.read(6)
         why = "it is no MATLAB file (it does not start with 'MATLAB')" if head != b"MATLAB" else \
             f"{type(exc).__name__}: {exc}"
         raise DataError(f"{DATASET}: cannot read {path} ({why}); {_FIX}") from exc
