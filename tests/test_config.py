@@ -581,3 +581,7 @@ def test_a_method_with_its_own_objective_names_no_configured_loss() -> None:
     assert progress_label(load_config(None, ["loss.name=bsm"]), "graphed") == "fedavg/bsm graphed"
     assert loss_label(load_config(None, ["loss.name=bsm"])) == "bsm (prior local)"
     assert loss_label(load_config(None, ["method=creff", "loss.name=focal"])) == "focal"
+    # GBME's prior is its own knob's, never loss.prior's (the label said "prior local" under its GPI)
+    assert loss_label(load_config(None, ["method=gbme", "loss.name=bsm"])) == "bsm (prior gpi, method_args.prior)"
+    assert loss_label(load_config(None, ["method=gbme", "loss.name=la", "method_args.prior=local"])) == \
+        "la (prior local, method_args.prior)"

@@ -593,3 +593,12 @@ def test_a_diverged_runs_note_names_the_loss_that_went_nan():
     train_loss = {**test_loss, "reason": "training diverged in round 3: the clients' mean training loss is nan"}
     assert _diverged(Run(Path("x"), 0, train_loss)).startswith(" diverged in round 3 (NaN training loss); ")
     assert _diverged(Run(Path("x"), 0, {"status": "aborted"})) == ""
+
+
+def test_a_report_of_single_runs_names_a_diverged_one(tmp_path):
+    """`fedlt report RUN_DIR` of a run that diverged showed it as an ordinary result of 10.00%."""
+    from fedlt.reporting.collect import _run_rows
+
+    diverged = Run(tmp_path, 0, {"status": "diverged", "diverged_round": 1, "final": {"acc": 10.0}})
+    assert [row.label for row in _run_rows("fedavg", diverged)] == ["fedavg (diverged in round 1)"]
+    assert [row.label for row in _run_rows("fedavg", Run(tmp_path, 0, {"final": {"acc": 60.0}}))] == ["fedavg"]

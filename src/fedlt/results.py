@@ -207,9 +207,14 @@ def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
 def loss_label(cfg: Config) -> str:
     """The loss a run trained with, as its summary, report and progress name it: a method with its own
     objective reads no ``loss.*`` setting, so its runs name no configured loss."""
-    if not get_method(cfg.method).uses_loss_config:
+    spec = get_method(cfg.method)
+    if not spec.uses_loss_config:
         return "the method's own"
-    return cfg.loss.name if cfg.loss.name in ("ce", "focal") else f"{cfg.loss.name} (prior {cfg.loss.prior})"
+    if cfg.loss.name in ("ce", "focal"):
+        return cfg.loss.name
+    knob = spec.prior_knob
+    prior = cfg.method_args.get(knob, spec.args.model_fields[knob].default) if knob else cfg.loss.prior
+    return f"{cfg.loss.name} (prior {prior}{f', method_args.{knob}' if knob else ''})"
 
 
 def progress_label(cfg: Config, backend: str) -> str:

@@ -506,6 +506,8 @@ class MethodSpec:
     )
     #: uses ``loss.*`` from the config (False: the method fixes its own objective)
     uses_loss_config: bool = True
+    #: the ``method_args`` knob its loss's prior comes from, where ``loss.prior`` does not set it (GBME's)
+    prior_knob: str | None = None
     #: the configurable losses it trains with (None: every one of :data:`fedlt.losses.LOSSES`)
     losses: tuple[str, ...] | None = None
     #: why only those, for the refusal of another loss

@@ -170,7 +170,9 @@ def _diverged(run: Run) -> str:
 
 
 def _run_rows(label: str, run: Run) -> list[Row]:
-    label += _aborted(run)
+    """A run's rows in a report of single runs; one that diverged or aborted says so in its label."""
+    diverged = run.summary.get("status") == "diverged"
+    label += _aborted(run) + (f" (diverged in round {run.summary.get('diverged_round', '?')})" if diverged else "")
     rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None) and not _aborted(run))]
     for key in (run.final(None) or {}).get("variants") or {}:
         rows.append(Row(f"{label} [{key}]", key, [run], ranked=not _is_upper_bound(run, key)))
