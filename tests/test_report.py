@@ -602,3 +602,19 @@ def test_a_report_of_single_runs_names_a_diverged_one(tmp_path):
     diverged = Run(tmp_path, 0, {"status": "diverged", "diverged_round": 1, "final": {"acc": 10.0}})
     assert [row.label for row in _run_rows("fedavg", diverged)] == ["fedavg (diverged in round 1)"]
     assert [row.label for row in _run_rows("fedavg", Run(tmp_path, 0, {"final": {"acc": 60.0}}))] == ["fedavg"]
+
+
+def test_runs_of_other_federations_or_shot_groups_are_other_tables_in_a_report_of_runs():
+    """A folder of runs keyed its tables on dataset, IF, partition, clients and rounds only: runs on a
+    fraction of the data, or with other shot groups, sat under the first run's header, paired with it."""
+    from fedlt.config import load_config
+    from fedlt.reporting.collect import setting_label
+
+    base = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=2"]
+    labels = [setting_label({}, load_config(None, base + more).dump()) for more in (
+        [], ["data.train_fraction=0.3"], ["eval.shot_rule=cumulative"], ["data.class_order=shuffled"],
+        ["data.seed=3"], ["data.val_per_class=5"], ["eval.many_threshold=50"], ["run.threads=1"])]
+    assert labels[0] == "synthetic-LT, IF=100, Dirichlet alpha=0.5, 4 clients, 2 rounds"
+    assert labels[1] == labels[0] + ", train_fraction 0.3" and labels[2] == labels[0] + ", shot rule cumulative"
+    assert labels[6] == labels[0] + ", shot rule count, many_threshold 50"
+    assert len(set(labels[:7])) == 7 and labels[7] == labels[0]  # where and how it ran: the same federation

@@ -194,7 +194,19 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     part = partition_label(d["partition"], d["alpha"]) if d["partition"] in DIRICHLET_PARTITIONS else d["partition"]
     info = DATASETS.get(d["dataset"])
     tail = "as distributed" if info is not None and info.long_tailed else f"IF={d['imbalance_factor']:g}"
-    return f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
+    label = f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
+    # what else makes another federation or other shot groups: its runs are another table, never one mixed
+    e = cfg.get("eval") or {}
+    other = [f"train_fraction {d['train_fraction']:g}" if d.get("train_fraction", 1) != 1 else "",
+             f"class order {d['class_order']}" if d.get("class_order", "natural") != "natural" else "",
+             f"data.seed {d['seed']}" if d.get("seed") is not None else "",
+             f"{d['val_per_class']} validation images a class from {d.get('val_from', 'auto')}"
+             if d.get("val_per_class") else "",
+             f"shot rule {e.get('shot_rule', 'count')}" + "".join(
+                 f", {k} {e[k]}" for k in ("many_threshold", "few_threshold") if e.get(k) is not None)
+             if e.get("shot_rule", "count") != "count" or e.get("many_threshold") is not None
+             or e.get("few_threshold") is not None else ""]
+    return ", ".join([label, *(o for o in other if o)])
 
 
 def collect(path: Path) -> Collection:
