@@ -206,6 +206,18 @@ def test_a_method_without_a_global_model_reports_only_its_calibrated_one(tmp_pat
     assert "uncalibrated" in with_model.metrics[-1]["variants"] and with_model.metrics[0]["acc"] is not None
 
 
+@pytest.mark.parametrize("method_args", [{}, {"global_head": False}])
+def test_a_calibration_gives_a_method_without_a_global_model_one_to_measure_alone(tmp_path, method_args):
+    """FedPer (or FedRep without its global head) plus a calibration, with eval.personalized=false, was
+    refused as measuring nothing, though the calibrated head is the final round's global model."""
+    method = "fedrep" if method_args else "fedper"
+    run = fedlt.run(tiny(tmp_path, method=method, method_args=method_args, calibration=["ccvr"],
+                         eval={"every": 2, "personalized": False}), quiet=True)
+    first, last = run.metrics
+    assert "acc" not in first and "pm_acc" not in first  # before the final stage: nothing to measure yet
+    assert 0 < last["acc"] <= 100 and "pm_acc" not in last and run.summary["final"]["acc"] == last["acc"]
+
+
 def test_a_client_without_data_answers_every_request(tmp_path):
     """Small alpha leaves clients empty: their gradients and statistics must be empty, not errors."""
     from fedlt.api import prepare

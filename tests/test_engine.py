@@ -915,3 +915,44 @@ def test_a_progress_line_of_a_round_without_accuracy_has_no_empty_field(capsys):
     assert re.fullmatch(r"\[fedavg/ce sequential\] round 1/3 \| \d+\.\d\d s/round \| ETA \dm\d\ds", first), first
     assert re.fullmatch(r"\[fedavg/ce sequential\] round 2/3 \| acc 51\.23 \| \d+\.\d\d s/round \| ETA \dm\d\ds",
                         second), second
+
+
+def test_nan_models_beside_a_finite_headline_are_named_not_reported_as_results(tmp_path, monkeypatch):
+    """A calibrated variant or clients' personalized models can go NaN while the headline model is finite:
+    the run goes on (its headline is a result), but its summary, report and report rows name them, since a
+    NaN model's accuracy (one class everywhere) read as a figure looks like a weak method."""
+    import copy
+
+    from fedlt.methods.base import Server
+    from fedlt.methods.ditto import DittoClient
+    from fedlt.reporting.collect import Run, _run_rows
+
+    def nan_copy(model):
+        broken = copy.deepcopy(model)
+        with torch.no_grad():
+            broken.head.weight.fill_(float("nan"))
+        return broken
+
+    personalize = DittoClient.personalize
+
+    def personalize_some_nan(self, ctx, msg):
+        personalize(self, ctx, msg)
+        if ctx.cid % 2 == 0:  # clients 0, 2 and 4 of 6
+            with torch.no_grad():
+                ctx.model.head.weight.fill_(float("nan"))
+
+    monkeypatch.setattr(DittoClient, "personalize", personalize_some_nan)
+    monkeypatch.setattr(Server, "extra_models", lambda self: {"broken": nan_copy(self.model)})
+    result = fedlt.run(tiny(tmp_path, method="ditto", fl__rounds=2), quiet=True)
+    final = result.summary["final"]
+    assert "status" not in result.summary and math.isfinite(final["loss"])
+    assert final["pm_nonfinite"] == 3 and not math.isfinite(final["variants"]["broken"]["loss"])
+    report = (result.run_dir / "report.md").read_text()
+    assert ("**Non-finite:** variant 'broken' is a non-finite model (NaN test loss); its accuracy is a NaN "
+            "model's. **Non-finite:** 3 client(s)' personalized models are non-finite; PM counts their accuracy, "
+            "a NaN model's.") in report
+    labels = [row.label for row in _run_rows("ditto", Run(result.run_dir, 0, result.summary))]
+    assert labels == ["ditto (3 client(s)' personalized models are non-finite)", "ditto [broken] (non-finite model)"]
+    monkeypatch.undo()  # the same run without the NaNs names nothing
+    clean = fedlt.run(tiny(tmp_path, method="ditto", fl__rounds=2), quiet=True)
+    assert "pm_nonfinite" not in clean.summary["final"] and "Non-finite" not in (clean.run_dir / "report.md").read_text()

@@ -118,6 +118,11 @@ def test_what_secure_aggregation_refuses():
     huge = {c: Reply(payload={"x": torch.tensor([1e12])}, num_samples=1) for c in range(2)}
     with pytest.raises(FedltError, match=r"beyond the .* secagg.fraction_bits=24 allows for 2 clients"):
         secure("sum").exchange(Clients(huge), "phase", 1, [(c, Message()) for c in huge])
+    nan = {c: Reply(weights={"w": torch.zeros(3)}, metrics={"a": 1.0, "b": float("nan")}, num_samples=1)
+           for c in range(2)}  # not a precision setting: lowering fraction_bits would never help
+    with pytest.raises(FedltError, match=r"client 0's reply metrics entry 'b' is not finite \(nan\), which no masked "
+                                         r"sum can carry: its local training diverged; lower fl.lr"):
+        secure("sum").exchange(Clients(nan), "phase", 1, [(c, Message()) for c in nan])
     text = {c: Reply(payload={"name": "x"}, num_samples=1) for c in range(2)}
     with pytest.raises(FedltError, match="payload entry 'name' is a str"):
         secure("sum").exchange(Clients(text), "phase", 1, [(c, Message()) for c in text])

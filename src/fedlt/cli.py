@@ -116,6 +116,10 @@ def run_cmd(
         f = result.summary["final"]
         parts = [f"{k} {f[k]:.2f}" for k in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc") if f.get(k) is not None]
         typer.echo(f"{result.run_dir}: round {f['round']}: " + ", ".join(parts))
+        from fedlt.results import nonfinite_models
+
+        for line in nonfinite_models(f):
+            typer.echo(f"note: {line}", err=True)
 
     _guard(go, run_hint=True)
 

@@ -37,6 +37,12 @@ data: {alpha: 0.1}
 fl: {rounds: 50}
 ```
 
+A setting that other settings leave unread is kept as given, and a new run names it in a line
+on stderr, e.g. `note: data.alpha is not read with data.partition=iid (it is the Dirichlet
+concentration)` or `note: method_args.mu shapes only the personalized models, which
+eval.personalized=false does not evaluate`. A suite's rows may pin such keys; a value that
+contradicts another (`fl.lr_decay` without `fl.lr_schedule=step`) is refused instead.
+
 *This page is generated from the schema at every documentation build
 (`python -m fedlt.docs_config` prints it).*
 """

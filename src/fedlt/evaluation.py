@@ -258,12 +258,16 @@ def mean_of_summed_accuracies(replies: list, prefix: str, suffix: str = "") -> f
 
 def personalized_figures(replies: list, with_val: bool) -> dict:
     """``pm_acc`` (and ``val_pm_acc`` where the run has local validation sets) from the clients'
-    evaluation replies (their summable accuracy entries, or one secure sum of them), and
-    ``pm_variants``: the same for each other personal reading they answered (``pm_sum/NAME``)."""
+    evaluation replies (their summable accuracy entries, or one secure sum of them), ``pm_nonfinite``
+    where some clients' personalized models are NaN, and ``pm_variants``: the same for each other
+    personal reading they answered (``pm_sum/NAME``)."""
     def figures(suffix: str) -> dict:
         out = {"pm_acc": mean_of_summed_accuracies(replies, "pm", suffix)}
         if with_val:
             out["val_pm_acc"] = mean_of_summed_accuracies(replies, "val_pm", suffix)
+        nonfinite = round(sum(float(r.payload.get(f"pm_nonfinite{suffix}", 0)) for r in replies))
+        if nonfinite:
+            out["pm_nonfinite"] = nonfinite
         return out
 
     names = sorted({k.removeprefix("pm_sum/") for r in replies for k in r.payload if k.startswith("pm_sum/")})

@@ -39,10 +39,13 @@ EVAL_KEYS = (*SCALAR_EVAL_KEYS, "per_class_acc", "variants")
 #: a personalized method's other evaluation-time readings of its personalized model: name -> their
 #: ``pm_acc`` (and ``val_pm_acc``), written only by methods that have such readings
 PM_VARIANTS = "pm_variants"
+#: how many clients' personalized models (of the headline reading, or of a ``pm_variants`` reading) gave
+#: a non-finite test loss: their accuracy is a NaN model's; written only where some did
+PM_NONFINITE = "pm_nonfinite"
 #: the validation set's figures (``data.val_per_class``), beside the test set's in every evaluated round
 VAL_KEYS = ("val_acc", "val_many_acc", "val_medium_acc", "val_few_acc", "val_loss", "val_pm_acc")
 ENGINE_KEYS = ("round", "lr", "train_loss", "comm", "dropped", "diverged", *TIMING_KEYS, *EVAL_KEYS, PM_VARIANTS,
-               *VAL_KEYS)
+               PM_NONFINITE, *VAL_KEYS)
 #: the environment variable naming the file where a Flower ServerApp writes how its run ended: set
 #: by :mod:`fedlt.deploy`, since ``flwr run`` exits 0 even when the ServerApp raised
 OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
@@ -223,6 +226,32 @@ def progress_label(cfg: Config, backend: str) -> str:
     return f"{name} {backend}"
 
 
+def nonfinite_variants(final: dict[str, Any] | None) -> list[str]:
+    """The variants of an evaluation (a summary's ``final``) whose test loss is not finite: NaN models."""
+    return [name for name, v in ((final or {}).get("variants") or {}).items()
+            if isinstance(v, dict) and _is_number(v.get("loss")) and not math.isfinite(v["loss"])]
+
+
+def nonfinite_personal(final: dict[str, Any] | None) -> dict[str | None, int]:
+    """Clients whose personalized models are NaN, per reading (None: the headline one), where any are."""
+    final = final or {}
+    readings = [(None, final), *((final.get(PM_VARIANTS) or {}).items())]
+    return {name: v[PM_NONFINITE] for name, v in readings if isinstance(v, dict) and v.get(PM_NONFINITE)}
+
+
+def personal_nan_label(count: int, reading: str | None = None) -> str:
+    return f"{count} client(s)' personalized models" + (f" ({reading})" if reading else "") + " are non-finite"
+
+
+def nonfinite_models(final: dict[str, Any] | None) -> list[str]:
+    """The models of an evaluation that are NaN though the run did not diverge, a line each: their
+    accuracy is what a NaN model scores (one class everywhere), reported as it is and named by this."""
+    return ([f"variant '{name}' is a non-finite model (NaN test loss); its accuracy is a NaN model's"
+             for name in nonfinite_variants(final)]
+            + [personal_nan_label(n, reading) + "; PM counts their accuracy, a NaN model's"
+               for reading, n in nonfinite_personal(final).items()])
+
+
 def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     """Headline = the final round; the best round is reported separately and labelled as such,
     chosen on validation accuracy where the run has a validation set."""
@@ -244,7 +273,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         # diagnostics ...), so a summary alone says how the run was made
         "final": {"round": final.get("round"), **{k: final.get(k) for k in EVAL_KEYS},
                   **{k: final.get(k) for k in VAL_KEYS if k in final},
-                  **{k: final[k] for k in (PM_VARIANTS,) if final.get(k)}, "server_metrics": server},
+                  **{k: final[k] for k in (PM_VARIANTS, PM_NONFINITE) if final.get(k)}, "server_metrics": server},
         "best_round": {"round": best.get("round"), "selected_by": key, **{k: best.get(k) for k in SCALAR_EVAL_KEYS},
                        **{k: best.get(k) for k in VAL_KEYS if k in best}},
         "communication_bytes": {
@@ -450,7 +479,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         + (" val: the global model on the balanced validation set (data.val_per_class), disjoint from the "
            "training federation and the test set: make choices on it." if has_val else "")
         + (" val PM: PM on local validation sets, drawn from the validation set as the local test sets are from "
-           "the test set." if has_val_pm else ""),
+           "the test set." if has_val_pm else "")
+        + "".join(f" **Non-finite:** {line}." for line in nonfinite_models(f)),
     ]
     if f.get(PM_VARIANTS):
         lines += ["", "## Other readings of the personalized model (final round)", "",

@@ -15,7 +15,7 @@ import os
 import torch
 
 from fedlt.calibration.calibrators import CALIBRATORS
-from fedlt.config import Config, LossConfig
+from fedlt.config import DIRICHLET_PARTITIONS, Config, FlowerConfig, LossConfig, PrivacyConfig, SecAggConfig
 from fedlt.data.federated import FederatedData, build_federated_data, check_class_order
 from fedlt.data.registry import BUILTIN_DATASETS, DATASETS
 from fedlt.errors import ConfigError
@@ -213,10 +213,45 @@ def check_new_config(cfg: Config) -> MethodSpec:
 
 
 def unread_settings(cfg: Config) -> list[str]:
-    """Settings a config gives that its other settings leave unread (see ``MethodArgs.unread_knobs``)."""
-    unread = parse_method_args(get_method(cfg.method), cfg.method_args).unread_knobs()
-    if "val_from" in cfg.data.model_fields_set and cfg.data.val_per_class == 0:
-        unread.append("data.val_from is not read with data.val_per_class=0 (no validation split)")
+    """Settings a config gives that its other settings leave unread (see ``MethodArgs.unread_knobs``), a line
+    each: a suite's rows keep such pins, so a run names them rather than refusing them."""
+    args, given = parse_method_args(get_method(cfg.method), cfg.method_args), set(cfg.method_args)
+    unread = args.unread_knobs(given)
+    if not cfg.eval.personalized:
+        named = {line.split()[0] for line in unread}
+        unread += [line for line in args.unevaluated_knobs(given) if line.split()[0] not in named]
+    for section, keys, why in _unread_sections(cfg):
+        given = getattr(cfg, section).model_fields_set
+        unread += [f"{section}.{key} is not read {why}" for key in keys if key in given]
+    return unread
+
+
+def _unread_sections(cfg: Config) -> list[tuple[str, tuple[str, ...], str]]:
+    """The config keys that these values of other keys leave unread: (section, keys, why)."""
+    d, backend = cfg.data, cfg.run.backend
+    unread = []
+    if d.val_per_class == 0:
+        unread.append(("data", ("val_from",), "with data.val_per_class=0 (no validation split)"))
+    if d.partition not in DIRICHLET_PARTITIONS:
+        unread.append(("data", ("alpha",), f"with data.partition={d.partition} (it is the Dirichlet concentration)"))
+    if d.partition != "pathological":
+        unread.append(("data", ("classes_per_client",), f"with data.partition={d.partition} (it shapes the "
+                       "pathological partition)"))
+    if d.partition == "iid":
+        unread.append(("data", ("max_retries",), "with data.partition=iid (one draw)"))
+    if backend in ("sequential", "vectorized", "graphed"):
+        unread.append(("run", ("workers",), f"with run.backend={backend} (it sizes run.backend=parallel's pool)"))
+    if backend in ("sequential", "vectorized", "parallel"):
+        unread.append(("run", ("streams",), f"with run.backend={backend} (it sizes run.backend=graphed's streams)"))
+    if not cfg.secagg.enabled:
+        unread.append(("secagg", tuple(SecAggConfig.model_fields), "with secagg.enabled=false"))
+    if cfg.engine == "inprocess":
+        unread.append(("flower", tuple(FlowerConfig.model_fields), "by engine=inprocess (Flower's settings)"))
+    elif not cfg.flower.node_data:
+        unread.append(("flower", ("connect_timeout_s", "min_nodes"), "in a simulation (flower.node_data=false)"))
+    if cfg.engine == "inprocess" or not cfg.flower.node_data:
+        unread.append(("privacy", tuple(PrivacyConfig.model_fields), "unless nodes hold their own data "
+                       "(flower.node_data=true)"))
     return unread
 
 

@@ -191,6 +191,11 @@ class CalibratedServer(Server):
         head = self.calibrators[0].head()
         return self._with_head(self.calibrators[0].name, head) if head is not None else self.inner.global_model()
 
+    def has_final_global_model(self):
+        """Always: the final stage puts the calibrated head on the backbone, even of a method without a
+        global model of its own (FedPer)."""
+        return True
+
     def metrics(self):
         out = dict(self.inner.metrics())
         for cal in self.calibrators:

@@ -32,7 +32,8 @@ from fedlt.seeding import seed_for
 #: exchange kinds besides ``fit`` and ``query:NAME``: build the personalized model and return its
 #: accuracy on this client's local test set as a sum the server can add up without seeing a sample:
 #: ``pm_sum`` (100 x accuracy, 0 without a local test set) and ``pm_n`` (1, or 0 without one), and
-#: ``val_pm_sum`` / ``val_pm_n`` on the local validation set where the run has one; each of the
+#: ``val_pm_sum`` / ``val_pm_n`` on the local validation set where the run has one, ``pm_nonfinite`` (1 when
+#: the model's test loss there is not finite: a NaN model, which the report names); each of the
 #: method's other personal readings (:meth:`~fedlt.methods.base.Client.personal_readings`) adds the
 #: same entries suffixed ``/NAME``
 EVALUATE = "evaluate"
@@ -166,9 +167,11 @@ class ClientRuntime:
                 continue
             on = features.of(self.worker, dataset, batch_size) if worth and shared else None
             idx = torch.as_tensor(rows[ctx.cid], dtype=torch.int64, device=dataset.labels.device)
-            correct = predict(self.worker, dataset, batch_size, indices=idx, features=on)[0]
+            correct, losses = predict(self.worker, dataset, batch_size, indices=idx, features=on)
             out[f"{key}_sum{suffix}"] = local_accuracy(correct) or 0.0
             out[f"{key}_n{suffix}"] = int(correct.numel() > 0)
+            if key == "pm":
+                out[f"pm_nonfinite{suffix}"] = int(not bool(torch.isfinite(losses).all()))
         return out
 
     def forget_test_features(self) -> None:

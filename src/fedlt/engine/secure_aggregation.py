@@ -91,6 +91,16 @@ def _pair_mask(private_pem: str, public_pem: str, length: int) -> np.ndarray:
 
 
 # ---- replies as vectors ---------------------------------------------------------------------
+def _entry_at(schema: list[list[Any]], index: int) -> list[Any]:
+    """The schema entry (section, key, shape, kind) that holds position ``index`` of the flat vector."""
+    at = 0
+    for entry in schema:
+        at += int(np.prod(entry[2], dtype=np.int64))
+        if index < at:
+            return entry
+    return ["", "num_samples", [], "int"]
+
+
 def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
     """A reply's weights, payload and metrics as one float64 vector (times ``num_samples`` for
     ``weighted_mean``; a client without samples contributes zeros), ``num_samples`` last; and the
@@ -212,8 +222,14 @@ def mask_reply(cid: int, reply: Reply, spec: dict[str, Any], state: dict[str, An
     schema, values = flatten(reply, spec["mode"])
     bits, clients = int(spec["bits"]), int(spec["clients"])
     limit = 2.0 ** (62 - bits) / clients
+    finite = np.isfinite(values)
+    if not finite.all():  # no fixed-point integer holds it: a NaN model, not a precision setting
+        section, key, _, _ = _entry_at(schema, int(np.argmin(finite)))
+        raise FedltError(f"secure aggregation: client {cid}'s reply {section} entry '{key}' is not finite "
+                         f"({values[~finite][0]:g}), which no masked sum can carry: its local training diverged; "
+                         "lower fl.lr or set fl.grad_clip (or the method's knob that drives it)")
     biggest = float(np.abs(values).max())
-    if not math.isfinite(biggest) or biggest >= limit:
+    if biggest >= limit:
         raise FedltError(f"secure aggregation: client {cid}'s reply holds {biggest:g}, beyond the {limit:g} that "
                          f"secagg.fraction_bits={bits} allows for {clients} clients; lower secagg.fraction_bits")
     masked = np.round(values * 2.0 ** bits).astype(np.int64).view(np.uint64)

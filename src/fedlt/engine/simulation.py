@@ -178,7 +178,7 @@ class Simulation:
         """Without a global model only personalized evaluation measures anything: eval.personalized=false
         is refused here, before any file is written, where the server's declaration did not refuse it
         already (check_config; FedBN's depends on the model's BatchNorm)."""
-        if self.server.global_model() is None and not self.cfg.eval.personalized:
+        if not self.server.has_final_global_model() and not self.cfg.eval.personalized:
             raise ConfigError(no_global_model_refusal(self.cfg.method))
 
     def _new_model(self) -> FedModel:

@@ -47,16 +47,23 @@ class MethodArgs(NoBoolForNumbers):
     """Method-specific knobs (``method_args.*``); subclasses add fields with defaults from the paper."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # nan / inf: a typo, never a knob's value
+    #: knobs that shape only the personalized models, which ``eval.personalized=false`` never evaluates
+    personal_knobs: ClassVar[tuple[str, ...]] = ()
 
-    def unread_knobs(self) -> list[str]:
-        """The knobs this config sets that its other knobs leave unread, each with why: a new run says so,
-        since its config records them as if they had acted (the settings of a suite's rows keep them)."""
+    def unread_knobs(self, given: set[str]) -> list[str]:
+        """The ``given`` knobs (those the config sets) that its other knobs leave unread, each with why: a new
+        run says so, since its config records them as if they had acted (a suite's rows keep such pins)."""
         return [f"method_args.{knob} is not read {why}" for knobs, why in self.unread_when()
-                for knob in knobs if knob in self.model_fields_set]
+                for knob in knobs if knob in given]
 
     def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
         """Groups of knobs that this combination of knobs leaves unread, with the reason."""
         return []
+
+    def unevaluated_knobs(self, given: set[str]) -> list[str]:
+        """The ``given`` personalization knobs, for a run that evaluates no personalized model."""
+        return [f"method_args.{knob} shapes only the personalized models, which eval.personalized=false does not "
+                "evaluate" for knob in self.personal_knobs if knob in given]
 
 
 def parse_args(args_cls: type[MethodArgs], raw: dict, section: str, owner: str) -> MethodArgs:
@@ -397,6 +404,11 @@ class Server:
     def global_model(self) -> FedModel | None:
         """The model evaluated on the balanced test set; None if the method has no global model."""
         return self.model
+
+    def has_final_global_model(self) -> bool:
+        """Whether the final round has a global model to evaluate (asked before training, when a
+        calibration's head, which the final stage makes, does not exist yet)."""
+        return self.global_model() is not None
 
     def metrics(self) -> dict[str, float]:
         """Server-side diagnostics of the last round, written into its metrics line."""

@@ -21,6 +21,7 @@ from fedlt.training.sequential import train_local
 
 
 class DittoArgs(MethodArgs):
+    personal_knobs = ("mu",)
     mu: float = Field(0.1, ge=0, description="weight of the pull of each personal model towards the global one "
                                              "(the paper's lambda, tuned over 0.05-2)")
 

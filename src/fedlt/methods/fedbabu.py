@@ -27,6 +27,7 @@ FEDBABU_HEAD = ModelHead("a frozen random head (never trained)")
 
 
 class FedBABUArgs(MethodArgs):
+    personal_knobs = ("finetune_epochs",)
     finetune_epochs: int = Field(5, ge=0, description="local fine-tuning epochs of the whole model for the "
                                                       "personalized models (the paper's tau_f)")
 

@@ -38,6 +38,7 @@ ETF_PURPOSE = 73
 
 
 class FedETFArgs(MethodArgs):
+    personal_knobs = ("adapt_local_epochs", "adapt_iterations", "adapt_epochs", "adapt_etf_lr", "adapt_projection_lr")
     temperature_init: float = Field(1.0, gt=0, description="initial value of the learnable logit temperature")
     adapt_local_epochs: int | None = Field(
         None, ge=0, description="personalization: epochs of FedETF's own local training (balanced softmax, the whole "

@@ -102,6 +102,7 @@ RELEASED_HEAD_SGD = {"lr": 0.03, "momentum": 0.5, "weight_decay": 0.0}
 
 
 class FedLoGeArgs(MethodArgs):
+    personal_knobs = ("la_fr", "la_fr_psi", "personal_head", "finetune_epochs", "finetune_lr")
     classifier: Literal["sse_c", "etf"] = Field(
         "sse_c", description="fixed classifier the backbone trains through: sparse SSE-C, or the dense ETF (ablation)")
     sparsity: float = Field(0.6, ge=0, lt=1, description="SSE-C: fraction beta of entries set to zero (paper 0.6)")

@@ -230,10 +230,19 @@ class GBMEArgs(MethodArgs):
         return self
 
     def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
-        if self.dp_epsilon is None:
-            return [(("dp_delta", "dp_clip", "dp_adjacency", "dp_calibration", "dp_noise"),
-                     "without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)")]
-        return []
+        dp = ("dp_delta", "dp_clip", "dp_adjacency", "dp_calibration", "dp_noise")
+        unread = []
+        if not self.ensemble:
+            unread.append((("num_experts", "alpha", "grouping", "clients_per_expert", "expert_width", "expert_head",
+                            "cosine_scale", "joint_warmup"), "with ensemble=false (the plain model has no experts)"))
+        if not self.needs_lpi():
+            unread.append((("lpi_pass", "lpi_steps", "gpi_counts", "diagnose_gpi", "dp_epsilon", *dp),
+                           f"with prior={self.prior} and no GPI grouping (no client computes an LPI)"))
+        elif self.dp_epsilon is None:
+            unread.append((dp, "without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)"))
+        if self.prior != "gpi":
+            unread.append((("gpi_floor",), f"with prior={self.prior} (it floors the GPI prior)"))
+        return unread
 
     def pass_kind(self) -> str:
         if self.lpi_pass != "auto":
@@ -254,7 +263,11 @@ class GBMEArgs(MethodArgs):
         return self.prior == "gpi" or (self.ensemble and self.grouping == "gpi")
 
     def needs_counts(self) -> bool:
-        return self.prior == "global" or (self.ensemble and self.grouping == "label") or self.diagnose_gpi
+        return self.prior == "global" or (self.ensemble and self.grouping == "label") or self.diagnoses()
+
+    def diagnoses(self) -> bool:
+        """Whether ``diagnose_gpi`` has a GPI to diagnose."""
+        return self.diagnose_gpi and self.needs_lpi()
 
     def warmup(self) -> float:
         if self.warmup_rounds is not None:
@@ -574,7 +587,7 @@ class GBMEServer(Server):
         """Every reading that queries each client's label counts (the GPI exists to avoid them)."""
         named = {"method_args.prior=global": args.prior == "global",
                  "method_args.grouping=label": args.ensemble and args.grouping == "label",
-                 "method_args.diagnose_gpi=true": args.diagnose_gpi}
+                 "method_args.diagnose_gpi=true": args.diagnoses()}
         return [option for option, used in named.items() if used]
 
     @classmethod

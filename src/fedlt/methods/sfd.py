@@ -55,9 +55,12 @@ class SFDArgs(MethodArgs):
     projector_dim: int | None = Field(None, ge=1, description="projector output width (default: feature_dim // 4)")
 
     def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
+        unread = []
+        if self.ce_gamma == 0:
+            unread.append((("beta_pi",), "with ce_gamma=0 (A-CE adds no prior to the logits)"))
         if self.scl_weight == 0:
-            return [(("scl_temperature", "scl_delta", "scl_form"), "with scl_weight=0 (no contrastive branch)")]
-        return []
+            unread.append((("scl_temperature", "scl_delta", "scl_form"), "with scl_weight=0 (no contrastive branch)"))
+        return unread
 
 
 class ProjectedEncoder(nn.Module):

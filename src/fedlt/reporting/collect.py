@@ -19,7 +19,8 @@ from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates
 from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
-from fedlt.results import ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, read_metrics, read_summary
+from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, nonfinite_models, nonfinite_personal, nonfinite_variants,
+                           personal_nan_label, read_metrics, read_summary)
 
 if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
@@ -173,9 +174,14 @@ def _run_rows(label: str, run: Run) -> list[Row]:
     """A run's rows in a report of single runs; one that diverged or aborted says so in its label."""
     diverged = run.summary.get("status") == "diverged"
     label += _aborted(run) + (f" (diverged in round {run.summary.get('diverged_round', '?')})" if diverged else "")
-    rows = [Row(label, None, [run], ranked=not _is_upper_bound(run, None) and not _aborted(run))]
-    for key in (run.final(None) or {}).get("variants") or {}:
-        rows.append(Row(f"{label} [{key}]", key, [run], ranked=not _is_upper_bound(run, key)))
+    final = run.final(None) or {}
+    pm_nan = nonfinite_personal(final).get(None)
+    rows = [Row(label + (f" ({personal_nan_label(pm_nan)})" if pm_nan else ""), None, [run],
+                ranked=not _is_upper_bound(run, None) and not _aborted(run))]
+    nan = nonfinite_variants(final)
+    for key in final.get("variants") or {}:
+        rows.append(Row(f"{label} [{key}]" + (" (non-finite model)" if key in nan else ""), key, [run],
+                        ranked=not _is_upper_bound(run, key)))
     return rows
 
 
@@ -275,6 +281,8 @@ def _collect_suite(path: Path) -> Collection:
                          "runs it again" for r in runs if _aborted(r)]
             runs = [r for r in runs if not _aborted(r)]  # its partial rounds are no seed of the row
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
+            warnings += [f"row '{m.name}': seed {r.seed}: {line}"
+                         for r in runs if not _diverged(r) for line in nonfinite_models(r.final(None))]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
             if not runs and len(warnings) == noted:  # nothing failed or was left out: its cells never ran
                 never_ran.append(f"'{m.name}'")

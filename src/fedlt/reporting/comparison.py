@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedlt.results import check_summary, percent_cell, percent_cells
+from fedlt.results import (check_summary, nonfinite_personal, nonfinite_variants, percent_cell, percent_cells,
+                           personal_nan_label)
 
 #: the accuracy and its shot groups, the columns every row has
 SHOTS = ("acc", "many_acc", "medium_acc", "few_acc")
@@ -32,12 +33,15 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
             done = s.get("rounds_done")
             label += (f" ({s['status']}" + ("" if done is None else f" in round {done + 1}" if s["status"] == "diverged"
                                             else f" after round {done}") + ")")
+        pm_nan = nonfinite_personal(f).get(None)
+        label += f" ({personal_nan_label(pm_nan)})" if pm_nan else ""
         lines.append(
             f"| {label} | {s['method']} | {loss} | {f['round']} | {percent_cells(f, SHOTS + ('pm_acc',))} "
             f"| {percent_cell(b.get('acc'))} ({b.get('round', '-')}, {b.get('selected_by') or '-'}) |"
         )
         for variant, v in (f.get("variants") or {}).items():
             tag = f"{variant}, not private" if variant == "oracle" else variant
+            tag += ", non-finite model" if variant in nonfinite_variants(f) else ""
             lines.append(
                 f"| {name} [{tag}] | {s['method']} | {loss} | {f['round']} | {percent_cells(v, SHOTS)} | - | - |"
             )
