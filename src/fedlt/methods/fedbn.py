@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, ServerContext, broadcast_state
+from fedlt.messages import Message
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, Server, ServerContext, broadcast_state
 from fedlt.methods.personal import batchnorm_keys, load_personal, store_personal
 from fedlt.models import FedModel
-from fedlt.training.sequential import fit_objective
+from fedlt.training.sequential import ObjectiveClient
 
 
 class FedBNArgs(MethodArgs):
@@ -46,7 +46,7 @@ class FedBNServer(Server):
         return self.model if self.args.global_bn or not self.bn_keys else None
 
 
-class FedBNClient(Client):
+class FedBNClient(ObjectiveClient):
     personalized = True
 
     def _load(self, ctx: ClientContext, msg: Message) -> None:
@@ -54,9 +54,6 @@ class FedBNClient(Client):
         own = load_personal(ctx, "bn")
         if own is not None:
             ctx.model.load_state_dict(own, strict=False)
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Cross-entropy from the received weights and the client's own BatchNorm; the BatchNorm after

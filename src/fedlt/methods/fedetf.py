@@ -27,12 +27,12 @@ from torch import nn
 from fedlt.calibration.wrapper import client_features
 from fedlt.config import Config
 from fedlt.losses import make_loss
-from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext
+from fedlt.messages import Message
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext
 from fedlt.methods.personal import at_evaluation_lr, train_on_features
 from fedlt.models import FedModel, create_model
 from fedlt.models.etf import check_etf_width, simplex_etf
-from fedlt.training.sequential import fit_objective, train_local
+from fedlt.training.sequential import ObjectiveClient, train_local
 
 ETF_PURPOSE = 73
 
@@ -91,11 +91,8 @@ def _balanced_loss(ctx: ClientContext):
     return make_loss("bsm", prior=ctx.data.host_prior(), device=ctx.data.labels.device)
 
 
-class FedETFClient(Client):
+class FedETFClient(ObjectiveClient):
     personalized = True
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Balanced softmax of the logits; the reply leaves out the ETF, which is the server's and fixed."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, ModelHead, Server, broadcast_state
+from fedlt.messages import Message
+from fedlt.methods.base import ClientContext, LocalObjective, ModelHead, Server, broadcast_state
 from fedlt.methods.personal import keys_with_prefix, load_personal, personal_module, store_personal
 from fedlt.models import FedModel
-from fedlt.training.sequential import fit_objective
+from fedlt.training.sequential import ObjectiveClient
 
 
 #: the server's head is the initial one: the trained heads stay with the clients
@@ -38,11 +38,8 @@ class FedPerServer(Server):
         return False
 
 
-class FedPerClient(Client):
+class FedPerClient(ObjectiveClient):
     personalized = True
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """Cross-entropy from the received body and the client's own head (the received one at its

@@ -106,10 +106,10 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from fedlt.data.augment import strong_view, weak_view
 from fedlt.losses import log_prior
-from fedlt.messages import Message, Reply
+from fedlt.messages import Message
 from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, ServerContext, broadcast_state
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
-from fedlt.training.sequential import epoch_batches, fit_objective, steps_per_epoch
+from fedlt.training.sequential import ObjectiveClient, epoch_batches, steps_per_epoch
 from fedlt.transfer import to_device
 
 
@@ -391,7 +391,7 @@ def clean_features(ctx: ClientContext, generator: torch.Generator) -> list[tuple
     return batches
 
 
-class FedYoYoClient(FedAvgClient):
+class FedYoYoClient(ObjectiveClient, FedAvgClient):
     objective_backends = ("graphed",)  # its loss reads features and two views of each image
 
     def round_prior(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
@@ -433,9 +433,6 @@ class FedYoYoClient(FedAvgClient):
         return partial(strong_view, policy=a.strong_policy, magnitude=a.strong_magnitude, cutout_frac=a.cutout,
                        interpolation=a.view_interpolation,
                        autoaugment_policy=autoaugment_policy or autoaugment_policy_for(a.autoaugment_policy, None))
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
         """Eq. 9 as a loss of the model on both views of a batch: the views are the step's input (made

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from fedlt.messages import Message, Reply
+from fedlt.messages import Message
 from fedlt.methods.base import ClientContext, GradientCorrection, LocalObjective
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer, local_loss
-from fedlt.training.sequential import fit_objective
+from fedlt.training.sequential import ObjectiveClient
 
 STATE_KEY = "scaffold_c"
 
@@ -60,11 +60,8 @@ class ScaffoldServer(FedAvgServer):
         self.c = state["c"]
 
 
-class ScaffoldClient(FedAvgClient):
+class ScaffoldClient(ObjectiveClient, FedAvgClient):
     objective_backends = ("graphed",)  # a corrected gradient: more than a loss of the logits
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """FedAvg's loss on the gradient corrected by ``c - c_i``; ``finish`` sets ``c_i+`` (the mean

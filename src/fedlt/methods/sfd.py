@@ -29,11 +29,11 @@ from pydantic import Field
 from torch import nn
 
 from fedlt.config import Config
-from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, LocalObjective, MethodArgs, Server, broadcast_state, parse_args
+from fedlt.messages import Message
+from fedlt.methods.base import ClientContext, LocalObjective, MethodArgs, Server, broadcast_state, parse_args
 from fedlt.methods.sfd_losses import adaptive_ce, adaptive_logit_offset, adaptive_supcon, released_supcon
 from fedlt.models import FedModel, create_model
-from fedlt.training.sequential import fit_objective
+from fedlt.training.sequential import ObjectiveClient
 from fedlt.transfer import to_device
 
 
@@ -125,13 +125,10 @@ def abbl_loss(model: FedModel, x: torch.Tensor, y: torch.Tensor, *, offset: torc
     return loss
 
 
-class SFDClient(Client):
+class SFDClient(ObjectiveClient):
     """ABBL local training (Eq. 8)."""
 
     objective_backends = ("graphed",)
-
-    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
         """ABBL as a loss of the model; the round's weight is a tensor, so captured steps outlive

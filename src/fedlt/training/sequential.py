@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import ClientContext, GradientCorrection, LocalObjective, TrainSettings, clone_state
+from fedlt.methods.base import Client, ClientContext, GradientCorrection, LocalObjective, TrainSettings, clone_state
 from fedlt.seeding import seed_for
 from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, OPTIMIZER, scope
 
@@ -129,6 +129,14 @@ def fit_objective(ctx: ClientContext, msg: Message, objective: LocalObjective | 
     state = clone_state(model)
     weights = objective.finish(state, {}) if objective.finish else state  # before the payload: finish may add to it
     return Reply(weights=weights, num_samples=len(ctx.data), payload=dict(objective.payload), metrics=metrics)
+
+
+class ObjectiveClient(Client):
+    """A client whose ``fit`` is its :meth:`~Client.local_objective` trained one step after another
+    (:func:`fit_objective`): the one definition every backend trains, so they cannot differ."""
+
+    def fit(self, ctx: ClientContext, msg: Message) -> Reply:
+        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
 
 
 @contextmanager
