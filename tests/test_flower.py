@@ -167,11 +167,13 @@ def test_a_dead_supernode_is_recorded_and_the_minimum_reply_fraction_enforced(tm
     assert "status" not in res.summary
     strict = {"min_reply_fraction": 0.75}
     with pytest.raises(FedltError, match=r"round 2 \(fit\): 2 of 4 clients answered, fewer than flower.min_reply_"
-                                         r"fraction=0.75 requires \(clients \[1, 3\]: no reply within "
+                                         r"fraction=0.75 requires \(clients \[1, 3\] on partition-1 \(SuperNode "
+                                         r"101\): no reply within "
                                          r"flower.timeout_s=600\)$"):
         flower_run(tiny(tmp_path, "fedavg", "strict", data=data, fl=fl, flower=strict),
                    LoopbackGrid(nodes=2, die_after_fits=2))
-    with pytest.raises(FedltError, match=r"\(clients \[1, 3\]: Flower's heartbeat lost their SuperNode\)$"):
+    with pytest.raises(FedltError, match=r"\(clients \[1, 3\] on partition-1 \(SuperNode 101\): Flower's "
+                                         r"heartbeat lost their SuperNode\)$"):
         flower_run(tiny(tmp_path, "fedavg", "lost", data=data, fl=fl, flower=strict),
                    LoopbackGrid(nodes=2, lost_after_fits=2))
     summary = json.loads((tmp_path / "lost" / "summary.json").read_text())
@@ -218,7 +220,8 @@ def test_a_deregistered_supernode_is_not_sent_to_and_a_clientapp_exception_ends_
     assert all(101 not in nodes for _, nodes in grid.batches[first_fit + 1:])
     assert res.metrics[0]["dropped"] == [{"round": 1, "kind": "evaluate", "clients": [1, 3], "cause": "node lost"}]
     assert {d["kind"] for d in res.summary["dropped"]} == {"evaluate", "fit"}
-    with pytest.raises(FedltError, match=r"a ClientApp failed \(fit\) on node 101: ValueError: boom"):
+    with pytest.raises(FedltError, match=r"a ClientApp failed \(fit\) on partition-1 \(SuperNode 101\): "
+                                         "ValueError: boom"):
         flower_run(tiny(tmp_path, "fedavg", "fails", data=data, fl=fl), LoopbackGrid(nodes=2, fail_after_fits=2))
 
 
@@ -310,6 +313,97 @@ def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_
     assert time.monotonic() - started >= 1.0 and grid.pulls >= 1.0 / REPLY_POLL_S / 2
 
 
+def test_a_deployed_serverapp_stops_waiting_for_a_node_known_to_be_gone():
+    """A node whose process exited never answers, and Flower keeps it listed until its heartbeat expires
+    (up to 60 s): once ``gone()`` names it, its reply is no longer waited for."""
+    from types import SimpleNamespace
+
+    from fedlt.engine.flower_app import GONE_POLL_S, poll_replies
+
+    class Grid:  # node 2 ("b") never answers
+        def push_messages(self, messages):
+            return ["a", "b"]
+
+        def pull_messages(self, ids):
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="a"))] if "a" in ids else []
+
+    sent = [SimpleNamespace(metadata=SimpleNamespace(message_id=i, dst_node_id=n)) for i, n in (("a", 1), ("b", 2))]
+    started = time.monotonic()
+    got = poll_replies(Grid(), sent, timeout=60, gone=lambda: {2})
+    assert [r.metadata.reply_to_message_id for r in got] == ["a"]
+    assert time.monotonic() - started < GONE_POLL_S + 2
+
+
+class ExitingNode(LoopbackGrid):
+    """Node 101 dies after the first fit (silent, still listed) and fedlt.deploy, which saw its process
+    exit, names its site in ``lost``."""
+
+    def __init__(self, lost: Path):
+        super().__init__(nodes=2, die_after_fits=2)
+        self.lost = lost
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        if self.dead and not self.lost.exists():
+            self.lost.write_text("partition-1\n")
+        return ids
+
+
+def test_a_node_whose_process_exited_is_given_up_at_once_and_named_by_its_site(tmp_path, server_identity,
+                                                                               monkeypatch, capsys):
+    """Without being told, the round waits flower.timeout_s for the dead node (Flower's heartbeat takes up
+    to 60 s more); told by fedlt.deploy, it goes on at once, records the node as lost and names its site."""
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.results import LOST_NODES_ENV
+
+    lost = tmp_path / "lost-nodes.txt"
+    monkeypatch.setenv(LOST_NODES_ENV, str(lost))
+    data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
+    fl = {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+    cfg = tiny(tmp_path, "fedavg", "exited", data=data, fl=fl, flower={"timeout_s": 20})
+    started = time.monotonic()
+    res = run_on_grid(build_config(cfg), ExitingNode(lost), quiet=True, prompt=True)
+    assert time.monotonic() - started < 20
+    assert res.metrics[1]["dropped"] == [{"round": 2, "kind": "fit", "clients": [1, 3], "cause": "node lost"}]
+    err = capsys.readouterr().err
+    assert ("fedlt: round 2 (fit): clients [1, 3] on partition-1 (SuperNode 101): their SuperNode's process exited; "
+            "going on without them") in err
+    assert "fedlt: 2/2 SuperNodes connected (partitions 0, 1)" in err
+
+
+def test_the_deploy_relays_the_run_log_in_its_order_without_colour_unless_to_a_terminal(tmp_path):
+    """Flower's lines and the ServerApp's go to one stream as they come (Flower's used to follow the
+    rounds, at the end), colour codes only to a terminal; the result line is kept for stdout."""
+    import io
+
+    from fedlt.deploy import GrowingFile, is_result, show_progress
+
+    log = tmp_path / "flwr-run.log"
+    lines = ["Successfully started run 7", "\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process",
+             "fedlt: 2/2 SuperNodes connected (client-0, client-1)", "[fedavg/ce sequential] round 1/2 | acc 10.00",
+             "\x1b[92mINFO \x1b[0m:      ", "[fedavg/ce sequential] round 2/2 | acc 12.00",
+             "fedlt: runs/x: finished; final acc 12.00"]
+    log.write_text("\n".join(lines[:3]) + "\n")
+    relay, out = GrowingFile(log), io.StringIO()
+    show_progress(relay, out)
+    with log.open("a") as more:
+        more.write("\n".join(lines[3:]) + "\n")
+    show_progress(relay, out)
+    assert out.getvalue().splitlines() == ["Successfully started run 7", "INFO :      Start `flwr-serverapp` process",
+                                           "fedlt: 2/2 SuperNodes connected (client-0, client-1)",
+                                           "[fedavg/ce sequential] round 1/2 | acc 10.00",
+                                           "[fedavg/ce sequential] round 2/2 | acc 12.00"]
+    assert is_result(lines[-1]) and not is_result(lines[2])
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    show_progress(GrowingFile(log), terminal)
+    assert "\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process" in terminal.getvalue().splitlines()
+
+
 def wait_for(condition, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -391,7 +485,9 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
     finally:
         proc.kill()
     assert proc.returncode == 1, err
-    *shown, error = err.strip().splitlines()  # the progress of the rounds that reached the log, then one error
+    *relayed, error = err.strip().splitlines()  # the run's log as it came, then one error
+    assert "fedlt deploy: the ClientApp process of partition-1 exited (code -9); the run goes on without it" in relayed
+    shown = [line for line in relayed if re.match(r"\[[^\]]+\] round \d+/\d+ \|", line)]  # the rounds that reached it
     rounds = [line.split(" | ")[0] for line in shown]
     assert rounds == [f"[fedavg/ce sequential] round {r}/3" for r in range(1, len(rounds) + 1)] and len(rounds) <= 2, err
     assert error.startswith("fedlt: error: the SuperLink exited (code -9) during the run (the run was aborted after "
@@ -449,7 +545,9 @@ def test_a_signalled_deploy_stops_every_process_and_says_so(tmp_path, signum):
         proc.kill()
     assert proc.returncode == 128 + signum, err
     name = signal.Signals(signum).name
-    assert err.strip().splitlines() == [f"fedlt: error: stopped by {name}; every process of the federation was stopped"]
+    *steps, error = err.strip().splitlines()  # the start-up steps it had named, then one error line, no traceback
+    assert error == f"fedlt: error: stopped by {name}; every process of the federation was stopped"
+    assert steps and all(line.startswith("fedlt deploy: ") for line in steps), err
     wait_for(lambda: deployment_pids(work) == [], 15, "every process of the deployment gone")
 
 
@@ -495,9 +593,13 @@ def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tm
     monkeypatch.setenv(OUTCOME_ENV, str(outcome))
     context = Context(run_id=1, node_id=0, state=RecordDict(), node_config={},
                       run_config={"config": str(app / "configs" / "mine.yaml"), "overrides": ""})
+    from flwr.common.logger import console_handler
+
+    monkeypatch.setattr(console_handler, "colored", True)
     grid = LoopbackGrid(nodes=2)
     main(grid, context)
     assert grid.timeouts == [] and grid.pulls > 0  # a deployed ServerApp polls (poll_replies)
+    assert not console_handler.colored  # fedlt deploy relays its log, in colour only to a terminal
     assert json.loads(outcome.read_text()) == {"status": "finished", "run_dir": str(tmp_path / "runs" / "served"),
                                                "rounds_done": 2}
     context.run_config["overrides"] = "run.name=broken"
@@ -505,7 +607,7 @@ def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tm
         main(LoopbackGrid(nodes=2, fail_after_fits=2), context)
     told = json.loads(outcome.read_text())
     assert told["status"] == "aborted" and told["rounds_done"] == 1 and not told["config_error"]
-    assert told["reason"] == "a ClientApp failed (fit) on node 101: ValueError: boom"
+    assert told["reason"] == "a ClientApp failed (fit) on partition-1 (SuperNode 101): ValueError: boom"
     assert json.loads((tmp_path / "runs" / "broken" / "summary.json").read_text())["reason"] == told["reason"]
 
 

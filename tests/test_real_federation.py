@@ -324,6 +324,37 @@ def test_a_secure_evaluation_left_with_one_node_skips_the_round_not_the_run(tmp_
     assert run.metrics[0]["comm"]["up_payload"] > clear.metrics[0]["comm"]["up_payload"]
 
 
+def test_a_run_whose_last_round_was_not_evaluated_says_so_wherever_its_result_is_read(tmp_path, exported,
+                                                                                      server_identity, capsys):
+    """Round 2's secure evaluation lost a node: the run finishes with round 1's figures as its headline,
+    and its summary, report, last line and `fedlt report`/`fedlt table` rows name the round they are of,
+    as a diverged run's name the round it diverged in. The server says what it waits for before round 1."""
+    from fedlt.engine.flower_app import final_line
+    from fedlt.reporting.collect import collect
+    from fedlt.reporting.comparison import comparison_table
+
+    two = dict(list(nodes_of(exported).items())[:2])
+    top = {"flower": {"min_nodes": 2, "min_reply_fraction": 0.5}}
+    run = node_run(node_tree(tmp_path, "short", exported, **top), SilentInSecureRound(two, silent=201, rnd=2))
+    assert run.summary["final"]["round"] == 1 and run.summary["last_evaluated_round"] == 1
+    assert "status" not in run.summary  # it finished
+    assert "| final (last evaluated round 1 of 2) | 1 |" in (run.run_dir / "report.md").read_text()
+    assert final_line(run.run_dir, run.summary).startswith(f"fedlt: {run.run_dir}: finished; last evaluated round 1 "
+                                                           "of 2: acc ")
+    assert collect(run.run_dir).settings[0].rows[0].label == "fedavg (last evaluated round 1 of 2)"
+    assert "| short (last evaluated round 1 of 2) |" in comparison_table([("short", run.summary)])
+    err = capsys.readouterr().err
+    assert "fedlt: waiting for flower.min_nodes=2 SuperNodes" in err
+    assert "fedlt: 2/2 SuperNodes connected (client-0, client-1)" in err
+    assert "summing the class counts of 2 nodes (secure aggregation)" in err
+    assert "fedlt: round 2 is not evaluated" in err
+    full = node_run(node_tree(tmp_path, "full", exported, **top), NodeGrid(two))
+    assert "last_evaluated_round" not in full.summary
+    assert "| final (headline) | 2 |" in (full.run_dir / "report.md").read_text()
+    acc = full.summary["final"]["acc"]
+    assert final_line(full.run_dir, full.summary) == f"fedlt: {full.run_dir}: finished; final acc {acc:.2f}"
+
+
 def test_a_node_missing_classes_keeps_the_global_labels(tmp_path, exported, server_identity):
     folders = {n: tmp_path / "nodes" / n for n in nodes_of(exported)}
     shutil.copytree(exported / "nodes", tmp_path / "nodes")

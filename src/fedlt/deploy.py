@@ -19,6 +19,11 @@ here runs in its own process group; those groups, and the sessions Flower's help
 them, are signalled when a node dies and when the federation closes, whatever happened (SIGINT and
 SIGTERM included).
 
+While the run goes, its log (``flwr run --stream``: Flower's lines and the ServerApp's) is relayed to
+stderr in its own order, colour codes only to a terminal, and the result line goes to stdout at the end.
+A SuperNode or ClientApp process seen to exit is named, and listed in ``$FEDLT_LOST_NODES_FILE`` so the
+ServerApp stops waiting for it at once (Flower's heartbeat would take up to 60 s to report it lost).
+
 The outcome comes from the ServerApp itself (``$FEDLT_OUTCOME_FILE``), not from ``flwr run``,
 which exits 0 when the ServerApp raised: no outcome file means the run failed. Exit codes: 0
 finished, 1 failed (one ``fedlt: error:`` line naming the cause), 2 refused input, 128+N signal N.
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError
-from fedlt.results import OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
+from fedlt.results import LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
@@ -259,6 +264,8 @@ class Federation:
     nodes: list[subprocess.Popen] = field(default_factory=list)
     #: ``workers[i]``: the ClientApp process serving ``nodes[i]``; its group is one of the node's
     workers: list[subprocess.Popen] = field(default_factory=list)
+    #: ``names[i]``: the site ``nodes[i]`` serves (the name the ServerApp knows it by)
+    names: list[str] = field(default_factory=list)
     ca: Path | None = None
     #: ``node_ids[i]``: the id Flower gave SuperNode ``i`` at registration (``--auth`` only)
     node_ids: list[int] = field(default_factory=list)
@@ -320,7 +327,7 @@ class Federation:
                 raise FedltError(f"`flwr supernode register` gave no node id; see {self.workdir / log}") from None
         return ids
 
-    def start_node(self, i: int, *args: str, startup_s: float) -> None:
+    def start_node(self, i: int, *args: str, startup_s: float, name: str = "") -> None:
         """SuperNode ``i`` (``args``: its command, without the Runtime API's address) and the
         ClientApp process that serves it; the latter's group joins the node's, so stopping the
         node stops both."""
@@ -331,6 +338,19 @@ class Federation:
         self.groups[node.pid] |= self.groups.pop(worker.pid)
         self.nodes.append(node)
         self.workers.append(worker)
+        self.names.append(name or f"partition-{i}")
+
+    def node_exited(self, i: int) -> None:
+        """SuperNode ``i`` or its ClientApp process exited: stop both, and tell the ServerApp
+        (``$FEDLT_LOST_NODES_FILE``), which then stops waiting for that node's replies at once, not
+        after Flower's heartbeat (a SuperNode killed outright stays listed for up to 60 s)."""
+        node, worker = self.nodes[i], self.workers[i]
+        what = "SuperNode" if node.poll() is not None else "ClientApp process"
+        code = node.returncode if node.poll() is not None else worker.returncode
+        say(f"the {what} of {self.names[i]} exited (code {code}); the run goes on without it")
+        with open(self.env[LOST_NODES_ENV], "a") as lost:  # before stopping the other, which takes up to 7 s
+            lost.write(self.names[i] + "\n")
+        self.stop(node)
 
     def run(self, config: Path, overrides: list[str], timeout: float) -> subprocess.CompletedProcess:
         """``flwr run`` the fedlt app with ``config`` + ``overrides`` (``--stream``) and wait, watching
@@ -339,6 +359,8 @@ class Federation:
         outcome, stop_reason = Path(self.env[OUTCOME_ENV]), Path(self.env[STOP_REASON_ENV])
         outcome.unlink(missing_ok=True)
         stop_reason.unlink(missing_ok=True)
+        Path(self.env[LOST_NODES_ENV]).unlink(missing_ok=True)
+        say(f"starting the run (flwr run); Flower's log is in {self.workdir / 'flwr-run.log'}")
         flwr = self.start("flwr-run.log", str(Path(sys.executable).with_name("flwr")), "run", str(APP_DIR),
                           "deploy", "--stream", "--run-config", run_config(config, overrides))
         deadline = time.monotonic() + timeout
@@ -347,9 +369,9 @@ class Federation:
             while flwr.poll() is None and self.superlink.poll() is None and time.monotonic() < deadline:
                 show_progress(log)  # the ServerApp's, as the run goes
                 self.track()
-                for node, worker in zip(self.nodes, self.workers):  # a SuperNode and its ClientApp go together
+                for i, (node, worker) in enumerate(zip(self.nodes, self.workers)):  # they go together
                     if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
-                        self.stop(node)
+                        self.node_exited(i)
                 time.sleep(0.5)
             show_progress(log)  # what came during the last wait
             if self.superlink.poll() is not None:  # give the ServerApp time to write its summary
@@ -374,19 +396,33 @@ class Federation:
         return subprocess.CompletedProcess(flwr.args, 0, log, "")
 
 
-#: a run's progress line, as the ServerApp prints it into Flower's log stream (colour codes removed)
-_PROGRESS = re.compile(r"\[[^\]]+\] round \d+/\d+ \|")
+#: the ServerApp's last line, the run's result (``flower_app.final_line``): kept for stdout
+_RESULT = re.compile(r"fedlt: .+: finished; ")
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+#: a Flower log line with nothing after its level (``INFO :      ``), which it prints as a spacer
+_EMPTY = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*$")
 
 
-def is_progress(line: str) -> bool:
-    return _PROGRESS.match(_COLOUR.sub("", line)) is not None
+def is_result(line: str) -> bool:
+    return _RESULT.match(_COLOUR.sub("", line)) is not None
 
 
-def show_progress(log: "GrowingFile") -> None:
+def say(line: str) -> None:
+    """A line of the deploy command's own, on the stream the run's log is relayed to."""
+    print(f"fedlt deploy: {line}", file=sys.stderr, flush=True)
+
+
+def show_progress(log: "GrowingFile", stream=None) -> None:
+    """Relay the run's log (``flwr run --stream``: Flower's lines and the ServerApp's) as it grows, in
+    its own order, on one stream (stderr): colour codes removed unless that stream is a terminal,
+    Flower's empty spacer lines dropped, the result line kept for stdout at the end."""
+    stream = stream if stream is not None else sys.stderr
+    colour = stream.isatty()
     for line in log.new_lines():
-        if is_progress(line):
-            print(line, file=sys.stderr, flush=True)
+        plain = _COLOUR.sub("", line)
+        if not plain.strip() or _EMPTY.fullmatch(plain.strip()) or is_result(plain):
+            continue
+        print(line if colour else plain, file=stream, flush=True)
 
 
 class GrowingFile:
@@ -508,7 +544,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1", OUTCOME_ENV: str(workdir / "outcome.json"),
-           STOP_REASON_ENV: str(workdir / "stop-reason.txt"),
+           STOP_REASON_ENV: str(workdir / "stop-reason.txt"), LOST_NODES_ENV: str(workdir / "lost-nodes.txt"),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     src = str(APP_DIR / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -521,6 +557,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
             fed.ca = certs[0]
         fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"),
                                   *superlink_args(port, workdir / "state.db", certs, auth))
+        say(f"starting a SuperLink on {HOST}:{port}" + (" (TLS)" if tls else ""))
         _wait_for_port(port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
         home = workdir / "flwr-home"
         home.mkdir(exist_ok=True)
@@ -532,7 +569,10 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
             fed.node_ids = fed.register([(make_node_key(key), site.name) for key, site in zip(keys, sites)])
         for i, (site, key) in enumerate(zip(sites, keys)):
             fed.start_node(i, str(bin_dir / "flower-supernode"),
-                           *supernode_args(site, f"{HOST}:{port}", fed.ca, key, startup_s), startup_s=startup_s)
+                           *supernode_args(site, f"{HOST}:{port}", fed.ca, key, startup_s), startup_s=startup_s,
+                           name=site.name)
+        say(f"started {len(sites)} SuperNode(s) ({', '.join(site.name for site in sites)}), each with its ClientApp "
+            f"process; logs in {workdir}")
         yield fed
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # a second Ctrl-C must not cut the cleanup short
@@ -697,7 +737,8 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
                               "state, logs and outcome); wait for it to end, or give this one another --workdir"), \
                 local_federation(workdir, tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
             done = fed.run(plan.config, plan.overrides, timeout)
-        print("\n".join(line for line in done.stdout[-4000:].splitlines() if not is_progress(line)))  # shown above
+        results = [_COLOUR.sub("", line) for line in done.stdout.splitlines() if is_result(line)]
+        print("\n".join(results))  # the rest of the log went by on stderr
         return 0
     except (ConfigError, DataError) as err:  # bad input: found before anything started, or by the ServerApp
         print(f"fedlt: error: {err}", file=sys.stderr)

@@ -52,6 +52,10 @@ OUTCOME_ENV = "FEDLT_OUTCOME_FILE"
 #: the environment variable naming the file where :mod:`fedlt.deploy` says why it stops a ServerApp (its
 #: timeout), so the aborted summary records that rather than only "stopped by a signal"
 STOP_REASON_ENV = "FEDLT_STOP_REASON_FILE"
+#: the environment variable naming the file where :mod:`fedlt.deploy` lists, one name a line, the sites
+#: whose SuperNode process it saw exit, so the ServerApp stops waiting for them at once instead of until
+#: Flower's heartbeat (up to 60 s) or ``flower.timeout_s`` gives up on them
+LOST_NODES_ENV = "FEDLT_LOST_NODES_FILE"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -264,6 +268,9 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         "pm_acc" if final.get("pm_acc") is not None else None  # None: no round was evaluated
     best = max(evaluated, key=lambda r: r.get(key) or -1.0) if evaluated else {}
     server = {k: v for k, v in final.items() if k not in ENGINE_KEYS}
+    # a finished run whose last rounds were not evaluated (a real federation's secure evaluation that lost
+    # too many nodes): its headline is an earlier round's, which every reader of the summary must be told
+    short = "status" not in extra and rows and final.get("round") != cfg.fl.rounds
     return {
         "method": cfg.method,
         "dataset": cfg.data.dataset,
@@ -279,8 +286,19 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) ->
         "communication_bytes": {
             k: sum(r["comm"][k] for r in rows) for k in ("down_model", "down_payload", "up_model", "up_payload")
         } if rows else {},
+        **({"last_evaluated_round": final.get("round")} if short else {}),
         **extra,
     }
+
+
+def unevaluated_note(summary: dict[str, Any]) -> str:
+    """`` (last evaluated round N of M)`` for a finished run whose headline is not its last round's
+    (``last_evaluated_round`` in its summary), else ``""``."""
+    if "last_evaluated_round" not in summary:
+        return ""
+    last = summary["last_evaluated_round"]
+    return (f" (last evaluated round {last} of {summary.get('rounds', '?')})" if last is not None
+            else f" (no round of {summary.get('rounds', '?')} evaluated)")
 
 
 #: what every caller of a summary indexes; a summary of this version of fedlt has all of them
@@ -467,7 +485,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         "| | round | GM acc | many | medium | few | PM acc |" + (" val acc |" if has_val else "")
         + (" val PM |" if has_val_pm else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if has_val else "") + ("---|" if has_val_pm else ""),
-        f"| final (headline) | {f['round']} | {percent_cells(f, headline)} |",
+        f"| final{unevaluated_note(summary) or ' (headline)'} | {f['round']} | {percent_cells(f, headline)} |",
         f"| best round (by {b['selected_by']}) | {b['round']} | {percent_cells(b, headline)} |",
         "",
         "GM: global model on the balanced test set"

@@ -25,6 +25,7 @@ import re
 import shlex
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -47,7 +48,9 @@ from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
-from fedlt.results import OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic
+from fedlt.results import (
+    LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic,
+)
 from fedlt.run_parts import setup_parts, setup_runtime
 
 HELLO = "hello"
@@ -55,6 +58,8 @@ HELLO = "hello"
 _RAISED = (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION)
 #: dropout causes in ``dropped`` records: Flower reported the node gone, or our own timeout expired
 NODE_LOST, TIMEOUT = "node lost", "timeout"
+#: why a node is gone: fedlt.deploy saw its process exit, or the SuperLink no longer lists it
+EXITED, LEFT = "their SuperNode's process exited", "their SuperNode left the federation"
 
 
 def _lost_reason(error) -> str:
@@ -90,30 +95,53 @@ def describe_error(err: BaseException) -> str:
 
 #: seconds between a deployed ServerApp's requests for replies
 REPLY_POLL_S = 0.1
+#: seconds between a deployed ServerApp's looks at which nodes are gone while it waits for replies
+GONE_POLL_S = 1.0
+
+
+def lost_sites() -> set[str]:
+    """The sites whose SuperNode process :mod:`fedlt.deploy` saw exit (``$FEDLT_LOST_NODES_FILE``)."""
+    path = os.environ.get(LOST_NODES_ENV)
+    try:
+        return set(Path(path).read_text().split("\n")) - {""} if path else set()
+    except OSError:  # none lost yet
+        return set()
 
 
 def poll_replies(grid: Grid, messages: list[FlowerMessage], timeout: float,
-                 every: float = REPLY_POLL_S, stop: threading.Event | None = None) -> list[FlowerMessage]:
+                 every: float = REPLY_POLL_S, stop: threading.Event | None = None,
+                 gone: Callable[[], set[int]] | None = None) -> list[FlowerMessage]:
     """``grid.send_and_receive(messages, timeout=timeout)`` asking for the replies every ``every``
     seconds: Flower's deployed grid asks every 3 s (``flwr/superlink/grid/http_grid.py``), up to
     3 s of idle waiting per phase of a round that may train for less than a second. ``stop``: set
     when the run was interrupted (a simulation's Ctrl-C reaches its main thread, not this one), which
-    ends the wait with KeyboardInterrupt instead of waiting out ``timeout`` for replies that will not come."""
+    ends the wait with KeyboardInterrupt instead of waiting out ``timeout`` for replies that will not come.
+    ``gone()``: the nodes known to be gone (every :data:`GONE_POLL_S`); their replies are not waited for."""
     pending = set(grid.push_messages(messages))
+    node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     deadline = time.monotonic() + timeout
     replies: list[FlowerMessage] = []
+    looked = time.monotonic()
     while True:
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt
         got = list(grid.pull_messages(pending))
         replies += got
         pending -= {r.metadata.reply_to_message_id for r in got}
+        if gone is not None and pending and time.monotonic() - looked >= GONE_POLL_S:
+            looked, dead = time.monotonic(), gone()
+            pending -= {i for i in pending if node_of.get(i) in dead}
         if not pending or time.monotonic() >= deadline:
             return replies
         if stop is not None:
             stop.wait(every)
         else:
             time.sleep(every)
+
+
+def log(line: str) -> None:
+    """A line for the ServerApp's log (Flower streams its output to ``flwr run --stream``)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _message_type(kind: str) -> str:
@@ -193,6 +221,9 @@ class FlowerSimulation(Simulation):
         self.prompt = prompt  # poll_replies instead of the grid's own send_and_receive
         self._config_json = json.dumps(cfg.dump())
         self.nodes: dict[int, int] = {}  # client id -> node id
+        self.node_names: dict[int, str] = {}  # node id -> its site (partition-I, or the node's name)
+        self.exited: set[int] = set()  # nodes whose process fedlt.deploy saw exit: sent nothing more
+        self.gone: dict[int, str] = {}  # node id -> why it is gone, as last looked at
         self.round_started = 0
         self.aborted = False
         super().__init__(cfg, spec, data, device)
@@ -212,29 +243,60 @@ class FlowerSimulation(Simulation):
                              dst_node_id=node, message_type=_message_type(kind))
                for node, cid, msg, rnd in targets]
         timeout = self.cfg.flower.timeout_s
-        replies = (poll_replies(self.grid, out, timeout, stop=self.stop) if self.prompt or self.stop
-                   else list(self.grid.send_and_receive(out, timeout=timeout)))
+        self.gone = dict.fromkeys(self.exited, EXITED)
+        replies = (poll_replies(self.grid, out, timeout, stop=self.stop, gone=self._gone_nodes)
+                   if self.prompt or self.stop else list(self.grid.send_and_receive(out, timeout=timeout)))
         cid_of = {m.metadata.message_id: cid for m, (_, cid, _, _) in zip(out, targets)}  # ids set when sent
         lost: dict[int, str] = {}
         for r in replies:
             if r.has_error() and r.error.code in _RAISED:
-                raise FedltError(f"a ClientApp failed ({kind}) on node {r.metadata.src_node_id}: "
+                raise FedltError(f"a ClientApp failed ({kind}) on {self.site_of(r.metadata.src_node_id)}: "
                                  f"{client_failure(r.error.reason)}")
             if r.has_error() and r.metadata.reply_to_message_id in cid_of:
                 lost[cid_of[r.metadata.reply_to_message_id]] = _lost_reason(r.error)
+        answered = {cid_of.get(r.metadata.reply_to_message_id) for r in replies}
+        for node, cid, _, _ in targets:
+            if cid not in answered and node in self.gone:
+                lost[cid] = self.gone[node]
         return [r for r in replies if not r.has_error()], lost
+
+    def site_of(self, node: int) -> str:
+        """A node as its operator knows it: its site (the partition, or the name it was started with)
+        and Flower's id for it."""
+        name = self.node_names.get(node)
+        return f"{name} (SuperNode {node})" if name else f"SuperNode {node}"
+
+    def named(self, clients: list[int]) -> str:
+        """``[1, 3] on partition-1 (SuperNode 101)``: clients and the sites of the nodes that host them."""
+        sites = sorted({self.site_of(self.nodes[cid]) for cid in clients if cid in self.nodes})
+        return f"{clients}" + (f" on {', '.join(sites)}" if sites else "")
+
+    def _gone_nodes(self) -> set[int]:
+        """The run's nodes known to be gone while replies are awaited: those whose process fedlt.deploy
+        saw exit (at once, not when Flower's heartbeat expires) and those the SuperLink no longer lists."""
+        exited = lost_sites()
+        self.exited |= {node for node, name in self.node_names.items() if name in exited}
+        unlisted = set(self.nodes.values()) - set(self.grid.get_node_ids()) if self.nodes else set()
+        self.gone = {**dict.fromkeys(unlisted, LEFT), **dict.fromkeys(self.exited, EXITED)}
+        return set(self.gone)
 
     def connect(self) -> None:
         """Ask every SuperNode for its partition until each partition 0..N-1 has answered, within
         ``flower.connect_timeout_s``; then map client ids to nodes."""
         deadline = time.monotonic() + self.cfg.flower.connect_timeout_s
         found: dict[int, tuple[int, int]] = {}  # node -> (partition id, partitions)
+        log(f"fedlt: waiting for the SuperNodes to answer (up to flower.connect_timeout_s="
+            f"{self.cfg.flower.connect_timeout_s:g})")
         while True:
             new = [n for n in self.grid.get_node_ids() if n not in found]
             if new:
                 for r in self._send(HELLO, [(n, -1, Message(), 0) for n in new])[0]:
                     meta = decode_meta(r.content)
                     found[r.metadata.src_node_id] = (meta["partition_id"], meta["num_partitions"])
+                    self.node_names[r.metadata.src_node_id] = f"partition-{meta['partition_id']}"
+                if found:
+                    log(f"fedlt: {len(found)}/{next(iter(found.values()))[1]} SuperNodes connected (partitions "
+                        f"{', '.join(str(p) for p, _ in sorted(found.values()))})")
             parts = {n for _, n in found.values()}
             if len(parts) > 1:
                 raise FedltError(f"SuperNodes disagree on num-partitions ({sorted(parts)}); start all with the same N")
@@ -255,9 +317,12 @@ class FlowerSimulation(Simulation):
         items = list(messages)
         if not items:
             return
-        alive = set(self.grid.get_node_ids())
+        if self.prompt:  # a deployment: a node whose process exited is sent nothing more
+            self._gone_nodes()
+        alive = set(self.grid.get_node_ids()) - self.exited
         targets = [(self.nodes[cid], cid, msg, rnd) for cid, msg in items if self.nodes[cid] in alive]
-        lost = {cid: "their SuperNode left the federation" for cid, _ in items if self.nodes[cid] not in alive}
+        lost = {cid: EXITED if self.nodes[cid] in self.exited else LEFT
+                for cid, _ in items if self.nodes[cid] not in alive}
         replies, gone = self._send(kind, targets) if targets else ([], {})
         lost.update(gone)
         got = {decode_meta(r.content)["cid"]: r for r in replies}
@@ -265,14 +330,17 @@ class FlowerSimulation(Simulation):
         for cause, clients in ((NODE_LOST, sorted(lost)), (TIMEOUT, silent)):
             if clients:
                 self.dropped.append({"round": rnd, "kind": kind, "clients": clients, "cause": cause})
+        timeout = f"no reply within flower.timeout_s={self.cfg.flower.timeout_s:g}"
+        why = [f"clients {self.named(sorted(lost))}: {lost[min(lost)]}"] if lost else []
+        if silent:
+            why.append(f"clients {self.named(silent)}: {timeout}")
         need = math.ceil(self.cfg.flower.min_reply_fraction * len(items))
         if len(got) < need:
-            why = [f"clients {sorted(lost)}: {lost[min(lost)]}"] if lost else []
-            if silent:
-                why.append(f"clients {silent}: no reply within flower.timeout_s={self.cfg.flower.timeout_s:g}")
             raise FedltError(f"round {rnd} ({kind}): {len(got)} of {len(items)} clients answered, fewer than "
                              f"flower.min_reply_fraction={self.cfg.flower.min_reply_fraction:g} requires "
                              f"({'; '.join(why)})")
+        for line in why:  # named while the run goes, not only in the record of dropouts
+            log(f"fedlt: round {rnd} ({kind}): {line}; going on without them")
         for cid, msg in items:
             if cid in got:
                 yield cid, msg, decode_reply(got[cid].content, self.device)
@@ -379,6 +447,10 @@ def main(grid: Grid, context: Context) -> None:
     """``flwr run``: the fedlt config named by the run config (``config``, ``overrides``).
     However it ends, the outcome goes to ``$FEDLT_OUTCOME_FILE`` when set (by fedlt.deploy)."""
     started: dict[str, Any] = {}
+    if os.environ.get(OUTCOME_ENV):  # under fedlt deploy, which relays this log (in colour only to a terminal)
+        from flwr.common.logger import update_console_handler
+
+        update_console_handler(colored=False)  # so the log file it keeps holds no colour codes either
 
     def on_start(sim: FlowerSimulation, run_dir: Path) -> None:
         started.update(sim=sim, run_dir=run_dir)
@@ -403,12 +475,23 @@ def main(grid: Grid, context: Context) -> None:
                 run_dir=str(started["run_dir"].resolve()) if started else None,
                 rounds_done=max(sim.round_started - 1, 0) if sim else 0)
         raise
-    _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds)
-    final = result.summary["final"]
-    acc, evaluated = final.get("acc"), final.get("round")
-    print(f"fedlt: {result.run_dir}: final acc {'-' if acc is None else f'{acc:.2f}'}"
-          + (f" (of round {evaluated}: the later rounds of {cfg.fl.rounds} were not evaluated; see the run's "
-             "metrics.jsonl)" if evaluated != cfg.fl.rounds else ""), flush=True)
+    _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds,
+            **{k: result.summary[k] for k in ("last_evaluated_round",) if k in result.summary})
+    print(final_line(result.run_dir, result.summary), flush=True)
+
+
+def final_line(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The deployed run's last line: its headline accuracy, and when that is not the last round's, which
+    round it is (a round whose secure evaluation lost too many nodes is left unevaluated)."""
+    acc = summary["final"].get("acc")
+    shown = "-" if acc is None else f"{acc:.2f}"
+    if "last_evaluated_round" not in summary:
+        return f"fedlt: {run_dir}: finished; final acc {shown}"
+    last, rounds = summary["last_evaluated_round"], summary["rounds"]
+    if last is None:
+        return f"fedlt: {run_dir}: finished; no round of {rounds} evaluated (see the ServerApp's log for why)"
+    return (f"fedlt: {run_dir}: finished; last evaluated round {last} of {rounds}: acc {shown} (the later rounds "
+            "were not evaluated; the ServerApp's log says why)")
 
 
 def simulation_backend(cfg: Config) -> dict[str, Any]:

@@ -16,7 +16,6 @@ else, the round loop, the client runtime and the messages, is the Flower engine'
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from fedlt.data.declaration import declared_dataset
 from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
-from fedlt.engine.flower_app import HELLO, FlowerSimulation
+from fedlt.engine.flower_app import HELLO, FlowerSimulation, log
 from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
@@ -41,11 +40,6 @@ from fedlt.messages import Message
 from fedlt.run_parts import check_config, setup_runtime
 
 GLOBAL = "global"
-
-
-def log(line: str) -> None:
-    """A line for the ServerApp's log (Flower streams its output to ``flwr run --stream``)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def node_config(context_node_config: dict[str, Any]) -> tuple[Path, str] | None:
@@ -118,6 +112,7 @@ class NodeDataSimulation(FlowerSimulation):
 
     def __init__(self, cfg: Config, spec, device: torch.device, grid, prompt: bool = False):
         self.grid, self.prompt, self.cfg = grid, prompt, cfg
+        self.nodes, self.node_names, self.exited, self.gone = {}, {}, set(), {}  # for the hello exchange
         self._config_json = json.dumps(cfg.dump())
         found = self._wait_for_nodes()
         names = sorted(found, key=found.get)
@@ -127,6 +122,7 @@ class NodeDataSimulation(FlowerSimulation):
         data = server_federation(declared_shape(cfg).to(device), len(names), test, val)
         super().__init__(cfg, spec, data, device, grid, prompt)
         self.nodes = dict(enumerate(names))
+        self.node_names = dict(found)
         self._told_late: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
@@ -148,6 +144,8 @@ class NodeDataSimulation(FlowerSimulation):
         deadline = time.monotonic() + fl.connect_timeout_s
         found: dict[int, str] = {}
         asked: set[int] = set()
+        log(f"fedlt: waiting for flower.min_nodes={fl.min_nodes} SuperNodes (up to flower.connect_timeout_s="
+            f"{fl.connect_timeout_s:g})")
         while True:
             new = [n for n in self.grid.get_node_ids() if n not in asked]
             asked.update(new)
@@ -166,6 +164,7 @@ class NodeDataSimulation(FlowerSimulation):
                                          "(--node-config 'data=\"PATH\" name=\"SITE\"'), stop the extra one, and "
                                          "start the run again")
                     found[node] = meta["name"]
+                log(f"fedlt: {len(found)}/{fl.min_nodes} SuperNodes connected ({', '.join(sorted(found.values()))})")
             if len(found) >= fl.min_nodes:
                 return found
             if time.monotonic() > deadline:
@@ -187,6 +186,8 @@ class NodeDataSimulation(FlowerSimulation):
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
+        log(f"fedlt: summing the class counts of {len(self.all_clients)} nodes"
+            + (" (secure aggregation)" if self.secure is not None and len(self.all_clients) > 1 else ""))
         total = _summed(self._exchange(COUNTS, 0, [(cid, Message()) for cid in self.all_clients]).values(), "counts")
         self.eval_data.counts = np.rint(total.cpu().numpy()).astype(np.int64)
         self.groups = shot_groups(self.eval_data.counts, self.cfg.eval)

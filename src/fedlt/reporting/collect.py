@@ -20,7 +20,7 @@ from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_labe
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, nonfinite_models, nonfinite_personal, nonfinite_variants,
-                           personal_nan_label, read_metrics, read_summary)
+                           personal_nan_label, read_metrics, read_summary, unevaluated_note)
 
 if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
@@ -174,6 +174,7 @@ def _run_rows(label: str, run: Run) -> list[Row]:
     """A run's rows in a report of single runs; one that diverged or aborted says so in its label."""
     diverged = run.summary.get("status") == "diverged"
     label += _aborted(run) + (f" (diverged in round {run.summary.get('diverged_round', '?')})" if diverged else "")
+    label += unevaluated_note(run.summary)
     final = run.final(None) or {}
     pm_nan = nonfinite_personal(final).get(None)
     rows = [Row(label + (f" ({personal_nan_label(pm_nan)})" if pm_nan else ""), None, [run],
@@ -283,6 +284,8 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': seed {r.seed}: {line}"
                          for r in runs if not _diverged(r) for line in nonfinite_models(r.final(None))]
+            warnings += [f"row '{m.name}': seed {r.seed}{unevaluated_note(r.summary)}; its cell counts with that "
+                         "round's accuracy" for r in runs if unevaluated_note(r.summary)]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
             if not runs and len(warnings) == noted:  # nothing failed or was left out: its cells never ran
                 never_ran.append(f"'{m.name}'")

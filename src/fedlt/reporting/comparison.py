@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedlt.results import (check_summary, nonfinite_personal, nonfinite_variants, percent_cell, percent_cells,
-                           personal_nan_label)
+                           personal_nan_label, unevaluated_note)
 
 #: the accuracy and its shot groups, the columns every row has
 SHOTS = ("acc", "many_acc", "medium_acc", "few_acc")
@@ -33,6 +33,7 @@ def comparison_table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
             done = s.get("rounds_done")
             label += (f" ({s['status']}" + ("" if done is None else f" in round {done + 1}" if s["status"] == "diverged"
                                             else f" after round {done}") + ")")
+        label += unevaluated_note(s)
         pm_nan = nonfinite_personal(f).get(None)
         label += f" ({personal_nan_label(pm_nan)})" if pm_nan else ""
         lines.append(
