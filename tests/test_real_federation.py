@@ -239,9 +239,9 @@ def test_a_nodes_personalized_accuracy_leaves_it_only_as_a_secure_sum(tmp_path, 
     assert readings == ["la_fr", "psi_plus_phi"]
     for payload in clear_grid.payloads:
         suffixes = ["", *(f"/{r}" for r in readings)]
-        assert set(payload) == {f"pm_{part}{suffix}" for part in ("sum", "n") for suffix in suffixes}
+        assert set(payload) == {f"pm_{part}{suffix}" for part in ("sum", "n", "nonfinite") for suffix in suffixes}
         assert all(isinstance(v, (int, float)) for v in payload.values()), payload
-        assert payload["pm_n"] == 1 and 0 <= payload["pm_sum"] <= 100
+        assert payload["pm_n"] == 1 and 0 <= payload["pm_sum"] <= 100 and payload["pm_nonfinite"] == 0
     secure_grid = RecordingReplies(nodes_of(exported), "evaluate")
     secure = node_run(node_tree(tmp_path, "secure", exported, **extra), secure_grid)
     assert "evaluate" in secure.summary["secure_aggregation"]["phases"]
