@@ -1394,3 +1394,16 @@ def test_a_users_class_folders_are_named_as_they_are(tmp_path) -> None:
     write_image_folders(tmp_path, classes=("50%off", "a:b", "plain"), counts=(2, 2, 2), splits=("train", "test"))
     pair = load_dataset("imagefolder", root=str(tmp_path), image_size=8)
     assert pair.train.classes == ["50%off", "a:b", "plain"]
+
+
+def test_every_refused_image_of_a_split_is_counted_in_its_one_line(tmp_path) -> None:
+    """A folder with many bad images was fixed one run at a time: the first was named, the rest unseen."""
+    write_image_folders(tmp_path, splits=("train", "test"))
+    for name in ("a", "b", "c", "d", "e"):
+        Image.new("RGB", (9, 8)).save(tmp_path / "train" / "cat" / f"wide-{name}.png")
+    (tmp_path / "train" / "dog" / "zz-broken.png").write_bytes(b"not a png")
+    message = error_of("imagefolder", tmp_path, image_size=8)
+    assert message.startswith(f"imagefolder: image {tmp_path}/train/cat/wide-a.png is 9x8, expected 8x8; ")
+    assert message.endswith("; images are not resized, resize it or give data.image_size the side every image has "
+                            "(5 more image(s) are refused too: cat/wide-b.png, cat/wide-c.png, cat/wide-d.png and 2 more)")
+    assert "\n" not in message

@@ -17,6 +17,8 @@ from fedlt.errors import DataError
 
 # Below this many items a thread pool costs more than it saves.
 _PARALLEL_MIN = 256
+#: refused images named beside the first in a decoding error
+_NAMED_REFUSALS = 3
 #: what PIL raises for a broken image file, depending on the format and where it breaks
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, Image.DecompressionBombError)
 
@@ -138,14 +140,20 @@ def decode_all(
     """Decode ``paths`` into one uint8 tensor of shape ``(len(paths), *shape)``.
 
     Threads are enough: PIL releases the GIL while it decodes, and threads keep the
-    exceptions ``decode`` raises (a :class:`DataError` naming the file) intact.
+    exceptions ``decode`` raises (a :class:`DataError` naming the file) intact. Every image is
+    tried: the error names the first refused one and counts the others, with a few of their names,
+    so a folder of many bad images is not fixed one run at a time.
     """
     check_memory(dataset, len(paths), shape)
     out = np.empty((len(paths), *shape), dtype=np.uint8)
+    refused: dict[int, DataError] = {}
 
     def fill(start: int, stop: int) -> None:
         for i in range(start, stop):
-            out[i] = decode(paths[i])
+            try:
+                out[i] = decode(paths[i])
+            except DataError as err:
+                refused[i] = err
 
     if len(paths) < _PARALLEL_MIN:
         fill(0, len(paths))
@@ -161,4 +169,12 @@ def decode_all(
                 for job in jobs:
                     job.cancel()
                 raise
+    if refused:
+        first, *others = sorted(refused)
+        if not others:
+            raise refused[first]
+        named = ", ".join(f"{paths[i].parent.name}/{paths[i].name}" for i in others[:_NAMED_REFUSALS])
+        rest = len(others) - _NAMED_REFUSALS
+        raise DataError(f"{refused[first]} ({len(others)} more image(s) are refused too: {named}"
+                        + (f" and {rest} more)" if rest > 0 else ")")) from refused[first]
     return torch.from_numpy(out)
