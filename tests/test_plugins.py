@@ -220,6 +220,27 @@ BROKEN = {  # entry points of a distribution 'fedlt-broken' -> what the one line
 }
 
 
+def test_a_broken_model_plugin_is_one_line_in_the_models_listing(site, example):
+    """`fedlt models` was the one listing that printed a traceback for a broken plug-in."""
+    install(site, "fedlt-broken", "1.0", {"fedlt.models": {"cnn": "fedlt_example_plugin.mlp:ENTRY"}})
+    result = CliRunner().invoke(app, ["models"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.output
+    assert result.stderr.startswith("fedlt: error: plug-in model 'cnn' (entry point cnn = fedlt_example_plugin.mlp:"
+                                    "ENTRY in fedlt-broken 1.0) has the name of fedlt's built-in model 'cnn'")
+
+
+def test_a_plugin_calibration_needing_an_unknown_statistic_is_refused_when_it_loads():
+    """A misspelt ``needs`` ran with empty statistics, after a query that sent every client the model."""
+    from fedlt.calibration.calibrators import STAT_KINDS, Calibrator, calibrator_from_plugin
+
+    typo = type("Typo", (Calibrator,), {"name": "typo", "needs": frozenset({"class_sum"})})
+    with pytest.raises(ValueError, match=rf"^loads Typo, whose needs name no statistic: class_sum; use "
+                                         rf"{', '.join(STAT_KINDS)}$"):
+        calibrator_from_plugin("typo", typo)
+    assert calibrator_from_plugin("fine", type("Fine", (Calibrator,), {"name": "fine", "needs": frozenset(
+        {"class_sums"})})).name == "fine"
+
+
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_broken_plugin_is_one_line_naming_it_and_the_fix(site, example, case):
     group, eps, message = BROKEN[case]
@@ -459,6 +480,91 @@ def test_a_calibration_whose_finish_returns_its_head_is_refused_instead_of_repor
             fedlt.run(run(tmp_path, "doubled", method="fedavg", calibration=["doubled"]), quiet=True)
     finally:
         del CALIBRATORS["doubled"]
+
+
+def test_a_calibration_without_a_head_or_of_the_wrong_width_is_refused_after_its_finish(tmp_path):
+    """A finish that set no head reported the uncalibrated model under the calibration's name; a head of
+    C-1 outputs failed deep in evaluation (IndexError: Target 9 is out of bounds)."""
+    from fedlt.calibration.calibrators import Calibrator, linear_head, weight_and_bias
+    from fedlt.errors import PluginError
+
+    class Forgets(Calibrator):
+        name = "forgets"
+        acts_on = "learned_linear"
+
+        def finish(self, stats, head):
+            pass
+
+    class Narrow(Forgets):
+        name = "narrow"
+
+        def finish(self, stats, head):
+            weight, bias = weight_and_bias(head)
+            self._head = linear_head(weight[:-1], bias[:-1])
+
+    CALIBRATORS["forgets"], CALIBRATORS["narrow"] = Forgets, Narrow
+    try:
+        with pytest.raises(PluginError, match=r"^Forgets\.finish set no head: it stores the calibrated head in "
+                                              r"self\._head"):
+            fedlt.run(run(tmp_path, "forgets", method="fedavg", calibration=["forgets"]), quiet=True)
+        with pytest.raises(PluginError, match=r"^Narrow's head maps 2 features of width \d+ to \(2, 9\), not "
+                                              r"\(2, 10\)"):
+            fedlt.run(run(tmp_path, "narrow", method="fedavg", calibration=["narrow"]), quiet=True)
+    finally:
+        del CALIBRATORS["forgets"], CALIBRATORS["narrow"]
+
+
+def test_a_server_or_objective_hook_of_the_wrong_type_is_refused_in_one_line(tmp_path):
+    """A dict from fit_message, a loss function from local_objective, a repeated client from
+    select_clients, a query the client cannot answer and numpy weights in a reply failed deep in the
+    engine with a traceback; each is one PluginError naming the hook."""
+    import numpy as np
+
+    from fedlt.errors import PluginError
+    from fedlt.messages import Query, Reply
+    from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
+    from fedlt.training.sequential import ObjectiveClient
+
+    class DictMessage(FedAvgServer):
+        def fit_message(self, rnd, cid):
+            return {"weights": super().fit_message(rnd, cid).weights}
+
+    class Twice(FedAvgServer):
+        def select_clients(self, rnd, sampled):
+            return [*sampled, *sampled]
+
+    class Asks(FedAvgServer):
+        def next_query(self, stage, rnd, clients):
+            return Query("stats", {cid: Message() for cid in clients}) if stage == "after_fit" else None
+
+    class LossOnly(ObjectiveClient):
+        def local_objective(self, ctx, msg):
+            return lambda logits, y: logits.sum()
+
+    class NumpyWeights(FedAvgClient):
+        def fit(self, ctx, msg):
+            reply = super().fit(ctx, msg)
+            return Reply({k: v.numpy() for k, v in reply.weights.items()}, reply.num_samples, metrics=reply.metrics)
+
+    from fedlt.messages import Message
+
+    cases = [
+        (DictMessage, FedAvgClient, {}, r"^DictMessage\.fit_message returned dict; it returns a fedlt\.messages\.Message"),
+        (DictMessage, FedAvgClient, {"backend": "graphed"}, r"^DictMessage\.fit_message returned dict"),
+        (Twice, FedAvgClient, {}, r"^Twice\.select_clients returned \[.*\]: need distinct ids in 0\.\.3$"),
+        (Asks, FedAvgClient, {}, r"^FedAvgClient has no query 'stats'; answer it in its query\(\)"),
+        (FedAvgServer, LossOnly, {}, r"^LossOnly\.local_objective returned function; it returns a "
+                                     r"fedlt\.methods\.base\.LocalObjective"),
+        (FedAvgServer, LossOnly, {"backend": "graphed"}, r"^LossOnly\.local_objective returned function"),
+        (FedAvgServer, NumpyWeights, {}, r"^NumpyWeights\.fit replied with weight '\S+' as a ndarray; reply tensors"),
+    ]
+    try:
+        for i, (server, client, run_section, message) in enumerate(cases):
+            METHODS["slip"] = MethodSpec("slip", "breaks the contract", server, client)
+            with pytest.raises(PluginError, match=message):
+                fedlt.run(run(tmp_path, f"slip{i}", method="slip", run=run_section), quiet=True)
+    finally:
+        METHODS.pop("slip", None)
 
 
 def test_resuming_a_plug_in_run_where_the_plug_in_is_missing_says_to_install_it(tmp_path) -> None:

@@ -216,8 +216,11 @@ def models_cmd() -> None:
     """List the models, one line each (a plug-in's names its package)."""
     from fedlt.models import list_models
 
-    for name, desc in list_models():
-        typer.echo(f"{name:14s} {desc}")
+    def go() -> None:  # guarded: a broken plug-in is one line, exit 2
+        for name, desc in list_models():
+            typer.echo(f"{name:14s} {desc}")
+
+    _guard(go)
 
 
 def _distinct_names(run_dirs: List[Path]) -> List[str]:

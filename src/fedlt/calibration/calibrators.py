@@ -435,6 +435,9 @@ def calibrator_from_plugin(name: str, loaded: object) -> type[Calibrator]:
         what = f"the class {loaded.__name__}" if isinstance(loaded, type) else f"an object of type {type(loaded).__name__}"
         raise TypeError(f"loads {what}, not a subclass of fedlt.calibration.calibrators.Calibrator; "
                         "point the entry point at the calibration's class")
+    if unknown := sorted(set(loaded.needs) - set(STAT_KINDS)):
+        raise ValueError(f"loads {loaded.__name__}, whose needs name no statistic: {', '.join(unknown)}; use "
+                         f"{', '.join(STAT_KINDS)}")
     if getattr(loaded, "name", None) != name:
         raise ValueError(f"loads {loaded.__name__}, whose name is {getattr(loaded, 'name', None)!r}; set "
                          f"{loaded.__name__}.name = '{name}' or name the entry point after it")

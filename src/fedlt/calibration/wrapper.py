@@ -169,6 +169,7 @@ class CalibratedServer(Server):
             if (returned := cal.finish(self._stats, learned)) is not None:
                 raise PluginError(f"{type(cal).__name__}.finish returned {type(returned).__name__}, which is "
                                   "ignored: finish sets the calibrated head (self._head) and returns None")
+            check_head(cal, self._backbone())
         self._stats = {}
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -228,6 +229,27 @@ class CalibratedServer(Server):
         for cal, s in zip(self.calibrators, state["calibrators"]):
             cal.load_state_dict(s)
         self._stats_done = state["stats_done"]
+
+
+def check_head(cal, backbone) -> None:
+    """The head a calibration built maps the backbone's features to one logit per class."""
+    head = cal.head()
+    if head is None:
+        raise PluginError(f"{type(cal).__name__}.finish set no head: it stores the calibrated head in self._head "
+                          "(e.g. linear_head(weight, bias))")
+    x = torch.zeros(2, backbone.feature_dim, device=next(backbone.parameters()).device)
+    training = head.training
+    head.eval()  # a head with BatchNorm keeps its running statistics
+    try:
+        with torch.no_grad():
+            shape = tuple(head(x).shape)
+    except RuntimeError as err:
+        shape = f"an error ({str(err).splitlines()[0]})"
+    finally:
+        head.train(training)
+    if shape != (2, cal.num_classes):
+        raise PluginError(f"{type(cal).__name__}'s head maps 2 features of width {backbone.feature_dim} to {shape}, "
+                          f"not (2, {cal.num_classes}); build it over the model's feature (weight: classes x features)")
 
 
 def merge_client_stats(needs: list[str], replies: dict[int, Reply]) -> dict[str, Any]:

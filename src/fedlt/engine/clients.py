@@ -203,6 +203,9 @@ def check_client_hook(client: Any, hook: str, reply: Any, state: dict[str, Any],
     the first checkpoint, rounds later."""
     where = f"{type(getattr(client, 'inner', client)).__name__}.{hook}"
     check_reply(reply, where)
+    if (odd := next((k for k, v in reply.weights.items() if not isinstance(v, torch.Tensor)), None)) is not None:
+        raise PluginError(f"{where} replied with weight {odd!r} as a {type(reply.weights[odd]).__name__}; reply "
+                          "tensors, e.g. clone_state(ctx.model)")
     if hook == "fit" and reply.weights and reply.num_samples <= 0 < samples:
         raise PluginError(f"{where} replied with weights worth num_samples={reply.num_samples} from a client holding "
                           f"{samples} samples; the average ignores such replies: set Reply(num_samples=...)")

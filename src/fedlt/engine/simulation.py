@@ -36,7 +36,7 @@ from fedlt.evaluation import (
     personalized_figures, predict, shot_groups, validation_figures, validation_metrics,
 )
 from fedlt.messages import Message, Reply, describe_message
-from fedlt.methods.base import MethodSpec, ServerContext
+from fedlt.methods.base import MethodSpec, ServerContext, check_message
 from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
@@ -292,15 +292,14 @@ class Simulation:
         message to), aggregation, more queries, server steps."""
         sampled = self.server.select_clients(rnd, self.schedule[rnd - 1])
         if len(set(sampled)) != len(sampled) or not all(0 <= c < len(self.all_clients) for c in sampled):
-            raise RuntimeError(f"{type(self.server).__name__}.select_clients returned {sampled}: "
+            raise PluginError(f"{type(self.server).__name__}.select_clients returned {sampled}: "
                                f"need distinct ids in 0..{len(self.all_clients) - 1}")
         self._run_queries("before_fit", rnd, sampled)
         self._seed_global(rnd, len(STAGES))
         if self.backend in ("vectorized", "graphed"):
             replies = fit_together(self, rnd, sampled)
         else:
-            messages = ((cid, msg) for cid in sampled if (msg := self.server.fit_message(rnd, cid)) is not None)
-            replies = self._exchange("fit", rnd, messages)
+            replies = self._exchange("fit", rnd, self._fit_messages(rnd, sampled))
         if (returned := self.server.aggregate(rnd, replies)) is not None:
             raise PluginError(f"{type(self.server).__name__}.aggregate returned {type(returned).__name__}, which the "
                               "engine ignores: aggregate loads the average into self.model and returns None")
@@ -311,6 +310,14 @@ class Simulation:
         total = sum(n for _, n in losses)
         return {"train_loss": sum(l * n for l, n in losses) / total if total else None,
                 **server_metrics(self.server)}
+
+    def _fit_messages(self, rnd: int, sampled: list[int]) -> Iterator[tuple[int, Message]]:
+        """The round's fit messages, checked; a client the server sends None sits the round out."""
+        for cid in sampled:
+            msg = self.server.fit_message(rnd, cid)
+            check_message(msg, self.server)
+            if msg is not None:
+                yield cid, msg
 
     # ---- evaluation ---------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from fedlt.engine.clients import check_client_hook
 from fedlt.messages import Message, Reply
+from fedlt.methods.base import check_message, check_objective
 from fedlt.training.batched import shared_loss, train_clients
 from fedlt.training.graphed import GraphedTrainer, Job
 
@@ -38,9 +39,11 @@ def fit_together(sim: Simulation, rnd: int, sampled: list[int]) -> dict[int, Rep
         for cid in sampled:
             if (msg := sim.server.fit_message(rnd, cid)) is None:
                 continue
+            check_message(msg, sim.server)
             messages[cid] = msg
             ctx = sim._context(cid, rnd)
             objective = sim.client.local_objective(ctx, msg)
+            check_objective(objective, sim.client)
             if objective is not None and (sim.backend == "graphed" or objective.of_logits_only()):
                 contexts[cid], objectives[cid] = ctx, objective
                 start = {**sim.clients._worker_init,

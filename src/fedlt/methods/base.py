@@ -436,6 +436,21 @@ class Server:
         self.model.load_state_dict(state["model"])
 
 
+def check_objective(objective: Any, client: Any) -> None:
+    """``local_objective``'s answer is a :class:`LocalObjective` or None; anything else fails deep in training."""
+    if objective is not None and not isinstance(objective, LocalObjective):
+        where = f"{type(getattr(client, 'inner', client)).__name__}.local_objective"
+        raise PluginError(f"{where} returned {type(objective).__name__}; it returns a "
+                          "fedlt.methods.base.LocalObjective (e.g. LocalObjective(loss)) or None")
+
+
+def check_message(msg: Any, server: Any, hook: str = "fit_message") -> None:
+    """A server's message to a client is a :class:`Message` (or None: the client sits the round out)."""
+    if msg is not None and not isinstance(msg, Message):
+        where = f"{type(getattr(server, 'inner', server)).__name__}.{hook}"
+        raise PluginError(f"{where} returned {type(msg).__name__}; it returns a fedlt.messages.Message or None")
+
+
 def declares_local_objective(client_cls: type["Client"]) -> bool:
     """Whether the client class declares its own :meth:`Client.local_objective` (inheriting one is
     not enough: a subclass may have changed ``fit``)."""
@@ -466,7 +481,8 @@ class Client:
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         """Answer an extra round-trip named ``name``; subclasses dispatch on the name."""
-        raise ValueError(f"{type(self).__name__} has no query '{name}'")
+        raise PluginError(f"{type(self).__name__} has no query '{name}'; answer it in its query() or do not ask it "
+                          "in the server's next_query()")
 
     def personalize(self, ctx: ClientContext, msg: Message) -> None:
         """Load this client's personalized model into ``ctx.model`` for local-test evaluation."""

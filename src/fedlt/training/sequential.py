@@ -12,7 +12,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from fedlt.messages import Message, Reply
-from fedlt.methods.base import Client, ClientContext, GradientCorrection, LocalObjective, TrainSettings, clone_state
+from fedlt.methods.base import (Client, ClientContext, GradientCorrection, LocalObjective, TrainSettings, check_objective,
+                               clone_state)
 from fedlt.seeding import seed_for
 from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, OPTIMIZER, scope
 
@@ -136,7 +137,9 @@ class ObjectiveClient(Client):
     (:func:`fit_objective`): the one definition every backend trains, so they cannot differ."""
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
-        return fit_objective(ctx, msg, self.local_objective(ctx, msg))
+        objective = self.local_objective(ctx, msg)
+        check_objective(objective, self)
+        return fit_objective(ctx, msg, objective)
 
 
 @contextmanager
