@@ -607,7 +607,11 @@ def test_a_model_registered_in_code_is_checked_once_and_refused_where_it_cannot_
                                               r"fedlt.models entry point"):
             fedlt.run(run(tmp_path, "par", method="fedavg", model={"name": "flat"}, run={"backend": "parallel"}),
                       quiet=True)
+        MODELS["narrow"] = (lambda num_classes: flat(num_classes), "builder without the image's shape")
+        with pytest.raises(ConfigError, match=r"^model 'narrow': its builder '<lambda>' takes no in_channels, "
+                                              r"image_size; a builder takes num_classes, in_channels and image_size"):
+            fedlt.run(run(tmp_path, "narrow", method="fedavg", model={"name": "narrow"}), quiet=True)
         ok = fedlt.run(run(tmp_path, "flat", method="fedavg", model={"name": "flat"}), quiet=True)
         assert finite(ok.summary) and ok.summary["environment"]["outside_code"] == {"flat": "registered in code"}
     finally:
-        del MODELS["unflat"], MODELS["flat"]
+        del MODELS["unflat"], MODELS["flat"], MODELS["narrow"]

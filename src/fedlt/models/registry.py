@@ -176,7 +176,12 @@ def create_model(
         raise ConfigError(f"image_size must be >= {size} for model {name!r}, got {image_size}: resize the images to "
                           f"at least {size}x{size} or use a model that takes smaller ones")
     builder = MODELS[name][0]
-    options = set(inspect.signature(builder).parameters) - {"num_classes", "in_channels", "image_size"}
+    parameters = inspect.signature(builder).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if missing := [k for k in ("num_classes", "in_channels", "image_size") if k not in parameters and not takes_any]:
+        raise ConfigError(f"model {name!r}: its builder {getattr(builder, '__name__', builder)!r} takes no "
+                          f"{', '.join(missing)}; a builder takes num_classes, in_channels and image_size as keywords")
+    options = set(parameters) - {"num_classes", "in_channels", "image_size"}
     unknown = sorted(set(kwargs) - options)
     if unknown:
         accepted = ", ".join(sorted(options)) or "none"
