@@ -169,3 +169,20 @@ def test_same_code_needs_equal_source_hashes_or_one_clean_commit():
     assert same(plugin, dict(plugin)) and not same(plugin, upgraded) and not same(plugin, hashed)
     assert same(hashed, {**hashed, "outside_code": {}})  # a record without the key ran fedlt's own code
     assert environment.code_version(plugin) == "0123456789abcdef + clipavg: plug-in fedlt-example-plugin 0.1.0"
+
+
+def test_a_run_keeps_large_freed_buffers_for_reuse_on_glibc(tmp_path) -> None:
+    """An evaluation batch's ~100 MB of activations came back from the kernel as fresh pages every batch
+    (most of a small run's system time); a run raises glibc's thresholds once, where it has glibc."""
+    import ctypes
+    import platform
+
+    import fedlt
+    from fedlt import host_memory
+
+    fedlt.run({"data": {"dataset": "synthetic", "num_clients": 4}, "fl": {"rounds": 1, "participation": 0.5},
+               "run": {"out_dir": str(tmp_path), "threads": 1}}, quiet=True)
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert host_memory._kept is glibc and host_memory.keep_freed_buffers() is glibc
+    if glibc:  # the values it sets are ones glibc accepts
+        assert ctypes.CDLL(None).mallopt(-3, host_memory.MMAP_THRESHOLD) == 1

@@ -19,6 +19,7 @@ from fedlt.config import DIRICHLET_PARTITIONS, Config, FlowerConfig, LossConfig,
 from fedlt.data.federated import FederatedData, build_federated_data, check_class_order
 from fedlt.data.registry import BUILTIN_DATASETS, DATASETS
 from fedlt.errors import ConfigError
+from fedlt.host_memory import keep_freed_buffers
 from fedlt.losses import LOSSES, PRIOR_LOSSES, make_loss
 from fedlt.methods.base import Client, MethodArgs, MethodSpec, declares_local_objective
 from fedlt.methods.registry import METHODS, get_method, parse_method_args
@@ -383,6 +384,7 @@ def process_threads() -> int:
 def setup_runtime(cfg: Config) -> tuple[MethodSpec, torch.device]:
     """The checked method and the device, with torch's settings applied (no data read)."""
     spec = check_config(cfg)
+    keep_freed_buffers()
     # every run sets its settings: a run must not inherit an earlier run's in this process
     default_threads = process_threads()  # read before this run sets any
     torch.set_num_threads(cfg.run.threads or default_threads)
