@@ -216,6 +216,8 @@ def test_a_calibration_gives_a_method_without_a_global_model_one_to_measure_alon
     first, last = run.metrics
     assert "acc" not in first and "pm_acc" not in first  # before the final stage: nothing to measure yet
     assert 0 < last["acc"] <= 100 and "pm_acc" not in last and run.summary["final"]["acc"] == last["acc"]
+    assert "(the backbone with ccvr's head; the method has no global model of its own)" in (
+        run.run_dir / "report.md").read_text()  # no variant 'uncalibrated' to point to
 
 
 def test_a_client_without_data_answers_every_request(tmp_path):

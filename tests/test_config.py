@@ -598,8 +598,10 @@ def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> N
          ["secagg.threshold is not read with secagg.enabled=false",
           "flower.timeout_s is not read by engine=inprocess (Flower's settings)",
           "privacy.allow_leaks is not read unless nodes hold their own data (flower.node_data=true)"]),
-        (["engine=flower", "flower.timeout_s=5", "flower.min_nodes=3"],
-         ["flower.min_nodes is not read in a simulation (flower.node_data=false)"]),
+        (["engine=flower", "flower.timeout_s=5", "flower.min_nodes=3", "flower.connect_timeout_s=9"],
+         ["flower.min_nodes is not read in a simulation (flower.node_data=false)"]),  # it connects its nodes
+        (["secagg.enabled=false", "flower.node_data=false"], []),  # the switches are read, whatever their value
+        (["method=gbme", "method_args.prior=local", "method_args.diagnose_gpi=true", "method_args.gpi_floor=0"], []),
     ]
     for overrides, expected in cases:
         assert unread_settings(load_config(None, overrides)) == expected, overrides

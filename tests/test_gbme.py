@@ -270,6 +270,9 @@ def test_gbme_p_records_the_epsilon_its_sigma_achieves(tmp_path):
     assert replace_one["dp_sensitivity"] == 2.0 and replace_one["dp_sigma"] == analytic_sigma(10, 0.03, 2.0)
     assert replace_one["dp_epsilon_achieved"] == pytest.approx(10.0, rel=1e-9)
     assert "dp_theorem_applies" not in replace_one  # Theorem 2 is not what calibrated it
+    # no client computes an LPI (its own prior, random groups): no noise is added, so no privacy figure
+    no_lpi = run(prior="local", grouping="random")
+    assert not any(key.startswith("dp_") for key in no_lpi)
 
 
 def test_config_errors():

@@ -489,8 +489,9 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"| best round (by {b['selected_by']}) | {b['round']} | {percent_cells(b, headline)} |",
         "",
         "GM: global model on the balanced test set"
-        + (f" (the backbone with {calibrated[0]}'s head; the model before it is the variant 'uncalibrated')"
-           if calibrated else "")
+        + (f" (the backbone with {calibrated[0]}'s head"
+           + ("; the model before it is the variant 'uncalibrated')" if "uncalibrated" in (f.get("variants") or {})
+              else "; the method has no global model of its own)") if calibrated else "")
         + ". PM: mean over clients of accuracy on local test sets "
         + ("(each site's own test/ folder)." if cfg.flower.node_data else
            "drawn from the test set in each client's training proportions.")

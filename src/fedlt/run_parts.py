@@ -244,12 +244,14 @@ def _unread_sections(cfg: Config) -> list[tuple[str, tuple[str, ...], str]]:
         unread.append(("run", ("workers",), f"with run.backend={backend} (it sizes run.backend=parallel's pool)"))
     if backend in ("sequential", "vectorized", "parallel"):
         unread.append(("run", ("streams",), f"with run.backend={backend} (it sizes run.backend=graphed's streams)"))
-    if not cfg.secagg.enabled:
-        unread.append(("secagg", tuple(SecAggConfig.model_fields), "with secagg.enabled=false"))
-    if cfg.engine == "inprocess":
-        unread.append(("flower", tuple(FlowerConfig.model_fields), "by engine=inprocess (Flower's settings)"))
+    if not cfg.secagg.enabled and not cfg.flower.node_data:  # nodes holding their data sum securely anyway
+        unread.append(("secagg", tuple(k for k in SecAggConfig.model_fields if k != "enabled"),
+                       "with secagg.enabled=false"))
+    if cfg.engine == "inprocess":  # flower.node_data itself is checked (refused in-process)
+        unread.append(("flower", tuple(k for k in FlowerConfig.model_fields if k != "node_data"),
+                       "by engine=inprocess (Flower's settings)"))
     elif not cfg.flower.node_data:
-        unread.append(("flower", ("connect_timeout_s", "min_nodes"), "in a simulation (flower.node_data=false)"))
+        unread.append(("flower", ("min_nodes",), "in a simulation (flower.node_data=false)"))
     if cfg.engine == "inprocess" or not cfg.flower.node_data:
         unread.append(("privacy", tuple(PrivacyConfig.model_fields), "unless nodes hold their own data "
                        "(flower.node_data=true)"))

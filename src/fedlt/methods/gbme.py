@@ -240,7 +240,7 @@ class GBMEArgs(MethodArgs):
                            f"with prior={self.prior} and no GPI grouping (no client computes an LPI)"))
         elif self.dp_epsilon is None:
             unread.append((dp, "without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)"))
-        if self.prior != "gpi":
+        if self.prior != "gpi" and not self.diagnoses():  # the diagnosis measures the floored GPI prior
             unread.append((("gpi_floor",), f"with prior={self.prior} (it floors the GPI prior)"))
         return unread
 
@@ -729,7 +729,7 @@ class GBMEServer(Server):
     def metrics(self) -> dict[str, float]:
         out = dict(self._round_metrics)
         a = self.args
-        if a.dp_epsilon is not None:
+        if a.dp_epsilon is not None and a.needs_lpi():  # without an LPI no noise is added, so no privacy figure
             sigma = a.dp_sigma()
             out.update({
                 "dp_epsilon": a.dp_epsilon, "dp_delta": a.dp_delta, "dp_sensitivity": a.dp_sensitivity(),
