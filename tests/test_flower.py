@@ -402,6 +402,18 @@ def test_the_deploy_relays_the_run_log_in_its_order_without_colour_unless_to_a_t
     terminal = Terminal()
     show_progress(GrowingFile(log), terminal)
     assert "\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process" in terminal.getvalue().splitlines()
+    # a failed ServerApp's traceback, split across two reads: its frames stay in the file, its exception is relayed
+    failed, out = tmp_path / "failed.log", io.StringIO()
+    failed.write_text("ERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n"
+                      '  File "x.py", line 1, in main\n')
+    relay = GrowingFile(failed)
+    show_progress(relay, out)
+    with failed.open("a") as more:
+        more.write("    run()\nfedlt.errors.FedltError: round 3 (fit): 0 of 1 clients answered\nERROR :     Exit Code: 201\n")
+    show_progress(relay, out)
+    assert out.getvalue().splitlines() == ["ERROR :     ServerApp raised an exception", f"(a traceback, in {failed})",
+                                           "fedlt.errors.FedltError: round 3 (fit): 0 of 1 clients answered",
+                                           "ERROR :     Exit Code: 201"]
 
 
 def wait_for(condition, seconds: float, what: str) -> None:

@@ -415,11 +415,19 @@ def say(line: str) -> None:
 def show_progress(log: "GrowingFile", stream=None) -> None:
     """Relay the run's log (``flwr run --stream``: Flower's lines and the ServerApp's) as it grows, in
     its own order, on one stream (stderr): colour codes removed unless that stream is a terminal,
-    Flower's empty spacer lines dropped, the result line kept for stdout at the end."""
+    Flower's empty spacer lines dropped, a Python traceback's frames left to the log file (its last
+    line, the exception, is relayed; the run's own error line follows), the result line kept for stdout."""
     stream = stream if stream is not None else sys.stderr
     colour = stream.isatty()
     for line in log.new_lines():
         plain = _COLOUR.sub("", line)
+        if plain.startswith("Traceback (most recent call last):"):
+            log.in_traceback = True
+            print(f"(a traceback, in {log.path})", file=stream, flush=True)
+            continue
+        if log.in_traceback and plain[:1].isspace():  # a frame
+            continue
+        log.in_traceback = False
         if not plain.strip() or _EMPTY.fullmatch(plain.strip()) or is_result(plain):
             continue
         print(line if colour else plain, file=stream, flush=True)
@@ -430,6 +438,7 @@ class GrowingFile:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.rest = path, 0, b""
+        self.in_traceback = False  # the relay's place: inside a traceback's frames, which it leaves out
 
     def new_lines(self) -> list[str]:
         try:
