@@ -399,6 +399,17 @@ def test_the_deploy_relays_the_run_log_in_its_order_without_colour_unless_to_a_t
         def isatty(self):
             return True
 
+    # a benchmark's relay: fedlt's lines and Flower's warnings, not Flower's routine lines
+    chatty = tmp_path / "chatty.log"
+    chatty.write_text("Using SuperLink: deploy (127.0.0.1:9093)\nSuccessfully installed fedlt to /x/apps/fedlt.\n"
+                      + "\n".join(lines) + "\n\x1b[93mWARNING \x1b[0m:   node 3 is slow\n")
+    quiet = io.StringIO()
+    show_progress(GrowingFile(chatty), quiet, flower_lines=False)
+    assert quiet.getvalue().splitlines() == ["fedlt: 2/2 SuperNodes connected (client-0, client-1)",
+                                             "[fedavg/ce sequential] round 1/2 | acc 10.00",
+                                             "[fedavg/ce sequential] round 2/2 | acc 12.00",
+                                             "WARNING :   node 3 is slow"]
+
     terminal = Terminal()
     show_progress(GrowingFile(log), terminal)
     assert "\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process" in terminal.getvalue().splitlines()

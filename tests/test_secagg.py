@@ -269,8 +269,12 @@ def test_engines_benchmark_reports_the_cost_of_secure_aggregation(tmp_path, monk
     from fedlt.errors import ConfigError, FedltError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs' scratch folder goes here
+    progress = []
     text = run_engine_bench("configs/synthetic_smoke.yaml", ["fl.rounds=1", "data.num_clients=4", "run.threads=1"],
-                            engines=("inprocess",), secagg=True)
+                            engines=("inprocess",), secagg=True, echo=progress.append)
+    assert [line.split(" done in ")[0] for line in progress] == [
+        "fedlt bench engines: inprocess, 1 round(s) ...", "fedlt bench engines: inprocess",
+        "fedlt bench engines: inprocess + secagg, 1 round(s) ...", "fedlt bench engines: inprocess + secagg"]
     with pytest.raises(ConfigError, match="fl.rounds"):
         run_engine_bench("configs/synthetic_smoke.yaml", ["fl.rounds=abc"], engines=("inprocess",))
     with pytest.raises(FedltError, match="data.num_clients"):  # fails inside the first run

@@ -473,7 +473,8 @@ def bench_engines_cmd(
         if unknown or not chosen:
             raise ConfigError(f"unknown engine '{unknown[0] if unknown else engines}' in --engines; use a comma-separated "
                               f"list of {', '.join(ENGINES)}")
-        text = run_engine_bench(args[0], args[1:], nodes=nodes, engines=chosen, secagg=secagg)
+        text = run_engine_bench(args[0], args[1:], nodes=nodes, engines=chosen, secagg=secagg,
+                                echo=lambda line: typer.echo(line, err=True))
         _print_and_save(text, out)
 
     _guard(go)

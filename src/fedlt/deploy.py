@@ -352,10 +352,11 @@ class Federation:
             lost.write(self.names[i] + "\n")
         self.stop(node)
 
-    def run(self, config: Path, overrides: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, config: Path, overrides: list[str], timeout: float, flower_lines: bool = True) -> subprocess.CompletedProcess:
         """``flwr run`` the fedlt app with ``config`` + ``overrides`` (``--stream``) and wait, watching
         the federation; a run that did not finish raises a FedltError naming the cause (a
-        ConfigError for a config the ServerApp refused)."""
+        ConfigError for a config the ServerApp refused). ``flower_lines=False`` relays fedlt's lines
+        only (a benchmark's progress), leaving Flower's in the log file."""
         outcome, stop_reason = Path(self.env[OUTCOME_ENV]), Path(self.env[STOP_REASON_ENV])
         outcome.unlink(missing_ok=True)
         stop_reason.unlink(missing_ok=True)
@@ -367,13 +368,13 @@ class Federation:
         log = GrowingFile(self.workdir / "flwr-run.log")
         try:
             while flwr.poll() is None and self.superlink.poll() is None and time.monotonic() < deadline:
-                show_progress(log)  # the ServerApp's, as the run goes
+                show_progress(log, flower_lines=flower_lines)  # the ServerApp's, as the run goes
                 self.track()
                 for i, (node, worker) in enumerate(zip(self.nodes, self.workers)):  # they go together
                     if (node.poll() is not None or worker.poll() is not None) and _members(self.groups[node.pid]):
                         self.node_exited(i)
                 time.sleep(0.5)
-            show_progress(log)  # what came during the last wait
+            show_progress(log, flower_lines=flower_lines)  # what came during the last wait
             if self.superlink.poll() is not None:  # give the ServerApp time to write its summary
                 end = time.monotonic() + 10
                 while not outcome.is_file() and time.monotonic() < end:
@@ -403,6 +404,10 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _EMPTY = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*$")
 
 
+#: Flower's own routine lines: its DEBUG/INFO log lines and ``flwr run``'s start-up line
+_FLOWER_CHATTER = re.compile(r"(DEBUG|INFO)\s*:|Successfully (started|built|installed) |Using SuperLink: ")
+
+
 def is_result(line: str) -> bool:
     return _RESULT.match(_COLOUR.sub("", line)) is not None
 
@@ -412,11 +417,12 @@ def say(line: str) -> None:
     print(f"fedlt deploy: {line}", file=sys.stderr, flush=True)
 
 
-def show_progress(log: "GrowingFile", stream=None) -> None:
+def show_progress(log: "GrowingFile", stream=None, flower_lines: bool = True) -> None:
     """Relay the run's log (``flwr run --stream``: Flower's lines and the ServerApp's) as it grows, in
     its own order, on one stream (stderr): colour codes removed unless that stream is a terminal,
     Flower's empty spacer lines dropped, a Python traceback's frames left to the log file (its last
-    line, the exception, is relayed; the run's own error line follows), the result line kept for stdout."""
+    line, the exception, is relayed; the run's own error line follows), the result line kept for stdout.
+    ``flower_lines=False`` drops Flower's DEBUG/INFO lines and its start-up line too."""
     stream = stream if stream is not None else sys.stderr
     colour = stream.isatty()
     for line in log.new_lines():
@@ -429,6 +435,8 @@ def show_progress(log: "GrowingFile", stream=None) -> None:
             continue
         log.in_traceback = False
         if not plain.strip() or _EMPTY.fullmatch(plain.strip()) or is_result(plain):
+            continue
+        if not flower_lines and _FLOWER_CHATTER.match(plain):
             continue
         print(line if colour else plain, file=stream, flush=True)
 

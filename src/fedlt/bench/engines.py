@@ -67,10 +67,11 @@ def _keep_logs(work: Path, err: FedltError) -> FedltError:
 
 
 def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None,
-                     engines: tuple[str, ...] = ENGINES[:3], secagg: bool = False) -> str:
+                     engines: tuple[str, ...] = ENGINES[:3], secagg: bool = False, echo=lambda line: None) -> str:
     """Run ``engines`` on ``config`` + ``overrides`` (one metrics line per round), each also with
     ``secagg.enabled=true`` if ``secagg``, and return a Markdown report. ``nodes``: the SuperNodes
-    of ``deployment`` (default 3); the node-data engines start one per client."""
+    of ``deployment`` (default 3); the node-data engines start one per client. ``echo`` gets a
+    progress line as each engine starts and ends; a deployment's rounds are relayed as they come."""
     import fedlt
     from fedlt.deploy import local_federation, node_data_sites, plan_deployment
 
@@ -100,6 +101,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
                 name = f"{engine}{suffix}".replace(" + ", "-")
                 given = [*base, *extra, f"run.name={name}"]
                 scratch = work / f"federation-{name}"
+                echo(f"fedlt bench engines: {engine}{suffix}, {cfg.fl.rounds} round(s) ...")
                 t0 = time.perf_counter()
                 try:
                     if engine == "plain-flower":
@@ -110,15 +112,16 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
                         label = f"plain Flower FedAvg ({len(fed.nodes)} SuperNodes, own folders)"
                         results[label] = (got["round_s"], got["acc"], sum(got["up_bytes"]) / len(got["up_bytes"]),
                                           time.perf_counter() - t0)
+                        echo(f"fedlt bench engines: {engine} done in {results[label][-1]:.1f} s")
                         continue
                     if engine == "deployment":
                         with local_federation(scratch, nodes) as fed:
-                            fed.run(Path(config), given, timeout=3600)
+                            fed.run(Path(config), given, timeout=3600, flower_lines=False)
                         label = f"deployment ({nodes} SuperNodes, loopback){suffix}"
                     elif engine == "node-data":
                         plan = plan_deployment(str(federation), given, node_data=site_data, server_test=server_test)
                         with local_federation(scratch, sites=plan.sites) as fed:
-                            fed.run(plan.config, plan.overrides, timeout=3600)
+                            fed.run(plan.config, plan.overrides, timeout=3600, flower_lines=False)
                         label = f"fedlt node-data ({len(plan.sites)} SuperNodes, own folders){suffix}"
                     else:
                         fedlt.run(config, overrides=[*given, f"engine={engine}"], quiet=True)
@@ -128,6 +131,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
                         raise _keep_logs(work, err) from err
                     raise
                 results[label] = (*_run_record(work / name), time.perf_counter() - t0)
+                echo(f"fedlt bench engines: {engine}{suffix} done in {results[label][-1]:.1f} s")
     lines = [
         f"Config: `{config}` {' '.join(overrides)} ({cfg.data.num_clients} clients, "
         f"{cfg.clients_per_round()} per round, {cfg.fl.rounds} rounds, method {cfg.method}); "
