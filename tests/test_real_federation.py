@@ -36,6 +36,7 @@ class NodeGrid:
         self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
         self.sends = 0
         self.kinds: list[str] = []
+        self.waiting: dict[str, object] = {}  # message id -> its reply, until pulled
 
     def get_node_ids(self):
         if self.sends > 2:  # late nodes show up once the run is under way
@@ -53,6 +54,15 @@ class NodeGrid:
             self.kinds.append(decode_meta(m.content)["kind"])
             out.append(handle(m, self.contexts[m.metadata.dst_node_id]))
         return out
+
+    def push_messages(self, messages):
+        """As Flower's grid: the replies wait to be pulled (the late nodes' hellos go this way)."""
+        replies = self.send_and_receive(messages, timeout=0)
+        self.waiting.update((r.metadata.reply_to_message_id, r) for r in replies)
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids):
+        return [self.waiting.pop(i) for i in list(message_ids) if i in self.waiting]
 
 
 @pytest.fixture
@@ -395,12 +405,23 @@ def test_two_nodes_of_one_name_stop_the_run_before_it_starts(tmp_path, exported,
     assert not (tmp_path / "runs" / "twins").exists()
 
 
-def test_a_late_node_takes_no_part(tmp_path, exported, server_identity, capsys):
+def test_a_late_node_takes_no_part_and_is_named_by_its_site(tmp_path, exported, server_identity, capsys):
+    """An operator knows sites, not Flower's ids; a late node of a known site's name is that site's
+    SuperNode started again, which does not rejoin."""
     nodes = nodes_of(exported)
-    grid = NodeGrid(nodes, late={"zz-late": nodes["client-0"]})
+    grid = NodeGrid(nodes, late={"zz-late": nodes["client-0"], "client-1": nodes["client-1"]})
     run = node_run(node_tree(tmp_path, "late", exported, eval={"test_data": str(exported / "server" / "test")}), grid)
     assert run.summary["nodes"] == sorted(nodes)
-    assert "joined after the federation was formed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    known = next(node for node, ctx in grid.contexts.items() if ctx.node_config["name"] == "client-1" and node < 300)
+    for node in (300, 301):
+        assert err.count(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in "
+                         "this run") == 1
+    assert err.count("fedlt: the late SuperNode 300 serves site 'client-1', which this run knows as SuperNode "
+                     f"{known}: a SuperNode started again does not rejoin a running run, so client-1's clients stay "
+                     "out of it\n") == 1
+    assert err.count("fedlt: the late SuperNode 301 serves site 'zz-late'\n") == 1
+    assert grid.waiting == {}  # each hello was answered and read once
     report = (run.run_dir / "report.md").read_text()  # the sites' data, not a partition the server never drew
     assert "\n3 sites holding their own data (flower.node_data), participation 1" in report
     assert "(each site's own test/ folder)" in report and "alpha=" not in report

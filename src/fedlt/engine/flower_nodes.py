@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import Message as FlowerMessage
 
 from fedlt.config import Config, build_config
 from fedlt.data.dataset import ImageDataset
@@ -30,7 +31,7 @@ from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
 from fedlt.engine.flower_app import HELLO, FlowerSimulation, log
-from fedlt.engine.flower_codec import decode_meta
+from fedlt.engine.flower_codec import decode_meta, encode_message
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSum
@@ -124,6 +125,8 @@ class NodeDataSimulation(FlowerSimulation):
         self.nodes = dict(enumerate(names))
         self.node_names = dict(found)
         self._told_late: set[int] = set()
+        #: a late node's hello message id -> that node, until its name comes back
+        self._asked_late: dict[str, int] = {}
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
         engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum", EVALUATE: "sum"}
@@ -178,11 +181,33 @@ class NodeDataSimulation(FlowerSimulation):
         """Done when the run was built: the clients are the nodes that answered then."""
 
     def _deliver(self, kind, rnd, messages):
-        late = set(self.grid.get_node_ids()) - set(self.nodes.values()) - self._told_late
-        for node in sorted(late):
-            log(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in this run")
-        self._told_late |= late
+        self._name_late_nodes()
         yield from super()._deliver(kind, rnd, messages)
+
+    def _name_late_nodes(self) -> None:
+        """Tell of nodes that joined mid-run, which take no part in it, and ask each for its site's name
+        without waiting (the answer is told in a later phase): an operator knows sites, not Flower's ids,
+        and a late node is most often a site's SuperNode started again after it failed."""
+        late = sorted(set(self.grid.get_node_ids()) - set(self.nodes.values()) - self._told_late)
+        for node in late:
+            log(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in this run")
+        self._told_late.update(late)
+        if late:
+            hello = [FlowerMessage(encode_message(Message(), {"kind": HELLO, "cid": -1, "round": 0,
+                                                               "config": self._config_json}),
+                                   dst_node_id=node, message_type="query") for node in late]
+            self._asked_late.update(zip(self.grid.push_messages(hello), late))
+        if not self._asked_late:
+            return
+        for reply in self.grid.pull_messages(list(self._asked_late)):
+            node = self._asked_late.pop(reply.metadata.reply_to_message_id, None)
+            name = None if node is None or reply.has_error() else decode_meta(reply.content).get("name")
+            if name is None:
+                continue
+            known = [n for n, site in self.node_names.items() if site == name and n != node]
+            log(f"fedlt: the late SuperNode {node} serves site {name!r}" + (
+                f", which this run knows as SuperNode {known[0]}: a SuperNode started again does not rejoin a "
+                f"running run, so {name}'s clients stay out of it" if known else ""))
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
