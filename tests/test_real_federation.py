@@ -19,13 +19,17 @@ import fedlt  # noqa: E402
 from fedlt.config import build_config  # noqa: E402
 from fedlt.data.export import export_federation  # noqa: E402
 from fedlt.errors import ConfigError, FedltError  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 
 
 class NodeGrid:
     """A Flower Grid in this process whose nodes each hold one folder (``data=PATH name=SITE``)
     and answer through fedlt's real ClientApp handler."""
 
-    def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None):
+    def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None,
+                 restart: tuple[str, int] | None = None):
+        """``restart=(SITE, N)``: after the N-th send SITE's node leaves and a fresh node of that site (new
+        id 400, no state) joins, as a SuperNode killed and started again."""
         from flwr.app import Context, RecordDict
 
         def context(i: int, name: str, folder: Path):
@@ -34,13 +38,20 @@ class NodeGrid:
 
         self.contexts = {200 + i: context(i, n, f) for i, (n, f) in enumerate(sorted(folders.items()))}
         self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
-        self.sends = 0
+        self.sends, self.restart = 0, restart
+        self.targets: list[set[int]] = []  # the nodes of each send
+        self.sent_kinds: list[str] = []  # the kind of each send
         self.kinds: list[str] = []
         self.waiting: dict[str, object] = {}  # message id -> its reply, until pulled
 
     def get_node_ids(self):
         if self.sends > 2:  # late nodes show up once the run is under way
             self.contexts.update(self.late)
+        if self.restart and self.sends >= self.restart[1] and 400 not in self.contexts:
+            old = next(n for n, ctx in self.contexts.items() if ctx.node_config["name"] == self.restart[0])
+            fresh = self.contexts.pop(old)
+            self.contexts[400] = Context(run_id=1, node_id=400, state=RecordDict(), run_config={},
+                                         node_config=dict(fresh.node_config))
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout):
@@ -48,6 +59,8 @@ class NodeGrid:
         from fedlt.engine.flower_codec import decode_meta
 
         self.sends += 1
+        self.targets.append({m.metadata.dst_node_id for m in messages})
+        self.sent_kinds.append(decode_meta(messages[0].content)["kind"] if messages else "")
         out = []
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id
@@ -415,13 +428,37 @@ def test_a_late_node_takes_no_part_and_is_named_by_its_site(tmp_path, exported, 
     err = capsys.readouterr().err
     known = next(node for node, ctx in grid.contexts.items() if ctx.node_config["name"] == "client-1" and node < 300)
     for node in (300, 301):
-        assert err.count(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in "
-                         "this run") == 1
-    assert err.count("fedlt: the late SuperNode 300 serves site 'client-1', which this run knows as SuperNode "
-                     f"{known}: a SuperNode started again does not rejoin a running run, so client-1's clients stay "
-                     "out of it\n") == 1
-    assert err.count("fedlt: the late SuperNode 301 serves site 'zz-late'\n") == 1
+        assert err.count(f"fedlt: SuperNode {node} joined after the federation was formed; asking which site it "
+                         "serves") == 1
+    assert err.count(f"fedlt: the late SuperNode 300 serves site 'client-1', which SuperNode {known} still serves; "
+                     "it stands by until that node is gone\n") == 1
+    assert err.count("fedlt: the late SuperNode 301 serves site 'zz-late', not one of this run's; it takes no "
+                     "part\n") == 1
     assert grid.waiting == {}  # each hello was answered and read once
+    assert all(kind == "hello" for kind, targets in zip(grid.sent_kinds, grid.targets) if targets & {300, 301})
+
+
+@pytest.mark.parametrize(("method", "rejoins"), [("fedavg", True), ("ditto", False)])
+def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_state(
+        tmp_path, exported, server_identity, capsys, method, rejoins):
+    """A killed SuperNode started again is a new node to Flower: a stateless client's site takes part again;
+    one whose client kept state there (Ditto's personal model) stays out rather than train without it."""
+    grid = NodeGrid(nodes_of(exported), restart=("client-1", 6))
+    run = node_run(node_tree(tmp_path, method, exported, method=method, fl={"rounds": 3}, loss={"name": "ce"},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    old = next(n for n, targets in enumerate(grid.targets) if 400 in targets)
+    err = capsys.readouterr().err
+    assert err.count("fedlt: SuperNode 400 joined after the federation was formed; asking which site it serves") == 1
+    assert 201 not in set().union(*grid.targets[old:])
+    if rejoins:
+        assert err.count("fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201); its client takes "
+                         "part again from this exchange") == 1
+        assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
+    else:
+        assert err.count("fedlt: site 'client-1' is back as SuperNode 400, but its client's state between rounds "
+                         "(kept by ditto) was on SuperNode 201, which is gone; the site stays out of this run") == 1
+        assert all(kind == "hello" for kind, targets in zip(grid.sent_kinds, grid.targets) if 400 in targets)
     report = (run.run_dir / "report.md").read_text()  # the sites' data, not a partition the server never drew
     assert "\n3 sites holding their own data (flower.node_data), participation 1" in report
     assert "(each site's own test/ folder)" in report and "alpha=" not in report

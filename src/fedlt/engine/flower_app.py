@@ -99,13 +99,14 @@ REPLY_POLL_S = 0.1
 GONE_POLL_S = 1.0
 
 
-def lost_sites() -> set[str]:
-    """The sites whose SuperNode process :mod:`fedlt.deploy` saw exit (``$FEDLT_LOST_NODES_FILE``)."""
+def lost_sites() -> list[str]:
+    """The sites whose SuperNode process :mod:`fedlt.deploy` saw exit (``$FEDLT_LOST_NODES_FILE``), once
+    per exit: a site whose SuperNode was started again and rejoined can be listed a second time."""
     path = os.environ.get(LOST_NODES_ENV)
     try:
-        return set(Path(path).read_text().split("\n")) - {""} if path else set()
+        return [line for line in Path(path).read_text().split("\n") if line] if path else []
     except OSError:  # none lost yet
-        return set()
+        return []
 
 
 def poll_replies(grid: Grid, messages: list[FlowerMessage], timeout: float,
@@ -202,7 +203,8 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
         put_tree(context.state, prefix, state, where=f"client {cid}'s ctx.state")
     else:
         drop_tree(context.state, prefix)
-    return FlowerMessage(encode_message(reply, {"cid": cid}), reply_to=message)
+    # whether the client keeps state on this node: a site whose SuperNode is started again rejoins only without
+    return FlowerMessage(encode_message(reply, {"cid": cid, "kept_state": bool(state)}), reply_to=message)
 
 
 # ---- server side ----------------------------------------------------------------------------
@@ -224,6 +226,10 @@ class FlowerSimulation(Simulation):
         self.node_names: dict[int, str] = {}  # node id -> its site (partition-I, or the node's name)
         self.exited: set[int] = set()  # nodes whose process fedlt.deploy saw exit: sent nothing more
         self.gone: dict[int, str] = {}  # node id -> why it is gone, as last looked at
+        #: node id -> how often its site was listed lost before it joined (a site's SuperNode started again)
+        self.lost_before: dict[int, int] = {}
+        #: client id -> whether its last reply said it keeps state between rounds on its node
+        self.kept_state: dict[int, bool] = {}
         self.round_started = 0
         self.aborted = False
         super().__init__(cfg, spec, data, device)
@@ -275,7 +281,8 @@ class FlowerSimulation(Simulation):
         """The run's nodes known to be gone while replies are awaited: those whose process fedlt.deploy
         saw exit (at once, not when Flower's heartbeat expires) and those the SuperLink no longer lists."""
         exited = lost_sites()
-        self.exited |= {node for node, name in self.node_names.items() if name in exited}
+        self.exited |= {node for node, name in self.node_names.items()
+                        if exited.count(name) > self.lost_before.get(node, 0)}
         unlisted = set(self.nodes.values()) - set(self.grid.get_node_ids()) if self.nodes else set()
         self.gone = {**dict.fromkeys(unlisted, LEFT), **dict.fromkeys(self.exited, EXITED)}
         return set(self.gone)
@@ -325,7 +332,9 @@ class FlowerSimulation(Simulation):
                 for cid, _ in items if self.nodes[cid] not in alive}
         replies, gone = self._send(kind, targets) if targets else ([], {})
         lost.update(gone)
-        got = {decode_meta(r.content)["cid"]: r for r in replies}
+        metas = [decode_meta(r.content) for r in replies]
+        got = {meta["cid"]: r for meta, r in zip(metas, replies)}
+        self.kept_state.update((meta["cid"], bool(meta.get("kept_state"))) for meta in metas)
         silent = [cid for cid, _ in items if cid not in got and cid not in lost]
         for cause, clients in ((NODE_LOST, sorted(lost)), (TIMEOUT, silent)):
             if clients:

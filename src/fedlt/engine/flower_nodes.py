@@ -30,7 +30,7 @@ from fedlt.data.declaration import declared_dataset
 from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
-from fedlt.engine.flower_app import HELLO, FlowerSimulation, log
+from fedlt.engine.flower_app import HELLO, FlowerSimulation, log, lost_sites
 from fedlt.engine.flower_codec import decode_meta, encode_message
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
@@ -127,6 +127,9 @@ class NodeDataSimulation(FlowerSimulation):
         self._told_late: set[int] = set()
         #: a late node's hello message id -> that node, until its name comes back
         self._asked_late: dict[str, int] = {}
+        #: late node -> the run's site it serves, until that site's old node is gone
+        self._standby: dict[int, str] = {}
+        self._told_late_standby: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
         engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum", EVALUATE: "sum"}
@@ -185,29 +188,54 @@ class NodeDataSimulation(FlowerSimulation):
         yield from super()._deliver(kind, rnd, messages)
 
     def _name_late_nodes(self) -> None:
-        """Tell of nodes that joined mid-run, which take no part in it, and ask each for its site's name
-        without waiting (the answer is told in a later phase): an operator knows sites, not Flower's ids,
-        and a late node is most often a site's SuperNode started again after it failed."""
+        """Tell of nodes that joined mid-run and ask each for its site's name without waiting (the answer
+        comes in a later phase): an operator knows sites, not Flower's ids. A late node is most often a
+        site's SuperNode started again after it failed; it rejoins in the site's place when the old node is
+        gone and the site's client kept no state there (a personalized model, control variates), which the
+        new node would lack. Any other late node takes no part in the run."""
         late = sorted(set(self.grid.get_node_ids()) - set(self.nodes.values()) - self._told_late)
         for node in late:
-            log(f"fedlt: SuperNode {node} joined after the federation was formed; it takes no part in this run")
+            log(f"fedlt: SuperNode {node} joined after the federation was formed; asking which site it serves")
         self._told_late.update(late)
         if late:
             hello = [FlowerMessage(encode_message(Message(), {"kind": HELLO, "cid": -1, "round": 0,
                                                                "config": self._config_json}),
                                    dst_node_id=node, message_type="query") for node in late]
             self._asked_late.update(zip(self.grid.push_messages(hello), late))
-        if not self._asked_late:
-            return
-        for reply in self.grid.pull_messages(list(self._asked_late)):
+        for reply in self.grid.pull_messages(list(self._asked_late)) if self._asked_late else []:
             node = self._asked_late.pop(reply.metadata.reply_to_message_id, None)
             name = None if node is None or reply.has_error() else decode_meta(reply.content).get("name")
-            if name is None:
-                continue
-            known = [n for n, site in self.node_names.items() if site == name and n != node]
-            log(f"fedlt: the late SuperNode {node} serves site {name!r}" + (
-                f", which this run knows as SuperNode {known[0]}: a SuperNode started again does not rejoin a "
-                f"running run, so {name}'s clients stay out of it" if known else ""))
+            if name is not None:
+                self._standby[node] = name
+        for node, name in list(self._standby.items()):
+            if self._rejoin(node, name):
+                del self._standby[node]
+
+    def _rejoin(self, node: int, name: str) -> bool:
+        """Whether the late ``node`` of site ``name`` is settled: rejoined, or out of the run for good.
+        While the site's old node is still listed (Flower's heartbeat keeps a killed SuperNode up to 60 s),
+        it waits."""
+        if name not in self.client_names:
+            log(f"fedlt: the late SuperNode {node} serves site {name!r}, not one of this run's; it takes no part")
+            return True
+        cid = self.client_names.index(name)
+        old = self.nodes[cid]
+        if old not in self._gone_nodes():
+            if node not in self._told_late_standby:
+                self._told_late_standby.add(node)
+                log(f"fedlt: the late SuperNode {node} serves site {name!r}, which SuperNode {old} still serves; it "
+                    "stands by until that node is gone")
+            return False
+        if self.kept_state.get(cid, False):
+            log(f"fedlt: site {name!r} is back as SuperNode {node}, but its client's state between rounds (kept "
+                f"by {self.cfg.method}) was on SuperNode {old}, which is gone; the site stays out of this run")
+            return True
+        self.nodes[cid] = node
+        self.node_names[node] = name
+        self.lost_before[node] = lost_sites().count(name)
+        log(f"fedlt: site {name!r} rejoined as SuperNode {node} (it was SuperNode {old}); its client takes part "
+            "again from this exchange")
+        return True
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
