@@ -20,7 +20,7 @@ from PIL import Image
 
 from fedlt.config import DataConfig
 from fedlt.data.federated import build_federated_data
-from fedlt.data.registry import DATASETS, list_datasets, load_dataset
+from fedlt.data.registry import DATASETS, has_own_validation, list_datasets, load_dataset
 from fedlt.data.sources import cinic, common, idx, listfile
 from fedlt.data.sources.synthetic import make_synthetic
 from fedlt.errors import ConfigError, DataError
@@ -461,6 +461,40 @@ def test_cinic_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         assert np.array_equal(pair.test.images[2 * k : 2 * k + 2].numpy(), expected)
     with_valid = cinic.load_cinic10(tmp_path, include_valid=True)
     assert len(with_valid.train) == 40 and len(with_valid.test) == 20
+
+
+def test_cinic_valid_folder_is_its_own_validation_split(tmp_path: Path) -> None:
+    """CINIC-10 ships train/, valid/ and test/: valid/ is the dataset's own validation split, labelled by
+    the same class folders, never mixed into the training or test split."""
+    pixels = write_cinic(tmp_path)
+    red = np.zeros((32, 32, 3), dtype=np.uint8)
+    red[3, 29, 0] = 255  # a mark at (row 3, column 29) of the red channel
+    Image.fromarray(red).save(tmp_path / "valid" / "truck" / "valid-truck-c.PNG")
+    assert has_own_validation("cinic10", str(tmp_path))
+    pair = load_dataset("cinic10", root=str(tmp_path), with_val=True)
+    assert pair.val.classes == CINIC_CLASSES and len(pair.val) == 21 and len(pair.train) == 20
+    assert pair.val.labels.tolist() == [k for k in range(10) for _ in range(2)] + [9]
+    for k, name in enumerate(CINIC_CLASSES):
+        expected = pixels[("valid", name)].transpose(0, 3, 1, 2)
+        assert np.array_equal(pair.val.images[2 * k : 2 * k + 2].numpy(), expected)
+    assert pair.val.images[20, 0, 3, 29].item() == 255 and pair.val.images[20].sum().item() == 255
+    cfg = DataConfig(dataset="cinic10", root=str(tmp_path), imbalance_factor=1, num_clients=2, val_per_class=1)
+    assert build_federated_data(cfg, seed=0).val_source == "dataset"  # auto takes it
+
+    for png in (tmp_path / "valid" / "ship").iterdir():
+        png.unlink()
+    assert f"{tmp_path / 'valid' / 'ship'} holds no .png files" in error_of("cinic10", tmp_path, with_val=True)
+    (tmp_path / "valid" / "ship").rmdir()
+    message = error_of("cinic10", tmp_path, with_val=True)
+    assert f"class folders of {tmp_path / 'valid'} (airplane, automobile, bird, cat, deer, dog, frog, horse, " \
+        "truck) differ" in message
+    for folder in (tmp_path / "valid").iterdir():
+        for png in folder.iterdir():
+            png.unlink()
+        folder.rmdir()
+    (tmp_path / "valid").rmdir()
+    assert not has_own_validation("cinic10", str(tmp_path))
+    assert f"cinic10: no valid/ folder in {tmp_path}" in error_of("cinic10", tmp_path, with_val=True)
 
 
 def test_cinic_reads_upper_case_png_suffixes(tmp_path: Path) -> None:

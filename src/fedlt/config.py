@@ -172,9 +172,10 @@ class DataConfig(_Section):
                                "(val_acc): make choices on it, read the test set once; 0 = none")
     val_from: Literal["auto", "dataset", "train", "test"] = Field(
         "auto", description="where the validation set comes from: the dataset's own validation list (dataset; "
-        "ImageNet-LT), held out of the training source before the long-tail draw (train: every class's count shrinks "
-        "by (n_max - N) / n_max), or split off the balanced test set (test: the federation is unchanged); auto = "
-        "dataset where one exists, test for an already long-tailed source (iNaturalist), else train")
+        "ImageNet-LT, CINIC-10's valid/), held out of the training source before the long-tail draw (train: every "
+        "class's count shrinks by (n_max - N) / n_max), or split off the balanced test set (test: the federation is "
+        "unchanged); auto = dataset where one exists, test for an already long-tailed source (iNaturalist), else "
+        "train")
     augment: Literal["none", "crop_flip", "crop_flip_cutout", "resized_crop_flip", "weak", "strong"] = Field(
         "none", description="training augmentation on the device: crop_flip = crop+flip (the usual CIFAR one), "
         "crop_flip_cutout = + Cutout, resized_crop_flip = a square crop of 64-100% of the area resized back + flip, "

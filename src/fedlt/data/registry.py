@@ -94,10 +94,13 @@ DATASETS: dict[str, DatasetInfo] = {
         hflip=False,
     ),
     "cinic10": DatasetInfo(
-        "CINIC-10, 10 classes, 3x32x32, 90k/90k; train/ and test/ PNG class folders in $FEDLT_DATA/cinic-10",
+        "CINIC-10, 10 classes, 3x32x32, 90k/90k; train/ and test/ PNG class folders in $FEDLT_DATA/cinic-10 "
+        "(validation: valid/)",
         lambda root, size: cinic.load_cinic10(root),
         subfolder="cinic-10",
         image_size=32,
+        val_loader=lambda root, size, classes: cinic.load_cinic10_val(root),
+        val_folder="valid",
     ),
     "imagenet_lt": DatasetInfo(
         "ImageNet-LT, 1000 classes, 3xSxS (data.image_size, default 64), 116k/50k; ImageNet images in "

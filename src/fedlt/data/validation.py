@@ -4,7 +4,8 @@ Choices (a method's knobs, a learning rate) are made on validation accuracy so t
 is read once, for the result. ``data.val_per_class=N`` draws N images of every class from one
 of three sources (``data.val_from``):
 
-- ``dataset``: the dataset's own validation list (ImageNet-LT's ``ImageNet_LT_val.txt``);
+- ``dataset``: the dataset's own validation list (ImageNet-LT's ``ImageNet_LT_val.txt``, CINIC-10's
+  ``valid/``);
 - ``train``: held out of the balanced training source *before* the long-tail draw. The draw
   takes the head class's size from the smallest class of the source, so every class's target
   shrinks by the factor ``(n_max - N) / n_max`` (Fashion-MNIST, N=500: head 6000 -> 5500,

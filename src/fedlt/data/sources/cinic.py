@@ -2,7 +2,8 @@
 
 Layout: ``ROOT/{train,valid,test}/<class name>/*.png``. Labels follow the sorted class
 folder names, which must be the same in every split used, or labels would silently mean
-different classes in train and test.
+different classes in train and test. ``valid/`` is the dataset's own validation split
+(``data.val_from=dataset``), read only when a validation set is drawn from it.
 """
 
 from __future__ import annotations
@@ -47,18 +48,33 @@ def load_cinic10(root: Path, include_valid: bool = False) -> DatasetPair:
                                           f"unknown {', '.join(extra)}" if extra else "") if part)
         raise DataError(f"{DATASET}: the class folders of {root / 'train'} are not CINIC-10's ten ({what}); {_FIX}")
     for split in [*train_splits[1:], "test"]:
-        other = _class_names(root / split)
-        if other != classes:
-            raise DataError(
-                f"{DATASET}: class folders of {root / split} ({', '.join(other)}) differ from those of "
-                f"{root / 'train'} ({', '.join(classes)}); every split needs the same class folders, {_FIX}"
-            )
+        _check_same_classes(root, split, classes)
     train = [_read_split(root / split, classes) for split in train_splits]
     test_images, test_labels = _read_split(root / "test", classes)
     return DatasetPair(
         ImageDataset(torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), classes, MEAN, STD),
         ImageDataset(test_images, test_labels, list(classes), MEAN, STD),
     )
+
+
+def load_cinic10_val(root: Path) -> ImageDataset:
+    """``root/valid``: CINIC-10's own validation split (``data.val_from=dataset``), labelled as ``train/`` is."""
+    root = require_dir(DATASET, Path(root), _FIX)
+    if not (root / "valid").is_dir():
+        raise DataError(f"{DATASET}: no valid/ folder in {root}, so CINIC-10's own validation split is missing; "
+                        f"extract valid/ from CINIC-10.tar.gz there or use data.val_from=train or test")
+    _check_same_classes(root, "valid", CLASSES)
+    images, labels = _read_split(root / "valid", CLASSES)
+    return ImageDataset(images, labels, list(CLASSES), MEAN, STD)
+
+
+def _check_same_classes(root: Path, split: str, classes: list[str]) -> None:
+    other = _class_names(root / split)
+    if other != classes:
+        raise DataError(
+            f"{DATASET}: class folders of {root / split} ({', '.join(other)}) differ from those of "
+            f"{root / 'train'} ({', '.join(classes)}); every split needs the same class folders, {_FIX}"
+        )
 
 
 def _class_names(split: Path) -> list[str]:
