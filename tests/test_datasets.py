@@ -265,6 +265,32 @@ def test_cifar10_as_its_authors_pickled_it_with_python2_and_numpy1(tmp_path: Pat
     assert pair.train.classes == [n.decode() for n in names]
 
 
+def test_cifar_batches_re_pickled_by_python3_with_text_keys_read_as_the_originals(tmp_path: Path) -> None:
+    """The originals read with ``pickle.load(f, encoding="latin1")`` (torchvision's way) hold text keys
+    ('data', 'labels', 'label_names'); dumped again by Python 3 they keep them: the same CIFAR data."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    originals = {"batches.meta": python2_pickle({b"num_cases_per_batch": 2, b"label_names": names, b"num_vis": 3072})}
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batches[name] = (RNG.integers(0, 256, (2, 3072), dtype=np.uint8), RNG.integers(0, 10, 2).tolist())
+        originals[name] = python2_pickle({b"batch_label": name.encode(), b"labels": batches[name][1],
+                                          b"data": batches[name][0], b"filenames": [b"a.png", b"b.png"]})
+    for name, stream in originals.items():
+        content = pickle.loads(stream, encoding="latin1")
+        assert all(isinstance(key, str) for key in content)
+        with (folder / name).open("wb") as handle:
+            pickle.dump(content, handle)
+    pair = load_dataset("cifar10", root=str(tmp_path))
+    train_x = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)])
+    assert np.array_equal(pair.train.images.reshape(10, -1).numpy(), train_x)
+    assert pair.train.labels.tolist() == sum((batches[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    assert np.array_equal(pair.test.images.reshape(2, -1).numpy(), batches["test_batch"][0])
+    assert pair.test.labels.tolist() == batches["test_batch"][1]
+    assert pair.train.classes == [n.decode() for n in names]
+
+
 def test_the_binary_versions_read_as_the_python_ones(tmp_path: Path) -> None:
     """cifar-10-batches-bin (records: label byte, 3072 pixel bytes; batches.meta.txt) and
     cifar-100-binary (coarse label byte, fine label byte, pixels; fine_label_names.txt)."""

@@ -2,6 +2,7 @@
 
 Each python batch file is a pickled dict with bytes keys: ``b"data"`` is (N, 3072) uint8 holding
 the red, green then blue 32x32 planes of every image, so a plain reshape gives (N, 3, 32, 32).
+A batch read with ``encoding="latin1"`` and pickled again by Python 3 has text keys instead; both are read.
 Pickles can run code while loading, so only the few globals a numpy array needs are allowed.
 A binary batch is fixed-size records: the label byte(s) (CIFAR-100: coarse, then fine), then the
 same 3072 pixel bytes; its class names are a text file, one per line.
@@ -208,11 +209,12 @@ def _unpickle(layout: _Layout, path: Path) -> dict:
 
 
 def _field(layout: _Layout, path: Path, content: dict, key: bytes) -> Any:
-    if key not in content:
-        raise DataError(
-            f"{layout.dataset}: {path} has no {key!r} entry; it is not a {layout.dataset} file, {_fix(layout)}"
-        )
-    return content[key]
+    for name in (key, key.decode()):  # the release's bytes key, or the text key of a batch pickled again
+        if name in content:
+            return content[name]
+    raise DataError(
+        f"{layout.dataset}: {path} has no {key!r} entry; it is not a {layout.dataset} file, {_fix(layout)}"
+    )
 
 
 def _read_names(layout: _Layout, path: Path) -> list[str]:
