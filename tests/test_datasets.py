@@ -291,6 +291,17 @@ def test_cifar_batches_re_pickled_by_python3_with_text_keys_read_as_the_original
     assert pair.train.classes == [n.decode() for n in names]
 
 
+def test_a_cifar_folder_extracted_into_a_folder_of_its_own_name_is_named_one_level_down(tmp_path: Path) -> None:
+    """`tar -xzf cifar-10-python.tar.gz -C cifar-10-batches-py` nests the folder in itself: where
+    data.root (or $FEDLT_DATA) holds the outer one, the error says where the files are, not to download them again."""
+    write_cifar10(tmp_path / "cifar-10-batches-py")
+    inner = tmp_path / "cifar-10-batches-py" / "cifar-10-batches-py"
+    message = error_of("cifar10", tmp_path)
+    assert f"the files are one level down, in {inner}: pass data.root={inner}" in message
+    assert "download" not in message
+    assert len(load_dataset("cifar10", root=str(inner.parent)).train) == 10  # narrowed as a suite's data.root is
+
+
 def test_the_binary_versions_read_as_the_python_ones(tmp_path: Path) -> None:
     """cifar-10-batches-bin (records: label byte, 3072 pixel bytes; batches.meta.txt) and
     cifar-100-binary (coarse label byte, fine label byte, pixels; fine_label_names.txt)."""

@@ -130,8 +130,10 @@ def _load(layout: _Layout, root: Path) -> DatasetPair:
     folder = root if (root / layout.meta).is_file() or root.name == layout.folder else root / layout.folder
     names = [*layout.train, layout.test, layout.meta]
     if folder == root and not any((root / name).is_file() for name in names):  # the dataset's own folder, empty
-        raise DataError(f"{layout.dataset}: {root} holds none of {', '.join(names)}; "
-                        f"{unextracted([root.parent], [layout.archive]) or _fix(layout)}")
+        nested = root / layout.folder  # the archive extracted into a folder of its own name
+        fix = (f"the files are one level down, in {nested}: pass data.root={nested}" if (nested / layout.meta).is_file()
+               else unextracted([root.parent], [layout.archive]) or _fix(layout))
+        raise DataError(f"{layout.dataset}: {root} holds none of {', '.join(names)}; {fix}")
     if not folder.is_dir():
         raise DataError(
             f"{layout.dataset}: no {layout.folder}/ in {root} and no {layout.meta} in it either "
