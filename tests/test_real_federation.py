@@ -27,9 +27,11 @@ class NodeGrid:
     and answer through fedlt's real ClientApp handler."""
 
     def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None,
-                 restart: tuple[str, int] | None = None):
+                 restart: tuple[str, int] | None = None, lost_file: Path | None = None):
         """``restart=(SITE, N)``: after the N-th send SITE's node leaves and a fresh node of that site (new
-        id 400, no state) joins, as a SuperNode killed and started again."""
+        id 400, no state) joins, as a SuperNode killed and started again. With ``lost_file`` the old node stays
+        listed, silent (as until Flower's heartbeat drops it), and its site is written there, as fedlt
+        deploy does when it sees the process exit."""
         from flwr.app import Context, RecordDict
 
         def context(i: int, name: str, folder: Path):
@@ -38,7 +40,8 @@ class NodeGrid:
 
         self.contexts = {200 + i: context(i, n, f) for i, (n, f) in enumerate(sorted(folders.items()))}
         self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
-        self.sends, self.restart = 0, restart
+        self.sends, self.restart, self.lost_file = 0, restart, lost_file
+        self.dead: set[int] = set()  # listed, never answering
         self.targets: list[set[int]] = []  # the nodes of each send
         self.sent_kinds: list[str] = []  # the kind of each send
         self.kinds: list[str] = []
@@ -49,9 +52,14 @@ class NodeGrid:
             self.contexts.update(self.late)
         if self.restart and self.sends >= self.restart[1] and 400 not in self.contexts:
             old = next(n for n, ctx in self.contexts.items() if ctx.node_config["name"] == self.restart[0])
-            fresh = self.contexts.pop(old)
-            self.contexts[400] = Context(run_id=1, node_id=400, state=RecordDict(), run_config={},
-                                         node_config=dict(fresh.node_config))
+            config = dict(self.contexts[old].node_config)
+            if self.lost_file is None:
+                del self.contexts[old]
+            else:
+                self.dead.add(old)
+                with self.lost_file.open("a") as lost:
+                    lost.write(self.restart[0] + "\n")
+            self.contexts[400] = Context(run_id=1, node_id=400, state=RecordDict(), run_config={}, node_config=config)
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout):
@@ -65,7 +73,8 @@ class NodeGrid:
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id
             self.kinds.append(decode_meta(m.content)["kind"])
-            out.append(handle(m, self.contexts[m.metadata.dst_node_id]))
+            if m.metadata.dst_node_id not in self.dead:
+                out.append(handle(m, self.contexts[m.metadata.dst_node_id]))
         return out
 
     def push_messages(self, messages):
@@ -455,6 +464,7 @@ def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_
         assert err.count("fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201); its client takes "
                          "part again from this exchange") == 1
         assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
+        assert not run.summary.get("dropped")  # back before the site's next exchange: it missed none
     else:
         assert err.count("fedlt: site 'client-1' is back as SuperNode 400, but its client's state between rounds "
                          "(kept by ditto) was on SuperNode 201, which is gone; the site stays out of this run") == 1
@@ -540,3 +550,23 @@ def test_the_servers_validation_set_gives_the_in_process_validation_figures(tmp_
                       NodeGrid(nodes_of(out)))
     for a, b in zip(local.metrics, remote.metrics):
         assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9) and b["acc"] == pytest.approx(a["acc"], abs=1e-9)
+
+
+def test_a_restarted_site_rejoins_while_flower_still_lists_its_old_node(tmp_path, exported, server_identity, capsys,
+                                                                       monkeypatch):
+    """fedlt deploy lists the site of a SuperNode whose process exited: its new node rejoins at once, is not
+    taken for lost under that same line, and the old node, still listed, is not asked its name as a newcomer."""
+    from fedlt.results import LOST_NODES_ENV
+
+    lost = tmp_path / "lost-nodes.txt"
+    monkeypatch.setenv(LOST_NODES_ENV, str(lost))
+    grid = NodeGrid(nodes_of(exported), restart=("client-1", 6), lost_file=lost)
+    run = node_run(node_tree(tmp_path, "listed", exported, fl={"rounds": 3},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    err = capsys.readouterr().err
+    assert "fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201)" in err
+    assert "SuperNode 201 joined" not in err and "stands by" not in err
+    assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
+    assert all(201 not in targets for targets in grid.targets[grid.targets.index(next(
+        t for t in grid.targets if 400 in t)):])

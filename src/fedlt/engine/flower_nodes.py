@@ -193,7 +193,8 @@ class NodeDataSimulation(FlowerSimulation):
         site's SuperNode started again after it failed; it rejoins in the site's place when the old node is
         gone and the site's client kept no state there (a personalized model, control variates), which the
         new node would lack. Any other late node takes no part in the run."""
-        late = sorted(set(self.grid.get_node_ids()) - set(self.nodes.values()) - self._told_late)
+        # node_names: every node that served a site, a replaced one too (listed until Flower's heartbeat drops it)
+        late = sorted(set(self.grid.get_node_ids()) - set(self.node_names) - self._told_late)
         for node in late:
             log(f"fedlt: SuperNode {node} joined after the federation was formed; asking which site it serves")
         self._told_late.update(late)
