@@ -313,6 +313,70 @@ def test_a_deployed_serverapp_takes_replies_as_they_come_and_waits_out_a_silent_
     assert time.monotonic() - started >= 1.0 and grid.pulls >= 1.0 / REPLY_POLL_S / 2
 
 
+def test_the_supernode_waits_are_capped_and_object_pulls_back_off_from_50_ms(monkeypatch):
+    """Flower's SuperNode sleeps 3 s when idle and its pulls first back off 1 s: in fedlt's SuperNode and
+    ServerApp every sleep of that loop lasts at most the cap, and a pull's first pause 50 ms; Flower's
+    other pull settings and the loop's other uses of time stay."""
+    import functools
+    import time as clock
+
+    from flwr.superlink.grid import http_grid
+    from flwr.supernode import start_client_internal as loop
+
+    from fedlt.engine.flower_waits import PULL_BACKOFF_S, CappedSleep, cap_supernode_waits, quick_object_pulls
+
+    slept = []
+
+    class Clock:
+        def sleep(self, seconds):
+            slept.append(seconds)
+
+        def monotonic(self):
+            return 7.0
+
+    capped = CappedSleep(0.2, Clock())
+    capped.sleep(3)
+    capped.sleep(0.5)
+    capped.sleep(0.01)
+    assert slept == [0.2, 0.2, 0.01] and capped.monotonic() == 7.0
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "pull_objects", loop.pull_objects)
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)
+    flowers = loop.pull_objects
+    cap_supernode_waits(0.1)
+    cap_supernode_waits(0.1)  # twice: still one cap, one partial
+    assert isinstance(loop.time, CappedSleep) and loop.time.cap_s == 0.1 and loop.time.time is clock.time
+    assert isinstance(loop.pull_objects, functools.partial) and loop.pull_objects.func is flowers
+    assert loop.pull_objects.keywords == {"initial_backoff": PULL_BACKOFF_S} == {"initial_backoff": 0.05}
+    quick_object_pulls(http_grid)
+    assert http_grid.pull_objects.keywords == {"initial_backoff": 0.05}
+    tries = []
+
+    def unavailable_twice(object_id):
+        tries.append(clock.monotonic())
+        if len(tries) < 3:
+            from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+            raise ObjectUnavailableError(object_id)
+        return b"x"
+
+    assert http_grid.pull_objects(["a"], unavailable_twice) == {"a": b"x"}
+    assert tries[-1] - tries[0] < 0.5  # 50 + 100 ms (+-20%), where Flower's own back-off waits 1 + 2 s
+    monkeypatch.setattr(loop, "time", object())
+    with pytest.raises(RuntimeError, match="does not wait with the time module; start flower-supernode itself"):
+        cap_supernode_waits()
+
+
+@pytest.mark.parametrize("poll", ["0", "5", "-1"])
+def test_the_supernode_launcher_refuses_a_poll_outside_its_range_in_one_line(poll, capsys):
+    from fedlt.engine.flower_supernode import main
+
+    assert main(["--poll", poll, "--insecure"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m fedlt.engine.flower_supernode: error: --poll={float(poll):g} is not in (0, 3] seconds; "
+                   "give e.g. --poll 0.2"]
+
+
 def test_a_deployed_serverapp_stops_waiting_for_a_node_known_to_be_gone():
     """A node whose process exited never answers, and Flower keeps it listed until its heartbeat expires
     (up to 60 s): once ``gone()`` names it, its reply is no longer waited for."""
@@ -494,12 +558,12 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
         assert [len({pid for pid, _ in tasks}) for tasks in served()] == [1, 1], served()  # by one process per node
         workers = [int(tasks[0][0]) for tasks in served()]
         assert not [p for p in deployment_pids(work) if "flwr-clientapp" in " ".join(_cmdline(p))]
-        node = _pid_of(work, "flower-supernode", "partition-id=1")
+        node = _pid_of(work, "fedlt.engine.flower_supernode", "partition-id=1")
         os.kill(workers[1], 9)  # the ClientApp process crashes: its SuperNode is the deploy's to stop
         wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[1] or os.getpgid(p) == node], 15,
                  "the SuperNode of the crashed ClientApp process gone")
         wait_for(lambda: len(rows()) >= 2 or proc.poll() is not None, 120, "round 2")
-        crashed = _pid_of(work, "flower-supernode", "partition-id=0")
+        crashed = _pid_of(work, "fedlt.engine.flower_supernode", "partition-id=0")
         os.kill(crashed, 9)  # a crash: the SuperNode cannot stop anything itself
         wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[0] or os.getpgid(p) == crashed], 15,
                  "the crashed SuperNode's processes gone")

@@ -551,10 +551,13 @@ def check_tls(tls: bool, auth: bool) -> None:
 
 @contextmanager
 def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False, startup_s: float = 60, *,
-                     sites: list[Site] | None = None, auth: bool = False) -> Iterator[Federation]:
+                     sites: list[Site] | None = None, auth: bool = False,
+                     flower_waits: bool = False) -> Iterator[Federation]:
     """Start a SuperLink and one SuperNode per site (``sites``, or ``nodes`` partitions) on
     127.0.0.1; stop them all on exit. ``auth`` (TLS only, as Flower requires) starts the SuperLink
-    with ``--enable-supernode-auth`` and registers a fresh key pair per SuperNode before it starts."""
+    with ``--enable-supernode-auth`` and registers a fresh key pair per SuperNode before it starts.
+    The SuperNodes run with their waits shortened (:mod:`fedlt.engine.flower_supernode`), or with
+    Flower's own if ``flower_waits`` (a plain-Flower baseline)."""
     sites = sites if sites is not None else partition_sites(nodes if nodes is not None else 3)
     check_tls(tls, auth)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -585,7 +588,9 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
         if auth:  # every key is registered before any SuperNode starts, or the SuperLink turns it away
             fed.node_ids = fed.register([(make_node_key(key), site.name) for key, site in zip(keys, sites)])
         for i, (site, key) in enumerate(zip(sites, keys)):
-            fed.start_node(i, str(bin_dir / "flower-supernode"),
+            program = [str(bin_dir / "flower-supernode")] if flower_waits else [
+                sys.executable, "-m", "fedlt.engine.flower_supernode"]
+            fed.start_node(i, *program,
                            *supernode_args(site, f"{HOST}:{port}", fed.ca, key, startup_s), startup_s=startup_s,
                            name=site.name)
         say(f"started {len(sites)} SuperNode(s) ({', '.join(site.name for site in sites)}), each with its ClientApp "

@@ -107,7 +107,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
                     if engine == "plain-flower":
                         from fedlt.bench.plain_flower import run_on
 
-                        with local_federation(scratch, sites=node_data_sites(site_data)) as fed:
+                        with local_federation(scratch, sites=node_data_sites(site_data), flower_waits=True) as fed:
                             got = run_on(fed, federation, server_test, work / f"{name}.json", timeout=3600)
                         label = f"plain Flower FedAvg ({len(fed.nodes)} SuperNodes, own folders)"
                         results[label] = (got["round_s"], got["acc"], sum(got["up_bytes"]) / len(got["up_bytes"]),

@@ -44,6 +44,7 @@ from fedlt.engine.clients import EVALUATE, ClientRuntime
 from fedlt.engine.flower_codec import (
     decode_message, decode_meta, decode_reply, drop_tree, encode_message, get_tree, has_tree, put_tree,
 )
+from fedlt.engine.flower_waits import quick_object_pulls
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
@@ -476,6 +477,9 @@ def main(grid: Grid, context: Context) -> None:
             _watch_superlink(address, lost)
 
     try:
+        from flwr.superlink.grid import http_grid
+
+        quick_object_pulls(http_grid)  # this ServerApp's pulls of the replies
         cfg = deployed_config(dict(context.run_config), app_dir(grid))
         result = run_on_grid(cfg, grid, on_start=on_start, prompt=True)
     except BaseException as err:
