@@ -165,6 +165,30 @@ def test_nan_inf_and_out_of_range_knobs_and_devices_are_refused_before_training(
             resolve_device("mps")
 
 
+def test_numbers_past_float32_and_threads_past_torchs_int_are_refused_before_training() -> None:
+    """Training computes in float32: a knob past its range (fl.lr=1e39, a step schedule that grows fl.lr past
+    it) stopped SGD with a RuntimeError traceback in round 1, after the run folder was made; run.threads past
+    a C int stopped torch.set_num_threads the same way."""
+    from fedlt.run_parts import check_config
+
+    beyond = "is beyond the 32-bit floats that training computes in (at most 3.403e+38 in size); give a smaller number"
+    for overrides, key in [(["fl.lr=1e39"], "fl.lr"), (["fl.weight_decay=1e300"], "fl.weight_decay"),
+                           (["loss.name=la", "loss.tau=-1e39"], "loss.tau"), (["flower.timeout_s=1e39"], "flower.timeout_s")]:
+        msg = config_error(overrides=overrides)
+        assert msg.startswith(f"invalid config value {key}: ") and msg.endswith(beyond), msg
+    for overrides, fragment in [(["method=fedetf", "method_args.temperature_init=1e39"],
+                                 "method_args.temperature_init for method fedetf: 1e+39 " + beyond),
+                                (["method=ccvr", "calibration_args.retrain_lr=1e39"],
+                                 "calibration_args.retrain_lr for calibration: 1e+39 " + beyond),
+                                (["method=fedloge", "method_args.gamma=1e39"], "method_args.gamma for method fedloge")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_config(load_config(None, overrides))
+    assert "takes fl.lr=0.05 past the 32-bit floats" in config_error(
+        overrides=["fl.lr_schedule=step", "fl.lr_decay=1e38"])  # 0.05 x 1e38 x 1e38 at the last round
+    assert "run.threads: Input should be less than or equal to 1024" in config_error(overrides=["run.threads=2147483648"])
+    load_config(None, ["fl.lr=3e38", "fl.lr_schedule=step", "fl.lr_decay=0.1", "run.threads=1024"])  # within range
+
+
 def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:
     """loss.prior acts on la, bsm and ldam only; elsewhere a prior the user asked for would be ignored
     (or, for a global one, ask the server for counts it never fetches)."""

@@ -7,6 +7,7 @@ that produced it. Unknown keys are errors (a typo must not silently fall back to
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -49,8 +50,21 @@ def admits_bool(annotation: Any) -> bool:
 TYPE_REFERENCE = "give a value of its type (the configuration reference lists them: python -m fedlt.docs_config)"
 
 
+#: the largest magnitude of a float32, the numbers training computes in
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _beyond_float32(value: Any) -> float | None:
+    """The first number in ``value`` (a number, or a list of them) that no float32 holds, or None."""
+    if isinstance(value, (list, tuple)):
+        return next((big for item in value if (big := _beyond_float32(item)) is not None), None)
+    return value if isinstance(value, float) and abs(value) > FLOAT32_MAX else None
+
+
 class NoBoolForNumbers(BaseModel):
-    """Knobs whose type takes no true / false refuse them: ``fl.lr=true`` is a typo, not a learning rate of 1."""
+    """Knobs whose type takes no true / false refuse them: ``fl.lr=true`` is a typo, not a learning rate of 1.
+    Nor do they take a number past float32's range, which training computes in: ``fl.lr=1e39`` is refused
+    here, not by a RuntimeError traceback in the first SGD step of a half-written run."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -58,6 +72,15 @@ class NoBoolForNumbers(BaseModel):
         if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
             raise PydanticCustomError(BOOL_REFUSED, "true/false is not a value of this setting (got {got}); {fix}",
                                       {"got": str(value).lower(), "fix": TYPE_REFERENCE})
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_float32(cls, value: Any) -> Any:
+        big = _beyond_float32(value)
+        if big is not None:
+            raise ValueError(f"{big:g} is beyond the 32-bit floats that training computes in (at most "
+                             f"{FLOAT32_MAX:.4g} in size); give a smaller number")
         return value
 
 
@@ -315,6 +338,12 @@ class FLConfig(_Section):
         if changed and self.lr_schedule != "step":
             raise ValueError(f"fl.{changed[0]} sets the step schedule's decay, but fl.lr_schedule={self.lr_schedule}; "
                              f"add fl.lr_schedule=step or drop fl.{changed[0]}")
+        steps = sum(1 for frac in self.lr_decay_at if frac < 1)  # the last round has passed every one below 1
+        if self.lr_schedule == "step" and self.lr_decay > 1 and \
+                math.log(self.lr) + steps * math.log(self.lr_decay) > math.log(FLOAT32_MAX):
+            raise ValueError(f"fl.lr_decay={self.lr_decay:g} at {steps} steps of fl.lr_decay_at takes fl.lr={self.lr:g} "
+                             f"past the 32-bit floats that training computes in (at most {FLOAT32_MAX:.4g}); use "
+                             "fl.lr_decay <= 1 (a decay) or a smaller fl.lr")
         return self
 
 
@@ -373,8 +402,8 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
     checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice; under "
-                                "run.backend=parallel: per worker, cores / run.workers)")
+    threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice; under "
+                                "run.backend=parallel: per worker, cores / run.workers); at most 1024")
     compile: bool = Field(False, description="torch.compile the model")
     channels_last: bool = Field(True, description="channels-last memory format on the CPU (measured faster for convs there; "
                                 "not used on CUDA)")
