@@ -540,6 +540,37 @@ def test_an_override_for_every_cell_may_not_set_what_the_suite_sets_for_each(tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("where", "override", "why"), [
+    ("overrides", "seed=5", "seed=5 gives every cell that seed, whatever its seed<S> folder says"),
+    ("settings", "seed=5", "seed=5 gives every cell that seed"),
+    ("methods", "seed=3", "seed=3 gives every cell that seed"),
+    ("grid", "seed", "seed=1 gives every cell that seed"),
+    ("overrides", "run.out_dir=/tmp/x", "run.out_dir=/tmp/x: a suite's cells go under --out"),
+    ("methods", "run.name=x", "run.name=x: a suite names each cell's folder"),
+])
+def test_a_suite_s_own_overrides_may_not_set_what_the_suite_sets_for_each_cell(tmp_path, where, override, why):
+    """As for the command line's: a suite's seed=5 made the cells of seeds 0 and 1 train seed 5 alike (a
+    mean over seeds of one run, with no spread), and its run.out_dir or run.name was dropped without a word."""
+    tree = json.loads(json.dumps(TINY_SUITE))
+    tree["seeds"] = [0, 1]
+    if where == "overrides":
+        tree["overrides"] = [*tree.get("overrides", []), override]
+    elif where == "settings":
+        tree["settings"] = [{"name": "default", "overrides": [override]}]
+    elif where == "methods":
+        tree["methods"][0]["overrides"] = [*tree["methods"][0].get("overrides", []), override]
+    else:
+        tree["methods"][0]["grid"] = {override: [1, 2]}
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        load_suite(write_suite(tmp_path / "s.yaml", tree))
+    tree["overrides"] = [*tree.get("overrides", []), "data.seed=7"]  # a seed the cell's own: allowed
+    tree["methods"][0].pop("grid", None)
+    tree["methods"][0]["overrides"] = ["seed=100{seed}"]
+    tree["settings"] = [{"name": "default"}]
+    tree["overrides"] = [o for o in tree["overrides"] if o != override]
+    assert load_suite(write_suite(tmp_path / "ok.yaml", tree)).spec.seeds == [0, 1]
+
+
 def test_a_folder_s_suite_file_names_a_repository_config_from_the_repository_root(tmp_path, monkeypatch):
     """A kept folder's suite file must load in any clone: a base config inside the repository is written
     as its path from the repository's root, one outside it stays absolute."""

@@ -173,6 +173,7 @@ class SuiteSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SuiteSpec":
+        _check_cell_keys(self)
         if not self.settings:
             raise ValueError("settings is empty; list at least one, e.g. - {name: default}, or leave the key out")
         names = [s.name for s in self.settings]
@@ -218,6 +219,27 @@ class SuiteSpec(_Strict):
             raise ValueError(f"reference names '{self.reference}', which is no row; use one of: "
                              + ", ".join(label for m in self.methods for label in [m.name, *m.variants]))
         return self
+
+
+def _check_cell_keys(spec: "SuiteSpec") -> None:
+    """The suite's own overrides leave to each cell what :data:`CELL_KEYS` names, as the command line's must:
+    the cell's ``run.out_dir`` and ``run.name`` come after them (one there would be dropped without a word),
+    and a ``seed=`` without ``{seed}`` gives every seed's cell one seed, so its seeds repeat one run."""
+    places = [("overrides", spec.overrides),
+              *((f"settings[{i}].overrides", s.overrides) for i, s in enumerate(spec.settings)),
+              *((f"methods[{i}].overrides", m.overrides) for i, m in enumerate(spec.methods)),
+              *((f"methods[{i}].grid", [o for _, given in candidates(m.grid) for o in given])
+                for i, m in enumerate(spec.methods) if m.grid)]
+    for where, overrides in places:
+        for override in overrides:
+            key, _, value = override.partition("=")
+            key = key.strip()
+            if key == "seed" and "{seed}" not in value:
+                raise ValueError(f"{where}: {override} gives every cell that seed, whatever its seed<S> folder says, "
+                                 "so the suite's seeds would repeat one run; choose the seeds with seeds: (or --seeds), "
+                                 "or make the seed the cell's, e.g. seed=100{seed}")
+            if key in CELL_KEYS and key != "seed":
+                raise ValueError(f"{where}: {override}: {CELL_KEYS[key]}; drop it")
 
 
 def _check_select_with(i: int, row: MethodRow, rows: dict[str, MethodRow]) -> None:
