@@ -65,6 +65,17 @@ BAD_SUMMARIES = {
                                    "'final.per_class_acc' has 2 classes, 'train_class_counts' 3"),
     "round_not_a_whole_number": (json.dumps({**summary(50.0), "final": {**summary(50.0)["final"], "round": 2.5}}),
                                  "'final.round' is a number, not a whole number"),
+    # what tables and plots label with: a TypeError, AttributeError or IndexError traceback before
+    "shot_rule_not_a_string": (json.dumps({**summary(50.0), "shot_rule": None}), "'shot_rule' is null, not a string"),
+    "calibration_not_a_list": (json.dumps({**summary(50.0), "calibration": 1}),
+                               "'calibration' is not an array of strings"),
+    "shot_groups_not_an_object": (json.dumps({**summary(50.0), "shot_groups": "x"}),
+                                  "'shot_groups' is a string, not an object"),
+    "shot_group_of_no_class": (json.dumps({**summary(50.0), "train_class_counts": [5, 3, 1],
+                                           "shot_groups": {"many": [0], "medium": [1], "few": [7]}}),
+                               "'shot_groups.few' is not an array of class indices"),
+    "source_hash_not_a_string": (json.dumps({**summary(50.0), "environment": {"source_hash": 1}}),
+                                 "'environment.source_hash' is a number, not a string"),
 }
 
 

@@ -346,7 +346,34 @@ def check_summary(summary: Any, run_dir: str | Path) -> dict[str, Any]:
     if counts is not None and per_class is not None and len(per_class) != len(counts):
         raise _unreadable(run_dir, f"'final.per_class_acc' has {len(per_class)} classes, 'train_class_counts' "
                           f"{len(counts)}")
+    problem = _labels_problem(summary, counts)
+    if problem:
+        raise _unreadable(run_dir, problem)
     return summary
+
+
+def _labels_problem(summary: dict[str, Any], counts: list | None) -> str | None:
+    """What is wrong with the summary's texts and class groups that tables and plots label with (the shot
+    rule, the calibrations, the shot groups' classes, the code's version); None when nothing is."""
+    if "shot_rule" in summary and not isinstance(summary["shot_rule"], str):
+        return f"'shot_rule' is {_json_type(summary['shot_rule'])}, not a string"
+    calibration = summary.get("calibration")
+    if calibration is not None and not (isinstance(calibration, list) and all(isinstance(c, str) for c in calibration)):
+        return "'calibration' is not an array of strings"
+    groups = summary.get("shot_groups")
+    if groups is not None:
+        if not isinstance(groups, dict):
+            return f"'shot_groups' is {_json_type(groups)}, not an object"
+        for name, classes in groups.items():
+            if not (isinstance(classes, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                      and (counts is None or c < len(counts)) for c in classes)):
+                return f"'shot_groups.{name}' is not an array of class indices"
+    env = summary.get("environment")
+    for key in ("source_hash", "git_commit"):
+        value = env.get(key) if isinstance(env, dict) else None
+        if value is not None and not isinstance(value, str):
+            return f"'environment.{key}' is {_json_type(value)}, not a string"
+    return None
 
 
 def _is_number(value: Any) -> bool:
