@@ -626,6 +626,14 @@ def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> N
          ["flower.min_nodes is not read in a simulation (flower.node_data=false)"]),  # it connects its nodes
         (["secagg.enabled=false", "flower.node_data=false"], []),  # the switches are read, whatever their value
         (["method=gbme", "method_args.prior=local", "method_args.diagnose_gpi=true", "method_args.gpi_floor=0"], []),
+        # a dataset long-tailed as distributed makes no long-tail draw: an IF given for it was dropped silently
+        (["data.dataset=imagefolder_lt", "data.imbalance_factor=10"],
+         ["data.imbalance_factor is not read with data.dataset=imagefolder_lt (its training split is long-tailed as "
+          "distributed; no long-tail draw is made)"]),
+        (["data.dataset=inat", "data.imbalance_factor=10"],
+         ["data.imbalance_factor is not read with data.dataset=inat (its training split is long-tailed as "
+          "distributed; no long-tail draw is made)"]),
+        (["data.dataset=imagefolder", "data.imbalance_factor=10"], []),
     ]
     for overrides, expected in cases:
         assert unread_settings(load_config(None, overrides)) == expected, overrides

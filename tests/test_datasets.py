@@ -1393,6 +1393,19 @@ def test_a_users_image_folders_train_a_federation(tmp_path) -> None:
 
 
 
+def test_a_long_tailed_folders_report_names_no_imbalance_factor_it_did_not_apply(tmp_path) -> None:
+    """imagefolder_lt keeps its folders' own long tail: its run's report said IF=4 (or the default 100)."""
+    import fedlt
+
+    write_image_folders(tmp_path / "data", counts=(12, 6, 3), splits=("train", "test"))
+    res = fedlt.run(None, overrides=["data.dataset=imagefolder_lt", f"data.root={tmp_path / 'data'}",
+                                     "data.image_size=8", "data.imbalance_factor=4", "data.num_clients=3",
+                                     "fl.rounds=1", "run.threads=1", f"run.out_dir={tmp_path / 'runs'}"], quiet=True)
+    assert res.summary["train_class_counts"] == [12, 6, 3]
+    report = (res.run_dir / "report.md").read_text()
+    assert "long-tailed as distributed, dirichlet partition" in report and "IF=" not in report
+
+
 def test_eval_accuracy_top1_weighs_an_unbalanced_test_set_by_its_images(tmp_path) -> None:
     """A test/ of 2, 2 and 6 images: acc is the mean of the per-class accuracies by default and the share of
     images right with eval.accuracy=top1 (the same training, so the same per-class accuracies)."""

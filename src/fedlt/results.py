@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fedlt.config import DIRICHLET_PARTITIONS, Config
+from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError, FedltError
 from fedlt.methods.registry import get_method
 
@@ -483,6 +484,13 @@ def write_stopped_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]]
     return summary
 
 
+def _long_tail_label(d: Any) -> str:
+    """``IF=100``, or, for a dataset long-tailed as distributed (whose data.imbalance_factor is not read),
+    ``long-tailed as distributed``, as reports and ``fedlt data describe`` name it."""
+    info = DATASETS.get(d.dataset)
+    return "long-tailed as distributed" if info is not None and info.long_tailed else f"IF={d.imbalance_factor:g}"
+
+
 def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     f, b = summary["final"], summary["best_round"]
     d = cfg.data
@@ -496,7 +504,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"# {cfg.method}{''.join(' + ' + name for name in added)} on {d.dataset}-LT",
         "",
         (f"{d.num_clients} sites holding their own data (flower.node_data)" if cfg.flower.node_data else
-         f"IF={d.imbalance_factor:g}, {d.partition} partition"
+         f"{_long_tail_label(d)}, {d.partition} partition"
          + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "") + f", {d.num_clients} clients")
         + f", participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
         f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}.",

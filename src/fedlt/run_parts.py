@@ -240,6 +240,9 @@ def _unread_sections(cfg: Config) -> list[tuple[str, tuple[str, ...], str]]:
                        "pathological partition)"))
     if d.partition == "iid":
         unread.append(("data", ("max_retries",), "with data.partition=iid (one draw)"))
+    if d.dataset in DATASETS and DATASETS[d.dataset].long_tailed:
+        unread.append(("data", ("imbalance_factor",), f"with data.dataset={d.dataset} (its training split is "
+                       "long-tailed as distributed; no long-tail draw is made)"))
     if backend in ("sequential", "vectorized", "graphed"):
         unread.append(("run", ("workers",), f"with run.backend={backend} (it sizes run.backend=parallel's pool)"))
     if backend in ("sequential", "vectorized", "parallel"):
