@@ -76,6 +76,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
     if not isinstance(run_dir, (str, Path)):
         raise ConfigError(f"run_dir must be a run directory's path (str or Path), not an object of type {type(run_dir).__name__}")
     run_dir = Path(run_dir)
+    if run_dir.is_file() and (run_dir.parent / CONFIG_FILE).is_file():
+        raise ConfigError(f"{run_dir} is a file of a run; pass its directory, fedlt run --resume {run_dir.parent}")
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"{run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass the directory of a run")
     overrides = override_list(overrides)
