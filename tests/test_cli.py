@@ -683,3 +683,24 @@ def test_every_commands_help_says_what_its_positional_arguments_are():
                            (["bench", "paper-rounds"], ["[SUITE ...]"]), (["table"], ["run directories to compare"])):
         shown = CliRunner().invoke(app, [*command, "--help"], terminal_width=200).output
         assert all(word in shown for word in words), (command, shown)
+
+
+def test_running_out_of_memory_is_one_line_naming_what_sizes_the_step_and_how_to_go_on(tmp_path: Path) -> None:
+    """A step that asks for more memory than the machine has (here 10 PB of CCVR's virtual features, beyond
+    any address space, so the allocator refuses it whatever the kernel's overcommit) ended in a traceback."""
+    from fedlt.errors import out_of_memory
+
+    proc = fedlt_cli(["run", *SYN, "fl.rounds=1", "data.num_clients=3", "run.threads=1", "method=ccvr",
+                      "calibration_args.ccvr_virtual_per_class=10000000000000", f"run.out_dir={tmp_path}"], tmp_path,
+                     cli_env(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("fedlt: error: out of memory in round 1: the CPU allocator was asked for 10.2 PB; lower "
+                           "what sizes the step (fl.batch_size, eval.batch_size, run.workers / run.streams, a "
+                           "calibration's *_per_class, the model); "), line
+    assert line.endswith("stopped before its first checkpoint (run.checkpoint_every=10), so there is nothing to "
+                         "resume; start the run again"), line
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB")
+    assert out_of_memory(cuda) == "the GPU ran out of memory (asked for 2.00 GiB)"
+    assert out_of_memory(MemoryError()) == "Python could not allocate memory"
+    assert out_of_memory(RuntimeError("shape mismatch")) is None and out_of_memory(ValueError("x")) is None

@@ -5,6 +5,7 @@ impossible partition). The CLI prints its message as one line and exits with cod
 never a bug in fedlt, so no traceback is shown. Messages name the problem *and* the fix.
 """
 
+import re
 import signal
 import threading
 from contextlib import contextmanager
@@ -31,6 +32,40 @@ class PluginError(FedltError):
 
 class TrainingDiverged(FedltError):
     """The clients' training loss became NaN or infinite: the optimiser settings do not suit the run."""
+
+
+class OutOfMemory(FedltError):
+    """A step asked for more memory than the machine (or the GPU) has: the settings that size the work
+    are too large for it; the message says which settings and how the run goes on."""
+
+
+#: what sizes the memory a step holds at once, named where a run ran out of it
+MEMORY_KNOBS = ("fl.batch_size, eval.batch_size, run.workers / run.streams, a calibration's *_per_class, "
+                "the model")
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """What ran out, when ``err`` is memory exhaustion (Python's MemoryError, torch's CPU allocator, CUDA),
+    else None: ``"the CPU allocator was asked for 102.4 TB"``."""
+    if isinstance(err, MemoryError):
+        return "Python could not allocate memory"
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if "can't allocate memory" in text:
+        asked = re.search(r"allocate (\d+) bytes", text)
+        return "the CPU allocator was asked for " + (_size(int(asked.group(1))) if asked else "more than it has")
+    if "out of memory" in text:  # CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
+        asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", text)
+        return "the GPU ran out of memory" + (f" (asked for {asked.group(1)})" if asked else "")
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 class Terminated(KeyboardInterrupt):

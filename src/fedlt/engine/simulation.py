@@ -30,7 +30,7 @@ from fedlt.engine.sampling import lr_at, sampling_schedule
 from fedlt.engine.secure_aggregation import SecureAggregation, summed_entries
 from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
-from fedlt.errors import ConfigError, FedltError, PluginError, TrainingDiverged
+from fedlt.errors import MEMORY_KNOBS, ConfigError, FedltError, OutOfMemory, PluginError, TrainingDiverged, out_of_memory
 from fedlt.evaluation import (
     HEADLINE_METRICS, SharedEncoderFeatures, ShotGroups, global_metrics, head_of_features, mean_local_accuracy,
     personalized_figures, predict, shot_groups, validation_figures, validation_metrics,
@@ -507,6 +507,9 @@ class Simulation:
                 if isinstance(stop, KeyboardInterrupt):
                     stop.resume_hint = (f"{run_dir} stopped in the setup stage, before round 1, so there is nothing "
                                         "to resume; start the run again")
+                if (what := out_of_memory(stop)) is not None:
+                    raise OutOfMemory(f"out of memory in the method's setup stage: {what}; lower what sizes it "
+                                      f"({MEMORY_KNOBS}) and start the run again") from None
                 raise
         if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
             self.segments.append({"from_round": start + 1, "device": str(self.device), "backend": self.backend,
@@ -561,6 +564,13 @@ class Simulation:
         except KeyboardInterrupt as stop:
             stop.resume_hint = self._resume_hint(run_dir, checkpointed)
             raise
+        except (MemoryError, RuntimeError) as err:
+            if (what := out_of_memory(err)) is None:
+                raise
+            raise OutOfMemory(f"out of memory in round {rnd}: {what}; lower what sizes the step ({MEMORY_KNOBS}); "
+                              + self._resume_hint(run_dir, checkpointed)
+                              + (" with lower run.* or eval.batch_size, or start it again" if checkpointed else "")
+                              ) from None
         finally:
             progress.close()
             tracker.close()
