@@ -570,3 +570,42 @@ def test_a_restarted_site_rejoins_while_flower_still_lists_its_old_node(tmp_path
     assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
     assert all(201 not in targets for targets in grid.targets[grid.targets.index(next(
         t for t in grid.targets if 400 in t)):])
+
+
+class KilledDuringSecureExchange(NodeGrid):
+    """``SITE``'s SuperNode is killed and started again right after it sent its shares in the first secure
+    exchange of a round (the keys it made are on the old node), as a node killed while it trains under
+    ``secagg.enabled`` or while it evaluates for a secure evaluation."""
+
+    def __init__(self, folders: dict[str, Path], site: str):
+        super().__init__(folders)
+        self.site = site
+
+    def send_and_receive(self, messages, *, timeout):
+        from fedlt.engine.flower_codec import decode_meta
+
+        out = super().send_and_receive(messages, timeout=timeout)
+        meta = decode_meta(messages[0].content) if messages else {}
+        if self.restart is None and meta.get("kind") == "secagg:shares" and meta["round"] >= 1:
+            self.restart = (self.site, self.sends)
+        return out
+
+
+@pytest.mark.parametrize("setting", ["secure fit", "secure evaluation"])
+def test_a_stateless_site_killed_during_a_secure_exchange_rejoins_once_that_exchange_is_over(
+        tmp_path, exported, server_identity, capsys, setting):
+    """A secure phase's secrets live in the client's ctx.state only until it unmasks: they are not state kept
+    between rounds, so a FedAvg site whose node was killed in the middle of one rejoins; it takes the site's place
+    at the next exchange that does not need them (not in the middle of that secure phase, whose keys were the old
+    node's)."""
+    extra = ({"secagg": {"enabled": True}, "eval": {"test_data": str(exported / "server" / "test")}}
+             if setting == "secure fit" else {})  # without a server test set the evaluation is a secure phase
+    grid = KilledDuringSecureExchange(nodes_of(exported), "client-1")
+    run = node_run(node_tree(tmp_path, setting.replace(" ", "-"), exported, fl={"rounds": 3}, **extra), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    err = capsys.readouterr().err
+    assert "stays out" not in err
+    assert err.count("fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201)") == 1
+    joined = next(i for i, targets in enumerate(grid.targets) if 400 in targets and grid.sent_kinds[i] != "hello")
+    assert grid.sent_kinds[joined] not in ("secagg:shares", "secagg:unmask")  # not amid a secure phase it has no keys of
+    assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])

@@ -46,6 +46,7 @@ from fedlt.engine.flower_codec import (
 )
 from fedlt.engine.flower_waits import quick_object_pulls
 from fedlt.engine.process_pool import cpu_cores
+from fedlt.engine.secure_aggregation import ENTRY as SECURE_ENTRY
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
@@ -204,8 +205,10 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
         put_tree(context.state, prefix, state, where=f"client {cid}'s ctx.state")
     else:
         drop_tree(context.state, prefix)
-    # whether the client keeps state on this node: a site whose SuperNode is started again rejoins only without
-    return FlowerMessage(encode_message(reply, {"cid": cid, "kept_state": bool(state)}), reply_to=message)
+    # whether the client keeps state on this node: a site whose SuperNode is started again rejoins only without.
+    # A secure phase's secrets are no such state: they last one exchange, and the next secure phase makes new ones
+    kept = any(key != SECURE_ENTRY for key in state)
+    return FlowerMessage(encode_message(reply, {"cid": cid, "kept_state": kept}), reply_to=message)
 
 
 # ---- server side ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from fedlt.engine.flower_app import HELLO, FlowerSimulation, log, lost_sites
 from fedlt.engine.flower_codec import decode_meta, encode_message
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
-from fedlt.engine.secure_aggregation import SecureAggregation, TooFewForSecureSum
+from fedlt.engine.secure_aggregation import KEYS, SecureAggregation, TooFewForSecureSum
 from fedlt.errors import DataError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, mean_of_summed_accuracies, shot_groups, validation_metrics
 from fedlt.messages import Message
@@ -184,15 +184,16 @@ class NodeDataSimulation(FlowerSimulation):
         """Done when the run was built: the clients are the nodes that answered then."""
 
     def _deliver(self, kind, rnd, messages):
-        self._name_late_nodes()
+        self._name_late_nodes(kind)
         yield from super()._deliver(kind, rnd, messages)
 
-    def _name_late_nodes(self) -> None:
+    def _name_late_nodes(self, kind: str = "") -> None:
         """Tell of nodes that joined mid-run and ask each for its site's name without waiting (the answer
         comes in a later phase): an operator knows sites, not Flower's ids. A late node is most often a
         site's SuperNode started again after it failed; it rejoins in the site's place when the old node is
         gone and the site's client kept no state there (a personalized model, control variates), which the
-        new node would lack. Any other late node takes no part in the run."""
+        new node would lack. Any other late node takes no part in the run. Inside a secure phase (``kind``) a
+        node takes a site's place only at its key exchange: its later stages need the keys the old node made."""
         # node_names: every node that served a site, a replaced one too (listed until Flower's heartbeat drops it)
         late = sorted(set(self.grid.get_node_ids()) - set(self.node_names) - self._told_late)
         for node in late:
@@ -208,6 +209,8 @@ class NodeDataSimulation(FlowerSimulation):
             name = None if node is None or reply.has_error() else decode_meta(reply.content).get("name")
             if name is not None:
                 self._standby[node] = name
+        if self.secure is not None and self.secure.phase is not None and kind != KEYS:
+            return  # re-checked at the next exchange
         for node, name in list(self._standby.items()):
             if self._rejoin(node, name):
                 del self._standby[node]
