@@ -609,3 +609,32 @@ def test_a_stateless_site_killed_during_a_secure_exchange_rejoins_once_that_exch
     joined = next(i for i, targets in enumerate(grid.targets) if 400 in targets and grid.sent_kinds[i] != "hello")
     assert grid.sent_kinds[joined] not in ("secagg:shares", "secagg:unmask")  # not amid a secure phase it has no keys of
     assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
+
+
+class StandbyLeaves(NodeGrid):
+    """A late node of site ``client-1`` stands by while the site's node serves it, leaves, and then the site's
+    node leaves too."""
+
+    def __init__(self, folders: dict[str, Path]):
+        super().__init__(folders, late={"client-1": folders["client-1"]})
+
+    def get_node_ids(self):
+        if self.sends >= 8:
+            self.late = {}
+            self.contexts.pop(300, None)
+        if self.sends >= 12:
+            self.contexts.pop(201, None)
+        return super().get_node_ids()
+
+
+def test_a_late_node_that_left_while_it_stood_by_does_not_take_its_sites_place(tmp_path, exported, server_identity,
+                                                                              capsys):
+    grid = StandbyLeaves(nodes_of(exported))
+    run = node_run(node_tree(tmp_path, "left", exported, fl={"rounds": 3},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert len(run.metrics) == 3
+    err = capsys.readouterr().err
+    assert "fedlt: the late SuperNode 300 serves site 'client-1', which SuperNode 201 still serves" in err
+    assert "rejoined" not in err
+    assert err.count("fedlt: the late SuperNode 300 of site 'client-1' left before it could take the site's place") == 1
+    assert "on client-1 (SuperNode 201): their SuperNode left the federation" in err  # the site's dropouts name 201

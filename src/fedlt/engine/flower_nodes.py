@@ -222,6 +222,9 @@ class NodeDataSimulation(FlowerSimulation):
         if name not in self.client_names:
             log(f"fedlt: the late SuperNode {node} serves site {name!r}, not one of this run's; it takes no part")
             return True
+        if node not in self.grid.get_node_ids():  # it stood by, then left (or failed) itself
+            log(f"fedlt: the late SuperNode {node} of site {name!r} left before it could take the site's place")
+            return True
         cid = self.client_names.index(name)
         old = self.nodes[cid]
         if old not in self._gone_nodes():
