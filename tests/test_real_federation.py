@@ -27,11 +27,12 @@ class NodeGrid:
     and answer through fedlt's real ClientApp handler."""
 
     def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None,
-                 restart: tuple[str, int] | None = None, lost_file: Path | None = None):
+                 restart: tuple[str, int] | None = None, lost_file: Path | None = None, same_id: bool = False):
         """``restart=(SITE, N)``: after the N-th send SITE's node leaves and a fresh node of that site (new
         id 400, no state) joins, as a SuperNode killed and started again. With ``lost_file`` the old node stays
         listed, silent (as until Flower's heartbeat drops it), and its site is written there, as fedlt
-        deploy does when it sees the process exit."""
+        deploy does when it sees the process exit. With ``same_id`` the fresh node keeps the old one's id, as a
+        SuperNode with a registered key does."""
         from flwr.app import Context, RecordDict
 
         def context(i: int, name: str, folder: Path):
@@ -40,7 +41,7 @@ class NodeGrid:
 
         self.contexts = {200 + i: context(i, n, f) for i, (n, f) in enumerate(sorted(folders.items()))}
         self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
-        self.sends, self.restart, self.lost_file = 0, restart, lost_file
+        self.sends, self.restart, self.lost_file, self.same_id, self.restarted = 0, restart, lost_file, same_id, False
         self.dead: set[int] = set()  # listed, never answering
         self.targets: list[set[int]] = []  # the nodes of each send
         self.sent_kinds: list[str] = []  # the kind of each send
@@ -50,9 +51,13 @@ class NodeGrid:
     def get_node_ids(self):
         if self.sends > 2:  # late nodes show up once the run is under way
             self.contexts.update(self.late)
-        if self.restart and self.sends >= self.restart[1] and 400 not in self.contexts:
+        if self.restart and self.sends >= self.restart[1] and not self.restarted:
+            self.restarted = True
             old = next(n for n, ctx in self.contexts.items() if ctx.node_config["name"] == self.restart[0])
             config = dict(self.contexts[old].node_config)
+            if self.same_id:
+                self.contexts[old] = Context(run_id=1, node_id=old, state=RecordDict(), run_config={}, node_config=config)
+                return list(self.contexts)
             if self.lost_file is None:
                 del self.contexts[old]
             else:
@@ -638,3 +643,33 @@ def test_a_late_node_that_left_while_it_stood_by_does_not_take_its_sites_place(t
     assert "rejoined" not in err
     assert err.count("fedlt: the late SuperNode 300 of site 'client-1' left before it could take the site's place") == 1
     assert "on client-1 (SuperNode 201): their SuperNode left the federation" in err  # the site's dropouts name 201
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ditto"])
+def test_a_supernode_started_again_under_its_old_id_is_told_by_the_state_it_lost(tmp_path, exported, server_identity,
+                                                                                  capsys, method):
+    """A SuperNode with a registered key comes back under its old id, with an empty context: a stateless
+    client goes on as before; one whose state was there (Ditto's personal model) would train without it, so its
+    reply is not used and the site takes no further part; one in the middle of a secure phase sits that phase
+    out (its keys are gone) and takes part again from the next."""
+    from fedlt.engine.flower_app import SECRETS_LOST, STATE_LOST
+
+    tree = node_tree(tmp_path, method, exported, method=method, fl={"rounds": 3}, loss={"name": "ce"})
+    plain = NodeGrid(nodes_of(exported))
+    node_run(tree, plain)
+    first_shares = plain.sent_kinds.index("secagg:shares", 8)  # a secure evaluation's second stage, after round 1
+    grid = NodeGrid(nodes_of(exported), restart=("client-1", first_shares), same_id=True)
+    tree["run"]["name"] = f"{method}-again"
+    run = node_run(tree, grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    dropped = run.summary.get("dropped", [])
+    err = capsys.readouterr().err
+    if method == "fedavg":
+        assert f"clients [1] on client-1 (SuperNode 201): {SECRETS_LOST}; going on without them" in err
+        assert [(d["kind"], d["clients"]) for d in dropped] == [("secagg:shares", [1])]  # that phase, then back
+        assert STATE_LOST not in err
+    else:  # the state it lost outweighs the phase's keys
+        assert f"clients [1] on client-1 (SuperNode 201): {STATE_LOST}; going on without them" in err
+        assert SECRETS_LOST not in err
+        assert dropped[-1]["round"] == 3 and dropped[-1]["clients"] == [1]  # out for the rest of the run
+        assert {d["round"] for d in dropped} == {dropped[0]["round"], *range(dropped[0]["round"], 4)}

@@ -46,7 +46,7 @@ from fedlt.engine.flower_codec import (
 )
 from fedlt.engine.flower_waits import quick_object_pulls
 from fedlt.engine.process_pool import cpu_cores
-from fedlt.engine.secure_aggregation import ENTRY as SECURE_ENTRY
+from fedlt.engine.secure_aggregation import ENTRY as SECURE_ENTRY, SHARES, UNMASK
 from fedlt.engine.simulation import RunResult, Simulation
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
@@ -62,6 +62,10 @@ _RAISED = (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCE
 NODE_LOST, TIMEOUT = "node lost", "timeout"
 #: why a node is gone: fedlt.deploy saw its process exit, or the SuperLink no longer lists it
 EXITED, LEFT = "their SuperNode's process exited", "their SuperNode left the federation"
+#: why a client's reply is not used: its node lost what the client held there (a SuperNode started again under
+#: its old id, as one with a registered key is): its state between rounds (for good), or a secure phase's keys
+STATE_LOST = "their SuperNode lost the client's state between rounds (started again?); it takes no further part"
+SECRETS_LOST = "their SuperNode lost this secure phase's keys (started again?)"
 
 
 def _lost_reason(error) -> str:
@@ -200,7 +204,13 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     cid = meta["cid"]
     prefix = f"client{cid}."
     state = get_tree(context.state, prefix, runtime.device) if has_tree(context.state, prefix) else {}
-    reply = runtime.handle(meta["kind"], cid, meta["round"], decode_message(message.content, runtime.device), state)
+    # what the client brought to this exchange, so the server tells a node that lost it (started again) apart
+    had = any(key != SECURE_ENTRY for key in state)
+    incoming = decode_message(message.content, runtime.device)
+    if SECURE_ENTRY not in state and (meta["kind"] in (SHARES, UNMASK) or SECURE_ENTRY in incoming.payload):
+        return FlowerMessage(encode_message(Reply(), {"cid": cid, "had_state": had, "secrets_lost": True}),
+                             reply_to=message)
+    reply = runtime.handle(meta["kind"], cid, meta["round"], incoming, state)
     if state:
         put_tree(context.state, prefix, state, where=f"client {cid}'s ctx.state")
     else:
@@ -208,7 +218,7 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     # whether the client keeps state on this node: a site whose SuperNode is started again rejoins only without.
     # A secure phase's secrets are no such state: they last one exchange, and the next secure phase makes new ones
     kept = any(key != SECURE_ENTRY for key in state)
-    return FlowerMessage(encode_message(reply, {"cid": cid, "kept_state": kept}), reply_to=message)
+    return FlowerMessage(encode_message(reply, {"cid": cid, "had_state": had, "kept_state": kept}), reply_to=message)
 
 
 # ---- server side ----------------------------------------------------------------------------
@@ -230,10 +240,13 @@ class FlowerSimulation(Simulation):
         self.node_names: dict[int, str] = {}  # node id -> its site (partition-I, or the node's name)
         self.exited: set[int] = set()  # nodes whose process fedlt.deploy saw exit: sent nothing more
         self.gone: dict[int, str] = {}  # node id -> why it is gone, as last looked at
-        #: node id -> how often its site was listed lost before it joined (a site's SuperNode started again)
+        #: node id -> how many of its site's nodes served before it (a site's SuperNode started again): the
+        #: site's first lines in the lost-nodes file are theirs, whenever they were written
         self.lost_before: dict[int, int] = {}
         #: client id -> whether its last reply said it keeps state between rounds on its node
         self.kept_state: dict[int, bool] = {}
+        #: clients whose node lost the state they kept there: sent nothing more
+        self.state_lost: set[int] = set()
         self.round_started = 0
         self.aborted = False
         super().__init__(cfg, spec, data, device)
@@ -331,14 +344,21 @@ class FlowerSimulation(Simulation):
         if self.prompt:  # a deployment: a node whose process exited is sent nothing more
             self._gone_nodes()
         alive = set(self.grid.get_node_ids()) - self.exited
-        targets = [(self.nodes[cid], cid, msg, rnd) for cid, msg in items if self.nodes[cid] in alive]
-        lost = {cid: EXITED if self.nodes[cid] in self.exited else LEFT
-                for cid, _ in items if self.nodes[cid] not in alive}
+        targets = [(self.nodes[cid], cid, msg, rnd) for cid, msg in items
+                   if self.nodes[cid] in alive and cid not in self.state_lost]
+        lost = {cid: STATE_LOST if cid in self.state_lost else EXITED if self.nodes[cid] in self.exited else LEFT
+                for cid, _ in items if self.nodes[cid] not in alive or cid in self.state_lost}
         replies, gone = self._send(kind, targets) if targets else ([], {})
         lost.update(gone)
         metas = [decode_meta(r.content) for r in replies]
-        got = {meta["cid"]: r for meta, r in zip(metas, replies)}
-        self.kept_state.update((meta["cid"], bool(meta.get("kept_state"))) for meta in metas)
+        for meta in metas:
+            if self.kept_state.get(meta["cid"]) and meta.get("had_state") is False:
+                self.state_lost.add(meta["cid"])
+                lost[meta["cid"]] = STATE_LOST
+            elif meta.get("secrets_lost"):
+                lost[meta["cid"]] = SECRETS_LOST
+        got = {meta["cid"]: r for meta, r in zip(metas, replies) if meta["cid"] not in lost}
+        self.kept_state.update((meta["cid"], bool(meta.get("kept_state"))) for meta in metas if meta["cid"] not in lost)
         silent = [cid for cid, _ in items if cid not in got and cid not in lost]
         for cause, clients in ((NODE_LOST, sorted(lost)), (TIMEOUT, silent)):
             if clients:

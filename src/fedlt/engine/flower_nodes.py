@@ -30,7 +30,7 @@ from fedlt.data.declaration import declared_dataset
 from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
-from fedlt.engine.flower_app import HELLO, FlowerSimulation, log, lost_sites
+from fedlt.engine.flower_app import HELLO, FlowerSimulation, client_failure, log
 from fedlt.engine.flower_codec import decode_meta, encode_message
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
@@ -206,7 +206,11 @@ class NodeDataSimulation(FlowerSimulation):
             self._asked_late.update(zip(self.grid.push_messages(hello), late))
         for reply in self.grid.pull_messages(list(self._asked_late)) if self._asked_late else []:
             node = self._asked_late.pop(reply.metadata.reply_to_message_id, None)
-            name = None if node is None or reply.has_error() else decode_meta(reply.content).get("name")
+            if node is not None and reply.has_error():
+                log(f"fedlt: the late SuperNode {node} could not say which site it serves "
+                    f"({client_failure(reply.error.reason)}); it takes no part")
+                continue
+            name = None if node is None else decode_meta(reply.content).get("name")
             if name is not None:
                 self._standby[node] = name
         if self.secure is not None and self.secure.phase is not None and kind != KEYS:
@@ -237,9 +241,10 @@ class NodeDataSimulation(FlowerSimulation):
             log(f"fedlt: site {name!r} is back as SuperNode {node}, but its client's state between rounds (kept "
                 f"by {self.cfg.method}) was on SuperNode {old}, which is gone; the site stays out of this run")
             return True
+        # the site's lines in the lost-nodes file that are its earlier nodes' (written before or after this)
+        self.lost_before[node] = sum(1 for n, site in self.node_names.items() if site == name)
         self.nodes[cid] = node
         self.node_names[node] = name
-        self.lost_before[node] = lost_sites().count(name)
         log(f"fedlt: site {name!r} rejoined as SuperNode {node} (it was SuperNode {old}); its client takes part "
             "again from this exchange")
         return True
