@@ -83,13 +83,15 @@ class NodeGrid:
         return out
 
     def push_messages(self, messages):
-        """As Flower's grid: the replies wait to be pulled (the late nodes' hellos go this way)."""
+        """As Flower's grid: the replies wait to be pulled (the late nodes' hellos go this way), and come no
+        sooner than the next exchange, so a server that waited for them there would never get them."""
         replies = self.send_and_receive(messages, timeout=0)
-        self.waiting.update((r.metadata.reply_to_message_id, r) for r in replies)
+        self.waiting.update((r.metadata.reply_to_message_id, (r, self.sends)) for r in replies)
         return [m.metadata.message_id for m in messages]
 
     def pull_messages(self, message_ids):
-        return [self.waiting.pop(i) for i in list(message_ids) if i in self.waiting]
+        ready = [i for i in message_ids if i in self.waiting and self.waiting[i][1] < self.sends]
+        return [self.waiting.pop(i)[0] for i in ready]
 
 
 @pytest.fixture
@@ -469,7 +471,8 @@ def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_
         assert err.count("fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201); its client takes "
                          "part again from this exchange") == 1
         assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
-        assert not run.summary.get("dropped")  # back before the site's next exchange: it missed none
+        # its name comes back an exchange after the hello: the site misses at most that one exchange
+        assert [d["clients"] for d in run.summary.get("dropped", [])] in ([], [[1]])
     else:
         assert err.count("fedlt: site 'client-1' is back as SuperNode 400, but its client's state between rounds "
                          "(kept by ditto) was on SuperNode 201, which is gone; the site stays out of this run") == 1
@@ -573,8 +576,8 @@ def test_a_restarted_site_rejoins_while_flower_still_lists_its_old_node(tmp_path
     assert "fedlt: site 'client-1' rejoined as SuperNode 400 (it was SuperNode 201)" in err
     assert "SuperNode 201 joined" not in err and "stands by" not in err
     assert any(400 in targets and len(targets) == 3 for targets in grid.targets[-3:])
-    assert all(201 not in targets for targets in grid.targets[grid.targets.index(next(
-        t for t in grid.targets if 400 in t)):])
+    took_over = next(i for i, (kind, t) in enumerate(zip(grid.sent_kinds, grid.targets)) if 400 in t and kind != "hello")
+    assert all(201 not in targets for targets in grid.targets[took_over:])
 
 
 class KilledDuringSecureExchange(NodeGrid):
