@@ -367,6 +367,31 @@ def test_the_supernode_waits_are_capped_and_object_pulls_back_off_from_50_ms(mon
         cap_supernode_waits()
 
 
+def test_the_deployed_serverapp_pulls_replies_with_the_short_back_off(monkeypatch):
+    """The ServerApp's own pulls of reply objects start their back-off at 50 ms before anything else runs
+    (Flower's start at 1 s, up to 3 s more per phase whose replies lag their messages)."""
+    import functools
+
+    from flwr.app import Context, RecordDict
+    from flwr.superlink.grid import http_grid
+
+    from fedlt.engine import flower_app
+    from fedlt.errors import ConfigError
+
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)
+    monkeypatch.delenv("FEDLT_OUTCOME_FILE", raising=False)
+
+    def refuse(*_):
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(flower_app, "app_dir", lambda grid: None)
+    monkeypatch.setattr(flower_app, "deployed_config", refuse)
+    with pytest.raises(ConfigError, match="stop here"):
+        flower_app.main(object(), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert isinstance(http_grid.pull_objects, functools.partial)
+    assert http_grid.pull_objects.keywords == {"initial_backoff": 0.05}
+
+
 @pytest.mark.parametrize("poll", ["0", "5", "-1"])
 def test_the_supernode_launcher_refuses_a_poll_outside_its_range_in_one_line(poll, capsys):
     from fedlt.engine.flower_supernode import main
