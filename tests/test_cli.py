@@ -703,4 +703,8 @@ def test_running_out_of_memory_is_one_line_naming_what_sizes_the_step_and_how_to
     cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB")
     assert out_of_memory(cuda) == "the GPU ran out of memory (asked for 2.00 GiB)"
     assert out_of_memory(MemoryError()) == "Python could not allocate memory"
+    beyond = "a tensor larger than any memory was asked for (its size does not fit in 64 bits)"
+    assert out_of_memory(RuntimeError("Storage size calculation overflowed with sizes=[10**18, 128]")) == beyond
+    assert out_of_memory(OverflowError("int too big to convert")) == beyond  # a size knob of 1e20
+    assert out_of_memory(OverflowError("math range error")) is None
     assert out_of_memory(RuntimeError("shape mismatch")) is None and out_of_memory(ValueError("x")) is None

@@ -49,9 +49,12 @@ def out_of_memory(err: BaseException) -> str | None:
     else None: ``"the CPU allocator was asked for 102.4 TB"``."""
     if isinstance(err, MemoryError):
         return "Python could not allocate memory"
+    text = str(err)
+    if (isinstance(err, OverflowError) and "too big to convert" in text) or any(
+            sign in text for sign in ("Storage size calculation overflowed", "Overflow when unpacking long")):
+        return "a tensor larger than any memory was asked for (its size does not fit in 64 bits)"
     if not isinstance(err, RuntimeError):
         return None
-    text = str(err)
     if "can't allocate memory" in text:
         asked = re.search(r"allocate (\d+) bytes", text)
         return "the CPU allocator was asked for " + (_size(int(asked.group(1))) if asked else "more than it has")

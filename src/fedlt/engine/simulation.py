@@ -564,7 +564,7 @@ class Simulation:
         except KeyboardInterrupt as stop:
             stop.resume_hint = self._resume_hint(run_dir, checkpointed)
             raise
-        except (MemoryError, RuntimeError) as err:
+        except (MemoryError, RuntimeError, OverflowError) as err:
             if (what := out_of_memory(err)) is None:
                 raise
             raise OutOfMemory(f"out of memory in round {rnd}: {what}; lower what sizes the step ({MEMORY_KNOBS}); "
