@@ -392,14 +392,21 @@ def test_the_deployed_serverapp_pulls_replies_with_the_short_back_off(monkeypatc
     assert http_grid.pull_objects.keywords == {"initial_backoff": 0.05}
 
 
-@pytest.mark.parametrize("poll", ["0", "5", "-1"])
-def test_the_supernode_launcher_refuses_a_poll_outside_its_range_in_one_line(poll, capsys):
-    from fedlt.engine.flower_supernode import main
+@pytest.mark.parametrize(("args", "env", "where"), [
+    (["--poll", "0"], None, "--poll=0"), (["--poll", "5"], "0.5", "--poll=5"), (["--poll", "x"], None, "--poll=x"),
+    ([], "-1", "$FEDLT_SUPERNODE_POLL=-1"), ([], "nan", "$FEDLT_SUPERNODE_POLL=nan")])
+def test_the_supernode_launcher_refuses_a_poll_outside_its_range_in_one_line(args, env, where, capsys, monkeypatch):
+    """--poll, else $FEDLT_SUPERNODE_POLL (how fedlt deploy's nodes get it); the line names the one read."""
+    from fedlt.engine.flower_supernode import POLL_ENV, main
 
-    assert main(["--poll", poll, "--insecure"]) == 2
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    if env is not None:
+        monkeypatch.setenv(POLL_ENV, env)
+    assert main([*args, "--insecure"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"python -m fedlt.engine.flower_supernode: error: --poll={float(poll):g} is not in (0, 3] seconds; "
-                   "give e.g. --poll 0.2"]
+    given = where.split("=")[0]
+    assert err == [f"python -m fedlt.engine.flower_supernode: error: {where} is not a number of seconds in (0, 3]; "
+                   f"give e.g. {given}=0.2"]
 
 
 def test_a_deployed_serverapp_stops_waiting_for_a_node_known_to_be_gone():
@@ -573,7 +580,8 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
         return [re.findall(r"fedlt worker (\d+): task (\d+) served", (work / f"clientapp{i}.log").read_text())
                 for i in (0, 1)]
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    # Flower's own idle wait (3 s): a round outlasts the test's steps between kills, as its timeline assumes
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FEDLT_SUPERNODE_POLL": "3"}
     proc = subprocess.Popen([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--tls", "--workdir", str(work),
                              str(config), "fl.rounds=3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
