@@ -367,6 +367,22 @@ def test_the_supernode_waits_are_capped_and_object_pulls_back_off_from_50_ms(mon
         cap_supernode_waits()
 
 
+def test_a_bad_supernode_poll_is_refused_before_the_deployment_starts(tmp_path):
+    """fedlt deploy's SuperNodes read $FEDLT_SUPERNODE_POLL: a bad one made each exit at once, and the run wait
+    out flower.connect_timeout_s for nodes that never came, then blame them."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FEDLT_SUPERNODE_POLL": "abc"}
+    proc = subprocess.run([sys.executable, "-m", "fedlt.cli", "deploy", "--nodes", "2", str(ROOT / "configs" /
+                           "synthetic_smoke.yaml"), "fl.rounds=1", f"run.out_dir={tmp_path / 'runs'}"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "fedlt: error: $FEDLT_SUPERNODE_POLL=abc is not a number of seconds in (0, 3]; give e.g. "
+        "$FEDLT_SUPERNODE_POLL=0.2 (the SuperNodes' poll)"], proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no workdir, no run folder
+
+
 def test_the_deployed_serverapp_pulls_replies_with_the_short_back_off(monkeypatch):
     """The ServerApp's own pulls of reply objects start their back-off at 50 ms before anything else runs
     (Flower's start at 1 s, up to 3 s more per phase whose replies lag their messages)."""

@@ -549,6 +549,17 @@ def check_tls(tls: bool, auth: bool) -> None:
                           "(e.g. apt install openssl) or drop --tls")
 
 
+def check_supernode_poll() -> None:
+    """Refuse a bad ``$FEDLT_SUPERNODE_POLL`` before anything starts: every SuperNode would refuse it and
+    exit, and the run wait ``flower.connect_timeout_s`` for nodes that never come."""
+    from fedlt.engine.flower_supernode import chosen_poll
+
+    try:
+        chosen_poll()
+    except ValueError as err:
+        raise ConfigError(f"{err} (the SuperNodes' poll)") from None
+
+
 @contextmanager
 def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False, startup_s: float = 60, *,
                      sites: list[Site] | None = None, auth: bool = False,
@@ -560,6 +571,8 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     Flower's own if ``flower_waits`` (a plain-Flower baseline)."""
     sites = sites if sites is not None else partition_sites(nodes if nodes is not None else 3)
     check_tls(tls, auth)
+    if not flower_waits:
+        check_supernode_poll()
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -753,6 +766,7 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
         plan = plan_deployment(config, overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                                server_test=server_test)
         check_output_path(workdir, True, "--workdir")
+        check_supernode_poll()
         workdir = workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         with holding(workdir, f"--workdir {workdir} is the folder of a deployment still running (its Flower "

@@ -204,8 +204,7 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     cid = meta["cid"]
     prefix = f"client{cid}."
     state = get_tree(context.state, prefix, runtime.device) if has_tree(context.state, prefix) else {}
-    # what the client brought to this exchange, so the server tells a node that lost it (started again) apart
-    had = any(key != SECURE_ENTRY for key in state)
+    had = _keeps_state(state)  # what it brought: the server tells a node that lost it (started again) apart
     incoming = decode_message(message.content, runtime.device)
     if SECURE_ENTRY not in state and (meta["kind"] in (SHARES, UNMASK) or SECURE_ENTRY in incoming.payload):
         return FlowerMessage(encode_message(Reply(), {"cid": cid, "had_state": had, "secrets_lost": True}),
@@ -215,10 +214,14 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
         put_tree(context.state, prefix, state, where=f"client {cid}'s ctx.state")
     else:
         drop_tree(context.state, prefix)
-    # whether the client keeps state on this node: a site whose SuperNode is started again rejoins only without.
-    # A secure phase's secrets are no such state: they last one exchange, and the next secure phase makes new ones
-    kept = any(key != SECURE_ENTRY for key in state)
-    return FlowerMessage(encode_message(reply, {"cid": cid, "had_state": had, "kept_state": kept}), reply_to=message)
+    return FlowerMessage(encode_message(reply, {"cid": cid, "had_state": had, "kept_state": _keeps_state(state)}),
+                         reply_to=message)
+
+
+def _keeps_state(state: dict[str, Any]) -> bool:
+    """Whether a client's ``ctx.state`` holds state between rounds: a site whose SuperNode is started again
+    rejoins only without. A secure phase's secrets are no such state: they last one exchange."""
+    return any(key != SECURE_ENTRY for key in state)
 
 
 # ---- server side ----------------------------------------------------------------------------
@@ -258,13 +261,16 @@ class FlowerSimulation(Simulation):
     def worker(self):
         raise FedltError("under engine=flower the clients' models live on the SuperNodes")
 
+    def outgoing(self, kind: str, node: int, cid: int, msg: Message, rnd: int) -> FlowerMessage:
+        """``msg`` for client ``cid`` on ``node`` as Flower carries it, with what the ClientApp needs to answer."""
+        return FlowerMessage(encode_message(msg, {"kind": kind, "cid": cid, "round": rnd, "config": self._config_json}),
+                             dst_node_id=node, message_type=_message_type(kind))
+
     def _send(self, kind: str, targets: list[tuple[int, int, Message, int]]
               ) -> tuple[list[FlowerMessage], dict[int, str]]:
         """Send (node, client, message, round) tuples as one batch: the replies that arrived, and
         why Flower says the others' nodes are gone (client -> reason), told apart from silence."""
-        out = [FlowerMessage(encode_message(msg, {"kind": kind, "cid": cid, "round": rnd, "config": self._config_json}),
-                             dst_node_id=node, message_type=_message_type(kind))
-               for node, cid, msg, rnd in targets]
+        out = [self.outgoing(kind, node, cid, msg, rnd) for node, cid, msg, rnd in targets]
         timeout = self.cfg.flower.timeout_s
         self.gone = dict.fromkeys(self.exited, EXITED)
         replies = (poll_replies(self.grid, out, timeout, stop=self.stop, gone=self._gone_nodes)

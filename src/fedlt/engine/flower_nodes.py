@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message as FlowerMessage
 
 from fedlt.config import Config, build_config
 from fedlt.data.dataset import ImageDataset
@@ -31,7 +30,7 @@ from fedlt.data.registry import DATASETS
 from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
 from fedlt.engine.flower_app import HELLO, FlowerSimulation, client_failure, log
-from fedlt.engine.flower_codec import decode_meta, encode_message
+from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import KEYS, SecureAggregation, TooFewForSecureSum
@@ -200,9 +199,7 @@ class NodeDataSimulation(FlowerSimulation):
             log(f"fedlt: SuperNode {node} joined after the federation was formed; asking which site it serves")
         self._told_late.update(late)
         if late:
-            hello = [FlowerMessage(encode_message(Message(), {"kind": HELLO, "cid": -1, "round": 0,
-                                                               "config": self._config_json}),
-                                   dst_node_id=node, message_type="query") for node in late]
+            hello = [self.outgoing(HELLO, node, -1, Message(), 0) for node in late]
             self._asked_late.update(zip(self.grid.push_messages(hello), late))
         for reply in self.grid.pull_messages(list(self._asked_late)) if self._asked_late else []:
             node = self._asked_late.pop(reply.metadata.reply_to_message_id, None)

@@ -19,6 +19,19 @@ from fedlt.engine.flower_waits import SUPERNODE_POLL_S, cap_supernode_waits
 POLL_ENV = "FEDLT_SUPERNODE_POLL"
 
 
+def chosen_poll(given: str | None = None) -> float:
+    """``--poll`` if ``given``, else ``$FEDLT_SUPERNODE_POLL``, else the default; a ValueError names the bad one."""
+    where, raw = (("--poll", given) if given is not None else
+                  (f"${POLL_ENV}", os.environ[POLL_ENV]) if os.environ.get(POLL_ENV) else ("--poll", str(SUPERNODE_POLL_S)))
+    try:
+        poll = float(raw)
+    except ValueError:
+        poll = float("nan")
+    if not 0 < poll <= 3:  # NaN too
+        raise ValueError(f"{where}={raw} is not a number of seconds in (0, 3]; give e.g. {where}={SUPERNODE_POLL_S:g}")
+    return poll
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedlt.engine.flower_supernode", add_help=False,
@@ -31,15 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in theirs or "-h" in theirs:
         parser.print_help()
         print()
-    where, raw = (("--poll", ours.poll) if ours.poll is not None else
-                  (f"${POLL_ENV}", os.environ[POLL_ENV]) if os.environ.get(POLL_ENV) else ("--poll", str(SUPERNODE_POLL_S)))
     try:
-        poll = float(raw)
-    except ValueError:
-        poll = float("nan")
-    if not 0 < poll <= 3:  # NaN too
-        print(f"python -m fedlt.engine.flower_supernode: error: {where}={raw} is not a number of seconds in (0, 3]; "
-              f"give e.g. {where}={SUPERNODE_POLL_S:g}", file=sys.stderr)
+        poll = chosen_poll(ours.poll)
+    except ValueError as err:
+        print(f"python -m fedlt.engine.flower_supernode: error: {err}", file=sys.stderr)
         return 2
     from flwr.supernode.cli import flower_supernode
 
