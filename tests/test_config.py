@@ -180,13 +180,17 @@ def test_numbers_past_float32_and_threads_past_torchs_int_are_refused_before_tra
                                  "method_args.temperature_init for method fedetf: 1e+39 " + beyond),
                                 (["method=ccvr", "calibration_args.retrain_lr=1e39"],
                                  "calibration_args.retrain_lr for calibration: 1e+39 " + beyond),
-                                (["method=fedloge", "method_args.gamma=1e39"], "method_args.gamma for method fedloge")]:
+                                (["method=fedloge", "method_args.gamma=1e39"], "method_args.gamma for method fedloge"),
+                                (["method=fedloge", "fl.lr=3e38", "method_args.head_lr_scale=100"],  # each in range
+                                 "the heads' lr fl.lr x method_args.head_lr_scale = 3e+40 is past the 32-bit floats")]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_config(load_config(None, overrides))
     assert "takes fl.lr=0.05 past the 32-bit floats" in config_error(
         overrides=["fl.lr_schedule=step", "fl.lr_decay=1e38"])  # 0.05 x 1e38 x 1e38 at the last round
     assert "run.threads: Input should be less than or equal to 1024" in config_error(overrides=["run.threads=2147483648"])
     load_config(None, ["fl.lr=3e38", "fl.lr_schedule=step", "fl.lr_decay=0.1", "run.threads=1024"])  # within range
+    check_config(load_config(None, ["method=fedloge", "fl.lr=3e38", "method_args.head_optimizer=released",
+                                    "method_args.head_lr_scale=100"]))  # the released optimiser's lr is 0.03 x 100
 
 
 def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:

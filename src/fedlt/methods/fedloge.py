@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from fedlt.config import Config
+from fedlt.config import FLOAT32_MAX, Config
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
     Client, ClientContext, LocalObjective, MethodArgs, ModelHead, Server, ServerContext, TrainSettings, broadcast_state,
@@ -235,6 +235,14 @@ class FedLoGeServer(Server):
     @classmethod
     def secure_phases(cls, config):
         return {**super().secure_phases(config), f"query:{NORM_QUERY}": "weighted_mean"}
+
+    @classmethod
+    def config_refusal(cls, config, args):
+        lr = config.fl.lr * args.head_lr_scale
+        if args.head_optimizer == "run" and lr > FLOAT32_MAX:  # each factor passed its own float32 check, the product did not
+            return (f"the heads' lr fl.lr x method_args.head_lr_scale = {lr:.4g} is past the 32-bit floats training "
+                    f"computes in (at most {FLOAT32_MAX:.4g}); lower fl.lr or head_lr_scale")
+        return None
 
     def build_classifier(self, gamma: float) -> None:
         """The SSE-C (or dense ETF) of norm ``gamma`` into the model's fixed classifier slot."""
