@@ -109,6 +109,29 @@ def test_git_commit_names_the_checkout_or_nothing(monkeypatch, tmp_path):
         assert commit.removesuffix("+dirty") == head.stdout.strip()
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git program to make a checkout")
+def test_git_commit_of_a_checkout_is_its_head_and_says_dirty_only_for_edited_tracked_files(monkeypatch, tmp_path):
+    """An installed fedlt may rightly have no commit, so the test above cannot tell a git_commit that always
+    says None; a checkout made here is named by its HEAD, +dirty once a tracked file changes, not an untracked one."""
+    package = tmp_path / "repo" / "fedlt"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "environment.py").write_text("")
+    git = lambda *args: subprocess.run(["git", "-C", str(package.parent), "-c", "user.name=t", "-c",  # noqa: E731
+                                        "user.email=t@t", *args], capture_output=True, text=True, check=True).stdout
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    monkeypatch.setattr(environment, "__file__", str(package / "environment.py"))
+    head = git("rev-parse", "--short", "HEAD").strip()
+    for edit, expected in ((None, head), ("notes.txt", head), ("__init__.py", f"{head}+dirty")):
+        if edit:
+            (package / edit).write_text("x = 1\n")
+        environment.git_commit.cache_clear()
+        assert environment.git_commit() == expected, edit
+    environment.git_commit.cache_clear()
+
+
 def test_bench_reports_describe_the_machine_in_one_line():
     env = {**environment.collect(), "cpu": "Some CPU", "cpu_capability": "AVX512", "threads": 4, "torch": "2.13.0",
            "fedlt": "0.1.0", "git_commit": "abc1234+dirty"}
