@@ -698,8 +698,9 @@ def test_running_out_of_memory_is_one_line_naming_what_sizes_the_step_and_how_to
     assert line.startswith("fedlt: error: out of memory in round 1: the CPU allocator was asked for 10.2 PB; lower "
                            "what sizes the step (fl.batch_size, eval.batch_size, run.workers / run.streams, a "
                            "calibration's *_per_class, the model); "), line
-    assert line.endswith("stopped before its first checkpoint (run.checkpoint_every=10), so there is nothing to "
-                         "resume; start the run again"), line
+    assert f"the model); the run stopped before its first result, so its folder {tmp_path}/ccvr-" in line, line
+    assert line.endswith(" is removed; start the run again"), line
+    assert list(tmp_path.glob("ccvr-*")) == []  # nothing half-written: a new try makes a new folder
     cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB")
     assert out_of_memory(cuda) == "the GPU ran out of memory (asked for 2.00 GiB)"
     assert out_of_memory(MemoryError()) == "Python could not allocate memory"

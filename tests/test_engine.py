@@ -706,20 +706,25 @@ def test_an_interrupted_run_names_its_folder_and_whether_it_can_resume(tmp_path,
 
     original = Simulation.fit_round
 
-    def interrupted_in(round_: int, name: str) -> KeyboardInterrupt:
+    def interrupted_in(round_: int, name: str, every: int = 2) -> KeyboardInterrupt:
         monkeypatch.setattr(Simulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
                             if rnd == round_ else original(self, rnd))
         with pytest.raises(KeyboardInterrupt) as stop:
-            fedlt.run(tiny(tmp_path, fl__local_epochs=1, run__name=name), quiet=True)
+            fedlt.run(tiny(tmp_path, fl__local_epochs=1, run__name=name, eval__every=every), quiet=True)
         monkeypatch.undo()
         return stop.value
 
     run_dir = tmp_path / "cut"
     assert interrupted_in(3, "cut").resume_hint == \
         f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round 2"
-    assert interrupted_in(2, "early").resume_hint == (
+    assert interrupted_in(2, "early", every=1).resume_hint == (  # round 1's result is kept
         f"{tmp_path / 'early'} stopped before its first checkpoint (run.checkpoint_every=2), so there is nothing to "
         "resume; start the run again")
+    assert (tmp_path / "early" / "metrics.jsonl").is_file()
+    assert interrupted_in(2, "unevaluated").resume_hint == (  # no result yet: no folder either
+        f"the run stopped before its first result, so its folder {tmp_path / 'unevaluated'} is removed; start the "
+        "run again")
+    assert not (tmp_path / "unevaluated").exists()
     monkeypatch.setattr(fedlt.results, "plot_curves", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt) as late:
         fedlt.resume(run_dir, quiet=True)
@@ -854,7 +859,7 @@ def test_a_long_setup_stage_says_so_and_a_quick_one_prints_nothing(tmp_path, mon
 
 def test_an_interrupt_in_the_setup_stage_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
     """FedLoGe's SSE-C is built in the setup stage, after the run's folder exists: Ctrl-C there said how to
-    resume a run that has no checkpoint to resume from."""
+    resume a run that has no checkpoint to resume from, and left the folder of a run that never started."""
     from fedlt.methods.fedavg import FedAvgServer
 
     def interrupted(self, query, replies):
@@ -865,8 +870,9 @@ def test_an_interrupt_in_the_setup_stage_says_there_is_nothing_to_resume(tmp_pat
                run={"out_dir": str(tmp_path), "name": "setup", "threads": 1})
     with pytest.raises(KeyboardInterrupt) as stop:
         fedlt.run(cfg, quiet=True)
-    assert stop.value.resume_hint == (f"{tmp_path / 'setup'} stopped in the setup stage, before round 1, so there "
-                                      "is nothing to resume; start the run again")
+    assert stop.value.resume_hint == (f"the run stopped before its first result, so its folder {tmp_path / 'setup'} "
+                                      "is removed; start the run again")
+    assert not (tmp_path / "setup").exists()  # config.yaml and partition.json alone were a half-written run
 
 
 def test_a_long_final_stage_says_so_before_the_last_rounds_line(tmp_path, monkeypatch, capsys):

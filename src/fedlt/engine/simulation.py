@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,8 @@ from fedlt.methods.registry import parse_method_args
 from fedlt.models import FedModel
 from fedlt.progress import Progress
 from fedlt.results import (
-    ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, append_metrics, partition_record, progress_label, read_metrics,
-    rewrite_metrics, save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
+    ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, append_metrics, partition_record, progress_label,
+    read_metrics, rewrite_metrics, save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
 )
 from fedlt.run_parts import choose_backend, no_global_model_refusal, outside_code
 from fedlt.training.graphed import GraphedTrainer
@@ -462,7 +463,18 @@ class Simulation:
         previous line (the setup stage's included). Interrupted (Ctrl-C, SIGTERM), the exception
         carries ``resume_hint``: how to go on from the folder's last checkpoint, if it has one."""
         with writing(run_dir):
-            return self._run(run_dir, resume, quiet)
+            try:
+                return self._run(run_dir, resume, quiet)
+            except BaseException:
+                if self._discards(run_dir, resume):  # a new in-process run that wrote no result leaves no folder
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+
+    def _discards(self, run_dir: Path, resume: bool) -> bool:
+        """Whether a run stopped now leaves nothing worth its folder: a new in-process run (Flower's
+        write a stopped summary) with no evaluated round, checkpoint or summary yet."""
+        return not resume and self.engine == "inprocess" and not any(
+            (run_dir / name).exists() for name in (METRICS_FILE, CHECKPOINT_FILE, SUMMARY_FILE))
 
     def _run(self, run_dir: Path, resume: bool, quiet: bool) -> RunResult:
         cfg = self.cfg
@@ -505,11 +517,10 @@ class Simulation:
             except BaseException as stop:
                 progress.close()
                 if isinstance(stop, KeyboardInterrupt):
-                    stop.resume_hint = (f"{run_dir} stopped in the setup stage, before round 1, so there is nothing "
-                                        "to resume; start the run again")
+                    stop.resume_hint = self._resume_hint(run_dir, 0)  # in the setup stage: nothing written yet
                 if (what := out_of_memory(stop)) is not None:
                     raise OutOfMemory(f"out of memory in the method's setup stage: {what}; lower what sizes it "
-                                      f"({MEMORY_KNOBS}) and start the run again") from None
+                                      f"({MEMORY_KNOBS}); " + self._resume_hint(run_dir, 0)) from None
                 raise
         if start < cfg.fl.rounds:  # this process trains rounds: a segment of its own
             self.segments.append({"from_round": start + 1, "device": str(self.device), "backend": self.backend,
@@ -589,6 +600,8 @@ class Simulation:
             return f"{run_dir} is an engine=flower run, which cannot resume; start it again"
         if checkpointed:
             return f"`fedlt run --resume {folder}` goes on from its checkpoint of round {checkpointed}"
+        if self._discards(run_dir, resume=False):
+            return f"the run stopped before its first result, so its folder {run_dir} is removed; start the run again"
         return (f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={every}), so there is nothing "
                 "to resume; start the run again")
 
