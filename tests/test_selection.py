@@ -99,6 +99,17 @@ def test_a_grid_row_runs_every_candidate_and_reports_the_one_validation_selects(
     rows = {(r["setting"], r["row"]): r for r in csv.DictReader((out / "report" / "tables.csv").open())}
     assert rows[("a", "FedProx")]["chosen"] == f"fl.lr={chosen}" and rows[("a", "FedAvg")]["chosen"] == ""
     assert f"FedProx: fl.lr={chosen}, chosen on validation data." in (out / "report" / "tables.tex").read_text()
+    # the run above has validation and test agree; where they disagree, validation decides, never test accuracy
+    for lr, val_acc in (("0.001", 90.0), ("0.05", 10.0)):
+        for path in out.glob(f"*/fedprox-fl-lr-{lr.replace('.', '-')}/seed*/summary.json"):
+            summary = json.loads(path.read_text())
+            summary["final"]["val_acc"] = val_acc
+            path.write_text(json.dumps(summary))
+    assert acc["0.05"] > acc["0.001"]
+    text = write_report(out, with_plots=False).markdown
+    assert "| `fl.lr=0.001` |" in text and f"| FedProx | {acc['0.001']:.2f} ± " in text
+    rows = {(r["setting"], r["row"]): r for r in csv.DictReader((out / "report" / "tables.csv").open())}
+    assert rows[("a", "FedProx")]["chosen"] == "fl.lr=0.001"
 
 
 def test_a_grid_row_without_a_validation_set_is_refused_before_anything_runs(tmp_path):
