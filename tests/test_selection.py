@@ -168,6 +168,17 @@ def test_a_row_that_joins_a_grid_rows_choice_competes_on_validation_and_can_win(
     text = write_report(out, with_plots=False).markdown
     assert len({round(final[c]["a"]["acc"], 2) for c in folders}) > 1  # the winner's figure tells it apart
     assert f"| FedProx | {final[best]['a']['acc']:.2f}" in text  # the table shows the winner's test accuracy
+    # where validation and test disagree, validation decides: the joined row's slow candidate wins on it alone
+    winner = "FedProx (mu=0.1) [fl.lr=0.001]"
+    for c, f in folders.items():
+        for s in ("a", "b"):
+            path = out / s / f / "seed0" / "summary.json"
+            summary = json.loads(path.read_text())
+            summary["final"]["val_acc"] = 90.0 if c == winner else 10.0
+            path.write_text(json.dumps(summary))
+    assert max(final[c]["a"]["acc"] for c in folders) > final[winner]["a"]["acc"] + 1
+    assert {s.row: s for s in collect(out).selections}["FedProx"].chosen == {"a": winner, "b": winner}
+    assert f"| FedProx | {final[winner]['a']['acc']:.2f}" in write_report(out, with_plots=False).markdown
 
 
 @pytest.mark.parametrize("joined, message", [
