@@ -910,3 +910,65 @@ def test_a_serverapp_stopped_by_the_deployments_timeout_records_why(tmp_path, mo
                                                    "of 40 s ran out")
     monkeypatch.delenv(STOP_REASON_ENV)
     assert describe_error(SystemExit()) == "the ServerApp was stopped by a signal"
+
+
+def _interrupted_flower_run(cfg: dict, grid: LoopbackGrid, at: int, monkeypatch) -> tuple[Path, str]:
+    """``cfg`` on ``grid``, stopped by Ctrl-C at the start of round ``at``: its folder and the resume hint."""
+    from fedlt.engine.flower_app import FlowerSimulation
+
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if rnd == at else original(self, rnd))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        flower_run(cfg, grid)
+    monkeypatch.setattr(FlowerSimulation, "fit_round", original)  # not undo(): the server identity stays set
+    return Path(cfg["run"]["out_dir"]) / cfg["run"]["name"], stop.value.resume_hint
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedavg+secagg"])
+def test_a_flower_run_of_stateless_clients_resumes_on_new_nodes_as_if_uninterrupted(tmp_path, server_identity,
+                                                                                       monkeypatch, method):
+    """A deployment's server that stopped (a crash, a reboot) lost the run: a Flower run could not resume.
+    With clients that keep nothing between rounds, new SuperNodes serve the rest of the run from the
+    checkpoint, and every metric equals the uninterrupted run's (the comm counts add one setup exchange)."""
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.results import read_summary
+
+    base, extra = method.partition("+")[0], ({"secagg": {"enabled": True}} if "secagg" in method else {})
+    fl = {"rounds": 4, "participation": 0.5, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+    run = {"out_dir": str(tmp_path), "checkpoint_every": 2, "threads": 1}
+    full = flower_run(tiny(tmp_path, base, "full", fl=fl, run={**run, "name": "full"}, **extra), LoopbackGrid(nodes=2))
+    cut = tiny(tmp_path, base, "cut", fl=fl, run={**run, "name": "cut"}, **extra)
+    run_dir, hint = _interrupted_flower_run(cut, LoopbackGrid(nodes=2), 4, monkeypatch)
+    assert hint == (f"{run_dir} goes on from its checkpoint of round 2 with `fedlt deploy --resume {run_dir}` (a "
+                    "deployment) or `fedlt run --resume` (Flower's simulation)")
+    assert read_summary(run_dir)["status"] == "aborted" and read_summary(run_dir)["rounds_done"] == 2
+    resumed = run_on_grid(build_config(cut), LoopbackGrid(nodes=3), quiet=True, resume=run_dir)  # other nodes
+    drop = ("comm", "time_s")
+    assert [{k: v for k, v in m.items() if k not in drop} for m in resumed.metrics] == \
+        [{k: v for k, v in m.items() if k not in drop} for m in full.metrics]
+    assert resumed.summary["final"] == full.summary["final"] and "status" not in resumed.summary
+    assert [s["from_round"] for s in resumed.summary["segments"]] == [1, 3]
+
+
+def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resume(tmp_path, server_identity,
+                                                                                   monkeypatch):
+    """Ditto's personal models live on the SuperNodes: new nodes would train the clients without them, so the
+    resume is refused before anything is sent, with the reason, and the folder stays as it was."""
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.errors import ConfigError
+
+    cfg = tiny(tmp_path, "ditto", "cut", fl={"rounds": 3, "participation": 1.0, "local_epochs": 1, "batch_size": 32,
+                                             "lr": 0.05}, run={"out_dir": str(tmp_path), "name": "cut",
+                                                               "checkpoint_every": 1, "threads": 1})
+    cfg["data"]["num_clients"], cfg["engine"] = 3, "flower"  # as the deploy and simulation commands write it
+    run_dir, hint = _interrupted_flower_run(cfg, LoopbackGrid(nodes=3), 3, monkeypatch)
+    assert hint == f"{run_dir} is an engine=flower run, which cannot resume; start it again"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    grid = LoopbackGrid(nodes=3)
+    with pytest.raises(ConfigError, match=re.escape(f"clients [0, 1, 2] of {run_dir} kept state between rounds on "
+                                                    "their nodes (method ditto: ")):
+        run_on_grid(build_config(cfg), grid, quiet=True, resume=run_dir)
+    assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    with pytest.raises(ConfigError, match="kept state between rounds"):  # Flower's simulation: before Ray starts
+        fedlt.resume(run_dir, quiet=True)

@@ -676,3 +676,87 @@ def test_a_supernode_started_again_under_its_old_id_is_told_by_the_state_it_lost
         assert SECRETS_LOST not in err
         assert dropped[-1]["round"] == 3 and dropped[-1]["clients"] == [1]  # out for the rest of the run
         assert {d["round"] for d in dropped} == {dropped[0]["round"], *range(dropped[0]["round"], 4)}
+
+
+def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tmp_path, exported, server_identity,
+                                                                              monkeypatch):
+    """The server of a real federation stopped after its checkpoint of round 2: started again with the same
+    sites, it sums their class counts again (the checkpoint holds only the method's setup), checks them against
+    the run's, and the rest of the run equals the uninterrupted one. Other sites, or other data, are refused."""
+    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+    from fedlt.results import read_summary
+
+    top = {"fl": {"rounds": 3}, "run": {"checkpoint_every": 1}, "eval": {"test_data": str(exported / "server" / "test")}}
+    full = node_run(node_tree(tmp_path, "full", exported, **top), NodeGrid(nodes_of(exported)))
+    cfg = build_config(node_tree(tmp_path, "cut", exported, **top))
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if rnd == 3 else original(self, rnd))
+    with pytest.raises(KeyboardInterrupt):
+        node_run(cfg.dump(), NodeGrid(nodes_of(exported)))
+    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
+    run_dir = tmp_path / "runs" / "cut"
+    assert read_summary(run_dir)["status"] == "aborted"
+
+    two = dict(list(nodes_of(exported).items())[:2])
+    renamed = {**two, "elsewhere": nodes_of(exported)[sorted(nodes_of(exported))[2]]}
+    with pytest.raises(ConfigError, match=re.escape(f"the run's sites were {', '.join(sorted(nodes_of(exported)))}, "
+                                                    f"the connected SuperNodes are {', '.join(sorted(renamed))}")):
+        run_on_grid(cfg, NodeGrid(renamed), quiet=True, resume=run_dir)
+    first, last = sorted(nodes_of(exported))[0], sorted(nodes_of(exported))[-1]
+    swapped = {**nodes_of(exported), first: tmp_path / "other"}
+    shutil.copytree(nodes_of(exported)[last], tmp_path / "other")  # a site that serves another site's data
+    with pytest.raises(ConfigError, match=r"the sites' data are not those the run began with"):
+        run_on_grid(cfg, NodeGrid(swapped), quiet=True, resume=run_dir)
+
+    resumed = run_on_grid(cfg, NodeGrid(nodes_of(exported)), quiet=True, resume=run_dir)
+    drop = ("comm", "time_s")
+    assert [{k: v for k, v in m.items() if k not in drop} for m in resumed.metrics] == \
+        [{k: v for k, v in m.items() if k not in drop} for m in full.metrics]
+    assert resumed.summary["final"] == full.summary["final"] and resumed.summary["nodes"] == full.summary["nodes"]
+    assert resumed.summary["train_class_counts"] == full.summary["train_class_counts"]
+
+
+def test_a_deployment_stopped_after_a_checkpoint_goes_on_with_deploy_resume(tmp_path, exported):
+    """`fedlt deploy` stopped by SIGTERM after round 1 of 3 (say, the server's machine going down), then
+    `fedlt deploy --resume RUN_DIR` with the same site folders: new SuperLink, SuperNodes and ServerApp go on
+    from the last checkpoint, and the run ends as the in-process run does (one exchange a round, to be quick)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    local = fedlt.run(tree(tmp_path, "local", fl={"rounds": 3}, eval={"personalized": False}), quiet=True)
+    config = tmp_path / "federation.yaml"
+    deployed = yaml.safe_load((exported / "federation.yaml").read_text())
+    deployed["run"].update(out_dir=str(tmp_path / "runs"), name="deployed", checkpoint_every=1)
+    deployed["fl"]["rounds"], deployed["eval"]["personalized"] = 3, False
+    config.write_text(yaml.safe_dump(deployed))
+    run_dir = tmp_path / "runs" / "deployed"
+    sites = ["--node-data", str(exported / "nodes"), "--server-test", str(exported / "server" / "test"),
+             "--workdir", str(tmp_path / "work"), "--timeout", "240"]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    first = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "deploy", *sites, str(config)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 143
+    proc = subprocess.run([sys.executable, "-m", "fedlt.cli", "deploy", "--resume", str(run_dir), *sites],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "status" not in summary and summary["segments"][-1]["from_round"] in (2, 3)  # after the last checkpoint
+    for key in ("acc", "per_class_acc"):
+        expected = local.summary["final"][key]
+        assert summary["final"][key] == (expected if isinstance(expected, list)
+                                         else pytest.approx(expected, abs=tolerance(key))), key
+    refused = subprocess.run([sys.executable, "-m", "fedlt.cli", "deploy", "--resume", str(run_dir), str(config)],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"fedlt: error: --resume {run_dir} goes on with the run's own config; drop '{config}'"]

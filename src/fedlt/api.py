@@ -15,7 +15,7 @@ from fedlt.errors import ConfigError
 from fedlt.methods.registry import METHODS
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
-from fedlt.run_parts import check_new_config, setup_parts, unread_settings
+from fedlt.run_parts import check_config, check_new_config, setup_parts, unread_settings
 
 
 def prepare(cfg: Config) -> Simulation:
@@ -48,17 +48,21 @@ def run(config: Config | dict[str, Any] | str | Path | None = None, *, overrides
     return sim.run(run_dir, quiet=quiet)
 
 
-def _run_flower(cfg: Config, quiet: bool) -> RunResult:
-    """The config on Flower's simulation engine; checked first, so a bad config starts no Ray."""
-    spec = check_new_config(cfg)
+def _run_flower(cfg: Config, quiet: bool, resume: Path | None = None) -> RunResult:
+    """The config on Flower's simulation engine, or the run in ``resume`` from its checkpoint; checked
+    first, so a bad config starts no Ray."""
+    spec = check_config(cfg) if resume else check_new_config(cfg)
     if spec.pooled:
         raise ConfigError(f"method {cfg.method} trains on pooled data; run it with engine=inprocess")
     try:
-        from fedlt.engine.flower_app import simulate
+        from fedlt.engine.flower_app import resumable_on_nodes, simulate
     except ImportError:
         raise ConfigError("engine=flower needs Flower: pip install 'fedlt[flower]'") from None
-    _note_unread(cfg, quiet)
-    return simulate(cfg, quiet=quiet)
+    if resume is None:
+        _note_unread(cfg, quiet)
+    else:
+        resumable_on_nodes(cfg, resume)  # refused before Ray starts
+    return simulate(cfg, quiet=quiet, resume=resume)
 
 
 def _note_unread(cfg: Config, quiet: bool) -> None:
@@ -95,13 +99,16 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
         raise ConfigError(f"{run_dir} ran method '{cfg.method}', which no installed method or plug-in provides; install "
                           "the plug-in that registers it (a finished run's summary.json names it under environment."
                           "outside_code), check with `fedlt methods`, then resume")
-    if cfg.engine == "flower":
-        raise ConfigError("engine=flower runs cannot resume (client state lives on the SuperNodes); start a new run")
+    if cfg.engine == "flower" and cfg.flower.node_data:
+        raise ConfigError(f"{run_dir} ran on SuperNodes that hold their own data; resume it where they run, with "
+                          f"fedlt deploy --resume {run_dir} --node-data DIR (and its other options)")
     for name in (*RUN_FILES, CHECKPOINT_FILE):  # found now, not after the training it would throw away
         for written in (name, name + ".tmp", "tmp-" + name):  # and the temporary files it is written through
             if (run_dir / written).exists() and not (run_dir / written).is_file():
                 raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
                                   "of the run directory, then resume")
+    if cfg.engine == "flower":  # on Flower's simulation engine again
+        return _run_flower(cfg, quiet, resume=run_dir)
     with writing(run_dir):  # held from here: a second resume is refused before it reads the data
         check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
         sim = prepare(cfg)

@@ -126,8 +126,8 @@ def run_cmd(
 
 @app.command("deploy")
 def deploy_cmd(
-    args: List[str] = typer.Argument(..., help="CONFIG.yaml \\[key=value ...], e.g. configs/synthetic_smoke.yaml "
-                                     "fl.rounds=2"),
+    args: Optional[List[str]] = typer.Argument(None, help="CONFIG.yaml \\[key=value ...], e.g. "
+                                               "configs/synthetic_smoke.yaml fl.rounds=2 (none with --resume)"),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="SuperNodes to start, each serving partition I of N "
                                         "(default 3; with --node-data: one per site folder)"),
     node_data: Optional[Path] = typer.Option(None, "--node-data", metavar="DIR", help="one SuperNode per subfolder "
@@ -139,13 +139,18 @@ def deploy_cmd(
                               "own key pair registered with the SuperLink"),
     workdir: Path = typer.Option(Path("runs/deploy"), "--workdir", help="logs, certificates, keys, Flower state"),
     timeout: float = typer.Option(3600, "--timeout", help="seconds before the run is abandoned"),
+    resume: Optional[Path] = typer.Option(None, "--resume", metavar="RUN_DIR", help="go on with a deployed run from "
+                                          "its last checkpoint, on new SuperNodes (clients without state between "
+                                          "rounds); its own config, no CONFIG"),
 ) -> None:
     """Run a config on a real Flower deployment on this machine (a SuperLink and N SuperNodes on 127.0.0.1), then stop every process: exit 0 finished, 1 failed, 2 refused, 128+N on signal N."""
     from fedlt.deploy import deploy
 
-    _guard(lambda: _require_config_file(args[0], "fedlt deploy"))  # the rest checks deploy's own plan
-    raise typer.Exit(deploy(args[0], args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
-                            server_test=server_test, workdir=workdir, timeout=timeout))
+    args = args or []
+    if resume is None and args:
+        _guard(lambda: _require_config_file(args[0], "fedlt deploy"))  # the rest checks deploy's own plan
+    raise typer.Exit(deploy(args[0] if args else None, args[1:], nodes=nodes, tls=tls, auth=auth, node_data=node_data,
+                            server_test=server_test, workdir=workdir, timeout=timeout, resume=resume))
 
 
 @app.command("methods")

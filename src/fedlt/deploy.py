@@ -35,6 +35,7 @@ finished, 1 failed (one ``fedlt: error:`` line naming the cause), 2 refused inpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -48,10 +49,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError
-from fedlt.results import LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
+from fedlt.results import CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
@@ -159,10 +160,12 @@ def _toml_string(value: str, what: str) -> str:
     return '"' + value.replace("\\", "\\\\") + '"'
 
 
-def run_config(config: Path, overrides: list[str]) -> str:
+def run_config(config: Path, overrides: list[str], resume: Path | None = None) -> str:
     """Flower's ``--run-config`` for the fedlt app: the config's path and the overrides, both as
-    double-quoted TOML strings (``flower_app.deployed_config`` reads them back)."""
-    return f'config="{config.resolve()}" overrides="{shlex.join(overrides)}"'
+    double-quoted TOML strings (``flower_app.deployed_config`` reads them back), and the folder of a run
+    to go on with (its ``config.yaml`` is then ``config``, so the check of that path covers it)."""
+    return (f'config="{config.resolve()}" overrides="{shlex.join(overrides)}"'
+            + (f' resume="{resume.resolve()}"' if resume is not None else ""))
 
 
 def _read_back(config: Path, overrides: list[str]) -> bool:
@@ -352,7 +355,8 @@ class Federation:
             lost.write(self.names[i] + "\n")
         self.stop(node)
 
-    def run(self, config: Path, overrides: list[str], timeout: float, flower_lines: bool = True) -> subprocess.CompletedProcess:
+    def run(self, config: Path, overrides: list[str], timeout: float, flower_lines: bool = True,
+            resume: Path | None = None) -> subprocess.CompletedProcess:
         """``flwr run`` the fedlt app with ``config`` + ``overrides`` (``--stream``) and wait, watching
         the federation; a run that did not finish raises a FedltError naming the cause (a
         ConfigError for a config the ServerApp refused). ``flower_lines=False`` relays fedlt's lines
@@ -363,7 +367,7 @@ class Federation:
         Path(self.env[LOST_NODES_ENV]).unlink(missing_ok=True)
         say(f"starting the run (flwr run); Flower's log is in {self.workdir / 'flwr-run.log'}")
         flwr = self.start("flwr-run.log", str(Path(sys.executable).with_name("flwr")), "run", str(APP_DIR),
-                          "deploy", "--stream", "--run-config", run_config(config, overrides))
+                          "deploy", "--stream", "--run-config", run_config(config, overrides, resume))
         deadline = time.monotonic() + timeout
         log = GrowingFile(self.workdir / "flwr-run.log")
         try:
@@ -678,6 +682,8 @@ class Plan:
     sites: list[Site]
     tls: bool
     auth: bool
+    #: the run to go on with from its checkpoint (``config`` is its config.yaml), or None: a new run
+    resume: Path | None = None
 
 
 def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> None:
@@ -702,9 +708,14 @@ def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> 
 
 
 def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False,
-                    auth: bool = False, node_data: Path | None = None, server_test: Path | None = None) -> Plan:
+                    auth: bool = False, node_data: Path | None = None, server_test: Path | None = None,
+                    resume: Path | None = None) -> Plan:
     """Check the options and the config and decide the SuperNodes and the run's overrides; bad input
-    raises a ConfigError naming the fix, with nothing started and no folder made."""
+    raises a ConfigError naming the fix, with nothing started and no folder made. With ``resume`` (a run's
+    folder) the config is the run's own, and what its nodes cannot go on with is refused here too."""
+    if resume is not None:
+        return _plan_resume(resume, config, overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
+                            server_test=server_test)
     if "=" in config and not Path(config).is_file():
         raise ConfigError(f"the deploy command needs a config file first, not {config!r}; "
                           "e.g. configs/synthetic_smoke.yaml fl.rounds=2")
@@ -753,9 +764,26 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
     return Plan(Path(config), final, sites, tls, auth)
 
 
-def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: bool = False, auth: bool = False,
-           node_data: Path | None = None, server_test: Path | None = None, workdir: Path = Path("runs/deploy"),
-           timeout: float = 3600) -> int:
+def _plan_resume(run_dir: Path, config: str | None, overrides: list[str], **options: Any) -> Plan:
+    """The plan of a new run of the config ``run_dir`` began with, to go on with that run."""
+    from fedlt.config import load_config
+    from fedlt.engine.flower_app import resumable_on_nodes
+
+    if config or overrides:
+        raise ConfigError(f"--resume {run_dir} goes on with the run's own config; drop {config or overrides[0]!r}")
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"--resume {run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass a run's folder")
+    plan = plan_deployment(str(run_dir / CONFIG_FILE), [], **options)
+    cfg = load_config(plan.config, plan.overrides)
+    if cfg.engine != "flower":
+        raise ConfigError(f"{run_dir} ran in-process (engine={cfg.engine}); resume it with fedlt run --resume {run_dir}")
+    resumable_on_nodes(cfg, run_dir)
+    return dataclasses.replace(plan, resume=run_dir)
+
+
+def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None, tls: bool = False,
+           auth: bool = False, node_data: Path | None = None, server_test: Path | None = None,
+           workdir: Path = Path("runs/deploy"), timeout: float = 3600, resume: Path | None = None) -> int:
     """The deploy command behind both ``fedlt deploy`` and ``python -m fedlt.deploy``, so they
     cannot drift: returns the exit code, prints errors as one ``fedlt: error:`` line, never a
     traceback, and leaves no process of the federation running (SIGINT/SIGTERM included)."""
@@ -763,8 +791,10 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
     try:
         if not timeout > 0:
             raise ConfigError(f"--timeout {timeout:g}: give the seconds the run may take, more than 0")
-        plan = plan_deployment(config, overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
-                               server_test=server_test)
+        if config is None and resume is None:
+            raise ConfigError("the deploy command needs a config file (or --resume RUN_DIR)")
+        plan = plan_deployment(config or "", overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
+                               server_test=server_test, resume=resume)
         check_output_path(workdir, True, "--workdir")
         check_supernode_poll()
         workdir = workdir.resolve()
@@ -772,7 +802,7 @@ def deploy(config: str, overrides: list[str], *, nodes: int | None = None, tls: 
         with holding(workdir, f"--workdir {workdir} is the folder of a deployment still running (its Flower "
                               "state, logs and outcome); wait for it to end, or give this one another --workdir"), \
                 local_federation(workdir, tls=plan.tls, sites=plan.sites, auth=plan.auth) as fed:
-            done = fed.run(plan.config, plan.overrides, timeout)
+            done = fed.run(plan.config, plan.overrides, timeout, resume=plan.resume)
         results = [_COLOUR.sub("", line) for line in done.stdout.splitlines() if is_result(line)]
         print("\n".join(results))  # the rest of the log went by on stderr
         return 0
@@ -799,7 +829,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m fedlt.deploy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="fedlt config YAML")
+    parser.add_argument("config", nargs="?", default=None, help="fedlt config YAML")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--nodes", type=int, default=None, help="SuperNodes (partitions) to start (default 3)")
     parser.add_argument("--node-data", type=Path, default=None, metavar="DIR",
@@ -812,9 +842,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("runs/deploy"),
                         help="logs, certificates, keys, Flower state")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the run is abandoned")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="go on with a deployed run from its last checkpoint (clients without state between rounds)")
     a = parser.parse_args(argv)
     return deploy(a.config, a.overrides, nodes=a.nodes, tls=a.tls, auth=a.auth, node_data=a.node_data,
-                  server_test=a.server_test, workdir=a.workdir, timeout=a.timeout)
+                  server_test=a.server_test, workdir=a.workdir, timeout=a.timeout, resume=a.resume)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ from fedlt.engine.flower_codec import (
 from fedlt.engine.flower_waits import quick_object_pulls
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.engine.secure_aggregation import ENTRY as SECURE_ENTRY, SHARES, UNMASK
-from fedlt.engine.simulation import RunResult, Simulation
+from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fedlt.engine.simulation import RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import (
@@ -395,12 +396,40 @@ class FlowerSimulation(Simulation):
             write_aborted_summary(run_dir, self.cfg, reason, max(self.round_started - 1, 0),
                                   {"engine": self.engine, "dropped": self.dropped})
 
+    def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
+        """The in-process checkpoint, and what a resumed run needs of the nodes: which clients kept state on
+        theirs (a resume refuses to go on without it) and the dropouts so far (the summary lists them all)."""
+        return {**super()._checkpoint_state(rnd, elapsed, pending),
+                "flower": {"kept_state": sorted(c for c, kept in self.kept_state.items() if kept),
+                           "dropped": self.dropped, "federation": self.federation_record()}}
+
+    def federation_record(self) -> dict[str, Any]:
+        """What a resumed run must find the same on its nodes: here nothing, as every node draws the
+        partition from the config."""
+        return {}
+
+    def check_resumable_on_nodes(self, run_dir: Path) -> dict[str, Any]:
+        saved, rnd = resumable_on_nodes(self.cfg, run_dir)
+        self.round_started = rnd + 1  # an abort from here says the checkpoint's rounds are done
+        return saved
+
+    def resume_stage(self, saved: dict[str, Any]) -> None:
+        """What the setup stage made that the checkpoint does not hold, made again with the connected nodes."""
+        self.dropped = list(saved.get("dropped", []))
+
+    def _resume_hint(self, run_dir: Path, checkpointed: int) -> str:
+        if checkpointed and not any(self.kept_state.values()):
+            return (f"{run_dir} goes on from its checkpoint of round {checkpointed} with `fedlt deploy --resume "
+                    f"{shlex.quote(str(run_dir))}` (a deployment) or `fedlt run --resume` (Flower's simulation)")
+        return super()._resume_hint(run_dir, checkpointed)
+
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
-        if resume:
-            raise ConfigError("engine=flower cannot resume (client state lives on the SuperNodes); start a new run")
+        saved = self.check_resumable_on_nodes(run_dir) if resume else None  # refused: the folder stays as it is
         try:
             self.connect()
-            return super().run(run_dir, quiet=quiet)
+            if saved is not None:
+                self.resume_stage(saved)
+            return super().run(run_dir, resume=resume, quiet=quiet)
         except TrainingDiverged:  # its summary is written, marked diverged
             raise
         except BaseException as err:  # a signal too: the summary says how far the run got
@@ -408,11 +437,28 @@ class FlowerSimulation(Simulation):
             raise
 
 
+def resumable_on_nodes(cfg: Config, run_dir: Path) -> tuple[dict[str, Any], int]:
+    """The saved state's ``flower`` entry (see :meth:`FlowerSimulation._checkpoint_state`) and round, or a
+    refusal of a resume the nodes cannot serve, before any process starts or message is sent."""
+    check_resumable(cfg, run_dir)
+    ckpt = load_checkpoint(run_dir, "cpu", mmap=True)
+    saved = ckpt.get("flower")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{run_dir / CHECKPOINT_FILE} was saved by a fedlt that did not record what a Flower run "
+                          "needs to resume (which clients kept state on their nodes); start a new run")
+    if saved.get("kept_state"):
+        raise ConfigError(f"clients {saved['kept_state']} of {run_dir} kept state between rounds on their nodes "
+                          f"(method {cfg.method}: a personal model, control variates, a prior), which SuperNodes "
+                          "started again no longer hold; start a new run")
+    return saved, ckpt["round"]
+
+
 def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
                 on_start: Callable[[FlowerSimulation, Path], None] | None = None, prompt: bool = False,
-                stop: threading.Event | None = None) -> RunResult:
-    """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual
-    (``on_start(sim, run_dir)`` is called once both exist; ``prompt``, ``stop``: see :func:`poll_replies`)."""
+                stop: threading.Event | None = None, resume: Path | None = None) -> RunResult:
+    """Run ``cfg`` over the SuperNodes behind ``grid`` and write a run directory as usual, or go on with
+    the run in ``resume`` from its checkpoint (``on_start(sim, run_dir)`` is called once both exist;
+    ``prompt``, ``stop``: see :func:`poll_replies`)."""
     if cfg.flower.node_data:
         from fedlt.engine.flower_nodes import NodeDataSimulation  # a module that imports this one
 
@@ -422,10 +468,10 @@ def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
         spec, data, device = setup_parts(cfg)
         sim = FlowerSimulation(cfg, spec, data, device, grid, prompt)
     sim.stop = stop
-    run_dir = new_run_dir(sim.cfg)
+    run_dir = resume if resume is not None else new_run_dir(sim.cfg)
     if on_start:
         on_start(sim, run_dir)
-    return sim.run(run_dir, quiet=quiet)
+    return sim.run(run_dir, resume=resume is not None, quiet=quiet)
 
 
 def app_dir(grid: Grid) -> Path | None:
@@ -510,7 +556,8 @@ def main(grid: Grid, context: Context) -> None:
 
         quick_object_pulls(http_grid)  # this ServerApp's pulls of the replies
         cfg = deployed_config(dict(context.run_config), app_dir(grid))
-        result = run_on_grid(cfg, grid, on_start=on_start, prompt=True)
+        resume = str(context.run_config.get("resume", "")) or None
+        result = run_on_grid(cfg, grid, on_start=on_start, prompt=True, resume=Path(resume) if resume else None)
     except BaseException as err:
         sim = started.get("sim")
         _report(status="aborted", reason=describe_error(err), config_error=isinstance(err, ConfigError),
@@ -581,9 +628,9 @@ def without_runtime_notices() -> Iterator[None]:
         flower_log.removeFilter(keep)
 
 
-def simulate(cfg: Config, quiet: bool = False) -> RunResult:
+def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> RunResult:
     """``fedlt run ... engine=flower``: ``cfg`` on Flower's simulation engine (Ray), one virtual
-    SuperNode per client."""
+    SuperNode per client; or the run in ``resume``, from its checkpoint."""
     from flwr.simulation import run_simulation
 
     if cfg.flower.node_data:
@@ -604,7 +651,7 @@ def simulate(cfg: Config, quiet: bool = False) -> RunResult:
     def _main(grid: Grid, context: Context) -> None:
         started.set()
         try:
-            result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop)
+            result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop, resume=resume)
         except KeyboardInterrupt:
             if not stop.is_set():
                 raise  # the interrupted run's summary is written; the main thread reports the interrupt

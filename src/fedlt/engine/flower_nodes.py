@@ -34,7 +34,7 @@ from fedlt.engine.flower_codec import decode_meta
 from fedlt.engine.node_federation import node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import KEYS, SecureAggregation, TooFewForSecureSum
-from fedlt.errors import DataError, FedltError
+from fedlt.errors import ConfigError, DataError, FedltError
 from fedlt.evaluation import HEADLINE_METRICS, count_metrics, mean_of_summed_accuracies, shot_groups, validation_metrics
 from fedlt.messages import Message
 from fedlt.run_parts import check_config, setup_runtime
@@ -248,12 +248,31 @@ class NodeDataSimulation(FlowerSimulation):
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
+        self._sum_class_counts()
+        super().setup()
+
+    def _sum_class_counts(self) -> None:
         log(f"fedlt: summing the class counts of {len(self.all_clients)} nodes"
             + (" (secure aggregation)" if self.secure is not None and len(self.all_clients) > 1 else ""))
         total = _summed(self._exchange(COUNTS, 0, [(cid, Message()) for cid in self.all_clients]).values(), "counts")
         self.eval_data.counts = np.rint(total.cpu().numpy()).astype(np.int64)
         self.groups = shot_groups(self.eval_data.counts, self.cfg.eval)
-        super().setup()
+
+    def federation_record(self) -> dict[str, Any]:
+        """The sites, in client order, and their summed class counts: a resume refuses other sites or data."""
+        return {"sites": list(self.client_names), "class_counts": [int(c) for c in self.eval_data.counts]}
+
+    def resume_stage(self, saved: dict[str, Any]) -> None:
+        """The class counts again (the method's setup stage is in the checkpoint), from the same sites."""
+        super().resume_stage(saved)
+        before = saved.get("federation", {})
+        if before.get("sites") != self.client_names:
+            raise ConfigError(f"the run's sites were {', '.join(before.get('sites') or [])}, the connected SuperNodes "
+                              f"are {', '.join(self.client_names)}; start the run's own sites to resume it")
+        self._sum_class_counts()
+        if [int(c) for c in self.eval_data.counts] != before.get("class_counts"):
+            raise ConfigError("the sites' data are not those the run began with (their summed class counts differ); "
+                              "resume with each site's own folder, or start a new run")
 
     def _write_partition(self, run_dir: Path) -> None:
         """None: the server does not know which node holds what."""
