@@ -38,7 +38,7 @@ fl: {rounds: 50}
 ```
 
 A setting that other settings leave unread is kept as given, and a new run names it in a line
-on stderr, e.g. `note: data.alpha is not read with data.partition=iid (it is the Dirichlet
+on stderr (not with `--quiet`), e.g. `note: data.alpha is not read with data.partition=iid (it is the Dirichlet
 concentration)` or `note: method_args.mu shapes only the personalized models, which
 eval.personalized=false does not evaluate`. A suite's rows may pin such keys; a value that
 contradicts another (`fl.lr_decay` without `fl.lr_schedule=step`) is refused instead.
