@@ -54,8 +54,9 @@ def _check_client_gpus(cfg: Config) -> None:
         return
     present = torch.cuda.device_count()
     if wanted > present:
-        raise ConfigError(f"flower.gpus_per_client={wanted:g} but this machine has {present} CUDA device(s); use at "
-                          f"most {present} (a fraction shares one GPU), or 0 to train the simulated clients on CPU")
+        fix = (f"most {present} (a fraction shares one GPU), or 0 to train the simulated clients on CPU" if present
+               else "most 0: set flower.gpus_per_client=0, and the simulated clients train on the CPU")
+        raise ConfigError(f"flower.gpus_per_client={wanted:g} but this machine has {present} CUDA device(s); use at {fix}")
     if resolve_device(cfg.run.device).type != "cuda":
         raise ConfigError(f"flower.gpus_per_client={wanted:g} reserves GPUs but run.device={cfg.run.device} keeps "
                           "training on the CPU; set run.device=auto (or cuda) or flower.gpus_per_client=0")
