@@ -940,8 +940,7 @@ def test_a_flower_run_of_stateless_clients_resumes_on_new_nodes_as_if_uninterrup
     full = flower_run(tiny(tmp_path, base, "full", fl=fl, run={**run, "name": "full"}, **extra), LoopbackGrid(nodes=2))
     cut = tiny(tmp_path, base, "cut", fl=fl, run={**run, "name": "cut"}, **extra)
     run_dir, hint = _interrupted_flower_run(cut, LoopbackGrid(nodes=2), 4, monkeypatch)
-    assert hint == (f"{run_dir} goes on from its checkpoint of round 2 with `fedlt deploy --resume {run_dir}` (a "
-                    "deployment) or `fedlt run --resume` (Flower's simulation)")
+    assert hint == f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round 2"  # not prompted: simulation
     assert read_summary(run_dir)["status"] == "aborted" and read_summary(run_dir)["rounds_done"] == 2
     resumed = run_on_grid(build_config(cut), LoopbackGrid(nodes=3), quiet=True, resume=run_dir)  # other nodes
     drop = ("comm", "time_s")
@@ -963,7 +962,8 @@ def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resum
                                                                "checkpoint_every": 1, "threads": 1})
     cfg["data"]["num_clients"], cfg["engine"] = 3, "flower"  # as the deploy and simulation commands write it
     run_dir, hint = _interrupted_flower_run(cfg, LoopbackGrid(nodes=3), 3, monkeypatch)
-    assert hint == f"{run_dir} is an engine=flower run, which cannot resume; start it again"
+    assert hint == (f"{run_dir} cannot resume: clients [0, 1, 2] keep state between rounds on their nodes, which "
+                    "SuperNodes started again would lack; start the run again")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     grid = LoopbackGrid(nodes=3)
     with pytest.raises(ConfigError, match=re.escape(f"clients [0, 1, 2] of {run_dir} kept state between rounds on "
@@ -972,3 +972,38 @@ def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resum
     assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     with pytest.raises(ConfigError, match="kept state between rounds"):  # Flower's simulation: before Ray starts
         fedlt.resume(run_dir, quiet=True)
+
+
+def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monkeypatch):
+    """Ctrl-C reaches the main thread while the ServerApp's thread runs the rounds: the interrupt the command
+    reported was the main thread's, without the run's resume hint, so it said there was nothing to resume."""
+    import threading
+
+    import flwr.simulation
+    import ray
+
+    import fedlt.engine.flower_app as flower_app
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+
+    entered = threading.Event()
+
+    def rounds(cfg, grid, quiet, stop, resume):  # the ServerApp's thread: stopped at its next wait for replies
+        entered.set()
+        stop.wait(30)
+        interrupted = KeyboardInterrupt()
+        interrupted.resume_hint = "RUN_DIR goes on from its checkpoint of round 2"
+        raise interrupted
+
+    def run_simulation(app, clientapp, **kwargs):  # Flower's runtime: the app in a thread, Ctrl-C in this one
+        threading.Thread(target=app, args=(None, None), daemon=True).start()
+        entered.wait(30)  # the rounds are under way
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flower_app, "run_on_grid", rounds)
+    monkeypatch.setattr(flwr.simulation, "run_simulation", run_simulation)
+    cfg = fedlt.load_config(None, ["engine=flower", "data.dataset=synthetic", "data.num_clients=3", "run.threads=1",
+                                   f"run.out_dir={tmp_path}"])
+    with pytest.raises(KeyboardInterrupt) as stop:
+        flower_app.simulate(cfg, quiet=True)
+    assert stop.value.resume_hint == "RUN_DIR goes on from its checkpoint of round 2"

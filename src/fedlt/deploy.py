@@ -28,6 +28,10 @@ The outcome comes from the ServerApp itself (``$FEDLT_OUTCOME_FILE``), not from 
 which exits 0 when the ServerApp raised: no outcome file means the run failed. Exit codes: 0
 finished, 1 failed (one ``fedlt: error:`` line naming the cause), 2 refused input, 128+N signal N.
 
+``--resume RUN_DIR`` (no CONFIG) starts the federation again for a run that stopped, which goes on from
+its last checkpoint with its own config (``resume`` in Flower's run config); refused where the run's
+clients kept state between rounds on their nodes.
+
 ``fedlt deploy [--nodes 3 | --node-data DIR] [--tls [--auth]] CONFIG [key=value ...]``, also
 ``python -m fedlt.deploy`` and scripts/flower_deploy.sh; both share :func:`deploy`.
 """

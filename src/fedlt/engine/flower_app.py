@@ -418,10 +418,15 @@ class FlowerSimulation(Simulation):
         self.dropped = list(saved.get("dropped", []))
 
     def _resume_hint(self, run_dir: Path, checkpointed: int) -> str:
-        if checkpointed and not any(self.kept_state.values()):
-            return (f"{run_dir} goes on from its checkpoint of round {checkpointed} with `fedlt deploy --resume "
-                    f"{shlex.quote(str(run_dir))}` (a deployment) or `fedlt run --resume` (Flower's simulation)")
-        return super()._resume_hint(run_dir, checkpointed)
+        kept = sorted(cid for cid, keeps in self.kept_state.items() if keeps)
+        if kept:
+            return (f"{run_dir} cannot resume: clients {kept} keep state between rounds on their nodes, which "
+                    "SuperNodes started again would lack; start the run again")
+        if checkpointed:  # a deployment's ServerApp prompts its nodes; Flower's simulation does not
+            command = "fedlt deploy --resume" if self.prompt else "fedlt run --resume"
+            return f"`{command} {shlex.quote(str(run_dir))}` goes on from its checkpoint of round {checkpointed}"
+        return (f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={self.cfg.run.checkpoint_every}),"
+                " so there is nothing to resume; start the run again")
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
         saved = self.check_resumable_on_nodes(run_dir) if resume else None  # refused: the folder stays as it is
@@ -644,6 +649,7 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
                           f"{cfg.flower.cpus_per_client:g}, run.threads={cfg.run.threads}) but this machine has "
                           f"{cores}; set both to at most {cores}")
     result: dict[str, RunResult] = {}
+    hint: dict[str, str | None] = {}
     app = ServerApp()
     stop, started, ended = threading.Event(), threading.Event(), threading.Event()
 
@@ -652,9 +658,10 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
         started.set()
         try:
             result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop, resume=resume)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if not stop.is_set():
                 raise  # the interrupted run's summary is written; the main thread reports the interrupt
+            hint["resume"] = getattr(interrupt, "resume_hint", None)  # how the run goes on, for that report
         finally:
             ended.set()
 
@@ -672,9 +679,9 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
         import ray
 
         ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
-        if isinstance(interrupt, SystemExit):
-            raise Terminated() from None
-        raise
+        stopped = Terminated() if isinstance(interrupt, SystemExit) else interrupt
+        stopped.resume_hint = hint.get("resume")
+        raise stopped from None
     if "run" not in result:
         raise FedltError("the Flower simulation ended without a result; its log above says why")
     return result["run"]

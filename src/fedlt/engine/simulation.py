@@ -596,8 +596,6 @@ class Simulation:
     def _resume_hint(self, run_dir: Path, checkpointed: int) -> str:
         """How a run interrupted after its checkpoint of round ``checkpointed`` (0: none yet) goes on."""
         every, folder = self.cfg.run.checkpoint_every, shlex.quote(str(run_dir))
-        if self.engine != "inprocess":
-            return f"{run_dir} is an engine=flower run, which cannot resume; start it again"
         if checkpointed:
             return f"`fedlt run --resume {folder}` goes on from its checkpoint of round {checkpointed}"
         if self._discards(run_dir, resume=False):
