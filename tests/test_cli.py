@@ -230,6 +230,13 @@ def error_cases(data: Path) -> dict[str, Case]:
                                        f"config file first, got {data / 'nope.yaml'}, which is no file", out_dir=False),
         "deploy_missing_config": Case(["deploy", str(data / "nope.yaml"), "--workdir", str(data / "deploy")],
                                       "fedlt deploy needs a config file first", out_dir=False),
+        "deploy_nothing": Case(["deploy", "--workdir", str(data / "deploy")],
+                               "the deploy command needs a config file (or --resume RUN_DIR)", out_dir=False),
+        "deploy_resume_non_run": Case(["deploy", "--resume", str(data / "not-a-run")], f"--resume {data / 'not-a-run'} "
+                                      "is not a fedlt run directory (no config.yaml); pass a run's folder", out_dir=False),
+        "deploy_resume_in_process": Case(["deploy", "--resume", str(data / "malicious-pickle")],  # its file unread
+                                         "ran in-process (engine=inprocess); resume it with fedlt run --resume",
+                                         out_dir=False),
         "engines_zero_nodes": Case(["bench", "engines", "configs/synthetic_smoke.yaml", "--nodes", "0"], "--nodes 0",
                                    "1 or more SuperNodes", out_dir=False),
         "duplicate_seeds": Case(["bench", "run", "demo", "--seeds", "0,0", "--dry-run"], "--seeds 0,0", "distinct",

@@ -777,11 +777,10 @@ def _plan_resume(run_dir: Path, config: str | None, overrides: list[str], **opti
         raise ConfigError(f"--resume {run_dir} goes on with the run's own config; drop {config or overrides[0]!r}")
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"--resume {run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass a run's folder")
+    if (engine := load_config(run_dir / CONFIG_FILE).engine) != "flower":
+        raise ConfigError(f"{run_dir} ran in-process (engine={engine}); resume it with fedlt run --resume {run_dir}")
     plan = plan_deployment(str(run_dir / CONFIG_FILE), [], **options)
-    cfg = load_config(plan.config, plan.overrides)
-    if cfg.engine != "flower":
-        raise ConfigError(f"{run_dir} ran in-process (engine={cfg.engine}); resume it with fedlt run --resume {run_dir}")
-    resumable_on_nodes(cfg, run_dir)
+    resumable_on_nodes(load_config(plan.config, plan.overrides), run_dir)
     return dataclasses.replace(plan, resume=run_dir)
 
 
