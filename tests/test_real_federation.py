@@ -739,14 +739,20 @@ def test_a_deployment_stopped_after_a_checkpoint_goes_on_with_deploy_resume(tmp_
     sites = ["--node-data", str(exported / "nodes"), "--server-test", str(exported / "server" / "test"),
              "--workdir", str(tmp_path / "work"), "--timeout", "240"]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    first = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "deploy", *sites, str(config)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = tmp_path / "first.err"
+    with err.open("w") as stderr:  # a file, not a pipe nobody reads while the run goes
+        first = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "deploy", *sites, str(config)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + 240
-    while not ((run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 1):
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+    while not ((run_dir / "checkpoint.pt").is_file() and (run_dir / "metrics.jsonl").is_file()):
+        assert first.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
         time.sleep(0.2)
     first.send_signal(signal.SIGTERM)
     assert first.wait(120) == 143
+    last = err.read_text().splitlines()[-1]  # the stopped deploy names the command that goes on
+    assert re.fullmatch(rf"fedlt: error: stopped by SIGTERM; every process of the federation was stopped; `fedlt "
+                        rf"deploy --resume {re.escape(str(run_dir))}` with the same options goes on from its "
+                        r"checkpoint of round [123]", last), last
     proc = subprocess.run([sys.executable, "-m", "fedlt.cli", "deploy", "--resume", str(run_dir), *sites],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

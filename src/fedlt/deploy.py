@@ -59,6 +59,8 @@ from fedlt.errors import ConfigError, DataError, FedltError
 from fedlt.results import CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
+#: where the ServerApp says how the run ended, in the deployment's workdir ($FEDLT_OUTCOME_FILE)
+OUTCOME_NAME = "outcome.json"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
 
 
@@ -479,7 +481,20 @@ def _aborted(outcome: dict) -> str:
     if outcome.get("config_error") or not outcome.get("run_dir"):
         return outcome["reason"]
     return (f"the run was aborted after {outcome['rounds_done']} round(s): {outcome['reason']}; "
-            f"its summary is in {outcome['run_dir']}")
+            f"its summary is in {outcome['run_dir']}" + resume_line(outcome["run_dir"]))
+
+
+def resume_line(run_dir: str) -> str:
+    """How a stopped deployed run goes on, where it can: ``; `fedlt deploy --resume RUN_DIR` ...``, or ''."""
+    from fedlt.config import load_config
+    from fedlt.engine.flower_app import resumable_on_nodes
+
+    try:
+        _, rnd = resumable_on_nodes(load_config(Path(run_dir) / CONFIG_FILE), Path(run_dir))
+    except (FedltError, OSError):  # no checkpoint yet, or clients that kept state on their nodes
+        return ""
+    return (f"; `fedlt deploy --resume {shlex.quote(run_dir)}` with the same options goes on from its checkpoint of "
+            f"round {rnd}")
 
 
 def _outcome_tail(path: Path) -> str:
@@ -584,7 +599,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1", OUTCOME_ENV: str(workdir / "outcome.json"),
+           "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1", OUTCOME_ENV: str(workdir / OUTCOME_NAME),
            STOP_REASON_ENV: str(workdir / "stop-reason.txt"), LOST_NODES_ENV: str(workdir / "lost-nodes.txt"),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     src = str(APP_DIR / "src")
@@ -791,6 +806,7 @@ def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None
     cannot drift: returns the exit code, prints errors as one ``fedlt: error:`` line, never a
     traceback, and leaves no process of the federation running (SIGINT/SIGTERM included)."""
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS}
+    started = time.time()
     try:
         if not timeout > 0:
             raise ConfigError(f"--timeout {timeout:g}: give the seconds the run may take, more than 0")
@@ -816,7 +832,10 @@ def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None
         print(f"fedlt: error: {err}", file=sys.stderr)
         return 1
     except Stopped as stop:
-        print(f"fedlt: error: stopped by {stop}; every process of the federation was stopped", file=sys.stderr)
+        path = workdir / OUTCOME_NAME  # the ServerApp's, stopped with the rest; not an earlier deploy's
+        outcome = (_read_outcome(path) or {}) if path.is_file() and path.stat().st_mtime >= started else {}
+        print(f"fedlt: error: stopped by {stop}; every process of the federation was stopped"
+              + (resume_line(outcome["run_dir"]) if outcome.get("run_dir") else ""), file=sys.stderr)
         return 128 + stop.signum
     finally:
         for sig, handler in previous.items():
@@ -846,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="logs, certificates, keys, Flower state")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the run is abandoned")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="go on with a deployed run from its last checkpoint (clients without state between rounds)")
+                        help="go on with a deployed run from its last checkpoint (clients without state between "
+                        "rounds)")
     a = parser.parse_args(argv)
     return deploy(a.config, a.overrides, nodes=a.nodes, tls=a.tls, auth=a.auth, node_data=a.node_data,
                   server_test=a.server_test, workdir=a.workdir, timeout=a.timeout, resume=a.resume)
