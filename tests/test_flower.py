@@ -1007,3 +1007,35 @@ def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monke
     with pytest.raises(KeyboardInterrupt) as stop:
         flower_app.simulate(cfg, quiet=True)
     assert stop.value.resume_hint == "RUN_DIR goes on from its checkpoint of round 2"
+
+
+def test_a_resume_that_stops_before_it_trains_leaves_the_runs_folder_as_it_was(tmp_path, server_identity):
+    """A resume whose nodes do not all come, or of a folder another process is writing (a second resume), wrote
+    an aborted summary over the folder's own: a finished run read as aborted, a stopped one lost why it stopped."""
+    import subprocess
+    import sys
+
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.errors import ConfigError, FedltError
+
+    cfg = tiny(tmp_path, "fedavg", "done", run={"out_dir": str(tmp_path), "name": "done", "checkpoint_every": 1,
+                                                "threads": 1}, flower={"connect_timeout_s": 1})
+    done = flower_run(cfg, LoopbackGrid(nodes=2))
+    before = {p.name: p.read_bytes() for p in done.run_dir.iterdir()}
+    grid = LoopbackGrid(nodes=3)
+    grid.left.add(102)  # partition 2's SuperNode never comes
+    with pytest.raises(FedltError, match="only partitions"):
+        run_on_grid(build_config(cfg), grid, quiet=True, resume=done.run_dir)
+    assert {p.name: p.read_bytes() for p in done.run_dir.iterdir()} == before
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", hold, str(done.run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        grid = LoopbackGrid(nodes=2)
+        with pytest.raises(ConfigError, match="is being written by another fedlt process"):
+            run_on_grid(build_config(cfg), grid, quiet=True, resume=done.run_dir)
+    finally:
+        other.kill()
+        other.wait()
+    assert grid.batches == [] and {p.name: p.read_bytes() for p in done.run_dir.iterdir()} == before

@@ -107,8 +107,9 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
             if (run_dir / written).exists() and not (run_dir / written).is_file():
                 raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
                                   "of the run directory, then resume")
-    if cfg.engine == "flower":  # on Flower's simulation engine again
-        return _run_flower(cfg, quiet, resume=run_dir)
+    if cfg.engine == "flower":  # on Flower's simulation engine again; a second resume refused before Ray starts
+        with writing(run_dir):
+            return _run_flower(cfg, quiet, resume=run_dir)
     with writing(run_dir):  # held from here: a second resume is refused before it reads the data
         check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
         sim = prepare(cfg)

@@ -52,7 +52,7 @@ from fedlt.engine.simulation import RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import (
-    LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic,
+    LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic, writing,
 )
 from fedlt.run_parts import setup_parts, setup_runtime
 
@@ -253,6 +253,9 @@ class FlowerSimulation(Simulation):
         self.state_lost: set[int] = set()
         self.round_started = 0
         self.aborted = False
+        #: a resume that has not trained yet: the folder is still the stopped run's, and a failure (nodes that do
+        #: not come, other sites, a second resume of the folder) leaves it as it was, its summary too
+        self.resuming = False
         super().__init__(cfg, spec, data, device)
 
     def _client_runtime(self) -> None:
@@ -387,11 +390,13 @@ class FlowerSimulation(Simulation):
 
     def fit_round(self, rnd: int) -> dict[str, Any]:
         self.round_started = rnd
+        self.resuming = False  # the folder's rounds after the checkpoint are gone: an abort says how far this got
         return super().fit_round(rnd)
 
     def abort(self, run_dir: Path, reason: str) -> None:
-        """Write the aborted run's summary (rounds done, dropouts, reason) once."""
-        if not self.aborted:
+        """Write the aborted run's summary (rounds done, dropouts, reason) once; not for a resume that has
+        trained nothing yet, whose folder keeps the summary it had (a finished run's, or why it stopped)."""
+        if not self.aborted and not self.resuming:
             self.aborted = True
             write_aborted_summary(run_dir, self.cfg, reason, max(self.round_started - 1, 0),
                                   {"engine": self.engine, "dropped": self.dropped})
@@ -429,12 +434,19 @@ class FlowerSimulation(Simulation):
                 " so there is nothing to resume; start the run again")
 
     def run(self, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
-        saved = self.check_resumable_on_nodes(run_dir) if resume else None  # refused: the folder stays as it is
+        if not resume:
+            return self._run_on_nodes(run_dir, None, quiet)
+        with writing(run_dir):  # a second resume of the folder is refused before it waits for any node
+            self.resuming = True
+            saved = self.check_resumable_on_nodes(run_dir)  # refused: the folder stays as it is
+            return self._run_on_nodes(run_dir, saved, quiet)
+
+    def _run_on_nodes(self, run_dir: Path, saved: dict[str, Any] | None, quiet: bool) -> RunResult:
         try:
             self.connect()
             if saved is not None:
                 self.resume_stage(saved)
-            return super().run(run_dir, resume=resume, quiet=quiet)
+            return super().run(run_dir, resume=saved is not None, quiet=quiet)
         except TrainingDiverged:  # its summary is written, marked diverged
             raise
         except BaseException as err:  # a signal too: the summary says how far the run got
