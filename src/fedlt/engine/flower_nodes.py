@@ -269,7 +269,9 @@ class NodeDataSimulation(FlowerSimulation):
         if before.get("sites") != self.client_names:
             raise ConfigError(f"the run's sites were {', '.join(before.get('sites') or [])}, the connected SuperNodes "
                               f"are {', '.join(self.client_names)}; start the run's own sites to resume it")
+        traffic = dict(self._traffic)
         self._sum_class_counts()
+        self._traffic = traffic  # counted once, in round 1: comm as in the uninterrupted run
         if [int(c) for c in self.eval_data.counts] != before.get("class_counts"):
             raise ConfigError("the sites' data are not those the run began with (their summed class counts differ); "
                               "resume with each site's own folder, or start a new run")
