@@ -767,3 +767,34 @@ def test_a_deployment_stopped_after_a_checkpoint_goes_on_with_deploy_resume(tmp_
                              capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"fedlt: error: --resume {run_dir} goes on with the run's own config; drop '{config}'"]
+
+
+def test_deploy_resume_names_the_deploy_option_that_is_not_the_runs(tmp_path, exported, server_identity):
+    """`fedlt deploy --resume` with another --node-data (a site missing), another --server-test, or none of them
+    was refused as an edited config.yaml ('restore that value'), or, for other site names of the same count,
+    only once the federation was up; each is now named by its option before anything starts."""
+    from fedlt.deploy import plan_deployment
+
+    top = {"fl": {"rounds": 1}, "run": {"checkpoint_every": 1}, "eval": {"test_data": str(exported / "server" / "test")}}
+    run_dir = node_run(node_tree(tmp_path, "done", exported, **top), NodeGrid(nodes_of(exported))).run_dir
+    names = sorted(nodes_of(exported))
+    two, renamed, test = tmp_path / "two", tmp_path / "renamed", tmp_path / "test"
+    for name in names[:2]:
+        shutil.copytree(nodes_of(exported)[name], two / name)
+        shutil.copytree(nodes_of(exported)[name], renamed / name)
+    shutil.copytree(nodes_of(exported)[names[2]], renamed / "elsewhere")
+    shutil.copytree(exported / "server" / "test", test)
+    refusals = {
+        "no --node-data": ({}, f"{run_dir} ran on sites that hold their own data ({', '.join(names)}); resume it "
+                               "with --node-data DIR"),
+        "a site missing": ({"node_data": two}, f"--node-data {two} holds sites {', '.join(names[:2])}, but {run_dir} "
+                                               f"ran on {', '.join(names)}; pass the folder of the run's own sites"),
+        "a site renamed": ({"node_data": renamed}, f"--node-data {renamed} holds sites "),
+        "another test set": ({"node_data": exported / "nodes", "server_test": test},
+                             f"--server-test {test} is not the server test set {run_dir} ran with"),
+    }
+    for what, (options, refusal) in refusals.items():
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            plan_deployment("", [], resume=run_dir, **options)
+    plan = plan_deployment("", [], resume=run_dir, node_data=exported / "nodes", server_test=exported / "server" / "test")
+    assert plan.resume == run_dir and [s.name for s in plan.sites] == names

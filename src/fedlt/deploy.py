@@ -792,11 +792,39 @@ def _plan_resume(run_dir: Path, config: str | None, overrides: list[str], **opti
         raise ConfigError(f"--resume {run_dir} goes on with the run's own config; drop {config or overrides[0]!r}")
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"--resume {run_dir} is not a fedlt run directory (no {CONFIG_FILE}); pass a run's folder")
-    if (engine := load_config(run_dir / CONFIG_FILE).engine) != "flower":
-        raise ConfigError(f"{run_dir} ran in-process (engine={engine}); resume it with fedlt run --resume {run_dir}")
+    ran = load_config(run_dir / CONFIG_FILE)
+    if ran.engine != "flower":
+        raise ConfigError(f"{run_dir} ran in-process (engine={ran.engine}); resume it with fedlt run --resume {run_dir}")
+    saved, _ = resumable_on_nodes(ran, run_dir)
+    _check_resume_options(run_dir, ran, saved, options["node_data"], options["server_test"])
     plan = plan_deployment(str(run_dir / CONFIG_FILE), [], **options)
     resumable_on_nodes(load_config(plan.config, plan.overrides), run_dir)
     return dataclasses.replace(plan, resume=run_dir)
+
+
+def _check_resume_options(run_dir: Path, ran: Any, saved: dict[str, Any], node_data: Path | None,
+                          server_test: Path | None) -> None:
+    """The deploy options a resume must give as the run was deployed: the same sites (by folder name) and
+    server test set, named here, before any process starts, not as a config the run's folder differs from."""
+    sites = (saved.get("federation") or {}).get("sites") or []
+    if ran.flower.node_data and node_data is None:
+        raise ConfigError(f"{run_dir} ran on sites that hold their own data ({', '.join(sites) or 'their folders'}); "
+                          "resume it with --node-data DIR, the folder of those sites' folders")
+    if not ran.flower.node_data and node_data is not None:
+        raise ConfigError(f"{run_dir} ran on SuperNodes serving partitions of data.dataset={ran.data.dataset}, not on "
+                          f"sites' own data; drop --node-data{' and --server-test' if server_test else ''}")
+    if node_data is not None and sites:
+        given = [site.name for site in node_data_sites(node_data)]
+        if sorted(given) != sorted(sites):
+            raise ConfigError(f"--node-data {node_data} holds sites {', '.join(given)}, but {run_dir} ran on "
+                              f"{', '.join(sites)}; pass the folder of the run's own sites")
+    if server_test is not None and ran.flower.node_data:
+        if not ran.eval.test_data:
+            raise ConfigError(f"{run_dir} ran without a server test set (the sites evaluated on their own test "
+                              "splits); drop --server-test")
+        if server_test.resolve() != Path(ran.eval.test_data).expanduser().resolve():
+            raise ConfigError(f"--server-test {server_test} is not the server test set {run_dir} ran with "
+                              f"({ran.eval.test_data}); pass that folder, or leave --server-test out")
 
 
 def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None, tls: bool = False,

@@ -663,7 +663,7 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)
     if diff is not None:
         raise OtherConfig(cell, diff)
-    if summary and summary.get("status") == "aborted":  # stopped early (a Flower run, which cannot resume)
+    if summary and summary.get("status") == "aborted":  # a Flower run stopped early: the bench runs it again
         cell.state = "new"
     elif summary:
         cell.state, cell.diverged = "done", summary.get("status") == "diverged"

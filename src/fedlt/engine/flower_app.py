@@ -428,8 +428,10 @@ class FlowerSimulation(Simulation):
             return (f"{run_dir} cannot resume: clients {kept} keep state between rounds on their nodes, which "
                     "SuperNodes started again would lack; start the run again")
         if checkpointed:  # a deployment's ServerApp prompts its nodes; Flower's simulation does not
-            command = "fedlt deploy --resume" if self.prompt else "fedlt run --resume"
-            return f"`{command} {shlex.quote(str(run_dir))}` goes on from its checkpoint of round {checkpointed}"
+            folder = shlex.quote(str(run_dir))
+            command = f"`fedlt deploy --resume {folder}` with the same options" if self.prompt else \
+                f"`fedlt run --resume {folder}`"
+            return f"{command} goes on from its checkpoint of round {checkpointed}"
         return (f"{run_dir} stopped before its first checkpoint (run.checkpoint_every={self.cfg.run.checkpoint_every}),"
                 " so there is nothing to resume; start the run again")
 
