@@ -1038,3 +1038,27 @@ def test_a_resume_that_stops_before_it_trains_leaves_the_runs_folder_as_it_was(t
         other.kill()
         other.wait()
     assert grid.batches == [] and {p.name: p.read_bytes() for p in done.run_dir.iterdir()} == before
+
+
+def test_a_deployed_run_is_resumed_on_a_deployment_not_on_flowers_simulation(tmp_path, server_identity, monkeypatch):
+    """`fedlt run --resume` of a deployed run went on with Ray's virtual nodes where the user ran real ones; it is
+    refused naming fedlt deploy --resume, while the deployment's own resume takes it."""
+    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+    from fedlt.errors import ConfigError
+
+    cfg = tiny(tmp_path, "fedavg", "deployed", engine="flower", run={"out_dir": str(tmp_path), "name": "deployed",
+                                                                     "checkpoint_every": 1, "threads": 1})
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if rnd == 2 else original(self, rnd))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        run_on_grid(build_config(cfg), LoopbackGrid(nodes=2), quiet=True, prompt=True)  # as the deployed ServerApp
+    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
+    run_dir = tmp_path / "deployed"
+    assert stop.value.resume_hint == (f"`fedlt deploy --resume {run_dir}` with the same options goes on from its "
+                                      "checkpoint of round 1")
+    with pytest.raises(ConfigError, match=re.escape(f"{run_dir} ran on a deployment's SuperNodes; resume it there, "
+                                                    f"with fedlt deploy --resume {run_dir}")):
+        fedlt.resume(run_dir, quiet=True)
+    assert run_on_grid(build_config(cfg), LoopbackGrid(nodes=2), quiet=True, prompt=True,
+                       resume=run_dir).summary["final"]["round"] == 2

@@ -60,8 +60,9 @@ def _run_flower(cfg: Config, quiet: bool, resume: Path | None = None) -> RunResu
         raise ConfigError("engine=flower needs Flower: pip install 'fedlt[flower]'") from None
     if resume is None:
         _note_unread(cfg, quiet)
-    else:
-        resumable_on_nodes(cfg, resume)  # refused before Ray starts
+    elif resumable_on_nodes(cfg, resume)[0].get("deployed"):  # refused before Ray starts
+        raise ConfigError(f"{resume} ran on a deployment's SuperNodes; resume it there, with fedlt deploy --resume "
+                          f"{resume} and the deployment's options")
     return simulate(cfg, quiet=quiet, resume=resume)
 
 

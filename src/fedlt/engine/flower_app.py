@@ -406,7 +406,7 @@ class FlowerSimulation(Simulation):
         theirs (a resume refuses to go on without it) and the dropouts so far (the summary lists them all)."""
         return {**super()._checkpoint_state(rnd, elapsed, pending),
                 "flower": {"kept_state": sorted(c for c, kept in self.kept_state.items() if kept),
-                           "dropped": self.dropped, "federation": self.federation_record()}}
+                           "dropped": self.dropped, "federation": self.federation_record(), "deployed": self.prompt}}
 
     def federation_record(self) -> dict[str, Any]:
         """What a resumed run must find the same on its nodes: here nothing, as every node draws the
