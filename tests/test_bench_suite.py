@@ -1096,3 +1096,30 @@ def test_new_cells_train_with_the_thread_count_of_the_folders_finished_cells(tmp
         assert second["environment"]["threads"] == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_aborted_flower_cell_goes_on_from_its_checkpoint(tmp_path, monkeypatch):
+    """A Flower cell stopped after its checkpoint was run again from round 1; its clients kept nothing on their
+    nodes, so the next `fedlt bench` resumes it, as `fedlt run --resume` would (Ditto's cell starts again)."""
+    pytest.importorskip("flwr")
+    from flower_loopback import LoopbackGrid, server_identity
+
+    from fedlt.config import build_config
+    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+
+    tree = {**TINY_SUITE, "seeds": [0], "overrides": [*TINY_SUITE["overrides"], "engine=flower",
+                                                        "run.checkpoint_every=1"],
+            "methods": [{"name": "FedProx", "overrides": ["method=fedprox"]},
+                        {"name": "Ditto", "overrides": ["method=ditto"]}]}
+    path, out = write_suite(tmp_path / "s.yaml", tree), tmp_path / "out"
+    cells = run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if rnd == 2 else original(self, rnd))
+    for cell in cells:  # each cell's own config, stopped in round 2 as by Ctrl-C
+        cfg = load_config(None, [*cell.overrides, f"run.out_dir={cell.run_dir.parent}", f"run.name={cell.run_dir.name}"])
+        with server_identity(), pytest.raises(KeyboardInterrupt):
+            run_on_grid(build_config(cfg.dump()), LoopbackGrid(nodes=2), quiet=True)
+        assert json.loads((cell.run_dir / "summary.json").read_text())["status"] == "aborted"
+    states = {c.method: c.state for c in run_suite(load_suite(path), out, dry_run=True, echo=lambda line: None).cells}
+    assert states == {"FedProx": "resume", "Ditto": "new"}

@@ -663,8 +663,8 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         diff = calibration_args_difference(summary, raw if isinstance(raw, dict) else {}, cfg)
     if diff is not None:
         raise OtherConfig(cell, diff)
-    if summary and summary.get("status") == "aborted":  # a Flower run stopped early: the bench runs it again
-        cell.state = "new"
+    if summary and summary.get("status") == "aborted":  # a Flower run stopped early: on from its checkpoint
+        cell.state = "resume" if _resumable_on_nodes(cell.run_dir) else "new"  # where it can, else again
     elif summary:
         cell.state, cell.diverged = "done", summary.get("status") == "diverged"
     elif (cell.run_dir / CHECKPOINT_FILE).is_file():
@@ -674,6 +674,20 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
         cell.state = "resume"
     else:
         cell.state = "new"  # started, killed before its first checkpoint: nothing to keep
+
+
+def _resumable_on_nodes(run_dir: Path) -> bool:
+    """Whether an aborted cell can go on from its checkpoint on Flower's simulation engine (its clients kept
+    nothing on their nodes), as ``fedlt run --resume`` would."""
+    from fedlt.config import load_config
+
+    try:
+        from fedlt.engine.flower_app import resumable_on_nodes
+
+        cfg = load_config(run_dir / CONFIG_FILE)
+        return cfg.engine == "flower" and not resumable_on_nodes(cfg, run_dir)[0].get("deployed")
+    except (FedltError, ImportError, OSError):  # no checkpoint, clients with state, no Flower: from the start
+        return False
 
 
 # ---- running ----------------------------------------------------------------------------------

@@ -279,7 +279,7 @@ def _collect_suite(path: Path) -> Collection:
             runs, foreign = _one_config(runs, [*spec.overrides, *s.overrides, *m.overrides])
             warnings += [f"row '{m.name}': left out {reason}" for reason in foreign]
             warnings += [f"row '{m.name}': left out {r.path}{_aborted(r)}: {r.summary.get('reason')}; `fedlt bench` "
-                         "runs it again" for r in runs if _aborted(r)]
+                         "runs it again (from its checkpoint, where it can)" for r in runs if _aborted(r)]
             runs = [r for r in runs if not _aborted(r)]  # its partial rounds are no seed of the row
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': seed {r.seed}: {line}"
