@@ -403,7 +403,8 @@ class FlowerSimulation(Simulation):
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         """The in-process checkpoint, and what a resumed run needs of the nodes: which clients kept state on
-        theirs (a resume refuses to go on without it) and the dropouts so far (the summary lists them all)."""
+        theirs (a resume refuses to go on without it), the dropouts so far (the summary lists them all), what
+        the nodes must still be (:meth:`federation_record`) and whether a deployment's SuperNodes served it."""
         return {**super()._checkpoint_state(rnd, elapsed, pending),
                 "flower": {"kept_state": sorted(c for c, kept in self.kept_state.items() if kept),
                            "dropped": self.dropped, "federation": self.federation_record(), "deployed": self.prompt}}
@@ -414,6 +415,7 @@ class FlowerSimulation(Simulation):
         return {}
 
     def check_resumable_on_nodes(self, run_dir: Path) -> dict[str, Any]:
+        """:func:`resumable_on_nodes`, and the round the resumed run starts at."""
         saved, rnd = resumable_on_nodes(self.cfg, run_dir)
         self.round_started = rnd + 1  # an abort from here says the checkpoint's rounds are done
         return saved
