@@ -486,15 +486,11 @@ def _aborted(outcome: dict) -> str:
 
 def resume_line(run_dir: str) -> str:
     """How a stopped deployed run goes on, where it can: ``; `fedlt deploy --resume RUN_DIR` ...``, or ''."""
-    from fedlt.config import load_config
-    from fedlt.engine.flower_app import resumable_on_nodes
+    from fedlt.engine.flower_app import resume_point
 
-    try:
-        _, rnd = resumable_on_nodes(load_config(Path(run_dir) / CONFIG_FILE), Path(run_dir))
-    except (FedltError, OSError):  # no checkpoint yet, or clients that kept state on their nodes
-        return ""
-    return (f"; `fedlt deploy --resume {shlex.quote(run_dir)}` with the same options goes on from its checkpoint of "
-            f"round {rnd}")
+    point = resume_point(Path(run_dir))
+    return "" if point is None else (f"; `fedlt deploy --resume {shlex.quote(run_dir)}` with the same options goes "
+                                     f"on from its checkpoint of round {point[1]}")
 
 
 def _outcome_tail(path: Path) -> str:

@@ -679,15 +679,12 @@ def validate_cell_folder(cell: Cell, cfg: Config) -> None:
 def _resumable_on_nodes(run_dir: Path) -> bool:
     """Whether an aborted cell can go on from its checkpoint on Flower's simulation engine (its clients kept
     nothing on their nodes), as ``fedlt run --resume`` would."""
-    from fedlt.config import load_config
-
     try:
-        from fedlt.engine.flower_app import resumable_on_nodes
-
-        cfg = load_config(run_dir / CONFIG_FILE)
-        return cfg.engine == "flower" and not resumable_on_nodes(cfg, run_dir)[0].get("deployed")
-    except (FedltError, ImportError, OSError):  # no checkpoint, clients with state, no Flower: from the start
+        from fedlt.engine.flower_app import resume_point
+    except ImportError:  # no Flower: the cell runs again from the start
         return False
+    point = resume_point(run_dir)
+    return point is not None and not point[0].get("deployed")
 
 
 # ---- running ----------------------------------------------------------------------------------

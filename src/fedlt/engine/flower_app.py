@@ -52,7 +52,8 @@ from fedlt.engine.simulation import RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.results import (
-    LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic, writing,
+    CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic,
+    writing,
 )
 from fedlt.run_parts import setup_parts, setup_runtime
 
@@ -472,6 +473,16 @@ def resumable_on_nodes(cfg: Config, run_dir: Path) -> tuple[dict[str, Any], int]
                           f"(method {cfg.method}: a personal model, control variates, a prior), which SuperNodes "
                           "started again no longer hold; start a new run")
     return saved, ckpt["round"]
+
+
+def resume_point(run_dir: Path) -> tuple[dict[str, Any], int] | None:
+    """:func:`resumable_on_nodes` of the Flower run in ``run_dir`` with its own config; None where it
+    cannot go on (not a Flower run, no checkpoint, clients that kept state on their nodes)."""
+    try:
+        cfg = load_config(run_dir / CONFIG_FILE)
+        return resumable_on_nodes(cfg, run_dir) if cfg.engine == "flower" else None
+    except (FedltError, OSError):
+        return None
 
 
 def run_on_grid(cfg: Config, grid: Grid, quiet: bool = False,
