@@ -959,7 +959,7 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
     assert time.monotonic() - signalled < STOP_GRACE_S / 2  # the cells stopped at once: no grace waited out
     assert "interrupted" in err.splitlines()[-1] and "Traceback" not in err, err
     last = err.splitlines()[-1]  # it names the cells it stopped and the round each had reached
-    assert all(f"IF=10, alpha=0.5 / FedProx / seed {seed} (started, 400 rounds)" in last for seed in (0, 1)), last
+    assert all(f"IF=10, alpha=0.5 / FedProx / seed {seed} (started, 400 rounds)" in last for seed in (0, 1)), err
     assert last.endswith("the same `fedlt bench` command goes on with them (from the last checkpoint, where there "
                          "is one) and with the suite's other unfinished cells"), last
     wait_until_group_ends(bench.pid)  # the workers were stopped before the bench ended

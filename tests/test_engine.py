@@ -328,6 +328,64 @@ def test_a_checkpoint_holds_only_what_a_safe_load_reads(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # the previous one, kept
 
 
+def _writes_until_interrupted(after: int):
+    """``open`` whose files raise KeyboardInterrupt at their ``after``-th write, as Ctrl-C landing while
+    torch's writer is inside a record does."""
+    import builtins
+
+    class Cut:
+        def __init__(self, handle):
+            self.handle, self.writes = handle, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == after:
+                raise KeyboardInterrupt
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    return lambda *args, **kwargs: Cut(builtins.open(*args, **kwargs))
+
+
+def test_a_checkpoint_save_cut_short_by_ctrl_c_stops_as_an_interrupt_and_keeps_the_last_checkpoint(tmp_path,
+                                                                                                   monkeypatch):
+    """torch's writer, interrupted mid-record, fails closing the file (RuntimeError: unexpected pos) and
+    that error replaced the interrupt: a run stopped while saving (one save a round, or a bench's
+    worker stopped) failed where it should stop resumable."""
+    from fedlt.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    state = {"round": 1, "server": {"w": torch.arange(1000.0)}, "clients": {0: {"c": torch.ones(10)}}}
+    save_checkpoint(tmp_path, state)
+    monkeypatch.setattr("fedlt.results.open", _writes_until_interrupted(3), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {**state, "round": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no half-written file beside it
+    assert load_checkpoint(tmp_path)["round"] == 1
+
+
+def test_a_data_cache_entry_cut_short_by_ctrl_c_stops_as_an_interrupt_and_leaves_no_file(tmp_path, monkeypatch):
+    import tempfile
+
+    from fedlt.data.sources import cache
+
+    named = tempfile.NamedTemporaryFile
+    cut = _writes_until_interrupted(3)
+    monkeypatch.setattr(cache.tempfile, "NamedTemporaryFile",
+                        lambda **kw: cut(named(**kw).name, "wb"))
+    with pytest.raises(KeyboardInterrupt):
+        cache.store(tmp_path / "fmnist-abc.pt", {"x": torch.arange(1000.0)})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_resumed_tensor_lands_where_the_uninterrupted_run_kept_it(tmp_path, monkeypatch):
     """Saved by a GPU run (its device tensors tagged ``cuda:0`` here), a checkpoint resumed on the
     run's device (``meta`` standing in) keeps the host-side state on the host; a CPU run's checkpoint

@@ -92,3 +92,20 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def interrupt_kept() -> Iterator[None]:
+    """A Ctrl-C (or SIGTERM) that lands inside a library stays the interrupt: torch's file writer, cut
+    short mid-record, fails while closing the file (``RuntimeError: unexpected pos``), and that error
+    replaced the interrupt, so a run stopped while saving its checkpoint failed instead of stopping
+    resumable."""
+    try:
+        yield
+    except Exception as err:
+        cause = err.__context__
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise cause from None

@@ -20,7 +20,7 @@ import yaml
 
 from fedlt.config import DIRICHLET_PARTITIONS, Config
 from fedlt.data.registry import DATASETS
-from fedlt.errors import ConfigError, FedltError
+from fedlt.errors import ConfigError, FedltError, interrupt_kept
 from fedlt.methods.registry import get_method
 
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REPORT_FILE, PLOT_FILE = (
@@ -161,17 +161,20 @@ def save_artifacts(run_dir: Path, tensors: dict[str, Any]) -> None:
 
 def save_tensors(obj: Any, path: Path) -> None:
     """``torch.save`` into a file opened here: a path the system refuses, or a full disk, is then an
-    OSError naming the file (torch's own writer reports a RuntimeError naming nothing), and what was
-    written of it is removed."""
+    OSError naming the file (torch's own writer reports a RuntimeError naming nothing), an interrupt
+    stays one, and what was written of the file is removed."""
     import torch
 
     try:
-        with open(path, "wb") as handle:
+        with interrupt_kept(), open(path, "wb") as handle:
             torch.save(obj, handle)
     except OSError as err:
         path.unlink(missing_ok=True)
         if err.filename is None:
             raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
+    except BaseException:
+        path.unlink(missing_ok=True)
         raise
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, interrupt_kept
 from fedlt.results import save_tensors
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -102,7 +102,8 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu", mmap: boo
 
 def _read(path: Path, map_location, mmap: bool) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with interrupt_kept():  # a Ctrl-C while reading must not be taken for a damaged file
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # weights_only refused an object before building it
         raise FedltError(f"{path} holds Python objects that fedlt does not load (unpickling them could run code): "
                          f"{REFUSED}") from None

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from fedlt.errors import interrupt_kept
+
 # Bump when the decoding changes, so entries written by older code are not reused.
 _FORMAT = 1
 
@@ -69,7 +71,8 @@ def store(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     temp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        with interrupt_kept(), tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
+                                                           delete=False) as handle:
             temp = Path(handle.name)
             torch.save(dict(tensors), handle)
         os.replace(temp, path)
