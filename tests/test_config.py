@@ -193,6 +193,25 @@ def test_numbers_past_float32_and_threads_past_torchs_int_are_refused_before_tra
                                     "method_args.head_lr_scale=100"]))  # the released optimiser's lr is 0.03 x 100
 
 
+def test_a_creff_feature_step_past_float32_is_refused_before_training(tmp_path) -> None:
+    """CReFF steps its features with creff_feature_lr x C (the released code's row sum): a knob in range
+    whose product was not stopped SGD with a RuntimeError traceback; it is one line, exit 2, no folder."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+
+    out = tmp_path / "runs"
+    base = ["run", "data.dataset=synthetic", "data.num_clients=4", "fl.rounds=1", "method=creff",
+            f"run.out_dir={out}", "--quiet"]
+    result = CliRunner().invoke(app, [*base, "calibration_args.creff_feature_lr=1e38"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "fedlt: error: CReFF's feature step calibration_args.creff_feature_lr x 10 classes = 1e+39 is past the 32-bit "
+        "floats training computes in (at most 3.403e+38); lower creff_feature_lr"], result.stderr
+    assert not out.exists()
+    trained = CliRunner().invoke(app, [*base, "calibration_args.creff_feature_lr=3e37"])  # x 10 is in range: it trains
+    assert "training diverged in round 1" in trained.stderr, trained.stderr
+
+
 def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:
     """loss.prior acts on la, bsm and ldam only; elsewhere a prior the user asked for would be ignored
     (or, for a global one, ask the server for counts it never fetches)."""

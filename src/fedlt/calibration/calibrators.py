@@ -21,6 +21,8 @@ from fedlt.calibration.math.retrain import linear_init, retrain_linear
 from fedlt.calibration.math.rff import rff_frequencies
 from fedlt.calibration.math.stats import class_moments
 from fedlt.calibration.math.virtual import sample_class_gaussians
+from fedlt.config import FLOAT32_MAX
+from fedlt.errors import ConfigError
 from fedlt.messages import Payload, Reply
 from fedlt.methods.base import MethodArgs, ModelHead, ServerContext
 from fedlt.plugins import PluginRegistry
@@ -202,6 +204,10 @@ class CReFF(Calibrator):
     def __init__(self, args, ctx):
         super().__init__(args, ctx)
         d, c = ctx.model.feature_dim, self.num_classes
+        if args.creff_feature_lr * c > FLOAT32_MAX:  # the knob passed its own float32 check, the step does not
+            raise ConfigError(f"CReFF's feature step calibration_args.creff_feature_lr x {c} classes = "
+                              f"{args.creff_feature_lr * c:.4g} is past the 32-bit floats training computes in (at "
+                              f"most {FLOAT32_MAX:.4g}); lower creff_feature_lr")
         # Eq. 6 averages over the C classifier rows; the released code sums them, and only that
         # step size (lr 0.1 on the sum = lr 0.1*C on Eq. 6) moves the features enough in I=100 steps.
         self.features = creff.FederatedFeatures(c, args.creff_features_per_class, d, ctx.generator(0, purpose=31),
