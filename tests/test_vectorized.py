@@ -472,7 +472,7 @@ def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
     assert re.search(r"Fastest here: (eager|channels_last|compile) \([\d.]+x eager\)", text)
 
 
-def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
+def test_profile_bench_splits_a_step_into_its_parts(tmp_path, capfd):
     """`fedlt bench profile`: per backend, the marked parts of a step (batch, forward+loss, backward
     or vmap's forward+backward, optimizer) as host time, and no GPU columns on a CPU; FedAvg's epoch
     makes no host synchronisation, so what is counted is per client, not per batch."""
@@ -494,6 +494,20 @@ def test_profile_bench_splits_a_step_into_its_parts(tmp_path):
     assert float(vec["forward+backward ms"]) > 0 and float(vec["optimizer ms"]) > 0
     # 2 clients x 2 epochs of synthetic data: the per-client synchronisations spread over many steps
     assert 0 < float(seq["host syncs / step"]) < 1
+    assert "USDT:" not in capfd.readouterr().err  # the profiler's C++ start/stop lines
+
+
+def test_the_profiled_round_drops_only_the_profilers_own_stderr_lines(capfd):
+    import os
+    import sys
+
+    from fedlt.bench.profile import _without_profiler_lines
+
+    with _without_profiler_lines():
+        os.write(2, b"USDT:2026-11-30 SyncActivityProfilerHandler.cpp:52] profiler_start\nfrom C++\n")
+        print("from Python", file=sys.stderr)
+        os.write(2, b"STAGE:2026-11-30 Completed Stage: Warm Up\n")
+    assert sorted(capfd.readouterr().err.splitlines()) == ["from C++", "from Python"]  # pytest's sys.stderr is not fd 2
 
 
 def test_paper_rounds_time_the_rows_picked_by_name():

@@ -11,7 +11,12 @@ their own (the counting slows Python down, so it never overlaps a timed round).
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -28,6 +33,7 @@ from fedlt.training.sequential import steps_per_epoch
 
 PARTS = {BATCH: "batch", FORWARD: "forward+loss", BACKWARD: "backward", GRADIENT: "forward+backward",
          OPTIMIZER: "optimizer"}
+PROFILER_LINES = ("USDT:", "STAGE:")
 DEVICE_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -38,12 +44,33 @@ def client_steps(sim, rnd: int) -> int:
     return sum(fl.local_epochs * steps_per_epoch(n, fl.batch_size) for n in sizes)
 
 
+@contextmanager
+def _without_profiler_lines() -> Iterator[None]:
+    """The profiler's C++ side prints ``USDT:``/``STAGE:`` lines straight to stderr at its start and stop
+    (no setting silences them); they would land between the bench's own lines. Whatever else reached
+    stderr meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(PROFILER_LINES)]
+            sys.stderr.write("".join(kept))
+
+
 def profile_round(sim, rnd: int) -> dict[str, float]:
     """Per client step of round ``rnd``: wall ms, each part's host ms, and on a GPU the kernel ms,
     kernels, device waits and host-device copies."""
     cuda = sim.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
+    with _without_profiler_lines(), profile(activities=activities) as prof:
         t0 = time.perf_counter()
         sim.fit_round(rnd)
         sync_device(sim.device)
