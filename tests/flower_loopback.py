@@ -17,10 +17,12 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 class LoopbackGrid:
     """A Flower Grid in this process: each node is a Context handed to the real ClientApp
     handler; nodes in ``dead`` stay registered but never answer (as after a crash, until the
-    SuperLink's heartbeat gives up)."""
+    SuperLink's heartbeat gives up); from fit ``late_after_fits`` on, the last node answers (its clients'
+    state kept) after the server stopped waiting, so none of its replies arrives."""
 
     def __init__(self, nodes: int, die_after_fits: int | None = None, leave_after_fits: int | None = None,
-                 fail_after_fits: int | None = None, lost_after_fits: int | None = None):
+                 fail_after_fits: int | None = None, lost_after_fits: int | None = None,
+                 late_after_fits: int | None = None):
         from flwr.app import Context, RecordDict
 
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
@@ -30,6 +32,7 @@ class LoopbackGrid:
         self.fits, self.die_after_fits = 0, die_after_fits
         self.leave_after_fits, self.fail_after_fits = leave_after_fits, fail_after_fits
         self.lost_after_fits = lost_after_fits  # from then on Flower answers for the last node: unavailable
+        self.late_after_fits = late_after_fits
         self.left: set[int] = set()
         self.batches: list[tuple[str, list[int]]] = []  # (message type, nodes) of every send
         self.timeouts: list[float] = []
@@ -65,6 +68,8 @@ class LoopbackGrid:
                 reply = Message(error=Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"), reply_to=m)
             else:
                 reply = handle(m, self.contexts[node])
+                if self.late_after_fits and self.fits >= self.late_after_fits and node == max(self.contexts):
+                    continue  # too late: never pulled
             self.replies[m.metadata.message_id] = reply
         return [m.metadata.message_id for m in messages]
 

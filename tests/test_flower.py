@@ -3,6 +3,7 @@ simulation engine), and a real SuperLink with SuperNodes on 127.0.0.1, one of wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -971,6 +972,62 @@ def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resum
     assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     with pytest.raises(ConfigError, match="kept state between rounds"):  # Flower's simulation: before Ray starts
         fedlt.resume(run_dir, quiet=True)
+
+
+def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_a_resume(tmp_path, server_identity,
+                                                                                        monkeypatch):
+    """Whether clients keep state on their nodes was read only from the replies that arrived: where every reply of a
+    client that kept state came too late (its node slow), the run was taken as stateless and resumed on new nodes
+    without that state. The method's own declaration (``MethodSpec.keeps_state``) is recorded and refuses it."""
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.errors import ConfigError
+    from fedlt.methods.fedavg import FedAvgClient
+    from fedlt.methods.registry import METHODS
+
+    class OddClientsKeep(FedAvgClient):
+        """Keeps a count of its rounds on odd clients only, as a method keeps state only where data call for it."""
+
+        def fit(self, ctx, msg):
+            if ctx.cid % 2:
+                ctx.state["rounds"] = ctx.state.get("rounds", 0) + 1
+            return super().fit(ctx, msg)
+
+    monkeypatch.setitem(METHODS, "oddkeeps", dataclasses.replace(METHODS["fedavg"], name="oddkeeps",
+                                                                 client=OddClientsKeep, keeps_state=lambda args: True))
+    monkeypatch.setattr(METHODS, "in_code_only", lambda name: False)  # the loopback's nodes live in this process
+    data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
+    cfg = tiny(tmp_path, "oddkeeps", "cut", engine="flower", data=data,
+               fl={"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+               run={"out_dir": str(tmp_path), "name": "cut", "checkpoint_every": 1, "threads": 1})
+    grid = LoopbackGrid(nodes=2, late_after_fits=1)  # node 101, the odd clients', answers too late from round 1
+    run_dir, hint = _interrupted_flower_run(cfg, grid, 2, monkeypatch)
+    assert [k for k in grid.contexts[101].state if k.endswith("tree")] == ["client1.tree", "client3.tree"]
+    assert hint == (f"{run_dir} cannot resume: the clients of method oddkeeps keep state between rounds on their "
+                    "nodes, which SuperNodes started again would lack; start the run again")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    grid = LoopbackGrid(nodes=2)
+    with pytest.raises(ConfigError, match=re.escape(f"the clients of {run_dir} kept state between rounds on their "
+                                                    "nodes (method oddkeeps: ")):
+        run_on_grid(build_config(cfg), grid, quiet=True, resume=run_dir)
+    assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_every_method_declares_whether_its_clients_keep_state_as_they_do(tmp_path):
+    """``MethodSpec.keeps_state`` refuses a Flower resume whatever replies arrived, so it must say what the
+    clients do: one round of each method in-process, whose checkpoint holds every client's ``ctx.state``."""
+    from fedlt.docs_ledger import tiny as ledger_tiny
+    from fedlt.engine.checkpoint import load_checkpoint
+    from fedlt.methods.registry import METHODS, parse_method_args
+
+    cases = [(name, {}) for name, spec in METHODS.items() if not spec.pooled]
+    for name, knobs in [*cases, ("fedyoyo", {"prior_source": "counts"})]:  # FedYoYo keeps only its own estimate
+        spec, tree = METHODS[name], ledger_tiny(name, tmp_path)
+        tree["method_args"].update(knobs)
+        tree["fl"]["rounds"], tree["run"]["name"] = 1, f"{name}{len(knobs)}"
+        if name == "fedbn":  # its state is the model's BatchNorm, which the default model has none of
+            tree["model"] = {"name": "resnet8"}
+        kept = bool(load_checkpoint(fedlt.run(tree, quiet=True).run_dir, "cpu")["clients"])
+        assert spec.keeps_state(parse_method_args(spec, tree["method_args"])) == kept, name
 
 
 def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fedlt.engine.simulation import RunResult, Simulation, check_resumable
 from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
+from fedlt.methods.registry import parse_method_args
 from fedlt.results import (
     CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic,
     writing,
@@ -250,6 +251,8 @@ class FlowerSimulation(Simulation):
         self.lost_before: dict[int, int] = {}
         #: client id -> whether its last reply said it keeps state between rounds on its node
         self.kept_state: dict[int, bool] = {}
+        #: whether the method says its clients keep such state: a resume needs it where no reply showed any (lost)
+        self.keeps_state = spec.keeps_state(parse_method_args(spec, cfg.method_args))
         #: clients whose node lost the state they kept there: sent nothing more
         self.state_lost: set[int] = set()
         self.round_started = 0
@@ -404,11 +407,13 @@ class FlowerSimulation(Simulation):
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         """The in-process checkpoint, and what a resumed run needs of the nodes: which clients kept state on
-        theirs (a resume refuses to go on without it), the dropouts so far (the summary lists them all), what
-        the nodes must still be (:meth:`federation_record`) and whether a deployment's SuperNodes served it."""
+        theirs, and whether the method says they keep any (a resume refuses to go on without it), the dropouts
+        so far (the summary lists them all), what the nodes must still be (:meth:`federation_record`) and
+        whether a deployment's SuperNodes served it."""
         return {**super()._checkpoint_state(rnd, elapsed, pending),
                 "flower": {"kept_state": sorted(c for c, kept in self.kept_state.items() if kept),
-                           "dropped": self.dropped, "federation": self.federation_record(), "deployed": self.prompt}}
+                           "method_keeps_state": self.keeps_state, "dropped": self.dropped,
+                           "federation": self.federation_record(), "deployed": self.prompt}}
 
     def federation_record(self) -> dict[str, Any]:
         """What a resumed run must find the same on its nodes: here nothing, as every node draws the
@@ -427,8 +432,9 @@ class FlowerSimulation(Simulation):
 
     def _resume_hint(self, run_dir: Path, checkpointed: int) -> str:
         kept = sorted(cid for cid, keeps in self.kept_state.items() if keeps)
-        if kept:
-            return (f"{run_dir} cannot resume: clients {kept} keep state between rounds on their nodes, which "
+        if kept or self.keeps_state:
+            who = f"clients {kept}" if kept else f"the clients of method {self.cfg.method}"
+            return (f"{run_dir} cannot resume: {who} keep state between rounds on their nodes, which "
                     "SuperNodes started again would lack; start the run again")
         if checkpointed:  # a deployment's ServerApp prompts its nodes; Flower's simulation does not
             folder = shlex.quote(str(run_dir))
@@ -468,10 +474,11 @@ def resumable_on_nodes(cfg: Config, run_dir: Path) -> tuple[dict[str, Any], int]
     if not isinstance(saved, dict):
         raise ConfigError(f"{run_dir / CHECKPOINT_FILE} was saved by a fedlt that did not record what a Flower run "
                           "needs to resume (which clients kept state on their nodes); start a new run")
-    if saved.get("kept_state"):
-        raise ConfigError(f"clients {saved['kept_state']} of {run_dir} kept state between rounds on their nodes "
-                          f"(method {cfg.method}: a personal model, control variates, a prior), which SuperNodes "
-                          "started again no longer hold; start a new run")
+    if saved.get("kept_state") or saved.get("method_keeps_state"):  # the method's word: replies may have been lost
+        who = f"clients {saved['kept_state']}" if saved.get("kept_state") else "the clients"
+        raise ConfigError(f"{who} of {run_dir} kept state between rounds on their nodes (method {cfg.method}: a "
+                          "personal model, control variates, a prior), which SuperNodes started again no longer "
+                          "hold; start a new run")
     return saved, ckpt["round"]
 
 

@@ -544,3 +544,7 @@ class MethodSpec:
     head: Callable[[MethodArgs], ModelHead] = lambda args: LINEAR_HEAD
     #: classifier calibrations the method always applies (CReFF is FedAvg + its calibration)
     calibration: tuple[str, ...] = ()
+    #: whether its clients keep state between rounds in ``ctx.state`` (a personal model, control variates, a
+    #: prior estimate), from its parsed ``method_args``: a Flower run of it cannot go on from its checkpoint on
+    #: SuperNodes started again, which lack that state, even where no reply that would have shown it arrived
+    keeps_state: Callable[[MethodArgs], bool] = lambda args: False

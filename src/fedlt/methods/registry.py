@@ -47,6 +47,11 @@ def method_from_plugin(name: str, loaded: object) -> MethodSpec:
     return spec
 
 
+def always(args: MethodArgs) -> bool:
+    """``MethodSpec.keeps_state`` of a method whose clients keep state between rounds whatever its knobs."""
+    return True
+
+
 METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", {
     spec.name: spec
     for spec in [
@@ -58,9 +63,10 @@ METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", 
                    FedAvgServer, FedAvgClient, pooled=True),
         MethodSpec("fedloge", "FedLoGe: backbone through a frozen sparse ETF (SSE-C), global head with GA-FR, "
                    "personal heads with LA-FR", FedLoGeServer, FedLoGeClient, FedLoGeArgs,
-                   make_model=fedloge_model, uses_loss_config=False, head=lambda args: FEDLOGE_HEAD),
+                   make_model=fedloge_model, uses_loss_config=False, head=lambda args: FEDLOGE_HEAD,
+                   keeps_state=always),
         MethodSpec("fedrod", "FedRoD: generic head with balanced softmax + personal head on its logits",
-                   Server, FedRoDClient, uses_loss_config=False),
+                   Server, FedRoDClient, uses_loss_config=False, keeps_state=always),
         MethodSpec("fedbabu", "FedBABU: body trained under a frozen random head; personalized by fine-tuning "
                    "(method_args.finetune_epochs)", Server, FedBABUClient, FedBABUArgs, uses_loss_config=False,
                    head=lambda args: FEDBABU_HEAD),
@@ -68,20 +74,22 @@ METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", 
                    "balanced softmax; local ETF/projection adaptation", FedETFServer, FedETFClient, FedETFArgs,
                    make_model=fedetf_model, uses_loss_config=False, head=lambda args: FEDETF_HEAD),
         MethodSpec("fedrep", "FedRep: shared body, personal heads fitted first each round (method_args.head_epochs)",
-                   FedRepServer, FedRepClient, FedRepArgs, uses_loss_config=False, head=fedrep_head),
+                   FedRepServer, FedRepClient, FedRepArgs, uses_loss_config=False, head=fedrep_head,
+                   keeps_state=always),
         MethodSpec("fedper", "FedPer: shared body, personal heads; no global model",
-                   FedPerServer, FedPerClient, uses_loss_config=False, head=lambda args: FEDPER_HEAD),
+                   FedPerServer, FedPerClient, uses_loss_config=False, head=lambda args: FEDPER_HEAD,
+                   keeps_state=always),
         MethodSpec("ditto", "Ditto: FedAvg + personal models pulled towards it (method_args.mu)",
-                   Server, DittoClient, DittoArgs, uses_loss_config=False),
+                   Server, DittoClient, DittoArgs, uses_loss_config=False, keeps_state=always),
         MethodSpec("fedbn", "FedBN: FedAvg with BatchNorm kept local (method_args.global_bn)",
-                   FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False),
+                   FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False, keeps_state=always),
         MethodSpec("gbme", "GBME: gradient-proxy (GPI) prior + multi-expert ensemble; GBME-p with "
                    "method_args.dp_epsilon (loss.name: bsm, la, ldam)",
                    GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model, losses=GBME_LOSSES,
                    losses_why="the losses that take its GPI as the class prior", head=gbme_head,
                    prior_knob="prior"),
         MethodSpec("scaffold", "SCAFFOLD: local steps corrected by client/server control variates",
-                   ScaffoldServer, ScaffoldClient),
+                   ScaffoldServer, ScaffoldClient, keeps_state=always),
         MethodSpec("fedavgm", "FedAvgM: FedAvg + server momentum (method_args.beta, default 0.9)",
                    FedAvgMServer, FedAvgClient, FedAvgMArgs),
         *(MethodSpec(name, f"FedAvg + {desc}", FedAvgServer, FedAvgClient, calibration=(name,))
@@ -95,7 +103,8 @@ METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", 
                    "the released code's scale)",
                    FedAvgServer, FedDecorrClient, FedDecorrArgs),
         MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
-                   FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False),
+                   FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False,
+                   keeps_state=lambda args: args.dla and args.prior_source == "estimated"),
     ]
 }, method_from_plugin)
 
