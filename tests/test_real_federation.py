@@ -718,6 +718,51 @@ def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tm
     assert resumed.summary["train_class_counts"] == full.summary["train_class_counts"]
 
 
+@pytest.mark.parametrize(("leaks", "silent"), [(False, 1), (True, 1), (False, 2)])
+def test_a_resume_names_the_site_that_did_not_answer_its_class_count_check(tmp_path, exported, server_identity,
+                                                                           monkeypatch, leaks, silent):
+    """A site whose SuperNode said hello to the resumed server but then did not answer its check of the class
+    counts (stopped, hung) left the others' sum short of the run's, refused as if the sites' data differed (two
+    such sites: too few answers to sum). The refusal names the sites and says to start them and resume again;
+    the run's folder stays as it was."""
+    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+
+    top = {"fl": {"rounds": 2}, "run": {"checkpoint_every": 1},
+           "eval": {"test_data": str(exported / "server" / "test")},
+           **({"privacy": {"allow_leaks": True}} if leaks else {})}  # the counts in the clear, or a secure sum
+    cfg = build_config(node_tree(tmp_path, "cut", exported, **top))
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if rnd == 2 else original(self, rnd))
+    with pytest.raises(KeyboardInterrupt):
+        node_run(cfg.dump(), NodeGrid(nodes_of(exported)))
+    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
+    run_dir = tmp_path / "runs" / "cut"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+    grid = NodeGrid(nodes_of(exported))
+    answer = grid.send_and_receive
+
+    def stopped_after_hello(messages, *, timeout):
+        if grid.sends:  # every site said hello; then the last ones' SuperNodes stop answering
+            grid.dead.update(sorted(grid.contexts)[-silent:])
+        return answer(messages, timeout=timeout)
+
+    grid.send_and_receive = stopped_after_hello
+    names = sorted(nodes_of(exported))
+    with pytest.raises(ConfigError) as refused:
+        run_on_grid(cfg, grid, quiet=True, resume=run_dir)
+    if silent == 1:
+        assert str(refused.value) == (f"site {names[2]} (SuperNode 202) did not answer the resumed run's check of "
+                                      "the sites' class counts; start its SuperNode (or see why it stopped), then "
+                                      "run the same resume again")
+    else:
+        assert str(refused.value).startswith(f"sites {names[1]} (SuperNode 201), {names[2]} (SuperNode 202) did not "
+                                             "answer the resumed run's check of the sites' class counts; start their "
+                                             "SuperNodes (or see why they stopped)")
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
 def test_a_deployment_stopped_after_a_checkpoint_goes_on_with_deploy_resume(tmp_path, exported):
     """`fedlt deploy` stopped by SIGTERM after round 1 of 3 (say, the server's machine going down), then
     `fedlt deploy --resume RUN_DIR` with the same site folders: new SuperLink, SuperNodes and ServerApp go on

@@ -269,9 +269,20 @@ class NodeDataSimulation(FlowerSimulation):
         if before.get("sites") != self.client_names:
             raise ConfigError(f"the run's sites were {', '.join(before.get('sites') or [])}, the connected SuperNodes "
                               f"are {', '.join(self.client_names)}; start the run's own sites to resume it")
-        traffic = dict(self._traffic)
-        self._sum_class_counts()
+        traffic, dropped = dict(self._traffic), len(self.dropped)
+        try:
+            self._sum_class_counts()
+        except FedltError:  # too few answered to sum: which sites did not is the news
+            if len(self.dropped) == dropped:
+                raise
         self._traffic = traffic  # counted once, in round 1: comm as in the uninterrupted run
+        silent = sorted({cid for d in self.dropped[dropped:] for cid in d["clients"]})
+        if silent:  # a sum short of these sites, not other data
+            sites = ", ".join(self.site_of(self.nodes[cid]) for cid in silent)
+            one = len(silent) == 1
+            raise ConfigError(f"{'site' if one else 'sites'} {sites} did not answer the resumed run's check of the "
+                              f"sites' class counts; start {'its SuperNode' if one else 'their SuperNodes'} (or see "
+                              f"why {'it' if one else 'they'} stopped), then run the same resume again")
         if [int(c) for c in self.eval_data.counts] != before.get("class_counts"):
             raise ConfigError("the sites' data are not those the run began with (their summed class counts differ); "
                               "resume with each site's own folder, or start a new run")
