@@ -763,6 +763,36 @@ def test_a_resume_names_the_site_that_did_not_answer_its_class_count_check(tmp_p
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_a_deployed_resume_that_stops_before_its_first_round_says_its_folder_is_as_it_was(tmp_path, monkeypatch):
+    """A ClientApp failing the resume's check of the class counts was reported as "the run was aborted after 0
+    round(s) ...; its summary is in RUN_DIR", though the resume wrote nothing there: the folder still holds
+    what it held, and the same resume goes on once the site is mended."""
+    import json
+    from types import SimpleNamespace
+
+    from fedlt.deploy import _aborted
+    from fedlt.engine import flower_app
+    from fedlt.results import OUTCOME_ENV
+
+    run_dir, outcome = tmp_path / "run", tmp_path / "outcome.json"
+
+    def resumed(cfg, grid, on_start, prompt, resume):
+        on_start(SimpleNamespace(resuming=True, round_started=0), resume)
+        raise FedltError("setup (counts): client 2 failed: ValueError: bad labels")
+
+    monkeypatch.setenv(OUTCOME_ENV, str(outcome))
+    monkeypatch.setattr(flower_app, "run_on_grid", resumed)
+    monkeypatch.setattr(flower_app, "deployed_config", lambda run_config, where: None)
+    monkeypatch.setattr(flower_app, "app_dir", lambda grid: None)
+    with pytest.raises(FedltError):
+        flower_app.main(SimpleNamespace(), SimpleNamespace(run_config={"resume": str(run_dir)}))
+    assert _aborted(json.loads(outcome.read_text())) == (
+        f"the resumed run stopped before it trained a round: setup (counts): client 2 failed: ValueError: bad "
+        f"labels; {run_dir.resolve()} is as it was")
+    assert _aborted({"status": "aborted", "reason": "x", "run_dir": "r", "rounds_done": 3, "untouched": False}
+                    ).startswith("the run was aborted after 3 round(s): x; its summary is in r")
+
+
 def test_a_deployment_stopped_after_a_checkpoint_goes_on_with_deploy_resume(tmp_path, exported):
     """`fedlt deploy` stopped by SIGTERM after round 1 of 3 (say, the server's machine going down), then
     `fedlt deploy --resume RUN_DIR` with the same site folders: new SuperLink, SuperNodes and ServerApp go on

@@ -480,6 +480,9 @@ def _read_outcome(path: Path) -> dict | None:
 def _aborted(outcome: dict) -> str:
     if outcome.get("config_error") or not outcome.get("run_dir"):
         return outcome["reason"]
+    if outcome.get("untouched"):  # a resume that trained no round: the folder holds what it held before
+        return (f"the resumed run stopped before it trained a round: {outcome['reason']}; {outcome['run_dir']} is "
+                "as it was" + resume_line(outcome["run_dir"]))
     return (f"the run was aborted after {outcome['rounds_done']} round(s): {outcome['reason']}; "
             f"its summary is in {outcome['run_dir']}" + resume_line(outcome["run_dir"]))
 

@@ -584,7 +584,7 @@ def main(grid: Grid, context: Context) -> None:
             reason = "the SuperLink is gone (it stopped answering on " + str(address) + ")"
             sim.abort(run_dir, reason)
             _report(status="aborted", reason=reason, run_dir=str(run_dir.resolve()),
-                    rounds_done=max(sim.round_started - 1, 0))
+                    rounds_done=max(sim.round_started - 1, 0), untouched=sim.resuming)
             os._exit(1)
 
         if isinstance(address, str) and ":" in address:
@@ -601,7 +601,8 @@ def main(grid: Grid, context: Context) -> None:
         sim = started.get("sim")
         _report(status="aborted", reason=describe_error(err), config_error=isinstance(err, ConfigError),
                 run_dir=str(started["run_dir"].resolve()) if started else None,
-                rounds_done=max(sim.round_started - 1, 0) if sim else 0)
+                rounds_done=max(sim.round_started - 1, 0) if sim else 0,
+                untouched=bool(sim and sim.resuming))  # a resume stopped before its first round wrote nothing
         raise
     _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds,
             **{k: result.summary[k] for k in ("last_evaluated_round",) if k in result.summary})
