@@ -763,6 +763,34 @@ def test_a_resume_names_the_site_that_did_not_answer_its_class_count_check(tmp_p
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+@pytest.mark.parametrize("leaks", [False, True])
+def test_a_new_run_whose_site_does_not_answer_the_class_counts_names_it_and_trains_nothing(tmp_path, exported,
+                                                                                           server_identity, leaks):
+    """A site that said hello but then did not answer the class-count exchange left the sum short of it: the
+    many/medium/few groups were drawn from the other sites' counts for the whole run (only a log line said
+    so), and a resume, summing every site, then took the run's data for other data."""
+    from fedlt.engine.flower_app import run_on_grid
+
+    top = {"fl": {"rounds": 2}, "eval": {"test_data": str(exported / "server" / "test")},
+           **({"privacy": {"allow_leaks": True}} if leaks else {})}
+    grid = NodeGrid(nodes_of(exported))
+    answer = grid.send_and_receive
+
+    def stopped_after_hello(messages, *, timeout):
+        if grid.sends:
+            grid.dead.add(max(grid.contexts))
+        return answer(messages, timeout=timeout)
+
+    grid.send_and_receive = stopped_after_hello
+    with pytest.raises(FedltError) as refused:
+        run_on_grid(build_config(node_tree(tmp_path, "short", exported, **top)), grid, quiet=True)
+    assert str(refused.value) == (
+        f"site {sorted(nodes_of(exported))[2]} (SuperNode 202) did not answer the federation's class-count exchange "
+        "before round 1: the class counts and the many/medium/few groups need every site's; start its SuperNode (or "
+        "see why it stopped), then start the run again")
+    assert "fit" not in grid.sent_kinds and "setup" not in str(grid.sent_kinds)  # nothing trained, no setup stage
+
+
 def test_a_deployed_resume_that_stops_before_its_first_round_says_its_folder_is_as_it_was(tmp_path, monkeypatch):
     """A ClientApp failing the resume's check of the class counts was reported as "the run was aborted after 0
     round(s) ...; its summary is in RUN_DIR", though the resume wrote nothing there: the folder still holds

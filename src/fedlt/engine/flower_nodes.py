@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -248,13 +248,30 @@ class NodeDataSimulation(FlowerSimulation):
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
-        self._sum_class_counts()
+        self._sum_class_counts(lambda sites, fix: FedltError(
+            f"{sites} did not answer the federation's class-count exchange before round 1: the class counts and the "
+            f"many/medium/few groups need every site's; {fix}, then start the run again"))
         super().setup()
 
-    def _sum_class_counts(self) -> None:
+    def _sum_class_counts(self, unanswered: Callable[[str, str], FedltError]) -> None:
+        """The sites' summed class counts, from every site: a sum short of one would misplace classes in the
+        shot groups for the whole run (and a resume, summing all, would take the run's data for other data).
+        ``unanswered(sites, fix)`` is the error naming the sites that did not answer and how to bring them."""
         log(f"fedlt: summing the class counts of {len(self.all_clients)} nodes"
             + (" (secure aggregation)" if self.secure is not None and len(self.all_clients) > 1 else ""))
-        total = _summed(self._exchange(COUNTS, 0, [(cid, Message()) for cid in self.all_clients]).values(), "counts")
+        dropped = len(self.dropped)
+        try:
+            total = _summed(self._exchange(COUNTS, 0, [(cid, Message()) for cid in self.all_clients]).values(),
+                            "counts")
+        except FedltError:  # too few answered to sum: which sites did not is the news
+            if len(self.dropped) == dropped:
+                raise
+        silent = sorted({cid for d in self.dropped[dropped:] for cid in d["clients"]})
+        if silent:
+            one = len(silent) == 1
+            sites = ("site " if one else "sites ") + ", ".join(self.site_of(self.nodes[cid]) for cid in silent)
+            raise unanswered(sites, f"start {'its SuperNode' if one else 'their SuperNodes'} (or see why "
+                                    f"{'it' if one else 'they'} stopped)")
         self.eval_data.counts = np.rint(total.cpu().numpy()).astype(np.int64)
         self.groups = shot_groups(self.eval_data.counts, self.cfg.eval)
 
@@ -269,20 +286,11 @@ class NodeDataSimulation(FlowerSimulation):
         if before.get("sites") != self.client_names:
             raise ConfigError(f"the run's sites were {', '.join(before.get('sites') or [])}, the connected SuperNodes "
                               f"are {', '.join(self.client_names)}; start the run's own sites to resume it")
-        traffic, dropped = dict(self._traffic), len(self.dropped)
-        try:
-            self._sum_class_counts()
-        except FedltError:  # too few answered to sum: which sites did not is the news
-            if len(self.dropped) == dropped:
-                raise
+        traffic = dict(self._traffic)
+        self._sum_class_counts(lambda sites, fix: ConfigError(
+            f"{sites} did not answer the resumed run's check of the sites' class counts; {fix}, then run the same "
+            "resume again"))
         self._traffic = traffic  # counted once, in round 1: comm as in the uninterrupted run
-        silent = sorted({cid for d in self.dropped[dropped:] for cid in d["clients"]})
-        if silent:  # a sum short of these sites, not other data
-            sites = ", ".join(self.site_of(self.nodes[cid]) for cid in silent)
-            one = len(silent) == 1
-            raise ConfigError(f"{'site' if one else 'sites'} {sites} did not answer the resumed run's check of the "
-                              f"sites' class counts; start {'its SuperNode' if one else 'their SuperNodes'} (or see "
-                              f"why {'it' if one else 'they'} stopped), then run the same resume again")
         if [int(c) for c in self.eval_data.counts] != before.get("class_counts"):
             raise ConfigError("the sites' data are not those the run began with (their summed class counts differ); "
                               "resume with each site's own folder, or start a new run")
