@@ -386,6 +386,46 @@ def test_a_data_cache_entry_cut_short_by_ctrl_c_stops_as_an_interrupt_and_leaves
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_cut_short_by_ctrl_c_leaves_no_temporary_file_beside_it(tmp_path, monkeypatch):
+    """A run's files are written through a temporary file renamed into place; Ctrl-C while the plot was
+    drawn into it, or while the saved checkpoint was checked, left ``tmp-curves.png`` or
+    ``checkpoint.pt.tmp`` (a cut file) in the run's folder."""
+    import matplotlib.figure
+
+    from fedlt.engine.checkpoint import save_checkpoint
+    from fedlt.results import plot_curves, write_atomic
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    save_checkpoint(tmp_path, {"round": 1, "server": {"w": torch.ones(3)}})
+    write_atomic(tmp_path / "summary.json", "{}\n")
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def cut_plot(self, path, **kwargs):
+        with open(path, "wb") as handle:
+            handle.write(b"\x89PNG")  # a part of the image
+        raise KeyboardInterrupt
+
+    def cut_text(self, text, *args, **kwargs):
+        with open(self, "w") as handle:
+            handle.write(text[:1])
+        raise KeyboardInterrupt
+
+    for patch, write in (
+            ((torch.serialization, "get_unsafe_globals_in_checkpoint", interrupted),
+             lambda: save_checkpoint(tmp_path, {"round": 2, "server": {"w": torch.zeros(3)}})),
+            ((matplotlib.figure.Figure, "savefig", cut_plot),
+             lambda: plot_curves(tmp_path / "curves.png", [{"round": 1, "acc": 50.0}], "a run")),
+            ((type(tmp_path), "write_text", cut_text),
+             lambda: write_atomic(tmp_path / "summary.json", "{\"a\": 1}\n"))):
+        monkeypatch.setattr(*patch)
+        with pytest.raises(KeyboardInterrupt):
+            write()
+        monkeypatch.undo()
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == kept, patch[1]
+
+
 def test_a_resumed_tensor_lands_where_the_uninterrupted_run_kept_it(tmp_path, monkeypatch):
     """Saved by a GPU run (its device tensors tagged ``cuda:0`` here), a checkpoint resumed on the
     run's device (``meta`` standing in) keeps the host-side state on the host; a CPU run's checkpoint

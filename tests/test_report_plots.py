@@ -212,6 +212,24 @@ def test_diagnostics_plot_only_changing_method_numbers(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
+def test_a_plot_cut_short_by_ctrl_c_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A figure is drawn into ``tmp-NAME.png`` and renamed; Ctrl-C while it was drawn left that cut file."""
+    import matplotlib.figure
+    import matplotlib.pyplot as plt
+
+    from fedlt.reporting import plots
+
+    def cut(self, path, **kwargs):
+        with open(path, "wb") as handle:
+            handle.write(PNG_SIGNATURE)  # a part of the image
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut)
+    with pytest.raises(KeyboardInterrupt):
+        plots._save(plt.figure(), tmp_path / "curves.png")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_per_class_accuracy_is_averaged_by_class_size_rank_under_any_class_order(tmp_path):
     from fedlt.reporting.plots import by_class_size, plot_per_class
 

@@ -61,8 +61,20 @@ LOST_NODES_ENV = "FEDLT_LOST_NODES_FILE"
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with removed_unless_renamed(tmp):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+@contextmanager
+def removed_unless_renamed(tmp: Path) -> Iterator[None]:
+    """``tmp``, written to be renamed into place inside, is removed when the writing fails or is
+    interrupted (Ctrl-C, SIGTERM): the folder keeps neither a cut file nor a stray temporary one."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 #: the run folders this process writes, by (device, inode), and how many holds each has
@@ -155,8 +167,9 @@ def write_partition(run_dir: Path, record: dict[str, Any]) -> None:
 
 def save_artifacts(run_dir: Path, tensors: dict[str, Any]) -> None:
     tmp = run_dir / (ARTIFACTS_FILE + ".tmp")
-    save_tensors(tensors, tmp)
-    os.replace(tmp, run_dir / ARTIFACTS_FILE)
+    with removed_unless_renamed(tmp):
+        save_tensors(tensors, tmp)
+        os.replace(tmp, run_dir / ARTIFACTS_FILE)
 
 
 def save_tensors(obj: Any, path: Path) -> None:
@@ -599,7 +612,8 @@ def plot_curves(path: Path, rows: list[dict[str, Any]], title: str) -> None:
         ax.legend()
         fig.tight_layout()
         tmp = path.with_name("tmp-" + path.name)
-        fig.savefig(tmp, dpi=100)
+        with removed_unless_renamed(tmp):
+            fig.savefig(tmp, dpi=100)
+            os.replace(tmp, path)
     finally:
         plt.close(fig)
-    os.replace(tmp, path)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fedlt.errors import FedltError, interrupt_kept
-from fedlt.results import save_tensors
+from fedlt.results import removed_unless_renamed, save_tensors
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REFUSED = "written by an older fedlt or not a fedlt checkpoint; start the run again"
@@ -73,13 +73,13 @@ def _unsafe_key(key: Any, path: str, portable: bool) -> str | None:
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     tmp = run_dir / (CHECKPOINT_FILE + ".tmp")
-    save_tensors(state, tmp)
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp)  # reads the pickle only, not the tensors
-    if unsafe:  # a method keeps another type in its state: fail at the first save, not at a resume
-        tmp.unlink()
-        raise TypeError(f"checkpoint state must be tensors, numbers, strings, lists and dicts (what "
-                        f"torch.load(weights_only=True) reads); it holds {', '.join(unsafe)}")
-    os.replace(tmp, run_dir / CHECKPOINT_FILE)
+    with removed_unless_renamed(tmp):
+        save_tensors(state, tmp)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp)  # reads the pickle only, not the tensors
+        if unsafe:  # a method keeps another type in its state: fail at the first save, not at a resume
+            raise TypeError(f"checkpoint state must be tensors, numbers, strings, lists and dicts (what "
+                            f"torch.load(weights_only=True) reads); it holds {', '.join(unsafe)}")
+        os.replace(tmp, run_dir / CHECKPOINT_FILE)
 
 
 def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:

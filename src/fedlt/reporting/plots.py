@@ -15,6 +15,7 @@ import numpy as np
 
 from fedlt.reporting.collect import Row, Run, Setting
 from fedlt.reporting.stats import summarize
+from fedlt.results import removed_unless_renamed
 
 DPI = 100
 SHOTS = (("acc", "overall"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"))
@@ -34,10 +35,11 @@ def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("tmp-" + path.name)
     try:  # closed however it ends: a long-lived process (a bench's report) would keep every failed figure
-        fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
+        with removed_unless_renamed(tmp):
+            fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
+            os.replace(tmp, path)
     finally:
         plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
