@@ -834,6 +834,24 @@ def test_an_interrupted_run_names_its_folder_and_whether_it_can_resume(tmp_path,
     assert {"summary.json", "report.md", "curves.png"} <= {p.name for p in run_dir.iterdir()}
 
 
+def test_a_resume_interrupted_before_its_rounds_says_it_goes_on_from_the_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C while a resume read its data (minutes for a large dataset) or its checkpoint set no line of
+    its own, and the command said that there was nothing to resume, of a folder whose checkpoint was intact."""
+    import fedlt.api
+    from fedlt.engine import simulation
+
+    run_dir = tmp_path / "r"
+    fedlt.run(tiny(tmp_path, fl__rounds=2, fl__local_epochs=1, run__name="r", run__checkpoint_every=1), quiet=True)
+    (run_dir / "summary.json").unlink()  # stopped after its last checkpoint: a resume writes the summary
+    for module, step in ((fedlt.api, "prepare"), (simulation, "rewrite_metrics")):
+        monkeypatch.setattr(module, step, lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt) as stop:
+            fedlt.resume(run_dir, quiet=True)
+        monkeypatch.undo()
+        assert stop.value.resume_hint == f"`fedlt run --resume {run_dir}` goes on from its checkpoint", step
+    assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 2
+
+
 def test_a_run_resumed_by_other_code_says_which_process_trained_which_rounds(tmp_path, monkeypatch):
     """The summary of a resumed run named only the resuming process's code and settings, and a finished
     run resumed with other settings was rewritten as if they had trained it. Each process that trained

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +111,29 @@ def resume(run_dir: str | Path, *, overrides: list[str] | None = None, quiet: bo
             if (run_dir / written).exists() and not (run_dir / written).is_file():
                 raise ConfigError(f"{run_dir / written} is not a file, where the run writes its {name}; move it out "
                                   "of the run directory, then resume")
-    if cfg.engine == "flower":  # on Flower's simulation engine again; a second resume refused before Ray starts
-        with writing(run_dir):
-            return _run_flower(cfg, quiet, resume=run_dir)
-    with writing(run_dir):  # held from here: a second resume is refused before it reads the data
-        check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
-        sim = prepare(cfg)
-        saved = load_config(run_dir / CONFIG_FILE)
-        if saved.data.root != cfg.data.root:  # where the data are now, for later resumes too
-            tree = saved.dump()
-            tree["data"]["root"] = cfg.data.root
-            write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(tree, sort_keys=False))
-        return sim.run(run_dir, resume=True, quiet=quiet)
+    with resumable_when_stopped(run_dir):
+        if cfg.engine == "flower":  # on Flower's simulation engine again; a second resume refused before Ray starts
+            with writing(run_dir):
+                return _run_flower(cfg, quiet, resume=run_dir)
+        with writing(run_dir):  # held from here: a second resume is refused before it reads the data
+            check_resumable(cfg, run_dir)  # before the data are read: the folder's own faults first
+            sim = prepare(cfg)
+            saved = load_config(run_dir / CONFIG_FILE)
+            if saved.data.root != cfg.data.root:  # where the data are now, for later resumes too
+                tree = saved.dump()
+                tree["data"]["root"] = cfg.data.root
+                write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(tree, sort_keys=False))
+            return sim.run(run_dir, resume=True, quiet=quiet)
+
+
+@contextmanager
+def resumable_when_stopped(run_dir: Path) -> Iterator[None]:
+    """A resume interrupted before its rounds (reading the data or the checkpoint, which can take
+    minutes) left its folder as it was: its line says so, where the command's fallback said that there
+    was nothing to resume. An interrupt in the rounds names the round of the checkpoint it goes on from."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        if not getattr(stop, "resume_hint", None) and (run_dir / CHECKPOINT_FILE).is_file():
+            stop.resume_hint = f"`fedlt run --resume {shlex.quote(str(run_dir))}` goes on from its checkpoint"
+        raise
