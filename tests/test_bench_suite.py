@@ -969,6 +969,36 @@ def test_a_signalled_bench_stops_its_workers_and_starts_no_queued_cell(tmp_path,
     assert not (out / "bench-log.jsonl").exists() and not (out / "failed.json").exists()
 
 
+def test_ctrl_c_while_the_bench_spawns_its_workers_stops_it(monkeypatch, capfd):
+    """The bench ignored SIGINT while it spawned its workers (so that they start deaf to it): a Ctrl-C in
+    that window was lost, and the bench ran the whole suite. It now stops the bench once the workers are
+    spawned (none cut short amid its spawn, which ends in a traceback), and the workers end."""
+    import multiprocessing
+    import os
+    import signal
+    from concurrent.futures import ProcessPoolExecutor
+
+    from fedlt.bench.workers import run_in_workers
+
+    submit = ProcessPoolExecutor.submit
+
+    def ctrl_c_first(pool, *args, **kwargs):
+        if not pool._processes:  # the first worker's spawn
+            os.kill(os.getpid(), signal.SIGINT)
+        return submit(pool, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", ctrl_c_first)
+    ended = []
+    jobs = [(seed, ([("status", "ok"), ("wall_s", 0.0)],)) for seed in range(4)]  # dict(pairs): a cell's info
+    with pytest.raises(KeyboardInterrupt):
+        run_in_workers(jobs, 2, dict, lambda key, info: ended.append(key))
+    assert ended == []
+    for worker in multiprocessing.active_children():
+        worker.join(timeout=120)
+        assert worker.exitcode is not None
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_diverged_cell_kept_from_an_earlier_call_still_fails_the_bench_and_is_named(tmp_path):
     """A diverged cell is a result (its method's failure), kept like a finished one; a later call said
     '0 failed' and exited 0 where the first exited 1. Every call now names it and exits 1."""

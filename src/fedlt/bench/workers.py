@@ -30,18 +30,28 @@ _in_cell = False  # in a worker: a cell is running and a SIGINT interrupts it
 
 @contextmanager
 def _workers_born_deaf() -> Iterator[None]:
-    """Workers spawned inside start with SIGINT and the stop request ignored (a disposition a new process
-    inherits), until :func:`_start_worker` installs theirs: Ctrl-C while they import torch would end each in
-    a traceback, and a stop request would kill it."""
+    """Workers spawned inside start with SIGINT, SIGTERM and the stop request blocked (a signal mask a new
+    process inherits), until :func:`_start_worker` installs their handlers: Ctrl-C while they import torch
+    would end each in a traceback, and a stop request would kill it. This process notes an interrupt meanwhile
+    and raises it once the spawns are done: ignored, as it was, a Ctrl-C was lost and the bench ran the whole
+    suite; raised amid a spawn, it would leave a worker without its start (a traceback)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, STOP_REQUEST)}
+    noted: list[int] = []
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {*_STOP_SIGNALS, STOP_REQUEST})
+    handlers = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, handler in handlers.items():
+        if callable(handler):  # not ignored, nor the default action (SIGTERM outside the command line)
+            signal.signal(signum, lambda signum, _frame: noted.append(signum))
     try:
         yield
     finally:
-        for signum, handler in previous.items():
+        for signum, handler in handlers.items():
             signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if noted:  # what its handler does, now that no spawn is cut short
+        handlers[noted[0]](noted[0], None)
 
 
 def _start_worker(stop, sigint_ignored: bool) -> None:
@@ -53,6 +63,7 @@ def _start_worker(stop, sigint_ignored: bool) -> None:
     signal.signal(STOP_REQUEST, _interrupt_cell)
     if not sigint_ignored:
         signal.signal(signal.SIGINT, _interrupt_cell)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {*_STOP_SIGNALS, STOP_REQUEST})  # blocked since its spawn
 
 
 def _interrupt_cell(signum: int, _frame) -> None:
@@ -101,10 +112,12 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
     ignored = main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
                                initargs=(stop, ignored))
-    with _workers_born_deaf():
-        futures = {pool.submit(_cell, fn, *args): key for key, args in jobs}
+    futures: dict[Future, Any] = {}
     reported: set[Future] = set()
-    try:
+    try:  # from the first worker's spawn: an interrupt then stops the workers spawned so far
+        with _workers_born_deaf():
+            for key, args in jobs:
+                futures[pool.submit(_cell, fn, *args)] = key
         with terminate_as_interrupt():
             for future in as_completed(futures):
                 reported.add(future)
