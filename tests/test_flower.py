@@ -768,6 +768,24 @@ def test_deploy_refuses_a_config_before_starting_anything_and_pyproject_admits_f
     assert lowest in flwr_needs, (ours, str(flwr_needs))  # `flwr run .` installs on what pyproject promises
 
 
+def test_a_signal_while_deploy_checks_its_config_stops_the_deploy(tmp_path, capsys, monkeypatch):
+    """A signal landing in code that catches any error (here the check that Flower's run config carries the
+    config's path) became that code's failure: exit 2 naming a quote the path does not hold."""
+    import signal
+
+    import flwr.common.config
+
+    from fedlt import deploy
+
+    monkeypatch.setattr(flwr.common.config, "parse_config_args",
+                        lambda *args, **kwargs: deploy._raise_stopped(signal.SIGINT, None))
+    work = tmp_path / "work"
+    assert deploy.main(["--workdir", str(work), str(ROOT / "configs" / "synthetic_smoke.yaml")]) == 130
+    err = capsys.readouterr().err
+    assert err == "fedlt: error: stopped by SIGINT; every process of the federation was stopped\n", err
+    assert not work.exists()
+
+
 def test_ctrl_c_stops_a_flower_simulation_at_once_and_its_summary_says_so(tmp_path, monkeypatch):
     """Ctrl-C reaches a simulation's main thread (Flower's runtime), not the ServerApp's, which waited
     out flower.timeout_s for replies that no longer came and then recorded the round as dropouts: it

@@ -650,8 +650,10 @@ AUTH_NEEDS_TLS = ("--auth needs --tls: Flower 1.41's SuperLink refuses --enable-
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-class Stopped(Exception):
-    """The deploy command got SIGINT or SIGTERM: unwind, stopping the federation on the way."""
+class Stopped(BaseException):
+    """The deploy command got SIGINT or SIGTERM: unwind, stopping the federation on the way. Not an
+    Exception (as KeyboardInterrupt is not): code that catches any error, such as the check that Flower's
+    run config carries the config's path or a plug-in's import, took it for its own and failed with it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
