@@ -852,6 +852,17 @@ def test_a_resume_interrupted_before_its_rounds_says_it_goes_on_from_the_checkpo
     assert fedlt.resume(run_dir, quiet=True).summary["final"]["round"] == 2
 
 
+def test_an_interrupt_while_a_finished_run_closes_its_workers_names_its_last_checkpoint(tmp_path, monkeypatch):
+    """After the last round the run waits for run.backend=parallel's workers to end: Ctrl-C then set no line
+    of its own, and the command said that there was nothing to resume, beside the last round's checkpoint."""
+    from fedlt.engine.simulation import Simulation
+
+    monkeypatch.setattr(Simulation, "close", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        fedlt.run(tiny(tmp_path, fl__local_epochs=1, run__name="r"), quiet=True)
+    assert stop.value.resume_hint == f"`fedlt run --resume {tmp_path / 'r'}` goes on from its checkpoint of round 4"
+
+
 def test_a_run_resumed_by_other_code_says_which_process_trained_which_rounds(tmp_path, monkeypatch):
     """The summary of a resumed run named only the resuming process's code and settings, and a finished
     run resumed with other settings was rewritten as if they had trained it. Each process that trained

@@ -87,6 +87,26 @@ def test_worker_failures_reach_the_caller_and_close_the_pool(tmp_path):
     assert not pool.open
 
 
+def test_an_interrupt_while_the_pool_closes_kills_its_workers(tmp_path, monkeypatch):
+    """Ctrl-C while the pool waited for its workers to end left the others running: a busy worker reads its
+    closed socket only after its job, and went on alone after the run had stopped."""
+    import subprocess
+
+    pool = ClientPool(config(tmp_path), workers=2)
+    workers = list(pool._procs)
+    wait = subprocess.Popen.wait
+
+    def interrupted(proc, timeout=None):
+        if timeout == 5.0:  # the first worker's end, waited for
+            raise KeyboardInterrupt
+        return wait(proc, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert all(proc.returncode is not None for proc in workers) and not pool.open  # ended, and reaped
+
+
 def test_worker_setup_errors_are_reported(tmp_path):
     cfg = config(tmp_path, "data.dataset=cifar10", f"data.root={tmp_path / 'missing'}")
     pool = ClientPool(cfg, workers=1)  # the parent never loads the data here; the worker fails to

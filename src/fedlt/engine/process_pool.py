@@ -155,16 +155,24 @@ class ClientPool:
                            "lower run.workers or use run.backend=sequential") from None
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Close the sockets (idle workers then exit) and stop every worker within ``wait_s``."""
+        """Close the sockets (idle workers then exit) and stop every worker within ``wait_s``; interrupted
+        meanwhile, kill the workers left (a busy one reads its closed socket only after its job)."""
         for conn in self._conns:
             conn.close()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
+        try:
+            for proc in self._procs:
+                try:
+                    proc.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        except BaseException:
+            for proc in self._procs:
                 proc.kill()
                 proc.wait()
-        self._conns, self._procs = [], []
+            raise
+        finally:
+            self._conns, self._procs = [], []
 
 
 def _serve(conn: Connection, threads: int) -> None:

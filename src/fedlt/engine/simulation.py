@@ -583,9 +583,13 @@ class Simulation:
                               + (" with lower run.* or eval.batch_size, or start it again" if checkpointed else "")
                               ) from None
         finally:
-            progress.close()
-            tracker.close()
-            self.close()
+            try:
+                progress.close()
+                tracker.close()
+                self.close()
+            except KeyboardInterrupt as stop:  # while run.backend=parallel's workers end, after the last round too
+                stop.resume_hint = self._resume_hint(run_dir, checkpointed)
+                raise
         try:  # the summary, report and plot, after the last checkpoint
             summary = write_summary(run_dir, cfg, rows, self._summary_extra(elapsed))
         except KeyboardInterrupt as stop:
