@@ -834,6 +834,27 @@ def test_ctrl_c_stops_a_flower_simulation_at_once_and_its_summary_says_so(tmp_pa
     assert summary["dropped"] == [] and summary["rounds_done"] == 0
 
 
+def test_a_signal_while_a_simulation_imports_ray_stops_it_as_an_interrupt(tmp_path, monkeypatch):
+    """SIGTERM while Flower's runtime imported Ray: the stop imported Ray again to shut it down, that import
+    of a module cut short failed (AttributeError: partially initialized module 'ray'), and the command failed
+    with a traceback where it should stop as interrupted."""
+    import sys
+
+    import flwr.simulation
+
+    from fedlt.engine import flower_app
+    from fedlt.errors import Terminated
+
+    def runtime(*args, **kwargs):
+        raise Terminated  # SIGTERM in the main thread, amid the runtime's import of Ray
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", runtime)
+    monkeypatch.setitem(sys.modules, "ray", None)  # not imported: `import ray` fails
+    cfg = build_config({**tiny(tmp_path, "fedavg", "cut"), "engine": "flower"})
+    with pytest.raises(Terminated):
+        flower_app.simulate(cfg, quiet=True)
+
+
 def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps_the_others(tmp_path, monkeypatch):
     """Flower's deprecation of run_simulation and Ray's GPU-masking tip were printed by every simulation;
     Flower's runtime is replaced by one that emits them beside a warning and a log line that must stay."""

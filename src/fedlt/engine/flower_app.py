@@ -711,9 +711,9 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
         stop.set()  # the ServerApp's thread ends at its next wait for replies
         if started.is_set():
             ended.wait(30)  # its summary written
-        import ray
-
-        ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
+        ray = sys.modules.get("ray")  # not imported here: an import of Ray the signal cut short fails again,
+        if ray is not None:           # and its error replaced the interrupt
+            ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
         stopped = Terminated() if isinstance(interrupt, SystemExit) else interrupt
         stopped.resume_hint = hint.get("resume")
         raise stopped from None
