@@ -627,6 +627,21 @@ def test_an_interrupt_says_how_each_kind_of_work_goes_on(monkeypatch, capsys):
                                       "command again\n"
 
 
+def test_a_resume_interrupted_before_its_run_began_names_its_folder(monkeypatch, tmp_path):
+    """`fedlt run --resume DIR` stopped while it loaded torch (seconds) said that there was nothing to resume,
+    the line of a new run that had not started, of a folder that it had not touched."""
+    from typer.testing import CliRunner
+
+    import fedlt.api
+    from fedlt.cli import app
+
+    monkeypatch.setattr(fedlt.api, "resume", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    result = CliRunner().invoke(app, ["run", "--resume", str(tmp_path / "a run")])
+    folder = f"'{tmp_path / 'a run'}'"  # quoted as a shell needs it
+    assert result.exit_code == 130
+    assert result.stderr == f"fedlt: interrupted; `fedlt run --resume {folder}` goes on from its checkpoint\n"
+
+
 def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():
     """Importing the package loaded torch (seconds) before the arguments were read: Ctrl-C in that window
     ended in a traceback, and --help waited for it. fedlt.run and fedlt.resume load it on first use."""

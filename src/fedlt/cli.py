@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -58,13 +59,15 @@ REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, err
 
 #: what an interrupted command says where it has nothing of its own to resume from
 RERUN_HINT = "what it had written may be incomplete; run the same command again"
+#: what an interrupted new run says where it set no line of its own (Flower's runtime carries none)
+NOT_STARTED_HINT = "there is nothing to resume (the run had not started, or ran on Flower); run the same command again"
 BENCH_HINT = "the same `fedlt bench` command runs the suite's unfinished cells again"
 
 
 def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HINT) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback. An interrupt
-    names how the work goes on: ``hint``, or with ``run_hint`` (one run's command) from the run's own
-    folder (none yet: the run had not started)."""
+    names how the work goes on: with ``run_hint`` (one run's command) as the run's own folder says, where
+    the run set that line, else ``hint``."""
     try:
         with terminate_as_interrupt():
             fn()
@@ -74,8 +77,7 @@ def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HIN
     except KeyboardInterrupt as stop:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
         if run_hint:
-            hint = getattr(stop, "resume_hint", None) or ("there is nothing to resume (the run had not started, or "
-                                                          "ran on Flower); run the same command again")
+            hint = getattr(stop, "resume_hint", None) or hint
         else:  # a bench's names the cells it stopped (a run's own resume_hint is not this command's)
             hint = getattr(stop, "bench_hint", None) or hint
         typer.echo(f"fedlt: interrupted{by}; {hint}", err=True)
@@ -121,7 +123,9 @@ def run_cmd(
         for line in nonfinite_models(f):
             typer.echo(f"note: {line}", err=True)
 
-    _guard(go, run_hint=True)
+    # a resume stopped before the run set its line (importing torch, reading the data) left the folder as it was
+    _guard(go, run_hint=True, hint=NOT_STARTED_HINT if resume is None else
+           f"`fedlt run --resume {shlex.quote(str(resume))}` goes on from its checkpoint")
 
 
 @app.command("deploy")
