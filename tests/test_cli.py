@@ -711,6 +711,36 @@ def test_every_commands_help_says_what_its_positional_arguments_are():
         assert all(word in shown for word in words), (command, shown)
 
 
+def test_a_model_or_method_state_past_memory_is_one_line_before_any_file(tmp_path: Path) -> None:
+    """The model and the method's server state are built before the run folder, outside the rounds' memory
+    handling: GBME's expert_width, SFD's projector_hidden and CReFF's features per class past any memory (or
+    past 64 bits), and a calibration's size of 2**64 in a round (torch's ValueError / TypeError there), ended
+    in a traceback. Sizes beyond any address space, so the allocator refuses them whatever the overcommit."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+
+    out = tmp_path / "runs"
+    base = ["run", *SYN, "data.num_clients=4", "fl.rounds=1", "run.threads=1", f"run.out_dir={out}", "--quiet"]
+    built = ("fedlt: error: out of memory building the model and the method's state, before any file is written: "
+             "{}; lower what sizes them (the model, a method's width such as method_args.expert_width or "
+             "projector_hidden, a calibration's *_per_class)")
+    beyond = "a tensor larger than any memory was asked for (its size does not fit in 64 bits)"
+    for knobs, line in [
+        (["method=gbme", "loss.name=bsm", "method_args.expert_width=3e38"], built.format(beyond)),
+        (["method=sfd", "method_args.projector_hidden=10000000000000"],
+         built.format("the CPU allocator was asked for 5.1 PB")),
+        (["method=creff", "calibration_args.creff_features_per_class=10000000000000"],
+         built.format("the CPU allocator was asked for 51.2 PB")),
+        (["method=fedavg", "calibration=oracle", "calibration_args.oracle_per_class=18446744073709551616"],
+         f"fedlt: error: out of memory in round 1: {beyond}; lower what sizes the step ")]:
+        result = CliRunner().invoke(app, [*base, *knobs])
+        assert result.exit_code == 2, result.stderr
+        [got] = result.stderr.strip().splitlines()
+        assert got.startswith(line), got
+        assert not out.exists() or list(out.iterdir()) == []
+
+
 def test_running_out_of_memory_is_one_line_naming_what_sizes_the_step_and_how_to_go_on(tmp_path: Path) -> None:
     """A step that asks for more memory than the machine has (here 10 PB of CCVR's virtual features, beyond
     any address space, so the allocator refuses it whatever the kernel's overcommit) ended in a traceback."""

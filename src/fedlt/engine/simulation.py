@@ -144,12 +144,19 @@ class Simulation:
         self.resolved_calibration_args = (parse_calibration_args(cfg.calibration_args).model_dump(mode="json")
                                           if spec.calibration else None)
 
-        self.server_model = self._new_model()
-        self.clients = self._client_runtime()
-        self.server = spec.server(ServerContext(
-            model=self.server_model, config=cfg, num_classes=data.num_classes,
-            num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
-        ))
+        try:  # a size knob (method_args.expert_width, a projector's width, CReFF's features) sizes these
+            self.server_model = self._new_model()
+            self.clients = self._client_runtime()
+            self.server = spec.server(ServerContext(
+                model=self.server_model, config=cfg, num_classes=data.num_classes,
+                num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
+            ))
+        except (MemoryError, RuntimeError, OverflowError, ValueError, TypeError) as err:
+            if (what := out_of_memory(err)) is None:
+                raise
+            raise OutOfMemory(f"out of memory building the model and the method's state, before any file is "
+                              f"written: {what}; lower what sizes them (the model, a method's width such as "
+                              "method_args.expert_width or projector_hidden, a calibration's *_per_class)") from None
         self._check_something_is_measured()
         #: how sampled clients train: "sequential", "parallel", "vectorized" or "graphed" (run.backend, resolved
         #: for the method); clients on Flower SuperNodes train one message at a time
@@ -575,7 +582,8 @@ class Simulation:
         except KeyboardInterrupt as stop:
             stop.resume_hint = self._resume_hint(run_dir, checkpointed)
             raise
-        except (MemoryError, RuntimeError, OverflowError) as err:
+        # torch's argument parsing names a size past 64 bits (a size knob of 2**64) in a ValueError or TypeError
+        except (MemoryError, RuntimeError, OverflowError, ValueError, TypeError) as err:
             if (what := out_of_memory(err)) is None:
                 raise
             raise OutOfMemory(f"out of memory in round {rnd}: {what}; lower what sizes the step ({MEMORY_KNOBS}); "
