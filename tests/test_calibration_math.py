@@ -195,6 +195,17 @@ def test_retrain_linear_separates_blobs_and_is_deterministic():
     assert not torch.equal(weight, retrain_linear(x, y, 5, generator=gen(9), **kwargs)[0])
 
 
+def test_a_retrain_batch_past_the_samples_is_all_of_them_even_past_64_bits():
+    """calibration_args.retrain_batch_size (or safs_finetune_batch_size) of 2**64 passed validation and
+    stopped CCVR, CReFF, the oracle and SAFS with torch's "Overflow when unpacking long long" traceback;
+    a batch larger than the samples is the whole set, as at any size above them."""
+    x, y = blobs(3, 8, 20, scale=5.0, seed=3)
+    whole = retrain_linear(x, y, 3, generator=gen(4), steps=5, lr=0.1, batch_size=len(y))
+    for batch in (len(y) + 1, 2**64):
+        got = retrain_linear(x, y, 3, generator=gen(4), steps=5, lr=0.1, batch_size=batch)
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
+
+
 def test_retrain_linear_init_and_balanced_sampling():
     x, y = blobs(3, 8, [200, 20, 4], scale=5.0, seed=10)
     init = linear_init(8, 3, gen(11))

@@ -46,7 +46,8 @@ def _batches(
             yield torch.multinomial(weights, batch_size, replacement=True, generator=generator)
     else:
         while True:
-            yield from torch.randperm(n, generator=generator, device=generator.device).split(batch_size)
+            # a batch past the samples is all of them (torch cannot take a split size past 64 bits)
+            yield from torch.randperm(n, generator=generator, device=generator.device).split(min(batch_size, n))
 
 
 def retrain_linear(
