@@ -212,6 +212,23 @@ def test_a_creff_feature_step_past_float32_is_refused_before_training(tmp_path) 
     assert "training diverged in round 1" in trained.stderr, trained.stderr
 
 
+def test_a_class_order_index_past_64_bits_is_refused_in_one_line(tmp_path) -> None:
+    """numpy holds no index past 64 bits: data.class_order with one stopped the data build with an
+    OverflowError traceback; it is the same refusal as any list that is not a permutation of the classes."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["run", "data.dataset=synthetic", "data.num_clients=4", "fl.rounds=1",
+                                      "data.class_order=[0,1,2,3,4,5,6,7,8,18446744073709551616]",
+                                      f"run.out_dir={out}", "--quiet"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "fedlt: error: data.class_order=[0, 1, 2, 3, 4, 5, 6, 7, 8, 18446744073709551616] is not a permutation of "
+        "the 10 classes 0..9; list every class once, head first, or use natural or shuffled"], result.stderr
+    assert not out.exists()
+
+
 def test_a_class_prior_is_refused_where_no_loss_reads_it() -> None:
     """loss.prior acts on la, bsm and ldam only; elsewhere a prior the user asked for would be ignored
     (or, for a global one, ask the server for counts it never fetches)."""

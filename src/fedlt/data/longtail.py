@@ -104,10 +104,9 @@ def resolve_class_order(order: str | list[int], num_classes: int, rng: np.random
         return np.arange(num_classes)
     if order == "shuffled":
         return rng.permutation(num_classes)
-    explicit = np.asarray(order, dtype=np.int64)
-    if sorted(explicit.tolist()) != list(range(num_classes)):
+    if sorted(order) != list(range(num_classes)):  # checked before numpy, which holds no index past 64 bits
         raise DataError(
             f"data.class_order={list(order)} is not a permutation of the {num_classes} classes 0..{num_classes - 1}; "
             "list every class once, head first, or use natural or shuffled"
         )
-    return explicit
+    return np.asarray(order, dtype=np.int64)
