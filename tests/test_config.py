@@ -212,6 +212,29 @@ def test_a_creff_feature_step_past_float32_is_refused_before_training(tmp_path) 
     assert "training diverged in round 1" in trained.stderr, trained.stderr
 
 
+def test_products_of_knobs_past_float32_are_refused_before_training() -> None:
+    """Each knob passed its own float32 check, what training makes of them did not: SSE-C's first Adam step
+    (sse_lr / (1 - beta1)) stopped FedLoGe's setup with a RuntimeError traceback; GBME-p's noise sigma
+    (~ dp_clip / dp_epsilon) made a NaN prior that every client's loss refused with a ValueError traceback,
+    and under the analytic calibration a sigma past the doubles hung its bisection."""
+    from fedlt.run_parts import check_config
+
+    for overrides, fragment in [
+        (["method=fedloge", "method_args.sse_lr=3.41e37"],
+         "SSE-C's first Adam step method_args.sse_lr / (1 - 0.9) = 3.41e+38 is past the 32-bit floats"),
+        (["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1e-45"],
+         "GBME-p's noise sigma = 2.731e+45 (from method_args.dp_clip=1, dp_epsilon=1e-45, dp_delta=0.03) is past"),
+        (["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1e-300", "method_args.dp_clip=3e38",
+          "method_args.dp_calibration=analytic"], "GBME-p's noise sigma = 3.988e+39")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_config(load_config(None, overrides))
+    for overrides in (["method=fedloge", "method_args.sse_lr=3.4e37"],  # x 10 is in range
+                      ["method=fedloge", "method_args.sse_lr=3e38", "method_args.sse_steps=0"],  # no Adam step
+                      ["method=fedloge", "method_args.sse_lr=3e38", "method_args.classifier=etf"],
+                      ["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1", "method_args.dp_clip=1e37"]):
+        check_config(load_config(None, overrides))
+
+
 def test_a_class_order_index_past_64_bits_is_refused_in_one_line(tmp_path) -> None:
     """numpy holds no index past 64 bits: data.class_order with one stopped the data build with an
     OverflowError traceback; it is the same refusal as any list that is not a permutation of the classes."""

@@ -283,6 +283,50 @@ def test_config_errors():
                        method_args={"dp_epsilon": 5, "lpi_pass": "epoch"}), quiet=True)
 
 
+def test_a_proxy_that_is_no_prior_stops_in_one_line_before_round_1(tmp_path):
+    """A non-finite LPI (the pass diverged at fl.lr=3e38, or a cosine scale of 3e38 overflowed the logits)
+    or a GPI with no positive entry (a cosine scale of 1e-45 zeroes every FC gradient) gave a class prior
+    that every client's loss refused in round 1 with a ValueError / RuntimeError traceback."""
+    from typer.testing import CliRunner
+
+    from fedlt.cli import app
+
+    out = tmp_path / "runs"
+    base = ["run", "data.dataset=synthetic", "data.num_clients=4", "fl.rounds=1", "run.threads=1", "method=gbme",
+            "loss.name=bsm", f"run.out_dir={out}", "--quiet"]
+    diverged = "fedlt: error: training diverged in GBME's LPI pass (the setup stage, before round 1): the local " \
+               "proxy of 4 client(s) (client 0 first) is not finite; "
+    for knobs, line in [
+        (["fl.lr=3e38", "method_args.expert_head=linear"], diverged + "lower fl.lr (now 3e+38)"),
+        (["method_args.cosine_scale=3e38"],
+         diverged + "lower fl.lr (now 0.05), or lower method_args.cosine_scale (now 3e+38)"),
+        (["method_args.cosine_scale=1e-45"],
+         "fedlt: error: GBME's global proxy (GPI) has no positive entry: every client's local proxy was zero or "
+         "negative (as under a tiny method_args.cosine_scale, now 1e-45), so it is no class prior; raise "
+         "cosine_scale or use method_args.gpi_counts=released or method_args.prior=local")]:
+        result = CliRunner().invoke(app, [*base, *knobs])
+        assert result.exit_code == 2 and result.stderr.strip().splitlines() == [line], result.stderr
+        assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_the_analytic_sigma_of_a_tiny_epsilon_ends():
+    """Theorem 2's sigma of dp_epsilon=1e-300 and dp_clip=3e38 is past the doubles (inf): the analytic
+    calibration's bracket halved inf forever, so GBME-p hung before round 1."""
+    import subprocess
+    import sys
+
+    code = ("from fedlt.methods.proxy_prior import analytic_sigma as a; "
+            "print(a(1e-300, 0.03, 3e38), a(1e-300, 0.9999999999, 3e38))")
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(fedlt.__file__).parents[1])}  # this checkout's fedlt
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    big, near_one = map(float, done.stdout.split())
+    assert 3.4e39 < big < 4.5e39 and 1e37 < near_one < 3e37  # about 3e38 / (2 x 0.0376) and 3e38 / (2 x 6.5)
+    assert analytic_sigma(1e-300, 0.9999999999, 3e38) == near_one
+
+
 # ---- end to end and baselines -------------------------------------------------------------
 def test_gbme_and_gbme_p_end_to_end(tmp_path):
     # joint_warmup=0: per-expert selection from round 1 (in a joint round every client uploads every expert)

@@ -90,7 +90,7 @@ from fedlt.methods.personal import (
     at_evaluation_lr, fresh_linear, load_personal, personal_module, store_module, store_personal, train_on_features,
 )
 from fedlt.models import FedModel, create_model
-from fedlt.models.etf import FixedLinear, build_sse_c, check_etf_width
+from fedlt.models.etf import SSE_ADAM_BETA1, FixedLinear, build_sse_c, check_etf_width
 from fedlt.training.sequential import train_local
 
 NORM_QUERY = "feature_norm"
@@ -242,6 +242,11 @@ class FedLoGeServer(Server):
         if args.head_optimizer == "run" and lr > FLOAT32_MAX:  # each factor passed its own float32 check, the product did not
             return (f"the heads' lr fl.lr x method_args.head_lr_scale = {lr:.4g} is past the 32-bit floats training "
                     f"computes in (at most {FLOAT32_MAX:.4g}); lower fl.lr or head_lr_scale")
+        # Adam's first step is lr / (1 - beta1) = 10 x sse_lr: the knob passed its float32 check, that step may not
+        step = args.sse_lr / (1 - SSE_ADAM_BETA1)
+        if args.classifier == "sse_c" and args.sse_steps > 0 and step > FLOAT32_MAX:
+            return (f"SSE-C's first Adam step method_args.sse_lr / (1 - {SSE_ADAM_BETA1:g}) = {step:.4g} is past the "
+                    f"32-bit floats training computes in (at most {FLOAT32_MAX:.4g}); lower sse_lr")
         return None
 
     def build_classifier(self, gamma: float) -> None:

@@ -121,6 +121,8 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fedlt.config import FLOAT32_MAX
+from fedlt.errors import FedltError, TrainingDiverged
 from fedlt.losses import log_prior, make_loss
 from fedlt.messages import Message, Query, Reply
 from fedlt.methods.base import (
@@ -602,6 +604,11 @@ class GBMEServer(Server):
         if args.ensemble and args.num_experts > config.data.num_clients:
             return (f"method_args.num_experts={args.num_experts} needs at least as many clients "
                     f"(data.num_clients={config.data.num_clients}); lower num_experts")
+        # each of dp_clip, dp_epsilon passed its float32 check; the noise scale made of them may not
+        if args.dp_epsilon is not None and args.needs_lpi() and (sigma := args.dp_sigma()) > FLOAT32_MAX:
+            return (f"GBME-p's noise sigma = {sigma:.4g} (from method_args.dp_clip={args.dp_clip:g}, "
+                    f"dp_epsilon={args.dp_epsilon:g}, dp_delta={args.dp_delta:g}) is past the 32-bit floats training "
+                    f"computes in (at most {FLOAT32_MAX:.4g}); raise dp_epsilon or lower dp_clip")
         return None
 
     def __init__(self, ctx: ServerContext):
@@ -651,9 +658,35 @@ class GBMEServer(Server):
         if query.name == COUNTS_QUERY:
             self.client_counts = values
         else:
+            self._check_lpis(values)
             self.lpis = values
             estimate = global_proxy if self.args.gpi_counts == "proxy" else count_proxy
             self.gpi = estimate(values, self.num_samples)
+            if self.args.prior == "gpi" and not bool((self.gpi > 0).any()):  # else every client's loss refuses it
+                cosine = self.args.ensemble and self.args.expert_head == "cosine"
+                scale = f"method_args.cosine_scale, now {self.args.cosine_scale:g}"
+                raise FedltError("GBME's global proxy (GPI) has no positive entry: every client's local proxy was "
+                                 "zero or negative" + (f" (as under a tiny {scale})" if cosine else "")
+                                 + ", so it is no class prior; " + ("raise cosine_scale or " if cosine else "")
+                                 + "use method_args.gpi_counts=released or method_args.prior=local")
+
+    def _check_lpis(self, lpis: dict[int, torch.Tensor]) -> None:
+        """A non-finite local proxy (the LPI pass diverged, or GBME-p's noise overflowed) would make a NaN
+        class prior that every client's loss refuses in round 1: stopped here in one line with the fix."""
+        bad = [cid for cid, lpi in sorted(lpis.items()) if not bool(torch.isfinite(lpi).all())]
+        if not bad:
+            return
+        a, fixes = self.args, []
+        if a.dp_epsilon is not None:
+            fixes.append(f"raise method_args.dp_epsilon or lower dp_clip (GBME-p's noise sigma is {a.dp_sigma():.4g})")
+        if a.pass_kind() == "epoch":
+            fixes.append(f"lower fl.lr (now {self.ctx.config.fl.lr:g})")
+        if a.ensemble and a.expert_head == "cosine":
+            fixes.append(f"lower method_args.cosine_scale (now {a.cosine_scale:g})")
+        raise TrainingDiverged(
+            f"training diverged in GBME's LPI pass (the setup stage, before round 1): the local proxy of "
+            f"{len(bad)} client(s) (client {bad[0]} first) is not finite; "
+            + (", or ".join(fixes) if fixes else "check the method's knobs"))
 
     def _group(self, clients: list[int]) -> list[list[int]]:
         a = self.args

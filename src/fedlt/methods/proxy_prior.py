@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -177,7 +178,8 @@ def analytic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
     """Balle & Wang's analytic calibration: the smallest sigma whose exact delta at epsilon
     (:func:`gaussian_delta`, falling as sigma grows) is at most delta, by bisection on log sigma."""
     _check_privacy(delta, epsilon, sensitivity)
-    hi = gaussian_sigma(epsilon, delta, sensitivity)
+    # Theorem 2's sigma past the doubles (a tiny epsilon) would halve forever as inf / 2: start at the largest double
+    hi = min(gaussian_sigma(epsilon, delta, sensitivity), sys.float_info.max)
     while gaussian_delta(epsilon, hi, sensitivity) > delta:
         hi *= 2.0
     lo = hi / 2.0

@@ -67,6 +67,10 @@ def sse_c_loss(weight: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.
     return norm_loss - torch.arccos(nearest).mean()
 
 
+#: beta1 of SSE-C's Adam (torch's default): its first step is lr / (1 - beta1)
+SSE_ADAM_BETA1 = 0.9
+
+
 def build_sse_c(
     feature_dim: int, num_classes: int, *, sparsity: float, gamma: float, steps: int, lr: float,
     generator: torch.Generator,
@@ -82,7 +86,7 @@ def build_sse_c(
     mask = sparsity_mask(tuple(etf.shape), sparsity, generator)
     weight = (gamma * etf * mask).clone().requires_grad_(True)
     if steps > 0:
-        optimizer = torch.optim.Adam([weight], lr=lr)
+        optimizer = torch.optim.Adam([weight], lr=lr, betas=(SSE_ADAM_BETA1, 0.999))
         with torch.enable_grad(), _one_cpu_thread():
             for _ in range(steps):
                 loss = sse_c_loss(weight, mask, gamma)
