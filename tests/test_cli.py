@@ -660,6 +660,35 @@ def test_the_command_line_loads_torch_only_for_a_command_that_needs_it():
         fedlt.rnu
 
 
+def test_ctrl_c_while_the_command_line_loads_is_one_line_and_the_package_loads_no_pydantic():
+    """Ctrl-C in the first fraction of a second (the package imported pydantic for its config, the command
+    line typer) ended in a traceback of the import it cut short; importing the package alone now loads
+    neither, and a Ctrl-C while the command line loads is one line, exit 130. Once loaded, Ctrl-C is the
+    importer's again."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, fedlt; print('pydantic' in sys.modules, 'typer' in sys.modules, "
+             "fedlt.load_config.__module__, fedlt.Config.__name__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "False", "fedlt.config", "Config"], done.stderr
+    ctrl_c_amid_typer = (  # a finder that signals when typer's import begins, then lets it go on
+        "import os, signal, sys\n"
+        "class Finder:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'typer':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Finder())\n"
+        "import fedlt.cli\n"
+        "print('loaded')\n")
+    done = subprocess.run([sys.executable, "-c", ctrl_c_amid_typer], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "fedlt: interrupted while starting; nothing was "
+                                                                    "done\n")
+    after = "import signal, fedlt.cli\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    assert subprocess.run([sys.executable, "-c", after], capture_output=True, text=True, timeout=120).stdout == "True\n"
+
+
 def test_a_run_ended_by_sigterm_stops_its_workers_and_names_its_folder(tmp_path):
     """SIGTERM ended `fedlt run` at once: no line, no `finally` (a terminal's cursor left hidden), and the
     worker processes of run.backend=parallel went on alone. It now unwinds as Ctrl-C does and exits 143

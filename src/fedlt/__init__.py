@@ -1,24 +1,26 @@
 """fedlt: federated learning on long-tailed data.
 
-``run`` and ``resume`` are imported on first use: the command line imports this package before it
-parses its arguments, and torch (which they need) takes seconds to load, a window in which Ctrl-C
-ended in a traceback and ``--help`` waited."""
+``run``, ``resume``, ``Config`` and ``load_config`` are imported on first use: the command line
+imports this package before it can catch a Ctrl-C, and torch (which runs need) takes seconds to load,
+pydantic (the config) a fraction of one, a window in which Ctrl-C ended in a traceback and ``--help``
+waited."""
 
 from typing import Any
 
 from fedlt._version import __version__
-from fedlt.config import Config, load_config
 
 __all__ = ["Config", "load_config", "resume", "run", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """``fedlt.run``, ``fedlt.resume``, and a subpackage reached as an attribute (``fedlt.api``), as
-    when importing the package imported them."""
+    """``fedlt.run``, ``fedlt.resume``, ``fedlt.Config``, ``fedlt.load_config``, and a subpackage reached
+    as an attribute (``fedlt.api``), as when importing the package imported them."""
     import importlib
 
     if name in ("run", "resume"):
         return getattr(importlib.import_module("fedlt.api"), name)
+    if name in ("Config", "load_config"):
+        return getattr(importlib.import_module("fedlt.config"), name)
     try:
         return importlib.import_module(f"fedlt.{name}")
     except ModuleNotFoundError as err:

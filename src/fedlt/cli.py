@@ -10,14 +10,29 @@ import errno
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import typer
-from typer.core import TyperArgument, TyperGroup
 
-from fedlt.errors import FedltError, Terminated, terminate_as_interrupt
+def _stopped_while_loading(signum: int, _frame) -> None:
+    """Ctrl-C while the command line loads (typer, pydantic: a fraction of a second) ended in a traceback
+    of the import it cut short; nothing has started, so the command only says so."""
+    os.write(2, b"fedlt: interrupted while starting; nothing was done\n")
+    os._exit(130)
+
+
+# not where SIGINT is ignored (a command started with `&` by a script), nor outside the main thread
+_LOADING = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
+    signal.SIG_IGN, None)
+_BEFORE_LOADING = signal.signal(signal.SIGINT, _stopped_while_loading) if _LOADING else None
+
+import typer  # noqa: E402
+from typer.core import TyperArgument, TyperGroup  # noqa: E402
+
+from fedlt.errors import FedltError, Terminated, terminate_as_interrupt  # noqa: E402
 
 
 def _keeping_argument_help(init: Callable) -> Callable:
@@ -674,6 +689,9 @@ def main() -> None:
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
 
+
+if _LOADING:  # loaded: from here a Ctrl-C is the commands' to handle (and an importer's, such as a test's)
+    signal.signal(signal.SIGINT, _BEFORE_LOADING)
 
 if __name__ == "__main__":
     main()
