@@ -1083,7 +1083,7 @@ def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monke
 
     entered = threading.Event()
 
-    def rounds(cfg, grid, quiet, stop, resume):  # the ServerApp's thread: stopped at its next wait for replies
+    def rounds(cfg, grid, quiet, stop, resume, on_start):  # the ServerApp's thread: stopped at its next wait
         entered.set()
         stop.wait(30)
         interrupted = KeyboardInterrupt()
@@ -1102,6 +1102,55 @@ def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monke
     with pytest.raises(KeyboardInterrupt) as stop:
         flower_app.simulate(cfg, quiet=True)
     assert stop.value.resume_hint == "RUN_DIR goes on from its checkpoint of round 2"
+
+
+@pytest.mark.parametrize("ends", ["finished", "busy"])
+def test_ctrl_c_while_a_simulations_server_computes_names_the_folders_checkpoint_or_its_result(tmp_path, monkeypatch,
+                                                                                               ends):
+    """The ServerApp's thread reads a stop only while it waits for replies: stopped while it computed (an
+    evaluation, the summary) past the wait for it, the command said there was nothing to resume, beside a
+    checkpoint; stopped as the run ended, it said so of a finished run. The folder's checkpoint now names
+    the resume, and a run that finished meanwhile is its result."""
+    import threading
+    from types import MethodType, SimpleNamespace
+
+    import flwr.simulation
+    import ray
+
+    import fedlt.engine.flower_app as flower_app
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(flower_app, "STOP_WAIT_S", 2.0)
+    cfg = fedlt.load_config(None, ["engine=flower", "data.dataset=synthetic", "data.num_clients=3", "run.threads=1",
+                                   f"run.out_dir={tmp_path}"])
+    run_dir, entered, done = tmp_path / "r", threading.Event(), threading.Event()
+    sim = SimpleNamespace(kept_state={}, keeps_state=False, prompt=None, cfg=cfg)
+    sim._resume_hint = MethodType(flower_app.FlowerSimulation._resume_hint, sim)
+    monkeypatch.setattr(flower_app, "resume_point", lambda folder: ({}, 3) if folder == run_dir else None)
+
+    def rounds(cfg, grid, quiet, stop, resume, on_start):  # the ServerApp's thread, computing when stopped
+        on_start(sim, run_dir)
+        entered.set()
+        if ends == "busy":
+            done.wait(30)
+        return "the run's result"
+
+    def run_simulation(app, clientapp, **kwargs):
+        threading.Thread(target=app, args=(None, None), daemon=True).start()
+        entered.wait(30)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flower_app, "run_on_grid", rounds)
+    monkeypatch.setattr(flwr.simulation, "run_simulation", run_simulation)
+    try:
+        if ends == "finished":
+            assert flower_app.simulate(cfg, quiet=True) == "the run's result"
+            return
+        with pytest.raises(KeyboardInterrupt) as stop:
+            flower_app.simulate(cfg, quiet=True)
+        assert stop.value.resume_hint == f"`fedlt run --resume {run_dir}` goes on from its checkpoint of round 3"
+    finally:
+        done.set()
 
 
 def test_a_resume_that_stops_before_it_trains_leaves_the_runs_folder_as_it_was(tmp_path, server_identity):

@@ -668,6 +668,19 @@ def without_runtime_notices() -> Iterator[None]:
         flower_log.removeFilter(keep)
 
 
+#: seconds a stopped simulation waits for its ServerApp's thread to reach a wait for replies and stop there
+STOP_WAIT_S = 30.0
+
+
+def _folder_hint(running: dict[str, Any]) -> str | None:
+    """How a simulated run goes on, from its folder, where its thread was not waiting for replies when
+    stopped (it reads the stop there) and so said nothing in time: its last checkpoint's round."""
+    if "run_dir" not in running:
+        return None
+    point = resume_point(running["run_dir"])
+    return running["sim"]._resume_hint(running["run_dir"], point[1] if point else 0)
+
+
 def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> RunResult:
     """``fedlt run ... engine=flower``: ``cfg`` on Flower's simulation engine (Ray), one virtual
     SuperNode per client; or the run in ``resume``, from its checkpoint."""
@@ -688,11 +701,14 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
     app = ServerApp()
     stop, started, ended = threading.Event(), threading.Event(), threading.Event()
 
+    running: dict[str, Any] = {}  # the run's simulation and folder, once both exist
+
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
         started.set()
         try:
-            result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop, resume=resume)
+            result["run"] = run_on_grid(cfg, grid, quiet=quiet, stop=stop, resume=resume,
+                                        on_start=lambda sim, run_dir: running.update(sim=sim, run_dir=run_dir))
         except KeyboardInterrupt as interrupt:
             if not stop.is_set():
                 raise  # the interrupted run's summary is written; the main thread reports the interrupt
@@ -710,12 +726,14 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
             raise
         stop.set()  # the ServerApp's thread ends at its next wait for replies
         if started.is_set():
-            ended.wait(30)  # its summary written
+            ended.wait(STOP_WAIT_S)  # its summary written
         ray = sys.modules.get("ray")  # not imported here: an import of Ray the signal cut short fails again,
         if ray is not None:           # and its error replaced the interrupt
             ray.shutdown()  # the runtime's worker threads would otherwise wait on dead actors at exit
+        if "run" in result:  # the run ended meanwhile, its summary written: finished, not stopped
+            return result["run"]
         stopped = Terminated() if isinstance(interrupt, SystemExit) else interrupt
-        stopped.resume_hint = hint.get("resume")
+        stopped.resume_hint = hint.get("resume") or _folder_hint(running)
         raise stopped from None
     if "run" not in result:
         raise FedltError("the Flower simulation ended without a result; its log above says why")
