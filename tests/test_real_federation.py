@@ -43,6 +43,7 @@ class NodeGrid:
         self.late = {300 + i: context(100 + i, n, f) for i, (n, f) in enumerate(sorted((late or {}).items()))}
         self.sends, self.restart, self.lost_file, self.same_id, self.restarted = 0, restart, lost_file, same_id, False
         self.dead: set[int] = set()  # listed, never answering
+        self.unheard: set[int] = set()  # their fits run (state kept) but the replies are lost
         self.targets: list[set[int]] = []  # the nodes of each send
         self.sent_kinds: list[str] = []  # the kind of each send
         self.kinds: list[str] = []
@@ -79,7 +80,9 @@ class NodeGrid:
             m.metadata.__dict__["_message_id"] = m.object_id
             self.kinds.append(decode_meta(m.content)["kind"])
             if m.metadata.dst_node_id not in self.dead:
-                out.append(handle(m, self.contexts[m.metadata.dst_node_id]))
+                reply = handle(m, self.contexts[m.metadata.dst_node_id])
+                if not (m.metadata.dst_node_id in self.unheard and self.kinds[-1] == "fit"):
+                    out.append(reply)
         return out
 
     def push_messages(self, messages):
@@ -480,6 +483,27 @@ def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_
     report = (run.run_dir / "report.md").read_text()  # the sites' data, not a partition the server never drew
     assert "\n3 sites holding their own data (flower.node_data), participation 1" in report
     assert "(each site's own test/ folder)" in report and "alpha=" not in report
+
+
+def test_a_restarted_site_whose_stateful_replies_were_all_lost_stays_out(tmp_path, exported, server_identity,
+                                                                          capsys):
+    """Whether a site's client kept state on its node was read from its replies only: a Ditto site whose fit
+    replies were all lost (its node stored its personal model, the replies came too late) then rejoined on a
+    new node as if it had kept nothing, and trained without that model. The method's declaration covers it."""
+    from fedlt.engine.flower_app import _keeps_state
+    from fedlt.engine.flower_codec import get_tree
+
+    grid = NodeGrid(nodes_of(exported), restart=("client-1", 6))
+    grid.unheard.add(201)
+    first = grid.contexts[201]  # dropped from the grid when the site restarts
+    run = node_run(node_tree(tmp_path, "ditto", exported, method="ditto", fl={"rounds": 3}, loss={"name": "ce"},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    assert _keeps_state(get_tree(first.state, "client1.", torch.device("cpu")))  # what its lost fit reply hid
+    err = capsys.readouterr().err
+    assert err.count("fedlt: site 'client-1' is back as SuperNode 400, but its client's state between rounds "
+                     "(kept by ditto) was on SuperNode 201, which is gone; the site stays out of this run") == 1
+    assert "rejoined as SuperNode 400" not in err
 
 
 @pytest.mark.parametrize(("top", "refusal"), [

@@ -253,6 +253,8 @@ class FlowerSimulation(Simulation):
         self.kept_state: dict[int, bool] = {}
         #: whether the method says its clients keep such state: a resume needs it where no reply showed any (lost)
         self.keeps_state = spec.keeps_state(parse_method_args(spec, cfg.method_args))
+        #: clients whose last message no reply answered (lost, too late)
+        self.unheard: set[int] = set()
         #: clients whose node lost the state they kept there: sent nothing more
         self.state_lost: set[int] = set()
         self.round_started = 0
@@ -273,6 +275,11 @@ class FlowerSimulation(Simulation):
         """``msg`` for client ``cid`` on ``node`` as Flower carries it, with what the ClientApp needs to answer."""
         return FlowerMessage(encode_message(msg, {"kind": kind, "cid": cid, "round": rnd, "config": self._config_json}),
                              dst_node_id=node, message_type=_message_type(kind))
+
+    def may_keep_state(self, cid: int) -> bool:
+        """Whether client ``cid``'s node may hold state of it between rounds: as its last reply said, or,
+        where its last message went unanswered (its node may have stored state then), as its method declares."""
+        return self.kept_state.get(cid, False) or (self.keeps_state and cid in self.unheard)
 
     def _send(self, kind: str, targets: list[tuple[int, int, Message, int]]
               ) -> tuple[list[FlowerMessage], dict[int, str]]:
@@ -366,7 +373,7 @@ class FlowerSimulation(Simulation):
         lost.update(gone)
         metas = [decode_meta(r.content) for r in replies]
         for meta in metas:
-            if self.kept_state.get(meta["cid"]) and meta.get("had_state") is False:
+            if self.may_keep_state(meta["cid"]) and meta.get("had_state") is False:
                 self.state_lost.add(meta["cid"])
                 lost[meta["cid"]] = STATE_LOST
             elif meta.get("secrets_lost"):
@@ -374,6 +381,9 @@ class FlowerSimulation(Simulation):
         got = {meta["cid"]: r for meta, r in zip(metas, replies) if meta["cid"] not in lost}
         self.kept_state.update((meta["cid"], bool(meta.get("kept_state"))) for meta in metas if meta["cid"] not in lost)
         silent = [cid for cid, _ in items if cid not in got and cid not in lost]
+        # their nodes may have stored state the lost replies would have shown: unknown until one of theirs arrives
+        self.unheard.difference_update(got)
+        self.unheard.update([*silent, *gone])
         for cause, clients in ((NODE_LOST, sorted(lost)), (TIMEOUT, silent)):
             if clients:
                 self.dropped.append({"round": rnd, "kind": kind, "clients": clients, "cause": cause})

@@ -234,7 +234,7 @@ class NodeDataSimulation(FlowerSimulation):
                 log(f"fedlt: the late SuperNode {node} serves site {name!r}, which SuperNode {old} still serves; it "
                     "stands by until that node is gone")
             return False
-        if self.kept_state.get(cid, False):
+        if self.may_keep_state(cid):
             log(f"fedlt: site {name!r} is back as SuperNode {node}, but its client's state between rounds (kept "
                 f"by {self.cfg.method}) was on SuperNode {old}, which is gone; the site stays out of this run")
             return True
