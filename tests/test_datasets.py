@@ -1216,6 +1216,20 @@ def test_list_files_with_a_byte_order_mark_or_absurd_labels(tmp_path: Path) -> N
                                                                                          image_size=8)
 
 
+@pytest.mark.parametrize("listed", ["val/loop.jpg", "val/x.jpg/y.jpg", "val/" + "n" * 300 + ".jpg", "val/a\x00b.jpg"],
+                         ids=["symlink-loop", "under-a-file", "name-too-long", "nul-byte"])
+def test_a_listed_path_the_system_cannot_look_up_is_a_missing_image(tmp_path: Path, listed: str) -> None:
+    """A corrupt list line whose path cannot even be looked up (a symlink loop, a file as a folder, a
+    name too long, a NUL byte) is named as a missing image, not a traceback from the cache's key."""
+    root = tmp_path / "imagenet"
+    write_list_dataset(root, "ImageNet_LT_train.txt", "ImageNet_LT_test.txt")
+    os.symlink("loop.jpg", root / "val" / "loop.jpg")
+    test_list = root / "ImageNet_LT_test.txt"
+    test_list.write_text(f"val/x.jpg 4\n{listed} 1\n")
+    message = error_of("imagenet_lt", root, image_size=8)
+    assert "1 of the 2 images ImageNet_LT_test.txt lists are missing" in message, message
+
+
 def test_deeply_nested_annotation_json_is_a_data_error(tmp_path: Path) -> None:
     root = tmp_path / "inat"
     root.mkdir()

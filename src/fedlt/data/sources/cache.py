@@ -45,8 +45,8 @@ def entry_path(tag: str, sources: Sequence[Path], params: Mapping[str, object],
 def _size_and_time(path: str | Path) -> tuple[int, int] | None:
     try:
         stat = os.stat(path)
-    except FileNotFoundError:
-        return None
+    except (OSError, ValueError):  # absent, a symlink loop, a name too long or with a NUL byte: the entry
+        return None  # misses, and the reader names the file
     return stat.st_size, stat.st_mtime_ns
 
 

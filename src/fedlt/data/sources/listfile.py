@@ -10,6 +10,7 @@ any image it names changes; see :mod:`.cache`.
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,15 +158,26 @@ def _splits(layout: ListLayout, root: Path, splits: list[tuple[Path, list[tuple[
 def _check_listed(layout: ListLayout, root: Path, list_file: Path, paths: list[str]) -> None:
     """Every image a list names is there; ImageNet's validation archive extracts flat (val/X.JPEG),
     where the lists name val/<wnid>/X.JPEG: said so when that is the case."""
-    missing = next((path for path in paths if not (root / path).is_file()), None)
+    missing = next((path for path in paths if not _is_file(root / path)), None)
     if missing is None:
         return
     flat = root / Path(missing).parent.parent / Path(missing).name
     hint = (f"; {flat} exists: sort {flat.parent} into one folder per class, as {list_file.name} names them"
-            if flat != root / missing and flat.is_file() else "")
-    absent = sum(not (root / path).is_file() for path in paths)
+            if flat != root / missing and _is_file(flat) else "")
+    absent = sum(not _is_file(root / path) for path in paths)
     raise DataError(f"{layout.dataset}: {absent} of the {len(paths)} images {list_file.name} lists are missing, e.g. "
                     f"{root / missing}{hint}; {layout.fix}")
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False too where the system refuses the name itself (longer than a file name
+    may be: ENAMETOOLONG, which ``is_file`` raises): a corrupt list line is a missing image, not a crash."""
+    try:
+        return path.is_file()
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:  # a folder it may not read: the CLI names that with its fix
+            raise
+        return False
 
 
 def decode_image(path: Path, image_size: int, dataset: str, fix: str) -> np.ndarray:
