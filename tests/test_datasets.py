@@ -1027,6 +1027,19 @@ def test_registry_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert f"in {tmp_path};" in message and "train_32x32.mat" in message
 
 
+
+@pytest.mark.parametrize("name", ["fmnist", "cifar10", "svhn", "cinic10", "imagenet_lt", "imagefolder"])
+def test_a_data_folder_whose_name_is_too_long_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              name: str) -> None:
+    """A path the system refuses to look up (a name longer than the file system allows) is named with its fix,
+    where Path.is_dir raised the OSError through every loader."""
+    too_long = tmp_path / ("x" * 300) / "data"
+    message = error_of(name, too_long)
+    assert f"data folder {too_long} cannot be looked up (File name too long)" in message
+    assert "set data.root=DIR" in message
+    monkeypatch.setenv("FEDLT_DATA", str(too_long))
+    assert "set FEDLT_DATA=DIR" in error_of(name)
+
 # ----------------------------------------------------------------------------- what training needs
 
 

@@ -254,11 +254,11 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
     if info.subfolder is None:
         return None
     if root is not None:  # narrowed like $FEDLT_DATA, so one data.root serves a suite of several datasets
-        given = Path(root).expanduser()
+        given = _look_up(name, Path(root).expanduser(), "data.root=DIR")
         return given / info.subfolder if (given / info.subfolder).is_dir() else given
     env = os.environ.get("FEDLT_DATA")
     if env:
-        base = Path(env).expanduser()
+        base = _look_up(name, Path(env).expanduser(), "FEDLT_DATA=DIR")
         nested = base / info.subfolder
         if nested.is_dir():
             return nested
@@ -273,6 +273,17 @@ def _resolve_root(name: str, info: DatasetInfo, root: str | None) -> Path | None
         f"{name}: no data folder given and FEDLT_DATA is unset; pass data.root=DIR "
         f"or set FEDLT_DATA=DIR (looked up as DIR/{info.subfolder} first)"
     )
+
+
+def _look_up(name: str, folder: Path, setting: str) -> Path:
+    """``folder``, or a DataError where the system refuses to look it up at all (a name longer than the file
+    system allows): ``is_dir`` raises that OSError, which the narrowing and the loaders would let through."""
+    try:
+        folder.exists()
+    except OSError as err:
+        raise DataError(f"{name}: data folder {folder} cannot be looked up ({err.strerror}); set {setting} to the "
+                        "folder holding the dataset's files") from None
+    return folder
 
 
 def _finish(name: str, where: Path | str, split: ImageDataset, which: str) -> None:
