@@ -453,6 +453,25 @@ def test_cli_export_refuses_a_non_empty_folder_and_a_bad_config(
     assert [p.name for p in tmp_path.iterdir()] == ["full"]  # no export folder, no staging folder
 
 
+def test_cli_paths_too_long_to_look_up_are_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --node-data, --server-test or --out path with a name longer than the file system allows: the
+    OSError that Path.is_dir raises for it is one error line, not a traceback."""
+    too_long = tmp_path / ("x" * 300)
+    (tmp_path / "nodes" / "site").mkdir(parents=True)
+    (tmp_path / "test").mkdir()
+    config = tmp_path / "federation.yaml"
+    config.write_text("data:\n  dataset: synthetic\n")
+    line = cli_error(["deploy", "--node-data", str(too_long), "--workdir", str(tmp_path / "wd"), str(config)],
+                     capsys, monkeypatch)
+    assert f"--node-data {too_long} is not a folder" in line
+    line = cli_error(["deploy", "--node-data", str(tmp_path / "nodes"), "--server-test", str(too_long), "--workdir",
+                      str(tmp_path / "wd"), str(config)], capsys, monkeypatch)
+    assert f"--server-test {too_long} is not a folder" in line
+    line = cli_error(["data", "export", *SYNTHETIC, "--out", str(too_long / "fed")], capsys, monkeypatch)
+    assert "File name too long" in line and str(too_long) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["federation.yaml", "nodes", "test"]  # nothing written
+
 def test_cli_export_writes_a_federation(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("FEDLT_DATA", "PYTHONPATH")}
     env.update(PYTHONPATH=str(SRC), FEDLT_CACHE=str(tmp_path / "cache"))

@@ -68,8 +68,9 @@ data_app = typer.Typer(no_args_is_help=True, help="Inspect a federation's data w
 app.add_typer(data_app, name="data")
 
 
-#: an OSError with one of these on a named path is the system refusing the user's path, not a bug
-REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+#: an OSError with one of these on a named path is the system refusing the user's path, not a bug (a name
+#: longer than the file system allows too: ``Path.is_dir`` and ``exists`` raise that one instead of saying no)
+REFUSED_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG}
 
 
 #: what an interrupted command says where it has nothing of its own to resume from

@@ -208,10 +208,19 @@ def check_run_config(config: Path, overrides: list[str], given: list[str]) -> No
                       "give them in a YAML config file")
 
 
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False too where the system cannot look the path up (a name longer than the file
+    system allows raises instead of saying no): the option's own error names it, not a traceback."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def node_data_sites(folder: Path) -> list[Site]:
     """One site per subfolder of ``folder`` (sorted by name; hidden folders skipped), each SuperNode
     told its folder's absolute path and its name: the node side loads ``data`` by itself."""
-    if not folder.is_dir():
+    if not _is_dir(folder):
         raise ConfigError(f"--node-data {folder} is not a folder; give a folder with one subfolder per site")
     subfolders = sorted((p for p in folder.resolve().iterdir() if p.is_dir() and not p.name.startswith(".")),
                         key=lambda p: p.name)
@@ -757,7 +766,7 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
         if node_data is None:
             raise ConfigError("--server-test is the server's test set of a federation whose sites hold their data; "
                               "add --node-data DIR")
-        if not server_test.is_dir():
+        if not _is_dir(server_test):
             raise ConfigError(f"--server-test {server_test} is not a folder; give the server's test set "
                               "(an image-folder tree, one subfolder per class)")
         extra.append(f"eval.test_data={server_test.resolve()}")
