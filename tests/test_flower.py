@@ -965,6 +965,19 @@ def _interrupted_flower_run(cfg: dict, grid: LoopbackGrid, at: int, monkeypatch)
     return Path(cfg["run"]["out_dir"]) / cfg["run"]["name"], stop.value.resume_hint
 
 
+def _resume_is_refused(cfg: dict, run_dir: Path, nodes: int, message: str) -> None:
+    """A resume of ``run_dir`` on new nodes is refused with ``message`` before anything is sent, and the
+    folder stays byte for byte as it was."""
+    from fedlt.engine.flower_app import run_on_grid
+    from fedlt.errors import ConfigError
+
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    grid = LoopbackGrid(nodes=nodes)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_on_grid(build_config(cfg), grid, quiet=True, resume=run_dir)
+    assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedavg+secagg"])
 def test_a_flower_run_of_stateless_clients_resumes_on_new_nodes_as_if_uninterrupted(tmp_path, server_identity,
                                                                                        monkeypatch, method):
@@ -993,7 +1006,6 @@ def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resum
                                                                                    monkeypatch):
     """Ditto's personal models live on the SuperNodes: new nodes would train the clients without them, so the
     resume is refused before anything is sent, with the reason, and the folder stays as it was."""
-    from fedlt.engine.flower_app import run_on_grid
     from fedlt.errors import ConfigError
 
     cfg = tiny(tmp_path, "ditto", "cut", fl={"rounds": 3, "participation": 1.0, "local_epochs": 1, "batch_size": 32,
@@ -1003,12 +1015,8 @@ def test_a_flower_run_whose_clients_kept_state_on_their_nodes_is_refused_a_resum
     run_dir, hint = _interrupted_flower_run(cfg, LoopbackGrid(nodes=3), 3, monkeypatch)
     assert hint == (f"{run_dir} cannot resume: clients [0, 1, 2] keep state between rounds on their nodes, which "
                     "SuperNodes started again would lack; start the run again")
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
-    grid = LoopbackGrid(nodes=3)
-    with pytest.raises(ConfigError, match=re.escape(f"clients [0, 1, 2] of {run_dir} kept state between rounds on "
-                                                    "their nodes (method ditto: ")):
-        run_on_grid(build_config(cfg), grid, quiet=True, resume=run_dir)
-    assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    _resume_is_refused(cfg, run_dir, 3, f"clients [0, 1, 2] of {run_dir} kept state between rounds on their nodes "
+                                        "(method ditto: ")
     with pytest.raises(ConfigError, match="kept state between rounds"):  # Flower's simulation: before Ray starts
         fedlt.resume(run_dir, quiet=True)
 
@@ -1018,8 +1026,6 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
     """Whether clients keep state on their nodes was read only from the replies that arrived: where every reply of a
     client that kept state came too late (its node slow), the run was taken as stateless and resumed on new nodes
     without that state. The method's own declaration (``MethodSpec.keeps_state``) is recorded and refuses it."""
-    from fedlt.engine.flower_app import run_on_grid
-    from fedlt.errors import ConfigError
     from fedlt.methods.fedavg import FedAvgClient
     from fedlt.methods.registry import METHODS
 
@@ -1043,12 +1049,8 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
     assert [k for k in grid.contexts[101].state if k.endswith("tree")] == ["client1.tree", "client3.tree"]
     assert hint == (f"{run_dir} cannot resume: the clients of method oddkeeps keep state between rounds on their "
                     "nodes, which SuperNodes started again would lack; start the run again")
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
-    grid = LoopbackGrid(nodes=2)
-    with pytest.raises(ConfigError, match=re.escape(f"the clients of {run_dir} kept state between rounds on their "
-                                                    "nodes (method oddkeeps: ")):
-        run_on_grid(build_config(cfg), grid, quiet=True, resume=run_dir)
-    assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    _resume_is_refused(cfg, run_dir, 2, f"the clients of {run_dir} kept state between rounds on their nodes "
+                                        "(method oddkeeps: ")
 
 
 def test_every_method_declares_whether_its_clients_keep_state_as_they_do(tmp_path):

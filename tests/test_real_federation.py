@@ -27,12 +27,14 @@ class NodeGrid:
     and answer through fedlt's real ClientApp handler."""
 
     def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None,
-                 restart: tuple[str, int] | None = None, lost_file: Path | None = None, same_id: bool = False):
+                 restart: tuple[str, int] | None = None, lost_file: Path | None = None, same_id: bool = False,
+                 silent_after_hello: int = 0):
         """``restart=(SITE, N)``: after the N-th send SITE's node leaves and a fresh node of that site (new
         id 400, no state) joins, as a SuperNode killed and started again. With ``lost_file`` the old node stays
         listed, silent (as until Flower's heartbeat drops it), and its site is written there, as fedlt
         deploy does when it sees the process exit. With ``same_id`` the fresh node keeps the old one's id, as a
-        SuperNode with a registered key does."""
+        SuperNode with a registered key does. The last ``silent_after_hello`` nodes answer the first send (the
+        sites' hellos) and nothing after it, as SuperNodes stopped or hung once the federation was formed."""
         from flwr.app import Context, RecordDict
 
         def context(i: int, name: str, folder: Path):
@@ -44,6 +46,7 @@ class NodeGrid:
         self.sends, self.restart, self.lost_file, self.same_id, self.restarted = 0, restart, lost_file, same_id, False
         self.dead: set[int] = set()  # listed, never answering
         self.unheard: set[int] = set()  # their fits run (state kept) but the replies are lost
+        self.silent_after_hello = silent_after_hello
         self.targets: list[set[int]] = []  # the nodes of each send
         self.sent_kinds: list[str] = []  # the kind of each send
         self.kinds: list[str] = []
@@ -73,6 +76,8 @@ class NodeGrid:
         from fedlt.engine.flower_codec import decode_meta
 
         self.sends += 1
+        if self.silent_after_hello and self.sends > 1:
+            self.dead.update(sorted(self.contexts)[-self.silent_after_hello:])
         self.targets.append({m.metadata.dst_node_id for m in messages})
         self.sent_kinds.append(decode_meta(messages[0].content)["kind"] if messages else "")
         out = []
@@ -122,6 +127,18 @@ def node_run(cfg: dict, grid: NodeGrid):
     from fedlt.engine.flower_app import run_on_grid
 
     return run_on_grid(build_config(cfg), grid, quiet=True)
+
+
+def node_run_stopped_in(cfg: dict, exported: Path, rnd: int, monkeypatch) -> None:
+    """``cfg`` on every exported site, interrupted (Ctrl-C) as round ``rnd`` begins."""
+    from fedlt.engine.flower_app import FlowerSimulation
+
+    original = FlowerSimulation.fit_round
+    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, r: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if r == rnd else original(self, r))
+    with pytest.raises(KeyboardInterrupt):
+        node_run(cfg, NodeGrid(nodes_of(exported)))
+    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
 
 
 @pytest.fixture(scope="module")
@@ -707,18 +724,13 @@ def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tm
     """The server of a real federation stopped after its checkpoint of round 2: started again with the same
     sites, it sums their class counts again (the checkpoint holds only the method's setup), checks them against
     the run's, and the rest of the run equals the uninterrupted one. Other sites, or other data, are refused."""
-    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+    from fedlt.engine.flower_app import run_on_grid
     from fedlt.results import read_summary
 
     top = {"fl": {"rounds": 3}, "run": {"checkpoint_every": 1}, "eval": {"test_data": str(exported / "server" / "test")}}
     full = node_run(node_tree(tmp_path, "full", exported, **top), NodeGrid(nodes_of(exported)))
     cfg = build_config(node_tree(tmp_path, "cut", exported, **top))
-    original = FlowerSimulation.fit_round
-    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
-                        if rnd == 3 else original(self, rnd))
-    with pytest.raises(KeyboardInterrupt):
-        node_run(cfg.dump(), NodeGrid(nodes_of(exported)))
-    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
+    node_run_stopped_in(cfg.dump(), exported, 3, monkeypatch)
     run_dir = tmp_path / "runs" / "cut"
     assert read_summary(run_dir)["status"] == "aborted"
 
@@ -749,33 +761,19 @@ def test_a_resume_names_the_site_that_did_not_answer_its_class_count_check(tmp_p
     counts (stopped, hung) left the others' sum short of the run's, refused as if the sites' data differed (two
     such sites: too few answers to sum). The refusal names the sites and says to start them and resume again;
     the run's folder stays as it was."""
-    from fedlt.engine.flower_app import FlowerSimulation, run_on_grid
+    from fedlt.engine.flower_app import run_on_grid
 
     top = {"fl": {"rounds": 2}, "run": {"checkpoint_every": 1},
            "eval": {"test_data": str(exported / "server" / "test")},
            **({"privacy": {"allow_leaks": True}} if leaks else {})}  # the counts in the clear, or a secure sum
     cfg = build_config(node_tree(tmp_path, "cut", exported, **top))
-    original = FlowerSimulation.fit_round
-    monkeypatch.setattr(FlowerSimulation, "fit_round", lambda self, rnd: (_ for _ in ()).throw(KeyboardInterrupt)
-                        if rnd == 2 else original(self, rnd))
-    with pytest.raises(KeyboardInterrupt):
-        node_run(cfg.dump(), NodeGrid(nodes_of(exported)))
-    monkeypatch.setattr(FlowerSimulation, "fit_round", original)
+    node_run_stopped_in(cfg.dump(), exported, 2, monkeypatch)
     run_dir = tmp_path / "runs" / "cut"
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
 
-    grid = NodeGrid(nodes_of(exported))
-    answer = grid.send_and_receive
-
-    def stopped_after_hello(messages, *, timeout):
-        if grid.sends:  # every site said hello; then the last ones' SuperNodes stop answering
-            grid.dead.update(sorted(grid.contexts)[-silent:])
-        return answer(messages, timeout=timeout)
-
-    grid.send_and_receive = stopped_after_hello
     names = sorted(nodes_of(exported))
     with pytest.raises(ConfigError) as refused:
-        run_on_grid(cfg, grid, quiet=True, resume=run_dir)
+        run_on_grid(cfg, NodeGrid(nodes_of(exported), silent_after_hello=silent), quiet=True, resume=run_dir)
     if silent == 1:
         assert str(refused.value) == (f"site {names[2]} (SuperNode 202) did not answer the resumed run's check of "
                                       "the sites' class counts; start its SuperNode (or see why it stopped), then "
@@ -797,15 +795,7 @@ def test_a_new_run_whose_site_does_not_answer_the_class_counts_names_it_and_trai
 
     top = {"fl": {"rounds": 2}, "eval": {"test_data": str(exported / "server" / "test")},
            **({"privacy": {"allow_leaks": True}} if leaks else {})}
-    grid = NodeGrid(nodes_of(exported))
-    answer = grid.send_and_receive
-
-    def stopped_after_hello(messages, *, timeout):
-        if grid.sends:
-            grid.dead.add(max(grid.contexts))
-        return answer(messages, timeout=timeout)
-
-    grid.send_and_receive = stopped_after_hello
+    grid = NodeGrid(nodes_of(exported), silent_after_hello=1)
     with pytest.raises(FedltError) as refused:
         run_on_grid(build_config(node_tree(tmp_path, "short", exported, **top)), grid, quiet=True)
     assert str(refused.value) == (

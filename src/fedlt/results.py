@@ -181,13 +181,10 @@ def save_tensors(obj: Any, path: Path) -> None:
     try:
         with interrupt_kept(), open(path, "wb") as handle:
             torch.save(obj, handle)
-    except OSError as err:
+    except BaseException as err:
         path.unlink(missing_ok=True)
-        if err.filename is None:
+        if isinstance(err, OSError) and err.filename is None:
             raise OSError(err.errno, err.strerror, str(path)) from None
-        raise
-    except BaseException:
-        path.unlink(missing_ok=True)
         raise
 
 
