@@ -976,7 +976,9 @@ def test_ctrl_c_while_the_bench_spawns_its_workers_stops_it(monkeypatch, capfd):
     import multiprocessing
     import os
     import signal
+    import threading
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import _ExecutorManagerThread
 
     from fedlt.bench.workers import run_in_workers
 
@@ -993,6 +995,8 @@ def test_ctrl_c_while_the_bench_spawns_its_workers_stops_it(monkeypatch, capfd):
     with pytest.raises(KeyboardInterrupt):
         run_in_workers(jobs, 2, dict, lambda key, info: ended.append(key))
     assert ended == []
+    # the pool's thread that reaps its workers has ended: left running, it raced a caller's join (no exit code)
+    assert not [thread for thread in threading.enumerate() if isinstance(thread, _ExecutorManagerThread)]
     for worker in multiprocessing.active_children():
         worker.join(timeout=120)
         assert worker.exitcode is not None

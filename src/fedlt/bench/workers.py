@@ -114,6 +114,7 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
                                initargs=(stop, ignored))
     futures: dict[Future, Any] = {}
     reported: set[Future] = set()
+    manager = None
     try:  # from the first worker's spawn: an interrupt then stops the workers spawned so far
         with _workers_born_deaf():
             for key, args in jobs:
@@ -128,6 +129,7 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
         for future in futures:  # here, not by the pool's thread: a future cancelled there never wakes wait()
             future.cancel()
         processes = list((pool._processes or {}).values())  # the pool keeps its workers there (CPython 3.9+)
+        manager = pool._executor_manager_thread  # a shutdown without waiting forgets it, and it reaps the workers
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             if process.is_alive() and process.pid is not None:
@@ -143,4 +145,6 @@ def run_in_workers(jobs: list[tuple[Any, tuple]], workers: int, fn: Callable[...
         raise
     finally:
         pool.shutdown(wait=True)
+        if manager is not None:  # left running, it reaped a worker while the caller waited for it (no exit code)
+            manager.join()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
