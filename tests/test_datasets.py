@@ -323,7 +323,10 @@ def test_the_binary_versions_read_as_the_python_ones(tmp_path: Path) -> None:
         assert np.array_equal(pair.test.images.reshape(2, -1).numpy(), written["test_batch.bin"][0])
         assert pair.train.classes == names
         assert pair.train.images[1, 2, 10, 20].item() == train_x[1, 2 * 1024 + 10 * 32 + 20]  # channel-major planes
-    (folder / "test_batch.bin").write_bytes((folder / "test_batch.bin").read_bytes()[:-1])
+    test_file = (folder / "test_batch.bin").read_bytes()
+    (folder / "test_batch.bin").write_bytes(test_file[:3073])  # a test file of another size than the batches
+    assert load_dataset("cifar10", root=str(tmp_path)).test.labels.tolist() == written["test_batch.bin"][1][:1].tolist()
+    (folder / "test_batch.bin").write_bytes(test_file[:-1])
     message = error_of("cifar10", tmp_path)
     assert "test_batch.bin holds 6145 bytes, not a whole number of 3073-byte records" in message
     (folder / "test_batch.bin").write_bytes((folder / "data_batch_2.bin").read_bytes())

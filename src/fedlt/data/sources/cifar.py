@@ -184,10 +184,11 @@ def _load_binary(layout: _Layout, folder: Path) -> DatasetPair:
         return ImageDataset(images, labels, list(names), layout.mean, layout.std)
 
     pair = DatasetPair(split(train), split((test,)))
-    if len(train) > 1 and len(set(records.values())) > 1:  # the release's batches are equal (CIFAR-10: 10,000 each)
-        short = min(records, key=records.get)
-        raise DataError(f"{layout.dataset}: {folder / short} holds {records[short]} records and the other batches "
-                        f"{max(records.values())}, so it is cut off; {_fix(layout)}")
+    batches = {name: records[name] for name in train}  # the release's train batches are equal (CIFAR-10: 10,000
+    if len(set(batches.values())) > 1:  # each); its test file may hold another count
+        short = min(batches, key=batches.get)
+        raise DataError(f"{layout.dataset}: {folder / short} holds {batches[short]} records and the other batches "
+                        f"{max(batches.values())}, so it is cut off; {_fix(layout)}")
     return pair
 
 
