@@ -1521,3 +1521,28 @@ def test_every_refused_image_of_a_split_is_counted_in_its_one_line(tmp_path) -> 
     assert message.endswith("; images are not resized, resize it or give data.image_size the side every image has "
                             "(5 more image(s) are refused too: cat/wide-b.png, cat/wide-c.png, cat/wide-d.png and 2 more)")
     assert "\n" not in message
+
+
+def test_a_file_the_system_will_not_let_fedlt_read_is_named_with_its_permissions_as_the_fix(tmp_path, monkeypatch):
+    """A file fedlt may not read (another account's, mode 600) was called corrupt: "extract it again",
+    "replace it with a valid PNG". A fresh copy would not help; its permissions are the fix."""
+    from fedlt.data.sources import imagefolder
+
+    path = tmp_path / "train2018.json"
+    path.write_text("{}")
+    image = tmp_path / "a.png"
+    Image.new("RGB", (4, 4)).save(image)
+
+    def refused(self_or_path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self_or_path))
+
+    monkeypatch.setattr(Path, "read_bytes", refused)
+    monkeypatch.setattr(Image, "open", refused)
+    cases = [lambda: listfile._parse_annotations(listfile.INAT2018, path),
+             lambda: common.read_rgb("imagenet_lt", image, "download it again"),
+             lambda: imagefolder._decode(image, 3, 4, "node data")]
+    for read, where in zip(cases, (path, image, image)):
+        with pytest.raises(DataError) as err:
+            read()
+        assert str(err.value).endswith(f"cannot read {where} (Permission denied); give the account running fedlt "
+                                       "read access to it"), err.value

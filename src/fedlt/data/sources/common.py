@@ -31,6 +31,12 @@ def require_dir(dataset: str, path: Path, fix: str) -> Path:
     return path
 
 
+def unreadable(dataset: str, path: Path, exc: PermissionError) -> DataError:
+    """A file the system will not let fedlt read: its permissions are the fix, not a fresh copy of it."""
+    return DataError(f"{dataset}: cannot read {path} ({exc.strerror or exc}); give the account running fedlt read "
+                     "access to it")
+
+
 def check_labels(dataset: str, where: Path | str, labels: torch.Tensor, num_classes: int, fix: str) -> None:
     """Raise :class:`DataError` unless every label lies in ``[0, num_classes)``."""
     if labels.numel() == 0:
@@ -61,6 +67,8 @@ def read_rgb(dataset: str, path: Path, fix: str, min_side: int | None = None) ->
             return image.convert("RGB")
     except FileNotFoundError as exc:
         raise DataError(f"{dataset}: image {path} does not exist; {fix}") from exc
+    except PermissionError as exc:
+        raise unreadable(dataset, path, exc) from None
     except DECODE_ERRORS as exc:
         raise DataError(f"{dataset}: cannot decode image {path} ({type(exc).__name__}: {exc}); {fix}") from exc
 

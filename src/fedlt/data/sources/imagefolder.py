@@ -38,7 +38,7 @@ from PIL import Image
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.declaration import DeclaredDataset
-from fedlt.data.sources.common import DECODE_ERRORS, decode_all, require_dir
+from fedlt.data.sources.common import DECODE_ERRORS, decode_all, require_dir, unreadable
 from fedlt.data.sources.listfile import IMAGENET_LT
 from fedlt.errors import DataError
 
@@ -191,6 +191,8 @@ def _decode(path: Path, channels: int, side: int, prefix: str) -> np.ndarray:
             pixels = np.asarray(image, dtype=np.uint8)
     except FileNotFoundError as exc:
         raise DataError(f"{prefix}: image {path} vanished while it was read; keep the folder unchanged") from exc
+    except PermissionError as exc:
+        raise unreadable(prefix, path, exc) from None
     except DECODE_ERRORS as exc:
         problem = " ".join(f"{type(exc).__name__}: {exc}".split())
         raise DataError(f"{prefix}: cannot decode image {path} ({problem}); "

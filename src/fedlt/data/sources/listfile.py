@@ -21,7 +21,7 @@ from PIL import Image
 
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.sources import cache
-from fedlt.data.sources.common import check_labels, decode_all, read_rgb, require_dir, to_chw, unextracted
+from fedlt.data.sources.common import check_labels, decode_all, read_rgb, require_dir, to_chw, unextracted, unreadable
 from fedlt.errors import DataError
 
 DEFAULT_IMAGE_SIZE = 64
@@ -233,6 +233,8 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
         if not all(isinstance(name, str) for name in files.values()) or not all(
                 type(cid) is int for cid in [*(c for _, c in pairs), *(c for c, _ in categories)]):
             raise TypeError("every file_name must be a string and every category id an integer")
+    except PermissionError as exc:
+        raise unreadable(layout.dataset, path, exc) from None
     except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON (nested too deep), bytes,
         # or shape
         raise DataError(f"{layout.dataset}: {path} is not a COCO-style annotation file with images, annotations "
@@ -249,6 +251,8 @@ def _parse_annotations(layout: ListLayout, path: Path, ids: dict[int, int] | Non
 def _read_text(layout: ListLayout, path: Path) -> list[str]:
     try:
         return path.read_text(encoding="utf-8-sig").splitlines()  # a leading byte-order mark is no path
+    except PermissionError as exc:
+        raise unreadable(layout.dataset, path, exc) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{layout.dataset}: cannot read {path} ({exc}); {layout.fix}") from exc
 
