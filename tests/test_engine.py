@@ -616,13 +616,21 @@ def test_client_batches_augment_only_with_a_generator_and_respect_hflip():
     assert torch.allclose(x, (1 - images[[1, 5]].float() / 255) * 2) and seen == [False]
 
 
+def test_a_run_diverged_by_its_loss_knob_names_the_knob_beside_the_learning_rate(tmp_path):
+    """A logit adjustment scaled by tau=1e30 diverges at any learning rate: "lower fl.lr" alone misled."""
+    with pytest.raises(TrainingDiverged) as err:
+        fedlt.run(tiny(tmp_path, loss={"name": "la", "tau": 1e30}, fl__rounds=1), quiet=True)
+    assert str(err.value).endswith("lower fl.lr (now 0.05) or set fl.grad_clip (e.g. 5), or bring loss.tau (now "
+                                   "1e+30) toward its default 1.0"), err.value
+
+
 def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):
     """A NaN model would otherwise report chance accuracy every round as if it were a result."""
     with pytest.raises(TrainingDiverged) as err:
         fedlt.run(tiny(tmp_path, fl__lr=1e8, fl__rounds=3), quiet=True)
     message = str(err.value)
     assert message.startswith("training diverged in round 1: the clients' mean training loss is ")
-    assert "lower fl.lr (now 100000000.0) or set fl.grad_clip" in message
+    assert message.endswith("lower fl.lr (now 100000000.0) or set fl.grad_clip (e.g. 5)")  # no loss knob is set
     assert isinstance(err.value, FedltError)  # the CLI prints it as one line, exit code 2
     kept = [d for d in tmp_path.iterdir() if d.is_dir()]  # the rounds before stay, for diagnosis
     assert len(kept) == 1 and (kept[0] / "config.yaml").is_file()

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from fedlt.config import Config, config_difference
+from fedlt.config import Config, LossConfig, config_difference
 from fedlt.data.federated import FederatedData, federation_seed
 from fedlt.calibration.wrapper import parse_calibration_args
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, unsafe_entry
@@ -45,7 +45,7 @@ from fedlt.results import (
     ARTIFACTS_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, append_metrics, partition_record, progress_label,
     read_metrics, rewrite_metrics, save_artifacts, write_partition, write_stopped_summary, write_summary, writing,
 )
-from fedlt.run_parts import choose_backend, no_global_model_refusal, outside_code
+from fedlt.run_parts import LOSS_KNOBS, choose_backend, no_global_model_refusal, outside_code
 from fedlt.training.graphed import GraphedTrainer
 from fedlt.tracking import Tracker
 from fedlt.seeding import seed_for
@@ -431,6 +431,11 @@ class Simulation:
         fl = self.cfg.fl
         fix = (f"lower fl.lr (now {fl.lr}) or "
                + (f"lower fl.grad_clip (now {fl.grad_clip})" if fl.grad_clip is not None else "set fl.grad_clip (e.g. 5)"))
+        knobs = [f"loss.{knob} (now {getattr(self.cfg.loss, knob)}) toward its default "
+                 f"{LossConfig.model_fields[knob].default}" for knob in ("tau", *LOSS_KNOBS)
+                 if getattr(self.cfg.loss, knob) != LossConfig.model_fields[knob].default]  # set: the loss's own
+        if knobs:  # a loss scaled far enough diverges at any learning rate
+            fix += f", or bring {' and '.join(knobs)}"
         trained, tested = row.get("train_loss"), row.get("loss")
         if trained is not None and not math.isfinite(trained):
             return f"training diverged in round {row['round']}: the clients' mean training loss is {trained}; {fix}"
