@@ -167,6 +167,9 @@ def error_cases(data: Path) -> dict[str, Case]:
         "config_is_a_folder": Case(["run", str(data / "empty"), *SYN], f"config file {data / 'empty'} is a folder",
                                    "pass a YAML file"),
         "missing_config_file": Case(["run", str(data / "nope.yaml"), *SYN], str(data / "nope.yaml"), "does not exist"),
+        # a line break in a name it quotes keeps the error on one line, shown as its escape
+        "config_name_with_a_line_break": Case(["run", str(data / "two\nlines.yaml"), *SYN],
+                                              f"config file {data}/two\\nlines.yaml does not exist"),
         "resume_a_runs_file": Case(["run", "--resume", str(data / "cut-config" / "config.yaml")],
                                    f"{data / 'cut-config' / 'config.yaml'} is a file of a run",
                                    f"pass its directory, fedlt run --resume {data / 'cut-config'}", out_dir=False),

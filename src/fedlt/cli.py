@@ -80,6 +80,12 @@ NOT_STARTED_HINT = "there is nothing to resume (the run had not started, or ran 
 BENCH_HINT = "the same `fedlt bench` command runs the suite's unfinished cells again"
 
 
+def one_line(text: str) -> str:
+    """An error as the one line a user (or a script reading stderr) expects: a line break in a name it
+    quotes (a file name may hold one) is shown as its escape."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HINT) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback. An interrupt
     names how the work goes on: with ``run_hint`` (one run's command) as the run's own folder says, where
@@ -88,7 +94,7 @@ def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HIN
         with terminate_as_interrupt():
             fn()
     except FedltError as err:
-        typer.echo(f"fedlt: error: {err}", err=True)
+        typer.echo(f"fedlt: error: {one_line(str(err))}", err=True)
         raise typer.Exit(2)
     except KeyboardInterrupt as stop:
         by = " by SIGTERM" if isinstance(stop, Terminated) else ""
@@ -101,7 +107,7 @@ def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HIN
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
         if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:
             raise
-        typer.echo(f"fedlt: error: {err.strerror or err}: {err.filename}; choose a path fedlt can read and write "
+        typer.echo(f"fedlt: error: {err.strerror or err}: {one_line(str(err.filename))}; choose a path fedlt can read and write "
                    "(and room on its disk)", err=True)
         raise typer.Exit(2)
 
@@ -683,7 +689,7 @@ def main() -> None:
         hint = f"; see `{err.ctx.command_path} --help`" if err.ctx else ""
         # typer and click each append their "Did you mean ...?" to an unknown command: keep one
         message = re.sub(r"( Did you mean [^?]*\?)(\1)+", r"\1", err.format_message()).rstrip(".")
-        typer.echo(f"fedlt: error: {message}{hint}", err=True)
+        typer.echo(f"fedlt: error: {one_line(message)}{hint}", err=True)
         code = 2
     except typer.Abort:  # click's Abort in older typer, typer's own in newer
         typer.echo("fedlt: interrupted", err=True)
