@@ -432,6 +432,34 @@ def cli_error(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytes
     return lines[0]
 
 
+@pytest.mark.parametrize("existing", [False, True])  # OUT new (the staging folder renamed), or empty (filled)
+def test_an_export_interrupted_as_it_ends_says_what_is_there(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, existing: bool) -> None:
+    """Ctrl-C just after the last rename said "nothing was written" beside a complete export; before it
+    (filling an empty folder), the moved parts are removed and the line is right."""
+    out = tmp_path / "fed"
+    if existing:
+        out.mkdir()
+    replace = os.replace
+
+    def then_ctrl_c(source, target):
+        replace(source, target)
+        if Path(target) in (out, out / export.FEDERATION_FILE):  # the export's last rename
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.os, "replace", then_ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["fedlt", "data", "export", *SYNTHETIC, "--out", str(out)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 130
+    line = capsys.readouterr().err.splitlines()[-1]
+    if existing:  # stopped before the export's end: what it had moved into OUT is gone
+        assert line == f"fedlt: interrupted; nothing was written to {out}" and list(out.iterdir()) == []
+    else:
+        assert line == f"fedlt: interrupted; the export in {out} is complete"
+        assert load_config(out / "federation.yaml").flower.node_data
+
+
 def test_cli_export_refuses_a_non_empty_folder_and_a_bad_config(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     full = tmp_path / "full"

@@ -629,7 +629,7 @@ def data_export_cmd(
 
     def go() -> None:
         from fedlt.config import load_config
-        from fedlt.data.export import check_export_folder, export_federation
+        from fedlt.data.export import FEDERATION_FILE, check_export_folder, export_federation
         from fedlt.deploy import check_deployable
 
         _check_out(out, folder=True)
@@ -642,7 +642,9 @@ def data_export_cmd(
             folder = export_federation(cfg, out, progress=lambda line: typer.echo(line, err=True))
         except KeyboardInterrupt as stop:
             by = " by SIGTERM" if isinstance(stop, Terminated) else ""
-            typer.echo(f"fedlt: interrupted{by}; nothing was written to {out}", err=True)
+            done = (out / FEDERATION_FILE).is_file()  # written last: stopped once the export was complete
+            typer.echo(f"fedlt: interrupted{by}; " + (f"the export in {out} is complete" if done else
+                                                      f"nothing was written to {out}"), err=True)
             raise typer.Exit(143 if by else 130) from None
         val = folder / "server" / "val"
         typer.echo(f"wrote {folder} ({cfg.data.num_clients} nodes); deploy it with: fedlt deploy --node-data "

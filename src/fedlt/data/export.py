@@ -99,8 +99,8 @@ def export_federation(cfg: Config, out: Path | str, progress: Callable[[str], No
         (staging / FEDERATION_FILE).write_text(yaml.safe_dump(federation, sort_keys=False, allow_unicode=True))
         if inside:  # federation.yaml last: a folder holding it is a complete export
             for name in (NODES, SERVER, FEDERATION_FILE):
+                moved.append(out / name)  # before: an interrupt right after the rename still removes it
                 os.replace(staging / name, out / name)
-                moved.append(out / name)
         else:
             os.replace(staging, out)
         moved = []
