@@ -426,6 +426,22 @@ def test_a_file_cut_short_by_ctrl_c_leaves_no_temporary_file_beside_it(tmp_path,
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == kept, patch[1]
 
 
+def test_a_run_stopped_while_its_folder_is_made_leaves_no_folder(tmp_path, monkeypatch):
+    """Ctrl-C while the new run's config was written left a folder holding that config alone: no run,
+    yet one more folder in a bench's or a user's listing."""
+    from fedlt import results
+
+    def cut_text(self, text, *args, **kwargs):
+        with open(self, "w") as handle:
+            handle.write(text[:1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(tmp_path), "write_text", cut_text)
+    with pytest.raises(KeyboardInterrupt):
+        results.new_run_dir(build_config(tiny(tmp_path / "out")))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_resumed_tensor_lands_where_the_uninterrupted_run_kept_it(tmp_path, monkeypatch):
     """Saved by a GPU run (its device tensors tagged ``cuda:0`` here), a checkpoint resumed on the
     run's device (``meta`` standing in) keeps the host-side state on the host; a CPU run's checkpoint

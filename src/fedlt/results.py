@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -147,7 +148,11 @@ def new_run_dir(cfg: Config) -> Path:
                 continue
             raise ConfigError(f"cannot create the run directory {path} ({err.strerror or err}); "  # not a folder,
                               "set run.out_dir to a writable folder") from None  # or not writable
-    write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
+    try:
+        write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.dump(), sort_keys=False))
+    except BaseException:  # stopped (or failed) here, the folder would hold only its config, and no run
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 
