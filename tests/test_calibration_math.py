@@ -441,3 +441,18 @@ def test_the_aligner_takes_fewer_rows_than_dimensions_of_large_features():
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     # the float32 centring leaves ~1e-4 (eps32 x 1.5e3) that the null directions scale by 1/sqrt(safs_eps) ~ 316
     assert torch.allclose(out.mean(dim=0), torch.full((64,), 2.0), atol=0.1)
+
+
+def test_virtual_features_and_the_safs_target_from_features_grown_to_1e12():
+    """A model whose weights grew without becoming NaN has features of ~1e12: float64 rounding of their
+    covariance leaves eigenvalues of -1e8, beyond any absolute jitter; CCVR's sampling and SAFS's target
+    factor take the jitter relative to the largest variance then, where the run ended in a traceback."""
+    from fedlt.calibration.math.safs import SynthesisOptions, synthesize
+
+    x = torch.relu(torch.randn(30, 64, generator=gen(0), dtype=torch.float64)) * 1e12  # fewer samples than dims
+    mean, cov, _ = class_moments({"count": torch.tensor([30.0]), "sum": x.sum(0)[None], "sum_outer": (x.T @ x)[None]})
+    assert float(torch.linalg.eigvalsh(cov[0]).min()) < -1e5 * 1e-5  # the absolute ladder's largest jitter
+    feats, labels = sample_class_gaussians(mean, cov, [5], gen(1))
+    assert feats.shape == (5, 64) and torch.isfinite(feats).all()
+    z, _, _ = synthesize(mean, cov, None, None, torch.tensor([80]), gen(2), SynthesisOptions(steps=0, mmd=False))
+    assert z.shape == (80, 64) and torch.isfinite(z).all()

@@ -76,6 +76,20 @@ def cholesky_factor(cov: torch.Tensor, eps: float) -> torch.Tensor:
     return factor
 
 
+def scaled_cholesky_factor(cov: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`cholesky_factor` of ``cov + eps I``, or where that fails of ``cov + eps s I`` with ``s`` the
+    largest variance: rounding grows with the entries, and features of size 1e12 (a model whose weights
+    grew without becoming NaN) leave eigenvalues of -1e6 in a covariance exact in float64 that no
+    absolute ``eps`` covers. A covariance of entries below 1 has no other chance."""
+    try:
+        return cholesky_factor(cov, eps)
+    except FedltError:
+        scale = float(cov.detach().diagonal().abs().max()) if cov.numel() else 0.0
+        if not (math.isfinite(scale) and scale > 1.0):
+            raise
+        return cholesky_factor(cov, eps * scale)
+
+
 def align_mean_cov(z_raw: torch.Tensor, target_mean: torch.Tensor, target_factor: torch.Tensor,
                    eps: float = 1e-5) -> torch.Tensor:
     """MeanCov Aligner, Eq. 11-14: ``(Z_raw - mu_raw) A^T + mu_g`` with ``A = L_g L_raw^{-1}``.
@@ -92,7 +106,7 @@ def align_mean_cov(z_raw: torch.Tensor, target_mean: torch.Tensor, target_factor
         raw_factor = cholesky_factor(centered.T @ centered / (z_raw.shape[0] - 1), eps)
     except FedltError:  # fewer rows than dimensions: float32 rounding of large features made it indefinite
         wide = centered.to(torch.float64)
-        raw_factor = cholesky_factor(wide.T @ wide / (z_raw.shape[0] - 1), eps)
+        raw_factor = scaled_cholesky_factor(wide.T @ wide / (z_raw.shape[0] - 1), eps)
     # A = L_g L_raw^{-1} by forward substitution (X L_raw = L_g), not an explicit inverse
     a = torch.linalg.solve_triangular(raw_factor, target_factor.to(torch.float64), upper=False, left=False)
     return centered @ a.T.to(z_raw.dtype) + target_mean.to(z_raw.dtype)
@@ -125,7 +139,7 @@ def synthesize_class(mean: torch.Tensor, cov: torch.Tensor, rff_target: torch.Te
         frequencies = frequencies.to(device=device, dtype=torch.float32)
     bank = torch.randn(count, mean.shape[0], generator=generator, device=generator.device)
     bank = bank.to(device).requires_grad_(True)
-    target_factor = cholesky_factor(cov, options.eps) if options.aligner else None
+    target_factor = scaled_cholesky_factor(cov, options.eps) if options.aligner else None
 
     def transform(raw: torch.Tensor) -> torch.Tensor:
         return align_mean_cov(raw, mean, target_factor, options.eps) if options.aligner else raw

@@ -8,6 +8,7 @@ samples drawn from it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,15 +25,21 @@ def _cholesky_with_jitter(cov: torch.Tensor, eps: float) -> torch.Tensor:
     """Cholesky factor of ``cov + jitter I``, starting at ``jitter = eps`` and growing tenfold.
 
     Covariances estimated from fewer samples than dimensions are singular (and rounding can make
-    them slightly indefinite); the jitter makes them positive definite.
+    them slightly indefinite); the jitter makes them positive definite. Rounding grows with the
+    entries: features of size 1e12 (a model whose weights grew without becoming NaN) leave
+    eigenvalues of -1e6 that no absolute jitter up to ``1e5 * eps`` covers, so the ladder is then
+    tried again relative to the largest variance, from ``eps`` times it.
     """
     eye = torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
-    jitter = eps
-    for _ in range(MAX_JITTER_TRIES):
-        factor, info = torch.linalg.cholesky_ex(cov + jitter * eye)
-        if int(info) == 0:
-            return factor
-        jitter *= 10.0
+    scale = float(cov.detach().diagonal().abs().max()) if cov.numel() else 0.0
+    starts = [eps, eps * scale] if math.isfinite(scale) and scale > 1.0 else [eps]
+    for start in starts:
+        jitter = start
+        for _ in range(MAX_JITTER_TRIES):
+            factor, info = torch.linalg.cholesky_ex(cov + jitter * eye)
+            if int(info) == 0:
+                return factor
+            jitter *= 10.0
     raise ValueError(f"covariance is not positive definite even with jitter {jitter / 10.0:g} on the diagonal")
 
 
