@@ -20,7 +20,7 @@ pytest.importorskip("flwr")
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
 
-from flower_loopback import LoopbackGrid, deployment_pids  # noqa: E402
+from flower_loopback import LoopbackGrid, deployment_pids, stop_deployment  # noqa: E402
 
 import fedlt  # noqa: E402
 from fedlt.config import build_config  # noqa: E402
@@ -620,7 +620,7 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
         os.kill(_pid_of(work, "flower-superlink"), 9)
         out, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        stop_deployment(proc, work)
     assert proc.returncode == 1, err
     *relayed, error = err.strip().splitlines()  # the run's log as it came, then one error
     assert "fedlt deploy: the ClientApp process of partition-1 exited (code -9); the run goes on without it" in relayed
@@ -679,7 +679,7 @@ def test_a_signalled_deploy_stops_every_process_and_says_so(tmp_path, signum):
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        stop_deployment(proc, work)
     assert proc.returncode == 128 + signum, err
     name = signal.Signals(signum).name
     *steps, error = err.strip().splitlines()  # the start-up steps it had named, then one error line, no traceback
