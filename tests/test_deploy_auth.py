@@ -112,7 +112,8 @@ def test_a_site_without_the_test_folder_the_run_evaluates_on_is_refused_before_a
 
 
 @pytest.mark.parametrize(("overrides", "refusal"), [
-    (["method=fedyoyo", "data.augment=crop_flip"], "fedyoyo builds its own weak and strong views; remove data.augment"),
+    (["method=fedyoyo", "data.augment=crop_flip"], "method fedyoyo + data.augment=crop_flip: fedyoyo builds its own "
+                                                   "weak and strong views; remove data.augment"),
     (["method=gbme", "loss.name=bsm", "loss.prior=global"], "method gbme takes its prior from method_args.prior"),
     (["method=gbme", "loss.name=bsm", "method_args.num_experts=3"],
      "method_args.num_experts=3 needs at least as many clients (data.num_clients=2)"),

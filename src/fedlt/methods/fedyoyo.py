@@ -309,7 +309,8 @@ class FedYoYoServer(FedAvgServer):
     @classmethod
     def config_refusal(cls, config, args):
         if config.data.augment != "none":
-            return f"fedyoyo builds its own weak and strong views; remove data.augment={config.data.augment}"
+            return (f"method fedyoyo + data.augment={config.data.augment}: fedyoyo builds its own weak and strong "
+                    f"views; remove data.augment={config.data.augment}")
         return None
 
     def __init__(self, ctx: ServerContext):
