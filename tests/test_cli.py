@@ -170,6 +170,9 @@ def error_cases(data: Path) -> dict[str, Case]:
         # a line break in a name it quotes keeps the error on one line, shown as its escape
         "config_name_with_a_line_break": Case(["run", str(data / "two\nlines.yaml"), *SYN],
                                               f"config file {data}/two\\nlines.yaml does not exist"),
+        "deploy_folder_name_with_a_line_break": Case(["deploy", "--node-data", str(data / "two\nlines"),
+                                                      str(data / "cut-config" / "config.yaml")],
+                                                     f"--node-data {data}/two\\nlines is not a folder", out_dir=False),
         "resume_a_runs_file": Case(["run", "--resume", str(data / "cut-config" / "config.yaml")],
                                    f"{data / 'cut-config' / 'config.yaml'} is a file of a run",
                                    f"pass its directory, fedlt run --resume {data / 'cut-config'}", out_dir=False),

@@ -32,7 +32,7 @@ _BEFORE_LOADING = signal.signal(signal.SIGINT, _stopped_while_loading) if _LOADI
 import typer  # noqa: E402
 from typer.core import TyperArgument, TyperGroup  # noqa: E402
 
-from fedlt.errors import FedltError, Terminated, terminate_as_interrupt  # noqa: E402
+from fedlt.errors import FedltError, Terminated, one_line, terminate_as_interrupt  # noqa: E402
 
 
 def _keeping_argument_help(init: Callable) -> Callable:
@@ -80,12 +80,6 @@ NOT_STARTED_HINT = "there is nothing to resume (the run had not started, or ran 
 BENCH_HINT = "the same `fedlt bench` command runs the suite's unfinished cells again"
 
 
-def one_line(text: str) -> str:
-    """An error as the one line a user (or a script reading stderr) expects: a line break in a name it
-    quotes (a file name may hold one) is shown as its escape."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
 def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HINT) -> None:
     """Run ``fn``; a FedltError becomes one line on stderr and exit code 2, no traceback. An interrupt
     names how the work goes on: with ``run_hint`` (one run's command) as the run's own folder says, where
@@ -107,8 +101,8 @@ def _guard(fn: Callable[[], None], run_hint: bool = False, hint: str = RERUN_HIN
     except OSError as err:  # a path the system refused (read-only, permissions, a full disk): the user's to fix
         if err.filename is None or err.errno not in REFUSED_PATH_ERRNOS:
             raise
-        typer.echo(f"fedlt: error: {err.strerror or err}: {one_line(str(err.filename))}; choose a path fedlt can read and write "
-                   "(and room on its disk)", err=True)
+        typer.echo(f"fedlt: error: {err.strerror or err}: {one_line(str(err.filename))}; choose a path fedlt can read "
+                   "and write (and room on its disk)", err=True)
         raise typer.Exit(2)
 
 

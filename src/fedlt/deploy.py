@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedlt.errors import ConfigError, DataError, FedltError
+from fedlt.errors import ConfigError, DataError, FedltError, one_line
 from fedlt.results import CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
 
 HOST = "127.0.0.1"
@@ -864,10 +864,10 @@ def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None
         print("\n".join(results))  # the rest of the log went by on stderr
         return 0
     except (ConfigError, DataError) as err:  # bad input: found before anything started, or by the ServerApp
-        print(f"fedlt: error: {err}", file=sys.stderr)
+        print(f"fedlt: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except FedltError as err:
-        print(f"fedlt: error: {err}", file=sys.stderr)
+        print(f"fedlt: error: {one_line(str(err))}", file=sys.stderr)
         return 1
     except Stopped as stop:
         path = workdir / OUTCOME_NAME  # the ServerApp's, stopped with the rest; not an earlier deploy's
@@ -883,7 +883,7 @@ def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """A usage error is one line and exit code 2, like every other refusal."""
-        print(f"fedlt: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        print(f"fedlt: error: {one_line(message)}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
 
 

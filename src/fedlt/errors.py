@@ -12,6 +12,12 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+def one_line(text: str) -> str:
+    """An error as the one line a user (or a script reading stderr) expects: a line break in a name it
+    quotes (a file name may hold one) is shown as its escape."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class FedltError(Exception):
     """Bad input from the user: printed as one line by the CLI, exit code 2."""
 
