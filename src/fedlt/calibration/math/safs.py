@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from fedlt.calibration.math.rff import random_fourier_features
+from fedlt.calibration.math.stats import rounding_scale
 from fedlt.errors import FedltError
 
 
@@ -77,15 +78,13 @@ def cholesky_factor(cov: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def scaled_cholesky_factor(cov: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`cholesky_factor` of ``cov + eps I``, or where that fails of ``cov + eps s I`` with ``s`` the
-    largest variance: rounding grows with the entries, and features of size 1e12 (a model whose weights
-    grew without becoming NaN) leave eigenvalues of -1e6 in a covariance exact in float64 that no
-    absolute ``eps`` covers. A covariance of entries below 1 has no other chance."""
+    """:func:`cholesky_factor` of ``cov + eps I``, or where that fails of ``cov + eps s I`` with ``s``
+    its :func:`~fedlt.calibration.math.stats.rounding_scale`."""
     try:
         return cholesky_factor(cov, eps)
     except FedltError:
-        scale = float(cov.detach().diagonal().abs().max()) if cov.numel() else 0.0
-        if not (math.isfinite(scale) and scale > 1.0):
+        scale = rounding_scale(cov)
+        if scale is None:
             raise
         return cholesky_factor(cov, eps * scale)
 

@@ -9,6 +9,7 @@ FedNCM, Legate et al. 2023). Accumulation is in float64: covariances are formed 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -85,3 +86,12 @@ def class_moments(sums: Sums) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         (count > 1)[:, None, None], scatter / (count - 1).clamp_min(1.0)[:, None, None], torch.zeros_like(scatter)
     )
     return mean, 0.5 * (cov + cov.transpose(1, 2)), count
+
+
+def rounding_scale(cov: torch.Tensor) -> float | None:
+    """The largest variance of ``cov`` where it is finite and above 1, else None. Rounding grows with
+    the entries: features of size 1e12 (a model whose weights grew without becoming NaN) leave
+    eigenvalues of -1e6 in a covariance that no absolute jitter covers, so a jitter is then taken
+    relative to this; a covariance of entries below 1 has only the absolute one."""
+    scale = float(cov.detach().diagonal().abs().max()) if cov.numel() else 0.0
+    return scale if math.isfinite(scale) and scale > 1.0 else None

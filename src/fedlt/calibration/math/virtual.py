@@ -8,10 +8,11 @@ samples drawn from it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
+
+from fedlt.calibration.math.stats import rounding_scale
 
 MAX_JITTER_TRIES = 6
 """Cholesky attempts, the jitter growing tenfold each time (eps to 1e5 * eps).
@@ -25,14 +26,13 @@ def _cholesky_with_jitter(cov: torch.Tensor, eps: float) -> torch.Tensor:
     """Cholesky factor of ``cov + jitter I``, starting at ``jitter = eps`` and growing tenfold.
 
     Covariances estimated from fewer samples than dimensions are singular (and rounding can make
-    them slightly indefinite); the jitter makes them positive definite. Rounding grows with the
-    entries: features of size 1e12 (a model whose weights grew without becoming NaN) leave
-    eigenvalues of -1e6 that no absolute jitter up to ``1e5 * eps`` covers, so the ladder is then
-    tried again relative to the largest variance, from ``eps`` times it.
+    them slightly indefinite); the jitter makes them positive definite. Where no absolute jitter up
+    to ``1e5 * eps`` does, the ladder is tried again from ``eps`` times the covariance's
+    :func:`~fedlt.calibration.math.stats.rounding_scale`.
     """
     eye = torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
-    scale = float(cov.detach().diagonal().abs().max()) if cov.numel() else 0.0
-    starts = [eps, eps * scale] if math.isfinite(scale) and scale > 1.0 else [eps]
+    scale = rounding_scale(cov)
+    starts = [eps] if scale is None else [eps, eps * scale]
     for start in starts:
         jitter = start
         for _ in range(MAX_JITTER_TRIES):
