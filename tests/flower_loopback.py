@@ -111,19 +111,22 @@ def deployment_pids(workdir: Path) -> list[int]:
 
 
 def stop_deployment(proc, workdir: Path) -> None:
-    """A test's teardown of ``fedlt.deploy`` run as ``proc``: asked to stop (SIGTERM, which stops its
-    federation), killed only if it does not, then whatever of the deployment is left killed. SIGKILL at
-    once left the SuperLink and SuperNodes (in sessions of their own) to disturb the tests after a failed one."""
+    """A test's teardown of ``fedlt.deploy`` run as ``proc``, where the test failed before it ended:
+    asked to stop (SIGTERM, which stops its federation), killed only if it does not, then whatever of
+    the deployment is left killed. SIGKILL at once left the SuperLink and SuperNodes (in sessions of
+    their own) to disturb the tests after a failed one. A deploy that ended is left alone: what it
+    left running is the test's to assert."""
     import signal
     import subprocess
 
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     for pid in deployment_pids(workdir):
         try:
             os.kill(pid, signal.SIGKILL)
