@@ -1537,11 +1537,13 @@ def test_a_file_the_system_will_not_let_fedlt_read_is_named_with_its_permissions
         raise PermissionError(13, "Permission denied", str(self_or_path))
 
     monkeypatch.setattr(Path, "read_bytes", refused)
+    monkeypatch.setattr(Path, "read_text", refused)
     monkeypatch.setattr(Image, "open", refused)
     cases = [lambda: listfile._parse_annotations(listfile.INAT2018, path),
+             lambda: listfile._read_text(listfile.IMAGENET_LT, path),  # a list file
              lambda: common.read_rgb("imagenet_lt", image, "download it again"),
              lambda: imagefolder._decode(image, 3, 4, "node data")]
-    for read, where in zip(cases, (path, image, image)):
+    for read, where in zip(cases, (path, path, image, image)):
         with pytest.raises(DataError) as err:
             read()
         assert str(err.value).endswith(f"cannot read {where} (Permission denied); give the account running fedlt "

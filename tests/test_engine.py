@@ -386,6 +386,13 @@ def test_a_data_cache_entry_cut_short_by_ctrl_c_stops_as_an_interrupt_and_leaves
     assert list(tmp_path.iterdir()) == []
 
 
+def cut_text(self, text, *args, **kwargs):
+    """``Path.write_text`` cut short by Ctrl-C after its first character."""
+    with open(self, "w") as handle:
+        handle.write(text[:1])
+    raise KeyboardInterrupt
+
+
 def test_a_file_cut_short_by_ctrl_c_leaves_no_temporary_file_beside_it(tmp_path, monkeypatch):
     """A run's files are written through a temporary file renamed into place; Ctrl-C while the plot was
     drawn into it, or while the saved checkpoint was checked, left ``tmp-curves.png`` or
@@ -407,11 +414,6 @@ def test_a_file_cut_short_by_ctrl_c_leaves_no_temporary_file_beside_it(tmp_path,
             handle.write(b"\x89PNG")  # a part of the image
         raise KeyboardInterrupt
 
-    def cut_text(self, text, *args, **kwargs):
-        with open(self, "w") as handle:
-            handle.write(text[:1])
-        raise KeyboardInterrupt
-
     for patch, write in (
             ((torch.serialization, "get_unsafe_globals_in_checkpoint", interrupted),
              lambda: save_checkpoint(tmp_path, {"round": 2, "server": {"w": torch.zeros(3)}})),
@@ -430,11 +432,6 @@ def test_a_run_stopped_while_its_folder_is_made_leaves_no_folder(tmp_path, monke
     """Ctrl-C while the new run's config was written left a folder holding that config alone: no run,
     yet one more folder in a bench's or a user's listing."""
     from fedlt import results
-
-    def cut_text(self, text, *args, **kwargs):
-        with open(self, "w") as handle:
-            handle.write(text[:1])
-        raise KeyboardInterrupt
 
     monkeypatch.setattr(type(tmp_path), "write_text", cut_text)
     with pytest.raises(KeyboardInterrupt):
