@@ -705,6 +705,42 @@ def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(
                 pass
     assert deployment_pids(tmp_path / "federation") == []
 
+@pytest.mark.parametrize("ends", ["normally", "with an error"])
+def test_a_stop_signal_landing_as_the_federation_stops_waits_for_the_clean_up(tmp_path, monkeypatch, ends):
+    """A SIGTERM landing at the clean-up's first call, before its mask takes hold, no longer skips the
+    clean-up: the deploy command's handler keeps it for after, and raises it there unless an error is on
+    its way already (that error says how the run ended)."""
+    from fedlt import deploy
+    from fedlt.errors import FedltError
+
+    cleaned, sent = [], []
+    monkeypatch.setattr(deploy.Federation, "start", lambda self, log, *args: None)  # no SuperLink, no SuperNode
+    monkeypatch.setattr(deploy.Federation, "start_node", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(deploy, "_wait_for_port", lambda *args: None)
+    monkeypatch.setattr(deploy, "_stop_groups", lambda groups: cleaned.append("groups"))
+    monkeypatch.setattr(deploy, "_stop_inheritors", lambda home: cleaned.append("inheritors"))
+    mask = signal.pthread_sigmask
+
+    def signal_first(how, signals):
+        if how == signal.SIG_BLOCK and not sent:
+            sent.append(how)
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, as at the clean-up's first call
+        return mask(how, signals)
+
+    monkeypatch.setattr(signal, "pthread_sigmask", signal_first)
+    previous = signal.signal(signal.SIGTERM, deploy._raise_stopped)
+    try:
+        with pytest.raises(deploy.Stopped if ends == "normally" else FedltError) as raised:
+            with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60):
+                if ends != "normally":
+                    raise FedltError("the run failed")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sent and cleaned == ["groups", "inheritors"]
+    assert ends != "normally" or raised.value.signum == signal.SIGTERM
+    assert deploy._CLEANUP == {"running": 0, "late": None}
+
+
 def test_the_serverapp_reports_its_outcome_and_resolves_paths_against_the_app(tmp_path, server_identity, monkeypatch):
     """``flwr run`` exits 0 when the ServerApp raises, so the ServerApp itself writes how the run
     ended where fedlt.deploy reads it; relative paths in the run config mean the app's files."""

@@ -641,15 +641,22 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
             f"process; logs in {workdir}")
         yield fed
     finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # a second Ctrl-C must not cut the cleanup short
+        _CLEANUP["running"] += 1  # first, and no call: the deploy command's stop signals wait from here on
         try:
-            fed.track()
-            _stop_groups(set().union(*fed.groups.values()) - {os.getpgrp()} if fed.groups else set())
-            _stop_inheritors(env["FLWR_HOME"])
-            for proc in [*fed.nodes, *fed.workers, *([fed.superlink] if fed.superlink else [])]:
-                proc.poll()
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # a second Ctrl-C must not cut the cleanup short
+            try:
+                fed.track()
+                _stop_groups(set().union(*fed.groups.values()) - {os.getpgrp()} if fed.groups else set())
+                _stop_inheritors(env["FLWR_HOME"])
+                for proc in [*fed.nodes, *fed.workers, *([fed.superlink] if fed.superlink else [])]:
+                    proc.poll()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            _CLEANUP["running"] -= 1
+        late, _CLEANUP["late"] = _CLEANUP["late"], None
+        if late is not None and sys.exc_info()[1] is None:  # the federation had ended as the signal came: a stop
+            raise late
 
 
 AUTH_NEEDS_TLS = ("--auth needs --tls: Flower 1.41's SuperLink refuses --enable-supernode-auth without TLS "
@@ -669,7 +676,15 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+#: federations stopping their processes now, and the stop signal that came meanwhile: the deploy command's
+#: handler keeps it for after the clean-up, which a signal landing before the mask takes hold would skip
+_CLEANUP: dict[str, Any] = {"running": 0, "late": None}
+
+
 def _raise_stopped(signum: int, _frame) -> None:
+    if _CLEANUP["running"]:
+        _CLEANUP["late"] = _CLEANUP["late"] or Stopped(signum)
+        return
     raise Stopped(signum)
 
 
