@@ -912,6 +912,8 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
         log(logging.ERROR, "Traceback (most recent call last):\nfedlt.errors.ConfigError: unknown method 'x'")
         log(logging.ERROR, "Traceback (most recent call last):\nZeroDivisionError: division by zero")
         log(logging.ERROR, chained)  # a bug raised while handling a FedltError: its traceback stays
+        log(logging.ERROR, "The actor died unexpectedly before finishing this task.\n\tpid: 7\nThe actor is dead "
+                           "because its owner has died. Owner Id: 01")  # a client a stop ended
 
     class Lines(logging.Handler):
         def emit(self, record):
@@ -924,6 +926,7 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
     shown: list[str] = []
     monkeypatch.setattr(flwr.simulation, "run_simulation", runtime)
     flower_log = logging.getLogger("flwr")
+    before = list(flower_log.filters)
     flower_log.addHandler(lines := Lines())
     try:
         with pytest.raises(FedltError, match="ended without a result"), pytest.warns(FutureWarning) as caught:
@@ -933,7 +936,7 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
     assert [str(w.message) for w in caught] == ["a warning of the run"]
     assert shown == ["a line of Flower's own",
                      "Traceback (most recent call last):\nZeroDivisionError: division by zero", chained]
-    assert flower_app.logging.getLogger("flwr").filters == []  # Flower's logger as it was
+    assert flower_log.filters == before  # Flower's logger as it was
 
 
 def test_a_client_apps_failure_is_one_line_without_rays_wrapping():
@@ -971,6 +974,40 @@ def test_sigterm_during_a_flower_simulation_stops_it_as_ctrl_c_does(tmp_path, mo
         with pytest.raises(raised):
             simulate(cfg, quiet=True)
     assert shut == [True]
+
+
+def test_a_stopped_simulation_leaves_out_rays_reports_of_the_clients_it_ended(tmp_path, monkeypatch):
+    """After a SIGTERM (or a second Ctrl-C), Flower's threads logged an error and Ray's 30-line traceback for
+    each client actor that the stop ended ("its owner has died"), below the run's own line on how it goes
+    on. Those go, also once the simulation has returned; an actor that died of anything else is still
+    reported."""
+    import flwr.simulation
+    import ray
+
+    from fedlt.engine.flower_app import simulate
+    from fedlt.errors import Terminated
+
+    flower_log = logging.getLogger("flwr")
+    monkeypatch.setattr(flower_log, "filters", list(flower_log.filters))  # as it was, after the test
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(flwr.simulation, "run_simulation",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(SystemExit(signal.SIGTERM)))
+    cfg = fedlt.load_config(None, ["engine=flower", "data.dataset=synthetic", "data.num_clients=3", "run.threads=1",
+                                   f"run.out_dir={tmp_path}"])
+    with pytest.raises(Terminated):
+        simulate(cfg, quiet=True)
+
+    def record(text: str, level: int = logging.ERROR) -> logging.LogRecord:
+        return flower_log.makeRecord("flwr", level, __file__, 1, text, None, None)
+
+    died = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ClientAppActor\n\tpid: 12247\n"
+            "The actor is dead because its owner has died. Owner Id: 01000000ff Owner worker exit type: "
+            "INTENDED_USER_EXIT Worker exit detail: Owner's worker process has crashed.")
+    traceback = ("Traceback (most recent call last):\n  File \"ray/_private/worker.py\", line 1025, in get_objects\n"
+                 f"    raise value\nray.exceptions.ActorDiedError: {died}")
+    assert not flower_log.filter(record(died)) and not flower_log.filter(record(traceback))
+    crashed = died.split("The actor is dead")[0] + "The actor is dead because its worker process has died."
+    assert flower_log.filter(record(crashed)) and flower_log.filter(record(died, logging.INFO))
 
 
 def test_a_serverapp_stopped_by_the_deployments_timeout_records_why(tmp_path, monkeypatch):
@@ -1140,6 +1177,52 @@ def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monke
     with pytest.raises(KeyboardInterrupt) as stop:
         flower_app.simulate(cfg, quiet=True)
     assert stop.value.resume_hint == "RUN_DIR goes on from its checkpoint of round 2"
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_lets_flower_end_a_simulation_as_after_a_run_and_twice_stops_at_once(tmp_path, monkeypatch, capsys,
+                                                                                     presses):
+    """Ctrl-C raised in the main thread, where Flower waits for its client threads, had Flower shut Ray down
+    under those threads' calls, and Ray now and then ended the process (exit code 1, no resume line). The
+    first Ctrl-C now asks the ServerApp's thread to stop at its next wait for replies and lets Flower's
+    runtime end as after a run; a second stops at once. Either way the run stops with how it goes on."""
+    import threading
+
+    import flwr.simulation
+    import ray
+
+    import fedlt.engine.flower_app as flower_app
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    entered, runtime = threading.Event(), {}
+
+    def rounds(cfg, grid, quiet, stop, resume, on_start):  # the ServerApp's thread, waiting for replies
+        entered.set()
+        assert stop.wait(30)
+        interrupted = KeyboardInterrupt()
+        interrupted.resume_hint = "RUN_DIR goes on from its checkpoint of round 2"
+        raise interrupted
+
+    def run_simulation(app, clientapp, **kwargs):  # Flower's runtime: the app in a thread, joined
+        server = threading.Thread(target=app, args=(None, None), daemon=True)
+        server.start()
+        entered.wait(30)
+        for _ in range(presses):
+            signal.raise_signal(signal.SIGINT)
+        server.join(30)
+        runtime["ended"] = True  # as after a run: its threads joined, then Ray shut down
+
+    monkeypatch.setattr(flower_app, "run_on_grid", rounds)
+    monkeypatch.setattr(flwr.simulation, "run_simulation", run_simulation)
+    cfg = fedlt.load_config(None, ["engine=flower", "data.dataset=synthetic", "data.num_clients=3", "run.threads=1",
+                                   f"run.out_dir={tmp_path}"])
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        flower_app.simulate(cfg)
+    assert stop.value.resume_hint == "RUN_DIR goes on from its checkpoint of round 2"
+    assert runtime.get("ended", False) is (presses == 1) and signal.getsignal(signal.SIGINT) is handler
+    assert capsys.readouterr().err == ("fedlt: stopping at the next wait for the clients' replies, once those "
+                                       "training now have answered; Ctrl-C again stops at once\n")
 
 
 @pytest.mark.parametrize("ends", ["finished", "busy"])

@@ -654,20 +654,32 @@ def raised_fedlt_error(report: str) -> bool:
     return bool(own) and own[-1].startswith("fedlt.errors.")
 
 
+#: how Ray ends the report of a client actor killed because the process that started it (the simulation's
+#: own) ended or shut Ray down: after a stop, Flower logs one per running client, with Ray's traceback
+OWNER_DIED = "The actor is dead because its owner has died."
+
+
+def without_dead_owner_reports(record: logging.LogRecord) -> bool:
+    """Whether Flower's log keeps a record: not the report of a client actor Ray ended because the
+    simulation itself stopped (40 lines a client, around the run's own line on how it goes on); an actor
+    that died of anything else is still reported."""
+    return record.levelno < logging.ERROR or OWNER_DIED not in record.getMessage()
+
+
 @contextmanager
 def without_runtime_notices() -> Iterator[None]:
     """Silences two notices every simulation printed that its user cannot act on: Flower's deprecation
     of ``run_simulation`` (the Python entry point fedlt's simulation is built on) and Ray's tip on a
     future default of its GPU masking; and Flower's report of a ClientApp that raised a FedltError (Ray's
-    traceback, 80 lines), which the run's one error line says. Flower's other log lines, the traceback of
-    any other exception (a bug to debug) and every other warning still show."""
+    traceback, 80 lines), which the run's one error line says, or of a client a stop ended. Flower's other
+    log lines, the traceback of any other exception (a bug to debug) and every other warning still show."""
     flower_log = logging.getLogger("flwr")
 
     def keep(record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if record.levelno >= logging.ERROR and (text.startswith(RAY_FAILURE_PREAMBLE) or raised_fedlt_error(text)):
             return False
-        return "`run_simulation` function is deprecated" not in text
+        return without_dead_owner_reports(record) and "`run_simulation` function is deprecated" not in text
 
     flower_log.addFilter(keep)
     try:
@@ -728,13 +740,14 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
     try:
-        with without_runtime_notices():
+        with without_runtime_notices(), stops_at_the_next_wait(stop, quiet) as asked:
             run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
                            backend_config=simulation_backend(cfg))
-    except (KeyboardInterrupt, SystemExit) as interrupt:  # Ctrl-C reaches this thread, and SIGTERM, whose handler
-        if isinstance(interrupt, SystemExit) and interrupt.code != signal.SIGTERM:  # ray.init replaced with sys.exit
-            raise
+    except (KeyboardInterrupt, SystemExit) as interrupt:  # a second Ctrl-C reaches this thread, and SIGTERM,
+        if isinstance(interrupt, SystemExit) and interrupt.code != signal.SIGTERM:  # whose handler ray.init replaced
+            raise  # with sys.exit
         stop.set()  # the ServerApp's thread ends at its next wait for replies
+        logging.getLogger("flwr").addFilter(without_dead_owner_reports)  # kept: Flower's threads report as we exit
         if started.is_set():
             ended.wait(STOP_WAIT_S)  # its summary written
         ray = sys.modules.get("ray")  # not imported here: an import of Ray the signal cut short fails again,
@@ -745,6 +758,39 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
         stopped = Terminated() if isinstance(interrupt, SystemExit) else interrupt
         stopped.resume_hint = hint.get("resume") or _folder_hint(running)
         raise stopped from None
-    if "run" not in result:
-        raise FedltError("the Flower simulation ended without a result; its log above says why")
-    return result["run"]
+    if "run" in result:  # finished, also where a stop came as its last round ended
+        return result["run"]
+    if asked:  # the ServerApp's thread stopped at a wait for replies, and Flower ended its runtime as after a run
+        stopped = KeyboardInterrupt()
+        stopped.resume_hint = hint.get("resume") or _folder_hint(running)
+        raise stopped
+    raise FedltError("the Flower simulation ended without a result; its log above says why")
+
+
+@contextmanager
+def stops_at_the_next_wait(stop: threading.Event, quiet: bool) -> Iterator[dict[str, int]]:
+    """A simulation's first Ctrl-C asks its ServerApp's thread to stop at its next wait for replies (the
+    yielded dict then holds the signal), so Flower ends its runtime as after a finished run. Raised in the
+    main thread instead, where Flower waits for its client threads, the interrupt had Flower shut Ray down
+    under those threads' calls, and now and then Ray ended the process (exit code 1, no line on how the run
+    goes on). A second Ctrl-C stops at once, as before. SIGTERM keeps Ray's handler, which exits at once
+    (asked to wait instead, the process ended aborted by Ray after its last line)."""
+    asked: dict[str, int] = {}
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield asked  # signals reach the main thread only; a run started to ignore Ctrl-C goes on ignoring it
+        return
+
+    def ask(signum: int, _frame) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked["signal"] = signum
+        stop.set()
+        if not quiet:
+            print("fedlt: stopping at the next wait for the clients' replies, once those training now have "
+                  "answered; Ctrl-C again stops at once", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, ask)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, previous)
