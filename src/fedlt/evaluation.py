@@ -23,7 +23,6 @@ from fedlt.models.base import FedModel
 GROUPS = ("many", "medium", "few")
 #: the accuracy figures of one model on one evaluation set; on the validation set each is prefixed ``val_``
 HEADLINE_METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "loss")
-VAL_METRICS = tuple(f"val_{k}" for k in HEADLINE_METRICS)
 
 
 @dataclass

@@ -24,8 +24,6 @@ import numpy as np
 
 from fedlt.errors import DataError
 
-SOURCES = ("dataset", "train", "test")
-
 
 def balanced_indices(labels: np.ndarray, per_class: int, num_classes: int, rng: np.random.Generator,
                      keep_one: bool, where: str, fix: str, names: list[str] | None = None) -> np.ndarray:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
     from fedlt.reporting.claims import ClaimSpec
 
-METRICS = ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc")
 #: the personalized model's figures, which a chosen personal reading (``select_personal``) supplies
 PM_METRICS = ("pm_acc", "val_pm_acc")
 

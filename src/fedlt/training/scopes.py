@@ -16,7 +16,6 @@ FORWARD = "fedlt/forward+loss"
 BACKWARD = "fedlt/backward"
 GRADIENT = "fedlt/forward+backward"  # the vectorized backend's vmap of both
 OPTIMIZER = "fedlt/optimizer"  # clipping and the SGD update
-SCOPES = (BATCH, FORWARD, BACKWARD, GRADIENT, OPTIMIZER)
 
 
 def scope(name: str) -> AbstractContextManager:
