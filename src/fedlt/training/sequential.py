@@ -41,13 +41,13 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
     return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
 
 
-def make_sgd(params: Iterable[torch.nn.Parameter], train: TrainSettings, lr: float | None = None) -> torch.optim.SGD:
+def make_sgd(params: Iterable[torch.nn.Parameter], train: TrainSettings) -> torch.optim.SGD:
     """``torch.optim.SGD``; on a GPU its fused kernel (one launch for all parameters, equal to the
     per-tensor update to rounding), on the CPU the per-tensor update that fedlt's results were made with."""
     params = list(params)  # tensors, or parameter groups (dicts with "params")
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     fused = bool(tensors) and all(t.device.type == "cuda" for t in tensors)
-    return torch.optim.SGD(params, lr=train.lr if lr is None else lr, momentum=train.momentum,
+    return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
                            weight_decay=train.weight_decay, fused=fused or None)
 
 
