@@ -184,7 +184,7 @@ def plot_shot_bars(setting: Setting, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_partition(record: dict[str, Any], path: Path, title: str | None = None) -> Path:
+def plot_partition(record: dict[str, Any], path: Path) -> Path:
     """The client x class heatmap of sample counts (as in SFD's Fig. 1), log colour scale."""
     plt = _plt()
     from matplotlib.colors import LogNorm
@@ -215,8 +215,8 @@ def plot_partition(record: dict[str, Any], path: Path, title: str | None = None)
     fig.colorbar(im, ax=[ax, side], label="training samples (log scale; blank = none)", pad=0.02)
     d = record
     part = f"Dirichlet alpha={d['alpha']:g}" if d.get("alpha") is not None else d.get("partition", "")
-    ax.set_title(title or f"Partition: {d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {k} clients "
-                          f"(seed {d.get('seed', '?')})", fontsize=10, loc="left")
+    ax.set_title(f"Partition: {d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {k} clients "
+                 f"(seed {d.get('seed', '?')})", fontsize=10, loc="left")
     return _save(fig, path)
 
 
