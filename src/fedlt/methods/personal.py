@@ -91,13 +91,12 @@ def train_on_features(
     epochs: int,
     *,
     features: tuple[torch.Tensor, torch.Tensor] | None = None,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     lr: float | None = None,
     momentum: float | None = None,
     weight_decay: float | None = None,
     purpose: int = 50,
 ) -> dict[str, float]:
-    """Train ``params`` for ``epochs`` over the client's features under the frozen ``ctx.model``
+    """Train ``params`` for ``epochs`` (cross-entropy) over the client's features under the frozen ``ctx.model``
     encoder (``features`` if given, else computed once: eval mode, no augmentation), the cheap way
     to fit a head on a fixed body. Batch size, lr, momentum and weight decay default to ``ctx.train``."""
     if epochs <= 0 or len(ctx.data) == 0:
@@ -111,7 +110,7 @@ def train_on_features(
     with torch.enable_grad():
         for _ in range(epochs):
             for rows in epoch_batches(feats.shape[0], t.batch_size, generator):
-                value = loss(logits(feats[rows]), labels[rows])
+                value = nn.functional.cross_entropy(logits(feats[rows]), labels[rows])
                 optimizer.zero_grad(set_to_none=True)
                 value.backward()
                 optimizer.step()
