@@ -631,7 +631,7 @@ class GBMEServer(Server):
         if stage == "before_fit" and self._sub_rounds:
             expert = self._sub_rounds.pop(0)
             trainers = [cid for cid, experts in self.selection.items() if expert in experts]
-            return Query(EXPERT_FIT_QUERY, {cid: self._message(cid, [expert]) for cid in trainers})
+            return Query(EXPERT_FIT_QUERY, {cid: self._message([expert]) for cid in trainers})
         if stage != "setup":
             return None
         a = self.args
@@ -731,10 +731,10 @@ class GBMEServer(Server):
         return sorted(self.selection)
 
     def fit_message(self, rnd: int, cid: int) -> Message:
-        return self._message(cid, self.selection.get(cid))
+        return self._message(self.selection.get(cid))
 
-    def _message(self, cid: int, experts: list[int] | None) -> Message:
-        """What client ``cid`` trains on: the model, the prior, and the experts it trains."""
+    def _message(self, experts: list[int] | None) -> Message:
+        """What a client trains on: the model, the prior, and the experts it trains."""
         payload: dict = {}
         if self.args.prior == "gpi":
             payload["prior"] = self.gpi_prior().float()
