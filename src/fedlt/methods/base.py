@@ -444,10 +444,10 @@ def check_objective(objective: Any, client: Any) -> None:
                           "fedlt.methods.base.LocalObjective (e.g. LocalObjective(loss)) or None")
 
 
-def check_message(msg: Any, server: Any, hook: str = "fit_message") -> None:
-    """A server's message to a client is a :class:`Message` (or None: the client sits the round out)."""
+def check_message(msg: Any, server: Any) -> None:
+    """What a server's ``fit_message`` returns is a :class:`Message` (or None: the client sits the round out)."""
     if msg is not None and not isinstance(msg, Message):
-        where = f"{type(getattr(server, 'inner', server)).__name__}.{hook}"
+        where = f"{type(getattr(server, 'inner', server)).__name__}.fit_message"
         raise PluginError(f"{where} returned {type(msg).__name__}; it returns a fedlt.messages.Message or None")
 
 
