@@ -529,8 +529,9 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
-def _parse_scalar(text: str) -> Any:
-    """``key=value`` values are YAML scalars: ``0.1`` -> float, ``true`` -> bool, ``[1,2]`` -> list."""
+def parse_scalar(text: str) -> Any:
+    """``key=value`` values are YAML scalars: ``0.1`` -> float, ``true`` -> bool, ``[1,2]`` -> list; text YAML
+    cannot read stays text (it equals no value, and the config check names it)."""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -581,7 +582,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                                       f"earlier override), but {prefix} is a section of keys; put its keys under it")
                 raise ConfigError(f"override '{key}': {prefix} is a value, not a section of keys; write {prefix}=VALUE")
             node = child
-        _set_merged(node, parts[-1], _parse_scalar(value))
+        _set_merged(node, parts[-1], parse_scalar(value))
     return tree
 
 

@@ -733,21 +733,15 @@ class Plan:
 def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> None:
     """An override of a key the deployment settles (``settled``, ``key=value``) to another value is
     refused, not silently replaced; the same value passes."""
-    import yaml
-
-    def read(value: str):
-        try:
-            return yaml.safe_load(value)
-        except yaml.YAMLError:  # not a value: it differs from any, and the config check names it
-            return value
+    from fedlt.config import parse_scalar
 
     wanted = dict(o.split("=", 1) for o in settled)
     for override in overrides:
         key, _, value = override.partition("=")
         key = key.strip()
-        if key in wanted and read(value) != read(wanted[key]):
+        if key in wanted and parse_scalar(value) != parse_scalar(wanted[key]):
             raise ConfigError(f"{override} contradicts {by}, which sets {key}={wanted[key]}; drop the override")
-        if key == "engine" and read(value) != "flower":
+        if key == "engine" and parse_scalar(value) != "flower":
             raise ConfigError("a deployment runs on Flower; drop the engine= override")
 
 
