@@ -32,6 +32,21 @@ def balanced_labels(num_classes: int, per_class: int, seed: int = 123) -> np.nda
     return rng(seed).permutation(np.repeat(np.arange(num_classes), per_class))
 
 
+def check_partition(part: Partition, num_samples: int) -> None:
+    """Raise ``AssertionError`` unless every sample in ``0..num_samples-1`` is held exactly once."""
+    if part.counts.shape[0] != part.num_clients:
+        raise AssertionError(f"counts has {part.counts.shape[0]} rows for {part.num_clients} clients")
+    held = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in part.client_indices])
+    if held.size and (held.min() < 0 or held.max() >= num_samples):
+        raise AssertionError(f"an index lies outside 0..{num_samples - 1}")
+    times = np.bincount(held, minlength=num_samples)
+    if not np.all(times == 1):
+        missing, repeated = int(np.sum(times == 0)), int(np.sum(times > 1))
+        raise AssertionError(f"{missing} samples held by no client, {repeated} by more than one")
+    if not np.array_equal(part.sizes, [len(ix) for ix in part.client_indices]):
+        raise AssertionError("counts rows do not sum to the client sizes")
+
+
 def recount(labels: np.ndarray, part: Partition) -> np.ndarray:
     num_classes = int(labels.max()) + 1
     return np.stack([np.bincount(labels[ix], minlength=num_classes) for ix in part.client_indices])
@@ -123,7 +138,7 @@ LABELS = balanced_labels(10, 200)  # 2000 samples
 )
 def test_partition_invariants(make):
     part = make(rng(0))
-    part.validate(LABELS.size)
+    check_partition(part, LABELS.size)
     assert part.num_clients == 20
     assert part.counts.dtype == np.int64 and part.counts.shape == (20, 10)
     assert np.array_equal(part.counts, recount(LABELS, part))
@@ -134,11 +149,11 @@ def test_partition_invariants(make):
     assert not same_partition(part, make(rng(1)))
 
 
-def test_validate_catches_missing_and_repeated_samples():
+def test_check_partition_catches_missing_and_repeated_samples():
     labels = np.array([0, 1, 0, 1])
     bad = Partition([np.array([0, 1]), np.array([1, 2])], np.array([[1, 1], [1, 1]]))
     with pytest.raises(AssertionError, match="1 samples held by no client, 1 by more than one"):
-        bad.validate(labels.size)
+        check_partition(bad, labels.size)
 
 
 def test_dirichlet_smaller_alpha_more_skew():
@@ -164,7 +179,7 @@ def test_dirichlet_tiny_alpha_does_not_hang():
     start = time.perf_counter()
     part = dirichlet_partition(labels, 100, 0.01, rng(0))
     assert time.perf_counter() - start < 2.0
-    part.validate(labels.size)
+    check_partition(part, labels.size)
 
 
 def test_dirichlet_unreachable_min_size_gives_up_with_fix():
@@ -234,7 +249,7 @@ def test_num_clients_bounds(make):
 def test_pathological_exact_classes_and_coverage():
     for num_clients, k in [(20, 2), (7, 3), (5, 2), (3, 10)]:
         part = pathological_partition(LABELS, num_clients, k, rng(num_clients))
-        part.validate(LABELS.size)
+        check_partition(part, LABELS.size)
         assert ((part.counts > 0).sum(axis=1) == k).all()
         assert (part.counts.sum(axis=0) == 200).all()  # every class used, entirely
         holders = (part.counts > 0).sum(axis=0)
@@ -285,7 +300,7 @@ def test_pathological_min_size_honoured():
     assert pathological_partition(LT_LABELS, 20, 2, rng(3)).sizes.min() < 10  # the draw a min_size redraws
     for seed in range(4):
         part = pathological_partition(LT_LABELS, 20, 2, rng(seed), min_size=10)
-        part.validate(LT_LABELS.size)
+        check_partition(part, LT_LABELS.size)
         assert part.sizes.min() >= 10
         assert ((part.counts > 0).sum(axis=1) <= 2).all()
     with pytest.raises(DataError, match=r"after 1000 draws.*lower data.min_client_size"):

@@ -37,20 +37,6 @@ class Partition:
         """Samples per client (int64, length K)."""
         return self.counts.sum(axis=1)
 
-    def validate(self, num_samples: int) -> None:
-        """Raise ``AssertionError`` unless every sample in ``0..num_samples-1`` is held exactly once."""
-        if self.counts.shape[0] != self.num_clients:
-            raise AssertionError(f"counts has {self.counts.shape[0]} rows for {self.num_clients} clients")
-        held = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in self.client_indices])
-        if held.size and (held.min() < 0 or held.max() >= num_samples):
-            raise AssertionError(f"an index lies outside 0..{num_samples - 1}")
-        times = np.bincount(held, minlength=num_samples)
-        if not np.all(times == 1):
-            missing, repeated = int(np.sum(times == 0)), int(np.sum(times > 1))
-            raise AssertionError(f"{missing} samples held by no client, {repeated} by more than one")
-        if not np.array_equal(self.sizes, [len(ix) for ix in self.client_indices]):
-            raise AssertionError("counts rows do not sum to the client sizes")
-
 
 def dirichlet_partition(
     labels: np.ndarray,
