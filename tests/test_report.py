@@ -615,6 +615,22 @@ def test_a_report_of_single_runs_names_a_diverged_one(tmp_path):
     assert [row.label for row in _run_rows("fedavg", Run(tmp_path, 0, {"final": {"acc": 60.0}}))] == ["fedavg"]
 
 
+def test_runs_of_other_partitions_are_other_tables_in_a_report_of_runs():
+    """Pathological splits of another classes_per_client, and Dirichlet splits re-cut to equal sizes or
+    redrawn to a minimum client size, are other federations: they sat under one header, paired."""
+    from fedlt.config import load_config
+    from fedlt.reporting.collect import setting_label
+
+    base = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=2"]
+    labels = [setting_label({}, load_config(None, base + more).dump()) for more in (
+        [], ["data.equal_size=true"], ["data.min_client_size=5"],
+        ["data.partition=pathological", "data.classes_per_client=2"],
+        ["data.partition=pathological", "data.classes_per_client=3"])]
+    assert labels[1] == labels[0] + ", equal-size clients" and labels[2] == labels[0] + ", min_client_size 5"
+    assert labels[3] == "synthetic-LT, IF=100, pathological, 2 classes per client, 4 clients, 2 rounds"
+    assert len(set(labels)) == 5
+
+
 def test_runs_of_other_federations_or_shot_groups_are_other_tables_in_a_report_of_runs():
     """A folder of runs keyed its tables on dataset, IF, partition, clients and rounds only: runs on a
     fraction of the data, or with other shot groups, sat under the first run's header, paired with it."""

@@ -197,13 +197,16 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     from fedlt.data.registry import DATASETS
 
     d = cfg["data"]
-    part = partition_label(d["partition"], d["alpha"]) if d["partition"] in DIRICHLET_PARTITIONS else d["partition"]
+    part = (partition_label(d["partition"], d["alpha"], d.get("classes_per_client"))
+            if d["partition"] in (*DIRICHLET_PARTITIONS, "pathological") else d["partition"])
     info = DATASETS.get(d["dataset"])
     tail = "as distributed" if info is not None and info.long_tailed else f"IF={d['imbalance_factor']:g}"
     label = f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
     # what else makes another federation or other shot groups: its runs are another table, never one mixed
     e = cfg.get("eval") or {}
     other = [f"train_fraction {d['train_fraction']:g}" if d.get("train_fraction", 1) != 1 else "",
+             "equal-size clients" if d.get("equal_size") else "",
+             f"min_client_size {d['min_client_size']}" if d.get("min_client_size") else "",
              f"class order {d['class_order']}" if d.get("class_order", "natural") != "natural" else "",
              f"data.seed {d['seed']}" if d.get("seed") is not None else "",
              f"{d['val_per_class']} validation images a class from {d.get('val_from', 'auto')}"
