@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from fedlt.config import DIRICHLET_PARTITIONS, load_config, partition_label
-from fedlt.data.federated import build_federated_data
+from fedlt.data.federated import build_federated_data, federation_seed
 from fedlt.data.registry import DATASETS
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
@@ -26,7 +26,8 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     part = partition_label(d.partition, d.alpha, d.classes_per_client)
     as_distributed = DATASETS[d.dataset].long_tailed  # data.imbalance_factor does not apply
     tail = "as distributed" if as_distributed else f"IF={d.imbalance_factor:g}"
-    lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {cfg.seed}",
+    seed = federation_seed(d, cfg.seed)  # what the federation is drawn from: data.seed where it is set
+    lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {seed}",
              data.describe(), "", f"Shot groups ({groups.rule}):"]
     for g, classes in groups.classes.items():
         lines.append(f"  {g:6s} {len(classes):3d} classes: " + (", ".join(f"{c} ({totals[c]})" for c in classes) or "none"))
@@ -42,7 +43,8 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     record = partition_record(cfg, counts, names)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{d.dataset}-{'lt' if as_distributed else f'if{d.imbalance_factor:g}'}-{d.partition}" \
-        + (f"-a{d.alpha:g}" if d.partition in DIRICHLET_PARTITIONS else "") + f"-k{d.num_clients}-seed{cfg.seed}"
+        + (f"-a{d.alpha:g}" if d.partition in DIRICHLET_PARTITIONS else "") \
+        + (f"-c{d.classes_per_client}" if d.partition == "pathological" else "") + f"-k{d.num_clients}-seed{seed}"
     json_path = out / f"partition-{stem}.json"
     write_atomic(json_path, json.dumps(record) + "\n")
     png = plot_partition(record, out / f"partition-{stem}.png")
