@@ -805,6 +805,31 @@ def test_a_new_run_whose_site_does_not_answer_the_class_counts_names_it_and_trai
     assert "fit" not in grid.sent_kinds and "setup" not in str(grid.sent_kinds)  # nothing trained, no setup stage
 
 
+def test_fedlt_deploy_resume_of_a_finished_run_says_so_without_starting_a_federation(tmp_path, monkeypatch, capsys):
+    """A deployed run that has ended all its rounds started a whole deployment again (40 s) to train nothing
+    and print its result; it now prints that line at once, as `fedlt run --resume` does, whatever its
+    clients kept on their nodes (nothing is asked of them)."""
+    import yaml
+
+    from fedlt import deploy
+    from fedlt.engine.flower_app import final_line
+
+    cfg = {"seed": 0, "method": "fedper", "data": {"dataset": "synthetic", "num_clients": 3, "imbalance_factor": 10},
+           "fl": {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+           "eval": {"every": 1}, "run": {"out_dir": str(tmp_path), "name": "done", "threads": 1}}
+    result = fedlt.run(build_config(cfg), quiet=True)
+    ran = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    (result.run_dir / "config.yaml").write_text(yaml.safe_dump({**ran, "engine": "flower"}))  # as deployed
+    monkeypatch.setattr(deploy, "local_federation", lambda *args, **kwargs: pytest.fail("a federation was started"))
+    assert deploy.deploy(None, [], resume=result.run_dir, workdir=tmp_path / "work") == 0
+    out, err = capsys.readouterr()
+    assert out == final_line(result.run_dir.resolve(), result.summary) + "\n" and err == ""
+    assert out.startswith(f"fedlt: {result.run_dir.resolve()}: finished; final acc ")
+
+    assert deploy.deploy(None, ["fl.rounds=3"], resume=result.run_dir, workdir=tmp_path / "work") == 2  # still checked
+    assert "goes on with the run's own config" in capsys.readouterr().err
+
+
 def test_a_deployed_resume_that_stops_before_its_first_round_says_its_folder_is_as_it_was(tmp_path, monkeypatch):
     """A ClientApp failing the resume's check of the class counts was reported as "the run was aborted after 0
     round(s) ...; its summary is in RUN_DIR", though the resume wrote nothing there: the folder still holds

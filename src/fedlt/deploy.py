@@ -56,7 +56,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fedlt.errors import ConfigError, DataError, FedltError, one_line
-from fedlt.results import CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, check_output_path, holding
+from fedlt.results import (CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, SUMMARY_FILE, check_output_path,
+                           holding, read_summary)
 
 HOST = "127.0.0.1"
 #: where the ServerApp says how the run ended, in the deployment's workdir ($FEDLT_OUTCOME_FILE)
@@ -728,6 +729,8 @@ class Plan:
     auth: bool
     #: the run to go on with from its checkpoint (``config`` is its config.yaml), or None: a new run
     resume: Path | None = None
+    #: the result line of a resumed run that has ended all its rounds: nothing is started for it
+    finished: str | None = None
 
 
 def refuse_contradictions(overrides: list[str], settled: list[str], by: str) -> None:
@@ -805,7 +808,7 @@ def plan_deployment(config: str, overrides: list[str], *, nodes: int | None = No
 def _plan_resume(run_dir: Path, config: str | None, overrides: list[str], **options: Any) -> Plan:
     """The plan of a new run of the config ``run_dir`` began with, to go on with that run."""
     from fedlt.config import load_config
-    from fedlt.engine.flower_app import resumable_on_nodes
+    from fedlt.engine.flower_app import final_line, resumable_on_nodes
 
     if config or overrides:
         raise ConfigError(f"--resume {run_dir} goes on with the run's own config; drop {config or overrides[0]!r}")
@@ -814,11 +817,24 @@ def _plan_resume(run_dir: Path, config: str | None, overrides: list[str], **opti
     ran = load_config(run_dir / CONFIG_FILE)
     if ran.engine != "flower":
         raise ConfigError(f"{run_dir} ran in-process (engine={ran.engine}); resume it with fedlt run --resume {run_dir}")
+    if (summary := _finished_summary(run_dir, ran.fl.rounds)) is not None:  # a deployment would train nothing
+        return Plan(run_dir / CONFIG_FILE, [], [], options["tls"], options["auth"], resume=run_dir,
+                    finished=final_line(run_dir.resolve(), summary))
     saved, _ = resumable_on_nodes(ran, run_dir)
     _check_resume_options(run_dir, ran, saved, options["node_data"], options["server_test"])
     plan = plan_deployment(str(run_dir / CONFIG_FILE), [], **options)
     resumable_on_nodes(load_config(plan.config, plan.overrides), run_dir)
     return dataclasses.replace(plan, resume=run_dir)
+
+
+def _finished_summary(run_dir: Path, rounds: int) -> dict[str, Any] | None:
+    """The summary of the run in ``run_dir`` if it has ended all its ``rounds``; None if it has not (no
+    summary, a stopped run's, or one that cannot be read: the resume writes it again)."""
+    try:
+        summary = read_summary(run_dir) if (run_dir / SUMMARY_FILE).is_file() else None
+    except FedltError:
+        return None
+    return summary if summary and "status" not in summary and summary.get("rounds") == rounds else None
 
 
 def _check_resume_options(run_dir: Path, ran: Any, saved: dict[str, Any], node_data: Path | None,
@@ -861,6 +877,9 @@ def deploy(config: str | None, overrides: list[str], *, nodes: int | None = None
             raise ConfigError("the deploy command needs a config file (or --resume RUN_DIR)")
         plan = plan_deployment(config or "", overrides, nodes=nodes, tls=tls, auth=auth, node_data=node_data,
                                server_test=server_test, resume=resume)
+        if plan.finished is not None:
+            print(plan.finished)
+            return 0
         check_output_path(workdir, True, "--workdir")
         check_supernode_poll()
         workdir = workdir.resolve()
