@@ -176,6 +176,19 @@ def test_data_describe_names_the_federation_it_drew(tmp_path):
                      "partition-synthetic-if100-dirichlet-a0.5-k4-seed3.json",
                      "partition-synthetic-if100-pathological-c3-k4-seed0.json",
                      "partition-synthetic-if100-pathological-c4-k4-seed0.json"]
+    assert json.loads((tmp_path / names[1]).read_text())["seed"] == 3  # written last by data.seed=3 under seed 0
+
+
+def test_a_runs_report_and_partition_record_name_the_federations_seed(tmp_path):
+    """A run of seed 0 with data.seed=3 trains on the federation of seed 3: its partition.json said seed 0
+    and its report named seed 0 alone."""
+    import fedlt
+
+    result = fedlt.run(fedlt.load_config(None, ["data.dataset=synthetic", "data.num_clients=3", "data.seed=3",
+                                                "fl.rounds=1", "run.threads=1", f"run.out_dir={tmp_path}"]),
+                       quiet=True)
+    assert json.loads((result.run_dir / "partition.json").read_text())["seed"] == 3
+    assert "seed 0 (the federation's: data.seed 3)." in (result.run_dir / "report.md").read_text()
 
 
 def test_tensorboard_mirrors_the_evaluated_rounds(tmp_path):

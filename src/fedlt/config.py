@@ -298,6 +298,11 @@ def partition_label(partition: str, alpha: float, classes_per_client: int | None
     return "IID" if partition == "iid" else partition
 
 
+def federation_seed(cfg: DataConfig, run_seed: int) -> int:
+    """``data.seed`` when set, else the run's seed: the seed of everything that defines the federation."""
+    return run_seed if cfg.seed is None else cfg.seed
+
+
 class ModelConfig(_Section):
     """The network every client trains (methods with special heads or experts build on it)."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from fedlt.config import DIRICHLET_PARTITIONS, Config
+from fedlt.config import DIRICHLET_PARTITIONS, Config, federation_seed
 from fedlt.data.registry import DATASETS
 from fedlt.errors import ConfigError, FedltError, interrupt_kept
 from fedlt.methods.registry import get_method
@@ -161,7 +161,8 @@ def partition_record(cfg: Config, counts: Any, class_names: list[str]) -> dict[s
     d = cfg.data
     return {
         "dataset": d.dataset, "imbalance_factor": d.imbalance_factor, "partition": d.partition,
-        "alpha": d.alpha if d.partition in DIRICHLET_PARTITIONS else None, "num_clients": d.num_clients, "seed": cfg.seed,
+        "alpha": d.alpha if d.partition in DIRICHLET_PARTITIONS else None, "num_clients": d.num_clients,
+        "seed": federation_seed(d, cfg.seed),  # the federation's: data.seed where set
         "class_names": list(class_names), "counts": [[int(n) for n in row] for row in counts],
     }
 
@@ -525,7 +526,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
          f"{_long_tail_label(d)}, {d.partition} partition"
          + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "") + f", {d.num_clients} clients")
         + f", participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
-        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}.",
+        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}"
+        + (f" (the federation's: data.seed {d.seed})." if d.seed is not None and d.seed != cfg.seed else "."),
         "",
         f"{summary.get('data', '')}",
         "",

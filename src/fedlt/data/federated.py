@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedlt.config import DataConfig
+from fedlt.config import DataConfig, federation_seed
 from fedlt.data.dataset import DatasetPair, ImageDataset
 from fedlt.data.declaration import class_names
 from fedlt.data.local_test import local_test_indices
@@ -90,11 +90,6 @@ class FederatedData:
             + "test samples"
             + (f"; {len(self.val)} balanced validation samples (from {self.val_source})" if self.val is not None else "")
         )
-
-
-def federation_seed(cfg: DataConfig, run_seed: int) -> int:
-    """``data.seed`` when set, else the run's seed: the seed of everything that defines the federation."""
-    return run_seed if cfg.seed is None else cfg.seed
 
 
 def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generator) -> Partition:
