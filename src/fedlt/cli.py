@@ -512,8 +512,9 @@ def bench_run_cmd(
     workers: int = typer.Option(1, "--workers", "-j", help="cells run in parallel processes (torch threads = cores / N each)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default runs/bench/<suite name>)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds replacing the suite's, e.g. 0,1"),
-    rows: Optional[List[str]] = typer.Option(None, "--row", help="run only this row (a method name or variant label; "
-                                                                 "repeat the option for several)"),
+    rows: Optional[List[str]] = typer.Option(None, "--row", help="run only this row: its label in the suite's table, e.g. "
+                                                                 "'FedAvg (CE)', or a variant's, e.g. CCVR (repeat for "
+                                                                 "several; a wrong one lists them)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate every cell and list them; train nothing"),
     report: bool = typer.Option(True, "--report/--no-report", help="write tables and plots to OUT/report at the end"),
     mixed_machines: bool = typer.Option(False, "--mixed-machines", help="add cells to a folder whose finished cells "
