@@ -18,12 +18,14 @@ Usage: .venv/bin/python scripts/protocol_noise.py runs/bench/protocol [runs/benc
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 from scipy import stats as st
 
+from fedlt.errors import FedltError, one_line
 from fedlt.reporting.collect import Row, collect
 from fedlt.reporting.stats import paired_difference, summarize
 
@@ -62,6 +64,9 @@ def main(folders: list[str]) -> None:
     rounds_epochs = {}
     for name in settings:
         head = name.split()[0]
+        if not re.fullmatch(r"\d+x\d+", head):
+            raise FedltError(f"setting '{name}' is not a candidate protocol (named ROUNDSxEPOCHS ..., e.g. 50x2); pass "
+                             "the output folders of the protocol and protocol-long suites")
         r, e = head.split("x")
         rounds_epochs[name] = (int(r), int(e), name[len(head):])
     print("| protocol | seeds | FedAvg acc: mean ± std [95% CI] | few-shot: mean ± std | last-5 range | "
@@ -118,7 +123,11 @@ def classes(folder: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    if sys.argv[1] == "--classes":
-        classes(sys.argv[2])
-    else:
-        main(sys.argv[1:])
+    try:
+        if sys.argv[1] == "--classes":
+            classes(sys.argv[2])
+        else:
+            main(sys.argv[1:])
+    except FedltError as err:  # a folder that is no such suite's output: one line, exit 2
+        print(f"protocol_noise: error: {one_line(str(err))}", file=sys.stderr)
+        sys.exit(2)

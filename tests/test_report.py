@@ -645,3 +645,28 @@ def test_runs_of_other_federations_or_shot_groups_are_other_tables_in_a_report_o
     assert labels[1] == labels[0] + ", train_fraction 0.3" and labels[2] == labels[0] + ", shot rule cumulative"
     assert labels[6] == labels[0] + ", shot rule count, many_threshold 50"
     assert len(set(labels[:7])) == 7 and labels[7] == labels[0]  # where and how it ran: the same federation
+
+
+def test_the_protocol_noise_script_reads_protocol_suites_and_refuses_other_folders_in_one_line(tiny_suite):
+    """scripts/protocol_noise.py given a suite whose settings are not candidate protocols (ROUNDSxEPOCHS ...)
+    ended in a ValueError traceback; it now says so in one line, exit 2, and reads a protocol suite's output."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+
+    def noise(folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "scripts" / "protocol_noise.py"), str(folder)],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    _, out, _ = tiny_suite
+    refused = noise(out)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert refused.stderr == ("protocol_noise: error: setting 'IF=10, alpha=0.5' is not a candidate protocol (named "
+                              "ROUNDSxEPOCHS ..., e.g. 50x2); pass the output folders of the protocol and "
+                              "protocol-long suites\n")
+    read = noise(root / "docs" / "results" / "protocol-main-5x1-avx512" / "runs")
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.splitlines()[2].startswith("| 5x1 ")
