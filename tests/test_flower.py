@@ -822,6 +822,27 @@ def test_a_signal_while_deploy_checks_its_config_stops_the_deploy(tmp_path, caps
     assert not work.exists()
 
 
+def test_a_stop_ends_the_wait_for_supernodes_that_have_not_connected(tmp_path):
+    """A simulation's first Ctrl-C asks the ServerApp's thread to stop at its next wait; the wait for
+    SuperNodes still missing read no stop and went on for up to flower.connect_timeout_s."""
+    import threading
+
+    from fedlt.engine import flower_app
+
+    class NodelessGrid:  # no SuperNode has come yet
+        def get_node_ids(self):
+            return []
+
+    stop = threading.Event()
+    cfg = build_config({**tiny(tmp_path, "fedavg", "waiting"), "engine": "flower",
+                        "flower": {"timeout_s": 600, "connect_timeout_s": 40}})
+    threading.Timer(1.0, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        flower_app.run_on_grid(cfg, NodelessGrid(), quiet=True, stop=stop)
+    assert time.monotonic() - started < 30  # not flower.connect_timeout_s
+
+
 def test_ctrl_c_stops_a_flower_simulation_at_once_and_its_summary_says_so(tmp_path, monkeypatch):
     """Ctrl-C reaches a simulation's main thread (Flower's runtime), not the ServerApp's, which waited
     out flower.timeout_s for replies that no longer came and then recorded the round as dropouts: it

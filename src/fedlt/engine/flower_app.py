@@ -353,7 +353,10 @@ class FlowerSimulation(Simulation):
             if time.monotonic() > deadline:
                 raise FedltError(f"only partitions {ids} connected within flower.connect_timeout_s="
                                  f"{self.cfg.flower.connect_timeout_s:g}; start the missing SuperNodes")
-            time.sleep(0.5)
+            if self.stop is None:
+                time.sleep(0.5)
+            elif self.stop.wait(0.5):  # a stop while nodes are still missing ends the wait
+                raise KeyboardInterrupt
         node_of = {pid: node for node, (pid, _) in found.items()}
         self.nodes = {cid: node_of[cid % len(node_of)] for cid in self.all_clients}
 
