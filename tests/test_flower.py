@@ -58,6 +58,19 @@ def test_codec_round_trips_any_message_exactly_and_refuses_what_cannot_travel():
     assert torch.equal(get_tree(records, "c2.", torch.device("cpu"))["head"], torch.ones(2))
 
 
+def test_codec_refuses_a_list_or_tuple_subclass_it_would_give_back_as_its_skeleton():
+    """A torch.Size or namedtuple in a message is named, not decoded as a list of the codec's own records."""
+    from collections import namedtuple
+
+    from flwr.app import RecordDict
+
+    pair = namedtuple("Pair", "a b")
+    for value, kind in ((torch.Size([2, 3]), "Size"), (pair(1, 2), "Pair")):
+        refusal = rf"message\['shape'\] is a {kind}, which cannot cross a network.*e\.g\. tuple\(\.\.\.\)"
+        with pytest.raises(TypeError, match=refusal):
+            put_tree(RecordDict(), "", {"shape": value})
+
+
 def tiny(tmp_path, method: str, name: str, **top) -> dict:
     cfg = {
         "seed": 3, "method": method,

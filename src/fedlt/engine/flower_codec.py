@@ -34,12 +34,13 @@ def _pack(value: Any, arrays: dict[str, Array], where: str) -> Any:
         if not all(isinstance(k, (str, int)) for k in value):
             raise TypeError(f"{where} has a dict key that is not a string or int; use string or int keys")
         return {"dict": [[k, _pack(v, arrays, f"{where}[{k!r}]")] for k, v in value.items()]}
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):  # a subclass (torch.Size, a namedtuple) would come back as neither
         return {type(value).__name__: [_pack(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, (str, bool, int, float)) or value is None:
         return {"value": value}
+    hint = f", e.g. {'tuple' if isinstance(value, tuple) else 'list'}(...)" if isinstance(value, (list, tuple)) else ""
     raise TypeError(f"{where} is a {type(value).__name__}, which cannot cross a network; "
-                    "keep only tensors, arrays, scalars, strings and dicts or lists of them")
+                    f"keep only tensors, arrays, scalars, strings and dicts or lists of them{hint}")
 
 
 def _unpack(node: dict[str, Any], arrays: ArrayRecord, device: torch.device) -> Any:
