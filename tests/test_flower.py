@@ -58,6 +58,24 @@ def test_codec_round_trips_any_message_exactly_and_refuses_what_cannot_travel():
     assert torch.equal(get_tree(records, "c2.", torch.device("cpu"))["head"], torch.ones(2))
 
 
+def test_codec_carries_what_numpy_has_no_type_for_and_numpy_scalars_exactly():
+    """A bfloat16 or float8 tensor (mixed precision) failed in numpy's conversion with no name of the entry;
+    a numpy scalar, which the in-process engine passes on, was refused; a 0-d array came back 1-d."""
+    from flwr.app import RecordDict
+
+    tree = {"bf16": torch.randn(3, 2).to(torch.bfloat16), "f8": torch.randn(4).to(torch.float8_e4m3fn),
+            "f32": np.float32(1.25), "i64": np.int64(-7), "flag": np.bool_(True), "zero_d": np.array(3.5)}
+    records = RecordDict()
+    put_tree(records, "c.", tree)
+    back = get_tree(records, "c.", torch.device("cpu"))
+    for key in ("bf16", "f8"):  # bit for bit
+        assert back[key].dtype == tree[key].dtype and back[key].shape == tree[key].shape
+        assert torch.equal(back[key].view(torch.uint8), tree[key].view(torch.uint8))
+    for key in ("f32", "i64", "flag"):
+        assert type(back[key]) is type(tree[key]) and back[key] == tree[key]
+    assert isinstance(back["zero_d"], np.ndarray) and back["zero_d"].shape == () and back["zero_d"] == 3.5
+
+
 def test_codec_refuses_a_list_or_tuple_subclass_it_would_give_back_as_its_skeleton():
     """A torch.Size or namedtuple in a message is named, not decoded as a list of the codec's own records."""
     from collections import namedtuple

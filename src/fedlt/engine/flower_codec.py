@@ -1,7 +1,7 @@
 """fedlt messages and client state <-> Flower records, losslessly and for any method.
 
-A value tree (nested dicts, lists and tuples of tensors, numpy arrays, scalars, strings and
-None) becomes two records: an ``ArrayRecord`` with every tensor and array, and a ``ConfigRecord``
+A value tree (nested dicts, lists and tuples of tensors, numpy arrays and scalars, scalars,
+strings and None) becomes two records: an ``ArrayRecord`` with every tensor and array, and a ``ConfigRecord``
 holding the tree's JSON skeleton, where each array is a reference into the ArrayRecord. Dict keys
 keep their type, tensors come back as tensors and arrays as arrays, so decoding gives back exactly
 what the method sent. Anything else cannot cross a network and is refused by name.
@@ -19,17 +19,24 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedlt.messages import Message, Reply
 
 _ARRAYS, _TREE = "arrays", "tree"
+#: torch dtypes numpy has no type for (bfloat16 of mixed precision, the float8s): they cross as the
+#: integers of their size and are viewed back, bit for bit
+_VIEWED = {dtype: {1: torch.uint8, 2: torch.int16}[dtype.itemsize] for dtype in
+           (torch.bfloat16, *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)))}
 
 
 def _pack(value: Any, arrays: dict[str, Array], where: str) -> Any:
     if isinstance(value, torch.Tensor):
-        key = str(len(arrays))
-        arrays[key] = Array(value.detach().cpu().contiguous().numpy())
+        key, tensor = str(len(arrays)), value.detach().cpu().contiguous()
+        if tensor.dtype in _VIEWED:
+            arrays[key] = Array(tensor.view(_VIEWED[tensor.dtype]).numpy())
+            return {"viewed": [key, str(tensor.dtype).removeprefix("torch.")]}
+        arrays[key] = Array(tensor.numpy())
         return {"tensor": key}
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, np.generic)):  # a numpy scalar crosses as a 0-d array, and comes back one
         key = str(len(arrays))
-        arrays[key] = Array(np.ascontiguousarray(value))
-        return {"ndarray": key}
+        arrays[key] = Array(np.asarray(value, order="C"))  # not ascontiguousarray: it makes a 0-d array 1-d
+        return {"ndarray" if isinstance(value, np.ndarray) else "npscalar": key}
     if isinstance(value, dict):
         if not all(isinstance(k, (str, int)) for k in value):
             raise TypeError(f"{where} has a dict key that is not a string or int; use string or int keys")
@@ -47,8 +54,13 @@ def _unpack(node: dict[str, Any], arrays: ArrayRecord, device: torch.device) -> 
     (tag, body), = node.items()
     if tag == "tensor":
         return torch.from_numpy(arrays[body].numpy().copy()).to(device)
+    if tag == "viewed":
+        key, dtype = body
+        return torch.from_numpy(arrays[key].numpy().copy()).view(getattr(torch, dtype)).to(device)
     if tag == "ndarray":
         return arrays[body].numpy().copy()
+    if tag == "npscalar":
+        return arrays[body].numpy()[()]
     if tag == "dict":
         return {k: _unpack(v, arrays, device) for k, v in body}
     if tag in ("list", "tuple"):
