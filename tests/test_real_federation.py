@@ -919,6 +919,8 @@ def test_deploy_resume_names_the_deploy_option_that_is_not_the_runs(tmp_path, ex
 
     top = {"fl": {"rounds": 1}, "run": {"checkpoint_every": 1}, "eval": {"test_data": str(exported / "server" / "test")}}
     run_dir = node_run(node_tree(tmp_path, "done", exported, **top), NodeGrid(nodes_of(exported))).run_dir
+    # stopped after its last checkpoint, before its summary: a run to go on with (a finished one starts nothing)
+    (run_dir / "summary.json").unlink()
     names = sorted(nodes_of(exported))
     two, renamed, test = tmp_path / "two", tmp_path / "renamed", tmp_path / "test"
     for name in names[:2]:
