@@ -133,3 +133,11 @@ def test_parallel_backend_choice(tmp_path):
     assert default_workers(config(tmp_path, "run.backend=parallel", "run.workers=null")) == min(cores, 4)
     # never more processes than clients: no exchange asks more at once (64 workers for 4 clients took 40x as long)
     assert default_workers(config(tmp_path, "run.backend=parallel", "run.workers=64")) == 6  # data.num_clients
+
+
+def test_a_refusal_of_vectorized_training_names_parallel_among_the_backends_that_run_the_method(tmp_path):
+    # FedLoGe's step reads the features: not vectorized, but any worker process runs it by name
+    from fedlt.methods.fedloge import FedLoGeClient
+    with pytest.raises(ConfigError, match="use run.backend=graphed, run.backend=parallel, run.backend=auto or "
+                                          "run.backend=sequential"):
+        choose_backend(config(tmp_path, "method=fedloge", "run.backend=vectorized"), FedLoGeClient, torch.device("cpu"))

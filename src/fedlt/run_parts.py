@@ -96,11 +96,13 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
     if wanted == "sequential" or cfg.secagg.enabled:
         return "sequential"
     if not trains_together(client_cls, wanted):
+        # parallel runs any method a worker process can build by name (not one registered in code only)
+        parallel = [] if METHODS.in_code_only(cfg.method) else ["parallel"]
         if declares_local_objective(client_cls):
-            others = ", ".join(f"run.backend={b}" for b in client_cls.objective_backends)
+            others = ", ".join(f"run.backend={b}" for b in (*client_cls.objective_backends, *parallel))
             raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its step is more than a loss "
                               f"of the logits); use {others}, run.backend=auto or run.backend=sequential")
-        others = "auto or sequential" if METHODS.in_code_only(cfg.method) else "auto, sequential or parallel"
+        others = "auto, sequential or parallel" if parallel else "auto or sequential"
         raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
                           f"use run.backend={others}")
     return wanted
