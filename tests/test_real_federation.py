@@ -529,6 +529,9 @@ def test_a_restarted_site_whose_stateful_replies_were_all_lost_stays_out(tmp_pat
     ({"method": "gbme", "method_args": {"grouping": "label"}}, "method_args.grouping=label shows the server"),
     ({"method": "gbme", "method_args": {"diagnose_gpi": True}}, "method_args.diagnose_gpi=true shows the server"),
     ({"calibration": ["oracle"]}, "calibration=oracle (uploads real features)"),
+    ({"calibration": ["creff"]}, "calibration=creff (each client's per-class replies name the classes it holds) shows"),
+    # method=creff is FedAvg with CReFF: the refusal names the option that was given, not a calibration to drop
+    ({"method": "creff"}, "method=creff (each client's per-class replies name the classes it holds) shows"),
     ({"data": {"val_per_class": 5}}, "data.val_per_class draws a validation set"),
     ({"eval": {"shot_rule": "cumulative_local"}}, "eval.shot_rule=cumulative_local needs every client's class counts"),
 ])

@@ -100,13 +100,15 @@ class CalibratedServer(Server):
     @classmethod
     def clear_uploads(cls, config, args):
         """The inner method's, plus calibrations that upload real features (the oracle) or per-class
-        replies that name the classes a client holds (CReFF's gradients)."""
+        replies that name the classes a client holds (CReFF's gradients). Each is named by the option
+        that brought it: ``method=creff`` is FedAvg with CReFF, and has no calibration to drop."""
         out = list(cls.inner_cls.clear_uploads(config, args))
         for cal in (CALIBRATORS[n] for n in cls.names):
+            option = f"method={config.method}" if config.method == cal.name else f"calibration={cal.name}"
             if not cal.private:
-                out.append(f"calibration={cal.name} (uploads real features)")
+                out.append(f"{option} (uploads real features)")
             elif cal.reads_fit_replies:
-                out.append(f"calibration={cal.name} (each client's per-class replies name the classes it holds)")
+                out.append(f"{option} (each client's per-class replies name the classes it holds)")
         return out
 
     def __init__(self, ctx: ServerContext):
