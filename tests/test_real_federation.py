@@ -945,3 +945,17 @@ def test_deploy_resume_names_the_deploy_option_that_is_not_the_runs(tmp_path, ex
             plan_deployment("", [], resume=run_dir, **options)
     plan = plan_deployment("", [], resume=run_dir, node_data=exported / "nodes", server_test=exported / "server" / "test")
     assert plan.resume == run_dir and [s.name for s in plan.sites] == names
+
+
+def test_a_resume_refused_for_state_kept_on_sites_names_the_sites(tmp_path, exported, server_identity, monkeypatch):
+    """A deployment on sites' own data refused a resume of a stateful method naming clients by number
+    ("clients [0, 1, 2]"), where every other line of the deployment names the sites."""
+    from fedlt.engine.flower_app import resumable_on_nodes
+
+    cfg = node_tree(tmp_path, "kept", exported, method="ditto", loss={"name": "ce"}, fl={"rounds": 3},
+                    run={"checkpoint_every": 1}, eval={"test_data": str(exported / "server" / "test")})
+    node_run_stopped_in(cfg, exported, 2, monkeypatch)
+    run_dir = tmp_path / "runs" / "kept"
+    names = ", ".join(sorted(nodes_of(exported)))
+    with pytest.raises(ConfigError, match=re.escape(f"sites {names} of {run_dir} kept state between rounds")):
+        resumable_on_nodes(build_config(cfg), run_dir)

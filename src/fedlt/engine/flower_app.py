@@ -488,7 +488,9 @@ def resumable_on_nodes(cfg: Config, run_dir: Path) -> tuple[dict[str, Any], int]
         raise ConfigError(f"{run_dir / CHECKPOINT_FILE} was saved by a fedlt that did not record what a Flower run "
                           "needs to resume (which clients kept state on their nodes); start a new run")
     if saved.get("kept_state") or saved.get("method_keeps_state"):  # the method's word: replies may have been lost
-        who = f"clients {saved['kept_state']}" if saved.get("kept_state") else "the clients"
+        kept, sites = saved.get("kept_state") or [], (saved.get("federation") or {}).get("sites") or []
+        who = (f"sites {', '.join(sites[cid] for cid in kept)}" if kept and all(cid < len(sites) for cid in kept)
+               else f"clients {kept}" if kept else "the clients")  # a deployment on sites' own data names its sites
         raise ConfigError(f"{who} of {run_dir} kept state between rounds on their nodes (method {cfg.method}: a "
                           "personal model, control variates, a prior), which SuperNodes started again no longer "
                           "hold; start a new run")
