@@ -427,7 +427,7 @@ def test_explicit_class_order_and_its_errors():
 def test_data_seed_fixes_the_federation_while_the_run_seed_varies(tmp_path):
     from fedlt.config import load_config
     from fedlt.engine.sampling import sampling_schedule
-    from fedlt.data.federated import federation_seed
+    from fedlt.config import federation_seed
 
     fixed = synthetic_data_cfg(seed=3, class_order="shuffled")
     a, b = build_federated_data(fixed, 0), build_federated_data(fixed, 1)

@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from fedlt import api
-from fedlt.config import DataConfig, load_config
-from fedlt.data.federated import build_federated_data, build_partition, federation_seed
+from fedlt.config import DataConfig, federation_seed, load_config
+from fedlt.data.federated import build_federated_data, build_partition
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_counts, longtail_indices, resolve_class_order
 from fedlt.data.registry import load_dataset

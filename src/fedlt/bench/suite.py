@@ -533,7 +533,8 @@ def validate_cells(suite: Suite, cells: list[Cell]) -> None:
     """Build and check every cell's config, classify its folder, and build the federation of every cell
     still to train (its files, long tail, validation split and partition), before anything trains."""
     from fedlt.config import load_config
-    from fedlt.data.federated import build_federated_data, federation_seed
+    from fedlt.config import federation_seed
+    from fedlt.data.federated import build_federated_data
     from fedlt.run_parts import check_new_config
 
     federations: dict[str, tuple[Config, str]] = {}  # data settings and federation seed -> one such cell

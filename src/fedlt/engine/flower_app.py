@@ -745,7 +745,7 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # inherited by the Ray actors
     try:
-        with without_runtime_notices(), stops_at_the_next_wait(stop, quiet) as asked:
+        with without_runtime_notices(), stops_at_the_next_wait(stop, quiet):
             run_simulation(app, clientapp, num_supernodes=cfg.data.num_clients,
                            backend_config=simulation_backend(cfg))
     except (KeyboardInterrupt, SystemExit) as interrupt:  # a second Ctrl-C reaches this thread, and SIGTERM,
@@ -765,7 +765,7 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
         raise stopped from None
     if "run" in result:  # finished, also where a stop came as its last round ended
         return result["run"]
-    if asked:  # the ServerApp's thread stopped at a wait for replies, and Flower ended its runtime as after a run
+    if stop.is_set():  # a first Ctrl-C: the ServerApp's thread stopped at a wait, and Flower ended as after a run
         stopped = KeyboardInterrupt()
         stopped.resume_hint = hint.get("resume") or _folder_hint(running)
         raise stopped
@@ -773,22 +773,20 @@ def simulate(cfg: Config, quiet: bool = False, resume: Path | None = None) -> Ru
 
 
 @contextmanager
-def stops_at_the_next_wait(stop: threading.Event, quiet: bool) -> Iterator[dict[str, int]]:
-    """A simulation's first Ctrl-C asks its ServerApp's thread to stop at its next wait for replies (the
-    yielded dict then holds the signal), so Flower ends its runtime as after a finished run. Raised in the
-    main thread instead, where Flower waits for its client threads, the interrupt had Flower shut Ray down
-    under those threads' calls, and now and then Ray ended the process (exit code 1, no line on how the run
-    goes on). A second Ctrl-C stops at once, as before. SIGTERM keeps Ray's handler, which exits at once
-    (asked to wait instead, the process ended aborted by Ray after its last line)."""
-    asked: dict[str, int] = {}
+def stops_at_the_next_wait(stop: threading.Event, quiet: bool) -> Iterator[None]:
+    """A simulation's first Ctrl-C sets ``stop``: its ServerApp's thread stops at its next wait for replies,
+    so Flower ends its runtime as after a finished run. Raised in the main thread instead, where Flower
+    waits for its client threads, the interrupt had Flower shut Ray down under those threads' calls, and
+    now and then Ray ended the process (exit code 1, no line on how the run goes on). A second Ctrl-C stops
+    at once, as before. SIGTERM keeps Ray's handler, which exits at once (asked to wait instead, the
+    process ended aborted by Ray after its last line)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield asked  # signals reach the main thread only; a run started to ignore Ctrl-C goes on ignoring it
+        yield  # signals reach the main thread only; a run started to ignore Ctrl-C goes on ignoring it
         return
 
-    def ask(signum: int, _frame) -> None:
-        if asked:
+    def ask(_signum: int, _frame) -> None:
+        if stop.is_set():
             raise KeyboardInterrupt
-        asked["signal"] = signum
         stop.set()
         if not quiet:
             print("fedlt: stopping at the next wait for the clients' replies, once those training now have "
@@ -796,6 +794,6 @@ def stops_at_the_next_wait(stop: threading.Event, quiet: bool) -> Iterator[dict[
 
     previous = signal.signal(signal.SIGINT, ask)
     try:
-        yield asked
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)

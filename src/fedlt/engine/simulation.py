@@ -21,8 +21,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from fedlt.config import Config, LossConfig, config_difference
-from fedlt.data.federated import FederatedData, federation_seed
+from fedlt.config import Config, LossConfig, config_difference, federation_seed
+from fedlt.data.federated import FederatedData
 from fedlt.calibration.wrapper import parse_calibration_args
 from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, unsafe_entry
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model

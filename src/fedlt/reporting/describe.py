@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedlt.config import DIRICHLET_PARTITIONS, load_config, partition_label
-from fedlt.data.federated import build_federated_data, federation_seed
+from fedlt.config import DIRICHLET_PARTITIONS, federation_seed, load_config, partition_label
+from fedlt.data.federated import build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
