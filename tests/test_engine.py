@@ -1071,6 +1071,35 @@ def test_a_progress_line_of_a_round_without_accuracy_has_no_empty_field(capsys):
                         second), second
 
 
+def test_a_model_at_chance_accuracy_is_named_beside_its_figures(tmp_path, monkeypatch):
+    """A model that grew without becoming NaN (a loss scaled too far) finishes predicting one class, a
+    finite model whose accuracy read as a figure looks like a weak method: the run's report names it."""
+    import copy
+
+    from fedlt.methods.base import Server
+    from fedlt.results import model_notes
+
+    def one_class(model):  # class 2 everywhere: exactly 1 in 10 of a balanced test set
+        constant = copy.deepcopy(model)
+        with torch.no_grad():
+            constant.head.weight.zero_()
+            constant.head.bias.copy_(10.0 * (torch.arange(constant.head.bias.numel()) == 2))
+        return constant
+
+    monkeypatch.setattr(Server, "extra_models", lambda self: {"constant": one_class(self.model)})
+    result = fedlt.run(tiny(tmp_path, fl__rounds=2), quiet=True)
+    constant = result.summary["final"]["variants"]["constant"]
+    assert constant["acc"] == 10.0 and result.summary["final"]["acc"] > 11.0  # the headline learnt
+    line = ("variant 'constant' scores chance accuracy (10.00% over 10 classes; predicting one class everywhere "
+            "scores 10.00%); if its training loss grew, lower fl.lr, set fl.grad_clip, or bring a scaled loss "
+            "(loss.ldam_scale, loss.tau) toward its default")
+    assert model_notes(result.summary) == [line]
+    assert f"**Chance:** {line}." in (result.run_dir / "report.md").read_text()
+    monkeypatch.undo()
+    clean = fedlt.run(tiny(tmp_path, fl__rounds=2), quiet=True)
+    assert model_notes(clean.summary) == [] and "Chance" not in (clean.run_dir / "report.md").read_text()
+
+
 def test_nan_models_beside_a_finite_headline_are_named_not_reported_as_results(tmp_path, monkeypatch):
     """A calibrated variant or clients' personalized models can go NaN while the headline model is finite:
     the run goes on (its headline is a result), but its summary, report and report rows name them, since a

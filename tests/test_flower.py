@@ -991,6 +991,32 @@ def test_a_simulation_drops_the_runtime_notices_its_user_cannot_act_on_and_keeps
     assert flower_log.filters == before  # Flower's logger as it was
 
 
+def test_the_warning_a_client_actor_logs_as_the_simulation_ends_it_is_not_shown():
+    """Each simulated client's actor logged `WARNING: Manually terminating ClientAppActor` when a finished
+    simulation ended it, and Ray forwarded it to the run's output. The actors import the module that holds
+    the ClientApp, which keeps Flower's logger from passing it on; Flower's other warnings still pass."""
+    from flwr.simulation.ray_transport.ray_actor import ClientAppActor
+
+    from fedlt.engine import flower_app
+
+    flower_log = logging.getLogger("flwr")
+    assert flower_app.without_termination_notice in flower_log.filters  # on import, as in an actor
+    kept: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    flower_log.addHandler(lines := Lines())
+    try:
+        with pytest.raises(TypeError, match="exit_actor"):  # outside an actor, after the notice
+            ClientAppActor.terminate(object.__new__(ClientAppActor))
+        flower_log.warning("a warning of Flower's own")
+    finally:
+        flower_log.removeHandler(lines)
+    assert kept == ["a warning of Flower's own"]
+
+
 def test_a_client_apps_failure_is_one_line_without_rays_wrapping():
     """Flower's simulation passes on Ray's report of a failed ClientApp (colour codes, the actor's traceback,
     then the error); the run's error line showed all of it."""

@@ -615,6 +615,45 @@ def test_a_report_of_single_runs_names_a_diverged_one(tmp_path):
     assert [row.label for row in _run_rows("fedavg", Run(tmp_path, 0, {"final": {"acc": 60.0}}))] == ["fedavg"]
 
 
+def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
+    """A finite model predicting one class scores 1/K, which read as a figure looks like a weak method: a
+    report names each model whose class-mean accuracy is within 1.1/K, with the better round it left."""
+    from fedlt.results import chance_models
+
+    def at(per_class, best=None, **more):
+        return {"final": {"round": 25, "acc": float(np.mean(per_class)), "per_class_acc": per_class, **more},
+                "best_round": {"round": 20, "acc": best}}
+
+    collapsed = at([100.0] + [0.0] * 9, best=40.0)
+    assert chance_models(collapsed) == [
+        "the global model scores chance accuracy (10.00% over 10 classes; predicting one class everywhere scores "
+        "10.00%), though round 20 scored 40.00%, so it got worse afterwards; if its training loss grew, lower "
+        "fl.lr, set fl.grad_clip, or bring a scaled loss (loss.ldam_scale, loss.tau) toward its default"]
+    assert chance_models(at([11.0] * 10))[0].startswith("the global model scores chance accuracy (11.00% over 10 ")
+    assert chance_models(at([11.1] * 10)) == []  # above 1.1 x 1/K: it learnt something
+    assert chance_models({**collapsed, "status": "diverged"}) == []  # named as diverged
+    variants = {"nan": {"acc": 10.0, "loss": float("nan")}, "flat": {"acc": 10.5, "loss": 2.3},
+                "learnt": {"acc": 30.0, "loss": 1.8}}
+    assert chance_models(at([60.0] * 10, variants=variants)) == [  # the NaN one is named as non-finite
+        "variant 'flat' scores chance accuracy (10.50% over 10 classes; predicting one class everywhere scores "
+        "10.00%); if its training loss grew, lower fl.lr, set fl.grad_clip, or bring a scaled loss "
+        "(loss.ldam_scale, loss.tau) toward its default"]
+
+    root = fake_suite(tmp_path / "out")
+    cell = root / "default" / "b" / "seed1" / "summary.json"
+    cell.write_text(json.dumps({**json.loads(cell.read_text()), **at([100.0] + [0.0] * 9, best=40.0)}))
+    assert ("> note: row 'B': seed 1: the global model scores chance accuracy (10.00% over 10 classes"
+            in write_report(root, with_plots=False).markdown)
+    assert "chance" not in write_report(fake_suite(tmp_path / "clean"), with_plots=False).markdown
+    runs = tmp_path / "runs"
+    for name, summary in (("learnt", at([60.0] * 10)), ("collapsed", collapsed)):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "summary.json").write_text(json.dumps({"method": "fedavg", **summary}))
+    assert "> note: collapsed: the global model scores chance" in write_report(runs, with_plots=False).markdown
+    single = write_report(runs / "collapsed", with_plots=False).markdown
+    assert "> note: the global model scores chance accuracy (10.00% over 10 classes" in single
+
+
 def test_runs_of_other_partitions_are_other_tables_in_a_report_of_runs():
     """Pathological splits of another classes_per_client, and Dirichlet splits re-cut to equal sizes or
     redrawn to a minimum client size, are other federations: they sat under one header, paired."""

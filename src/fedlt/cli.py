@@ -134,9 +134,9 @@ def run_cmd(
         f = result.summary["final"]
         parts = [f"{k} {f[k]:.2f}" for k in ("acc", "many_acc", "medium_acc", "few_acc", "pm_acc") if f.get(k) is not None]
         typer.echo(f"{result.run_dir}: round {f['round']}: " + ", ".join(parts))
-        from fedlt.results import nonfinite_models
+        from fedlt.results import model_notes
 
-        for line in nonfinite_models(f):
+        for line in model_notes(result.summary):
             typer.echo(f"note: {line}", err=True)
 
     # a resume stopped before the run set its line (importing torch, reading the data) left the folder as it was

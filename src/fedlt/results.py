@@ -276,6 +276,53 @@ def nonfinite_models(final: dict[str, Any] | None) -> list[str]:
                for reading, n in nonfinite_personal(final).items()])
 
 
+#: a class-mean accuracy at most this many times 1/K is chance: what a model predicting one class everywhere
+#: scores exactly, and a model guessing at random scores within sampling noise
+CHANCE_FACTOR = 1.1
+
+
+def _class_mean(figures: Any, classes: int) -> tuple[float, int] | None:
+    """A model's class-mean test accuracy and its number of classes: from its per-class accuracies where
+    it has them (the headline model), else its ``acc`` (a variant) over the run's ``classes``."""
+    if not isinstance(figures, dict):
+        return None
+    per_class = figures.get("per_class_acc")
+    if isinstance(per_class, list) and per_class and all(_is_number(a) for a in per_class):
+        return sum(per_class) / len(per_class), len(per_class)
+    return (figures["acc"], classes) if _is_number(figures.get("acc")) and classes else None
+
+
+def chance_models(summary: dict[str, Any]) -> list[str]:
+    """The finite global models of a run's final evaluation that score chance accuracy, a line each. A run
+    whose model grew without becoming NaN (a learning rate or a loss scale too large for it) finishes
+    with such a model; its accuracy read as a figure looks like a weak method, so it is named."""
+    final = summary.get("final") or {}
+    if summary.get("status") == "diverged":
+        return []  # named as diverged
+    lines = []
+    nan = nonfinite_variants(final)
+    classes = len(summary.get("class_names") or final.get("per_class_acc") or [])
+    for name, figures in [(None, final), *((final.get("variants") or {}).items())]:
+        if name in nan or (measured := _class_mean(figures, classes)) is None:
+            continue
+        mean, classes = measured
+        if mean > CHANCE_FACTOR * 100 / classes:
+            continue
+        model = "the global model" if name is None else f"variant '{name}'"
+        best = (summary.get("best_round") or {}) if name is None else {}
+        earlier = (f", though round {best['round']} scored {best['acc']:.2f}%, so it got worse afterwards"
+                   if _is_number(best.get("acc")) and best["acc"] > CHANCE_FACTOR * 100 / classes else "")
+        lines.append(f"{model} scores chance accuracy ({mean:.2f}% over {classes} classes; predicting one class "
+                     f"everywhere scores {100 / classes:.2f}%){earlier}; if its training loss grew, lower fl.lr, set "
+                     "fl.grad_clip, or bring a scaled loss (loss.ldam_scale, loss.tau) toward its default")
+    return lines
+
+
+def model_notes(summary: dict[str, Any]) -> list[str]:
+    """What a run's end says of its final models beside their figures: NaN ones, and those at chance."""
+    return [*nonfinite_models(summary.get("final")), *chance_models(summary)]
+
+
 def summarize(cfg: Config, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     """Headline = the final round; the best round is reported separately and labelled as such,
     chosen on validation accuracy where the run has a validation set."""
@@ -554,7 +601,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
            "training federation and the test set: make choices on it." if has_val else "")
         + (" val PM: PM on local validation sets, drawn from the validation set as the local test sets are from "
            "the test set." if has_val_pm else "")
-        + "".join(f" **Non-finite:** {line}." for line in nonfinite_models(f)),
+        + "".join(f" **Non-finite:** {line}." for line in nonfinite_models(f))
+        + "".join(f" **Chance:** {line}." for line in chance_models(summary)),
     ]
     if f.get(PM_VARIANTS):
         lines += ["", "## Other readings of the personalized model (final round)", "",

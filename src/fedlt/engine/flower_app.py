@@ -53,8 +53,8 @@ from fedlt.errors import ConfigError, FedltError, Terminated, TrainingDiverged
 from fedlt.messages import Message, Reply
 from fedlt.methods.registry import parse_method_args
 from fedlt.results import (
-    CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, new_run_dir, write_aborted_summary, write_atomic,
-    writing,
+    CONFIG_FILE, LOST_NODES_ENV, OUTCOME_ENV, STOP_REASON_ENV, model_notes, new_run_dir, write_aborted_summary,
+    write_atomic, writing,
 )
 from fedlt.run_parts import setup_parts, setup_runtime
 
@@ -179,6 +179,16 @@ def _partition(context: Context) -> tuple[int, int]:
 
 
 clientapp = ClientApp()
+
+
+def without_termination_notice(record: logging.LogRecord) -> bool:
+    """Whether Flower's log keeps a record: not the WARNING each simulated client's actor logs when the
+    simulation ends it, finished or stopped (``Manually terminating ClientAppActor``), which Ray forwards
+    to the run's output, where it reads as a problem."""
+    return not record.getMessage().startswith("Manually terminating ")
+
+
+logging.getLogger("flwr").addFilter(without_termination_notice)  # here: the module each client's actor imports
 
 
 @clientapp.train()
@@ -622,6 +632,8 @@ def main(grid: Grid, context: Context) -> None:
     _report(status="finished", run_dir=str(result.run_dir.resolve()), rounds_done=cfg.fl.rounds,
             **{k: result.summary[k] for k in ("last_evaluated_round",) if k in result.summary})
     print(final_line(result.run_dir, result.summary), flush=True)
+    for line in model_notes(result.summary):
+        print(f"fedlt: note: {line}", flush=True)
 
 
 def final_line(run_dir: Path, summary: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates
 from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
-from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, nonfinite_models, nonfinite_personal, nonfinite_variants,
-                           personal_nan_label, read_metrics, read_summary, unevaluated_note)
+from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, chance_models, nonfinite_models, nonfinite_personal,
+                           nonfinite_variants, personal_nan_label, read_metrics, read_summary, unevaluated_note)
 
 if TYPE_CHECKING:
     from fedlt.bench.suite import MethodRow, SuiteSpec
@@ -227,9 +227,10 @@ def collect(path: Path) -> Collection:
     if run is not None:
         cfg = read_yaml_mapping(path / "config.yaml", "run config") if (path / "config.yaml").is_file() else None
         rows = _run_rows(_run_label(run), run)
-        damage = [text] if (text := run.damage()) else []
-        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows, damage,
-                                                       reference=rows[0].label)], [run.seed])
+        notes = [text] if (text := run.damage()) else []
+        return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows,
+                                                       notes + chance_models(run.summary), reference=rows[0].label)],
+                          [run.seed])
     children = sorted(p for p in path.iterdir() if (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
     unfinished = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file()
                         and not (p / SUMMARY_FILE).is_file()) if path.is_dir() else []
@@ -241,10 +242,13 @@ def collect(path: Path) -> Collection:
                          "nor a folder of run directories; pass one of those")
     runs = [_load_run(c) for c in children]
     by_setting: dict[str, list[Row]] = {}  # runs of other data or rounds are another table, never one mixed
+    notes: dict[str, list[str]] = {}
     for child, run in zip(children, runs):
         cfg = read_yaml_mapping(child / "config.yaml", "run config") if (child / "config.yaml").is_file() else None
-        by_setting.setdefault(setting_label(run.summary, cfg), []).extend(_run_rows(child.name, run))
-    settings = [Setting(label, rows, reference=rows[0].label) for label, rows in by_setting.items()]
+        label = setting_label(run.summary, cfg)
+        by_setting.setdefault(label, []).extend(_run_rows(child.name, run))
+        notes.setdefault(label, []).extend(f"{child.name}: {line}" for line in chance_models(run.summary))
+    settings = [Setting(label, rows, notes[label], reference=rows[0].label) for label, rows in by_setting.items()]
     settings[0].warnings += [damage for run in runs if (damage := run.damage())]
     if unfinished:
         settings[0].warnings.append(f"left out {len(unfinished)} unfinished run(s) without summary.json "
@@ -286,6 +290,7 @@ def _collect_suite(path: Path) -> Collection:
             warnings += [f"row '{m.name}': seed {r.seed}{_diverged(r)}" for r in runs if _diverged(r)]
             warnings += [f"row '{m.name}': seed {r.seed}: {line}"
                          for r in runs if not _diverged(r) for line in nonfinite_models(r.final(None))]
+            warnings += [f"row '{m.name}': seed {r.seed}: {line}" for r in runs for line in chance_models(r.summary)]
             warnings += [f"row '{m.name}': seed {r.seed}{unevaluated_note(r.summary)}; its cell counts with that "
                          "round's accuracy" for r in runs if unevaluated_note(r.summary)]
             warnings += [f"row '{m.name}': {damage}" for r in runs if (damage := r.damage())]
