@@ -672,18 +672,22 @@ def test_runs_of_other_partitions_are_other_tables_in_a_report_of_runs():
 
 def test_runs_of_other_federations_or_shot_groups_are_other_tables_in_a_report_of_runs():
     """A folder of runs keyed its tables on dataset, IF, partition, clients and rounds only: runs on a
-    fraction of the data, or with other shot groups, sat under the first run's header, paired with it."""
+    fraction of the data, of another participation or image size, or with other shot groups or another
+    accuracy, sat under the first run's header, paired with it."""
     from fedlt.config import load_config
     from fedlt.reporting.collect import setting_label
 
     base = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=2"]
     labels = [setting_label({}, load_config(None, base + more).dump()) for more in (
         [], ["data.train_fraction=0.3"], ["eval.shot_rule=cumulative"], ["data.class_order=shuffled"],
-        ["data.seed=3"], ["data.val_per_class=5"], ["eval.many_threshold=50"], ["run.threads=1"])]
+        ["data.seed=3"], ["data.val_per_class=5"], ["eval.many_threshold=50"], ["fl.participation=0.5"],
+        ["data.image_size=20"], ["eval.accuracy=top1"], ["run.threads=1"], ["fl.participation=0.4"])]
     assert labels[0] == "synthetic-LT, IF=100, Dirichlet alpha=0.5, 4 clients, 2 rounds"
     assert labels[1] == labels[0] + ", train_fraction 0.3" and labels[2] == labels[0] + ", shot rule cumulative"
     assert labels[6] == labels[0] + ", shot rule count, many_threshold 50"
-    assert len(set(labels[:7])) == 7 and labels[7] == labels[0]  # where and how it ran: the same federation
+    assert labels[7:10] == [labels[0] + more for more in (", participation 0.5", ", 20 px", ", top1 accuracy")]
+    assert len(set(labels[:10])) == 10
+    assert labels[10] == labels[11] == labels[0]  # where it ran, and the default participation: the same federation
 
 
 def test_the_protocol_noise_script_reads_protocol_suites_and_refuses_other_folders_in_one_line(tiny_suite):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates, select
-from fedlt.config import DIRICHLET_PARTITIONS, config_difference, partition_label, read_yaml_mapping
+from fedlt.config import DIRICHLET_PARTITIONS, FLConfig, config_difference, partition_label, read_yaml_mapping
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, chance_models, nonfinite_models, nonfinite_personal,
@@ -203,7 +203,8 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     tail = "as distributed" if info is not None and info.long_tailed else f"IF={d['imbalance_factor']:g}"
     label = f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
     # what else makes another federation or other shot groups: its runs are another table, never one mixed
-    e = cfg.get("eval") or {}
+    e, fl = cfg.get("eval") or {}, cfg.get("fl") or {}
+    default = FLConfig.model_fields["participation"].default
     other = [f"train_fraction {d['train_fraction']:g}" if d.get("train_fraction", 1) != 1 else "",
              "equal-size clients" if d.get("equal_size") else "",
              f"min_client_size {d['min_client_size']}" if d.get("min_client_size") else "",
@@ -211,6 +212,9 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
              f"data.seed {d['seed']}" if d.get("seed") is not None else "",
              f"{d['val_per_class']} validation images a class from {d.get('val_from', 'auto')}"
              if d.get("val_per_class") else "",
+             f"{d['image_size']} px" if d.get("image_size") is not None else "",
+             f"participation {fl['participation']:g}" if fl.get("participation", default) != default else "",
+             f"{e['accuracy']} accuracy" if e.get("accuracy", "class_mean") != "class_mean" else "",
              f"shot rule {e.get('shot_rule', 'count')}" + "".join(
                  f", {k} {e[k]}" for k in ("many_threshold", "few_threshold") if e.get(k) is not None)
              if e.get("shot_rule", "count") != "count" or e.get("many_threshold") is not None
