@@ -305,8 +305,8 @@ def test_a_nodes_personalized_accuracy_leaves_it_only_as_a_secure_sum(tmp_path, 
     secure = node_run(node_tree(tmp_path, "secure", exported, **extra), secure_grid)
     assert "evaluate" in secure.summary["secure_aggregation"]["phases"]
     assert "evaluate" not in secure.summary["secure_aggregation"]["in_clear"]
-    assert secure.summary["messages"]["evaluate"]["from_client"]["secure_sum_of"] == sorted(
-        f"payload/{key} []" for key in clear_grid.payloads[0])
+    assert secure.summary["messages"]["evaluate"]["from_client"]["secure_sum_of"] == [
+        *sorted(f"payload/{key} []" for key in clear_grid.payloads[0]), "num_samples []"]
     assert len(secure_grid.payloads) == 3 * 2 and all(set(p) == {"masked", "schema"} for p in secure_grid.payloads)
     for a, b in zip(clear.metrics, secure.metrics):
         assert b["pm_acc"] == pytest.approx(a["pm_acc"], abs=tolerance("pm_acc"))

@@ -175,6 +175,11 @@ def test_secure_fedavg_matches_plain_fedavg_and_its_server_never_sees_a_client_r
     assert sec.summary["secure_aggregation"]["in_clear"] == []
     fit = sec.summary["messages"]["fit"]["from_client"]
     assert sorted(fit["payload"]) == ["masked", "schema"] and fit["model_bytes"] == 0 and fit["metrics"] == []
+    # the record names everything the masked vector sums: the model, the metrics and the sample count
+    model = [f"weights/{key} {list(value.shape)}" for key, value in sorted(sim.server.model.state_dict().items())]
+    assert fit["secure_sum_of"] == [*model, "metrics/steps []", "metrics/train_loss []", "num_samples []"]
+    assert sec.summary["messages"]["query:class_counts"]["from_client"]["secure_sum_of"] == [
+        "payload/class_counts [10]", "num_samples []"]
 
 
 def test_the_raw_feature_oracle_is_refused_under_secure_aggregation(tmp_path):

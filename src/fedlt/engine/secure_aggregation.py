@@ -130,11 +130,13 @@ def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
 
 
 def summed_entries(reply: Reply) -> list[str] | None:
-    """What a masked upload holds, from its layout: each entry as ``section/key [shape]`` (the
-    ledger's view of a secure phase); None for a reply that is not a masked upload."""
+    """What a masked upload holds, from its layout: each entry as ``section/key [shape]``, then the
+    ``num_samples`` that :func:`flatten` appends (the ledger's view of a secure phase); None for a
+    reply that is not a masked upload."""
     if set(reply.payload) != {"masked", "schema"} or not isinstance(reply.payload["schema"], str):
         return None
-    return [f"{section}/{key} {shape}" for section, key, shape, _ in json.loads(reply.payload["schema"])]
+    return [*(f"{section}/{key} {shape}" for section, key, shape, _ in json.loads(reply.payload["schema"])),
+            "num_samples []"]
 
 
 def unflatten(schema: list[list[Any]], values: np.ndarray, mode: str, device: torch.device) -> Reply:
