@@ -145,7 +145,7 @@ def error_cases(data: Path) -> dict[str, Case]:
         "vectorized_unsupported_method": Case(["run", "method=feddecorr", "run.backend=vectorized", *SYN],
                                               "run.backend=vectorized", "feddecorr", "run.backend=auto"),
         "vectorized_loss_of_the_model": Case(["run", "method=sfd", "run.backend=vectorized", *SYN],
-                                             "run.backend=vectorized", "sfd", "more than a loss of the logits",
+                                             "run.backend=vectorized", "sfd", "its loss reads the features",
                                              "run.backend=graphed"),
         "vectorized_under_flower": Case(["run", "engine=flower", "run.backend=vectorized", *SYN],
                                         "run.backend=vectorized", "engine=flower", "run.backend=auto"),

@@ -469,7 +469,7 @@ def resumes_to_the_same_result(tree: dict, out: Path, full: RunResult) -> None:
 @example(case=Case(method="scaffold", backend="graphed", dataset="cifar10", alpha=0.1, num_clients=6, resume=True))
 @example(case=Case(method="fedrep", calibration=("ccvr",), backend="graphed", dataset="cifar10", alpha=0.1,
                    num_clients=6))
-@example(case=Case(method="gbme", backend="vectorized", loss="bsm"))  # refused: more than a loss of the logits
+@example(case=Case(method="gbme", backend="vectorized", loss="bsm"))  # refused: it trains only its own experts
 def test_property_every_configuration_runs_or_is_refused(tmp_path_factory, file_data, case):
     out = tmp_path_factory.mktemp("property") / "out"
     tree = case.tree(out, file_data)

@@ -364,7 +364,7 @@ def test_backend_choice_and_fallback(tmp_path):
         assert choose_backend(config(tmp_path, f"run.backend={backend}"), FedAvgClient, gpu) == backend
         with pytest.raises(ConfigError, match=f"run.backend={backend} does not support method ditto"):
             prepare(config(tmp_path, "method=ditto", f"run.backend={backend}"))
-    with pytest.raises(ConfigError, match="vectorized does not support method scaffold .its step is more than a loss"):
+    with pytest.raises(ConfigError, match="vectorized does not support method scaffold .its gradient is corrected"):
         prepare(config(tmp_path, "method=scaffold", "run.backend=vectorized"))  # a corrected gradient: graphed only
     # more than a loss of the logits (SFD, FedLoGe, GBME): graphed only; auto falls back where the
     # method has no local objective (Ditto)
@@ -374,10 +374,40 @@ def test_backend_choice_and_fallback(tmp_path):
     assert choose_backend(config(tmp_path, "run.backend=auto"), SFDClient, gpu) == "graphed"
     assert choose_backend(config(tmp_path, "run.backend=auto"), DittoClient, gpu) == "sequential"
     for method, loss in (("fedloge", "ce"), ("gbme", "bsm"), ("fedyoyo", "ce")):
-        with pytest.raises(ConfigError, match=f"vectorized does not support method {method} .its step is more than a "
-                                              "loss of the logits.; use run.backend=graphed"):
+        with pytest.raises(ConfigError, match=f"vectorized does not support method {method} .*; use run.backend=graphed"):
             prepare(config(tmp_path, f"method={method}", f"loss.name={loss}", "run.backend=vectorized"))
     assert prepare(config(tmp_path, "method=sfd", "run.backend=graphed")).backend == "graphed"  # with SAFS calibration
+
+
+#: every method that run.backend=vectorized refuses, and the reason its refusal gives
+REFUSAL_REASONS = {
+    "fedloge": "its loss reads the features and trains a personal head outside the model",
+    "fedrod": "its loss reads the features and trains a personal head outside the model",
+    "fedbabu": "only its body trains, under a frozen head",
+    "fedrep": "its head and body train in turn: the head first, then only the body under it",
+    "ditto": "it trains two models a round: its personal one, pulled towards the global, then the global",
+    "gbme": "each client trains only its own experts, with a learning-rate warm-up",
+    "scaffold": "its gradient is corrected by control variates",
+    "sfd": "its loss reads the features and their projections",
+    "feddecorr": "its loss reads the features",
+    "fedyoyo": "its loss reads the features and two views of each image",
+}
+
+
+def test_each_method_the_batched_backends_refuse_is_told_its_own_reason(tmp_path):
+    """A refusal says what the method's step does that the backend cannot train (FedBABU and FedRep
+    train only a part of the model), not one reason for all."""
+    from fedlt.methods.registry import METHODS
+    from fedlt.run_parts import choose_backend
+
+    refused = {}
+    for name, spec in METHODS.items():
+        cfg = config(tmp_path, f"method={name}", f"loss.name={(spec.losses or ['ce'])[0]}", "run.backend=vectorized")
+        try:
+            choose_backend(cfg, spec.client, torch.device("cpu"))
+        except ConfigError as err:
+            refused[name] = str(err).split(" (", 1)[1].split("); use", 1)[0]
+    assert refused == REFUSAL_REASONS
 
 
 def test_many_clients_keep_no_per_client_state(tmp_path):

@@ -98,13 +98,14 @@ def choose_backend(cfg: Config, client_cls: type[Client], device: torch.device) 
     if not trains_together(client_cls, wanted):
         # parallel runs any method a worker process can build by name (not one registered in code only)
         parallel = [] if METHODS.in_code_only(cfg.method) else ["parallel"]
+        refused = f"run.backend={wanted} does not support method {cfg.method}"
+        why = client_cls.backend_refusal_why
         if declares_local_objective(client_cls):
             others = ", ".join(f"run.backend={b}" for b in (*client_cls.objective_backends, *parallel))
-            raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its step is more than a loss "
-                              f"of the logits); use {others}, run.backend=auto or run.backend=sequential")
+            raise ConfigError(f"{refused} ({why or 'its step is more than a loss of the logits'}); use {others}, "
+                              "run.backend=auto or run.backend=sequential")
         others = "auto, sequential or parallel" if parallel else "auto or sequential"
-        raise ConfigError(f"run.backend={wanted} does not support method {cfg.method} (its local step is its own); "
-                          f"use run.backend={others}")
+        raise ConfigError(f"{refused} ({why or 'its local step is its own'}); use run.backend={others}")
     return wanted
 
 

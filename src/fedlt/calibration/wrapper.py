@@ -390,7 +390,8 @@ def with_calibration(spec: MethodSpec, names: list[str]) -> MethodSpec:
     # the engine reads ``personalized`` from the class: it must declare what the wrapped client does
     # and trains together with other clients (run.backend=vectorized, graphed) where the wrapped one does
     members = {"inner_cls": spec.client, "personalized": spec.client.personalized,
-               "objective_backends": spec.client.objective_backends}
+               "objective_backends": spec.client.objective_backends,
+               "backend_refusal_why": spec.client.backend_refusal_why}
     if declares_local_objective(spec.client):
         members["local_objective"] = CalibratedClient._local_objective
     client = type(f"Calibrated{spec.client.__name__}", (CalibratedClient,), members)

@@ -465,6 +465,10 @@ class Client:
     #: the backends that can train this client's :meth:`local_objective` (the vectorized one takes
     #: only losses of the logits)
     objective_backends: ClassVar[tuple[str, ...]] = ("vectorized", "graphed")
+    #: what keeps the other backends that train clients together from training this client (its
+    #: step beyond a loss of the logits, or why it has no local objective), for their refusal; None:
+    #: a generic reason
+    backend_refusal_why: ClassVar[str | None] = None
 
     def __init__(self, args: MethodArgs):
         self.args = args

@@ -33,6 +33,7 @@ def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> to
 
 class DittoClient(Client):
     personalized = True
+    backend_refusal_why = "it trains two models a round: its personal one, pulled towards the global, then the global"
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model

@@ -44,7 +44,8 @@ def body(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class FedBABUClient(Client):
     personalized = True
-    objective_backends = ("graphed",)  # a part of the model trains
+    objective_backends = ("graphed",)
+    backend_refusal_why = "only its body trains, under a frozen head"
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model

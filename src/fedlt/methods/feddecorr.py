@@ -78,7 +78,8 @@ def decorrelated_loss(model, x: torch.Tensor, y: torch.Tensor, *, decorr_base, d
 
 
 class FedDecorrClient(FedAvgClient):
-    objective_backends = ("graphed",)  # its loss reads the features
+    objective_backends = ("graphed",)
+    backend_refusal_why = "its loss reads the features"
 
     def batch_loss(self, ctx: ClientContext, msg: Message) -> BatchLoss:
         loss = self.local_objective(ctx, msg).loss

@@ -378,6 +378,7 @@ PERSONAL_READINGS = {
 class FedLoGeClient(Client):
     personalized = True
     objective_backends = ("graphed",)
+    backend_refusal_why = "its loss reads the features and trains a personal head outside the model"
 
     def personal_readings(self) -> dict[str, Client]:
         """Each of :data:`PERSONAL_READINGS` that personalizes differently from this client's args."""

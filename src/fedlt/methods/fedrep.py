@@ -59,7 +59,8 @@ class FedRepServer(Server):
 
 class FedRepClient(Client):
     personalized = True
-    objective_backends = ("graphed",)  # the body trains, the head is frozen
+    objective_backends = ("graphed",)
+    backend_refusal_why = "its head and body train in turn: the head first, then only the body under it"
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model

@@ -54,7 +54,8 @@ def rod_objective_loss(ctx: ClientContext):
 
 class FedRoDClient(Client):
     personalized = True
-    objective_backends = ("graphed",)  # its loss reads the features; the personal head is outside the model
+    objective_backends = ("graphed",)
+    backend_refusal_why = "its loss reads the features and trains a personal head outside the model"
 
     def fit(self, ctx: ClientContext, msg: Message) -> Reply:
         model = ctx.model

@@ -393,7 +393,8 @@ def clean_features(ctx: ClientContext, generator: torch.Generator) -> list[tuple
 
 
 class FedYoYoClient(ObjectiveClient, FedAvgClient):
-    objective_backends = ("graphed",)  # its loss reads features and two views of each image
+    objective_backends = ("graphed",)
+    backend_refusal_why = "its loss reads the features and two views of each image"
 
     def round_prior(self, ctx: ClientContext, msg: Message) -> torch.Tensor:
         """``pi_mix`` for this round, fused once before training (uniform when DLA is off)."""

@@ -61,7 +61,8 @@ class ScaffoldServer(FedAvgServer):
 
 
 class ScaffoldClient(ObjectiveClient, FedAvgClient):
-    objective_backends = ("graphed",)  # a corrected gradient: more than a loss of the logits
+    objective_backends = ("graphed",)
+    backend_refusal_why = "its gradient is corrected by control variates"
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective:
         """FedAvg's loss on the gradient corrected by ``c - c_i``; ``finish`` sets ``c_i+`` (the mean

@@ -129,6 +129,7 @@ class SFDClient(ObjectiveClient):
     """ABBL local training (Eq. 8)."""
 
     objective_backends = ("graphed",)
+    backend_refusal_why = "its loss reads the features and their projections"
 
     def local_objective(self, ctx: ClientContext, msg: Message) -> LocalObjective | None:
         """ABBL as a loss of the model; the round's weight is a tensor, so captured steps outlive
