@@ -1129,12 +1129,13 @@ def _resume_is_refused(cfg: dict, run_dir: Path, nodes: int, message: str) -> No
     assert grid.batches == [] and {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedavg+secagg"])
+@pytest.mark.parametrize("method", ["fedavg", "fedavg+secagg", "fedbn"])
 def test_a_flower_run_of_stateless_clients_resumes_on_new_nodes_as_if_uninterrupted(tmp_path, server_identity,
                                                                                        monkeypatch, method):
     """A deployment's server that stopped (a crash, a reboot) lost the run: a Flower run could not resume.
     With clients that keep nothing between rounds, new SuperNodes serve the rest of the run from the
-    checkpoint, and every metric equals the uninterrupted run's, its comm counts too."""
+    checkpoint, and every metric equals the uninterrupted run's, its comm counts too. FedBN on a model
+    without BatchNorm (the small CNN) is such a method: its clients have no BatchNorm to keep."""
     from fedlt.engine.flower_app import run_on_grid
     from fedlt.results import read_summary
 
@@ -1189,7 +1190,7 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
             return super().fit(ctx, msg)
 
     monkeypatch.setitem(METHODS, "oddkeeps", dataclasses.replace(METHODS["fedavg"], name="oddkeeps",
-                                                                 client=OddClientsKeep, keeps_state=lambda args: True))
+                                                                 client=OddClientsKeep, keeps_state=lambda args, model: True))
     monkeypatch.setattr(METHODS, "in_code_only", lambda name: False)  # the loopback's nodes live in this process
     data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
     cfg = tiny(tmp_path, "oddkeeps", "cut", engine="flower", data=data,
@@ -1207,19 +1208,22 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
 def test_every_method_declares_whether_its_clients_keep_state_as_they_do(tmp_path):
     """``MethodSpec.keeps_state`` refuses a Flower resume whatever replies arrived, so it must say what the
     clients do: one round of each method in-process, whose checkpoint holds every client's ``ctx.state``."""
+    from fedlt.api import prepare
     from fedlt.docs_ledger import tiny as ledger_tiny
     from fedlt.engine.checkpoint import load_checkpoint
     from fedlt.methods.registry import METHODS, parse_method_args
+    from fedlt.results import new_run_dir
 
-    cases = [(name, {}) for name, spec in METHODS.items() if not spec.pooled]
-    for name, knobs in [*cases, ("fedyoyo", {"prior_source": "counts"})]:  # FedYoYo keeps only its own estimate
+    cases = [(name, {}, {}) for name, spec in METHODS.items() if not spec.pooled]
+    for name, knobs, top in [*cases, ("fedyoyo", {"prior_source": "counts"}, {}),  # it keeps only its own estimate
+                             ("fedbn", {}, {"model": {"name": "resnet8"}})]:  # BatchNorm to keep (the CNN has none)
         spec, tree = METHODS[name], ledger_tiny(name, tmp_path)
         tree["method_args"].update(knobs)
-        tree["fl"]["rounds"], tree["run"]["name"] = 1, f"{name}{len(knobs)}"
-        if name == "fedbn":  # its state is the model's BatchNorm, which the default model has none of
-            tree["model"] = {"name": "resnet8"}
-        kept = bool(load_checkpoint(fedlt.run(tree, quiet=True).run_dir, "cpu")["clients"])
-        assert spec.keeps_state(parse_method_args(spec, tree["method_args"])) == kept, name
+        tree.update(top)
+        tree["fl"]["rounds"], tree["run"]["name"] = 1, f"{name}{len(knobs)}{len(top)}"
+        sim = prepare(build_config(tree))
+        kept = bool(load_checkpoint(sim.run(new_run_dir(sim.cfg), quiet=True).run_dir, "cpu")["clients"])
+        assert spec.keeps_state(parse_method_args(spec, tree["method_args"]), sim.server_model) == kept, name
 
 
 def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monkeypatch):

@@ -141,6 +141,24 @@ def test_fedbn_keeps_batchnorm_on_the_clients(tmp_path, monkeypatch, fedbn_small
     assert all(not bn & set(c["reply"].weights) for c in strict_fits)
 
 
+def test_fedbn_on_a_model_without_batchnorm_is_fedavg_and_keeps_nothing_on_its_clients(tmp_path):
+    """On the small CNN FedBN has no BatchNorm to keep: its clients hold no state, it declares none (a Flower
+    run of it may resume on new nodes), and every metric equals FedAvg's."""
+    from fedlt.methods.registry import parse_method_args
+    from fedlt.results import new_run_dir
+
+    runs = {}
+    for method in ("fedavg", "fedbn"):
+        sim = prepare(build_config(tiny(tmp_path, method, method, eval__every=1)))
+        runs[method] = sim.run(new_run_dir(sim.cfg), quiet=True).metrics
+        assert sim.client_states == {} and batchnorm_keys(sim.server_model) == []
+    spec = METHODS["fedbn"]
+    assert not spec.keeps_state(parse_method_args(spec, {}), sim.server_model)
+    assert spec.keeps_state(parse_method_args(spec, {}), small_bn_model(None, 10, 3, 16))
+    strip = lambda metrics: [{k: v for k, v in m.items() if k != "time_s"} for m in metrics]  # noqa: E731
+    assert strip(runs["fedbn"]) == strip(runs["fedavg"])
+
+
 def test_fedbn_personalized_model_uses_its_own_batchnorm(tmp_path, fedbn_small):
     """The personalized model of a trained client uses its stored BatchNorm, not the server's."""
     cfg = build_config(tiny(tmp_path, "fedbn", "bn", rounds=1))

@@ -261,8 +261,6 @@ class FlowerSimulation(Simulation):
         self.lost_before: dict[int, int] = {}
         #: client id -> whether its last reply said it keeps state between rounds on its node
         self.kept_state: dict[int, bool] = {}
-        #: whether the method says its clients keep such state: a resume needs it where no reply showed any (lost)
-        self.keeps_state = spec.keeps_state(parse_method_args(spec, cfg.method_args))
         #: clients whose last message no reply answered (lost, too late)
         self.unheard: set[int] = set()
         #: clients whose node lost the state they kept there: sent nothing more
@@ -273,6 +271,8 @@ class FlowerSimulation(Simulation):
         #: not come, other sites, a second resume of the folder) leaves it as it was, its summary too
         self.resuming = False
         super().__init__(cfg, spec, data, device)
+        #: whether the method says its clients keep such state: a resume needs it where no reply showed any (lost)
+        self.keeps_state = spec.keeps_state(parse_method_args(spec, cfg.method_args), self.server_model)
 
     def _client_runtime(self) -> None:
         return None

@@ -549,6 +549,7 @@ class MethodSpec:
     #: classifier calibrations the method always applies (CReFF is FedAvg + its calibration)
     calibration: tuple[str, ...] = ()
     #: whether its clients keep state between rounds in ``ctx.state`` (a personal model, control variates, a
-    #: prior estimate), from its parsed ``method_args``: a Flower run of it cannot go on from its checkpoint on
-    #: SuperNodes started again, which lack that state, even where no reply that would have shown it arrived
-    keeps_state: Callable[[MethodArgs], bool] = lambda args: False
+    #: prior estimate), from its parsed ``method_args`` and the run's model (FedBN keeps the model's BatchNorm):
+    #: a Flower run of it cannot go on from its checkpoint on SuperNodes started again, which lack that state,
+    #: even where no reply that would have shown it arrived
+    keeps_state: Callable[[MethodArgs, FedModel], bool] = lambda args, model: False

@@ -46,6 +46,11 @@ class FedBNServer(Server):
         return self.model if self.args.global_bn or not self.bn_keys else None
 
 
+def keeps_batchnorm(args: FedBNArgs, model: FedModel) -> bool:
+    """``MethodSpec.keeps_state``: the clients keep the model's BatchNorm, so nothing where it has none."""
+    return bool(batchnorm_keys(model))
+
+
 class FedBNClient(ObjectiveClient):
     personalized = True
 

@@ -10,7 +10,7 @@ from fedlt.methods.ditto import DittoArgs, DittoClient
 from fedlt.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlt.methods.fedavgm import FedAvgMArgs, FedAvgMServer
 from fedlt.methods.fedbabu import FEDBABU_HEAD, FedBABUArgs, FedBABUClient
-from fedlt.methods.fedbn import FedBNArgs, FedBNClient, FedBNServer
+from fedlt.methods.fedbn import FedBNArgs, FedBNClient, FedBNServer, keeps_batchnorm
 from fedlt.methods.feddecorr import FedDecorrArgs, FedDecorrClient
 from fedlt.methods.fedetf import FEDETF_HEAD, FedETFArgs, FedETFClient, FedETFServer, fedetf_model
 from fedlt.methods.fedlc import FedLCArgs, FedLCClient
@@ -23,6 +23,7 @@ from fedlt.methods.fedyoyo import FedYoYoArgs, FedYoYoClient, FedYoYoServer
 from fedlt.methods.gbme import GBME_LOSSES, GBMEArgs, GBMEClient, GBMEServer, gbme_head, make_gbme_model
 from fedlt.methods.scaffold import ScaffoldClient, ScaffoldServer
 from fedlt.methods.sfd import SFDArgs, SFDClient, SFDServer, make_sfd_model
+from fedlt.models import FedModel
 from fedlt.plugins import PluginRegistry
 
 
@@ -47,7 +48,7 @@ def method_from_plugin(name: str, loaded: object) -> MethodSpec:
     return spec
 
 
-def always(args: MethodArgs) -> bool:
+def always(args: MethodArgs, model: FedModel) -> bool:
     """``MethodSpec.keeps_state`` of a method whose clients keep state between rounds whatever its knobs."""
     return True
 
@@ -82,7 +83,7 @@ METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", 
         MethodSpec("ditto", "Ditto: FedAvg + personal models pulled towards it (method_args.mu)",
                    Server, DittoClient, DittoArgs, uses_loss_config=False, keeps_state=always),
         MethodSpec("fedbn", "FedBN: FedAvg with BatchNorm kept local (method_args.global_bn)",
-                   FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False, keeps_state=always),
+                   FedBNServer, FedBNClient, FedBNArgs, uses_loss_config=False, keeps_state=keeps_batchnorm),
         MethodSpec("gbme", "GBME: gradient-proxy (GPI) prior + multi-expert ensemble; GBME-p with "
                    "method_args.dp_epsilon (loss.name: bsm, la, ldam)",
                    GBMEServer, GBMEClient, GBMEArgs, make_model=make_gbme_model, losses=GBME_LOSSES,
@@ -104,7 +105,7 @@ METHODS: PluginRegistry[MethodSpec] = PluginRegistry("fedlt.methods", "method", 
                    FedAvgServer, FedDecorrClient, FedDecorrArgs),
         MethodSpec("fedyoyo", "FedYoYo: weak/strong views, self-distillation (ASD) + estimated-prior logit adjustment (DLA)",
                    FedYoYoServer, FedYoYoClient, FedYoYoArgs, uses_loss_config=False,
-                   keeps_state=lambda args: args.dla and args.prior_source == "estimated"),
+                   keeps_state=lambda args, model: args.dla and args.prior_source == "estimated"),
     ]
 }, method_from_plugin)
 
