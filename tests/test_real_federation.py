@@ -725,8 +725,11 @@ def test_a_supernode_started_again_under_its_old_id_is_told_by_the_state_it_lost
 def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tmp_path, exported, server_identity,
                                                                               monkeypatch):
     """The server of a real federation stopped after its checkpoint of round 2: started again with the same
-    sites, it sums their class counts again (the checkpoint holds only the method's setup), checks them against
-    the run's, and the rest of the run equals the uninterrupted one. Other sites, or other data, are refused."""
+    sites, it sums their class counts again (the checkpoint holds only the method's setup), checks them and each
+    site's digest of its training data against the run's, and the rest of the run equals the uninterrupted one.
+    Other sites, or other data, are refused: another site's folder, or images changed under the same counts."""
+    from PIL import Image
+
     from fedlt.engine.flower_app import run_on_grid
     from fedlt.results import read_summary
 
@@ -745,8 +748,13 @@ def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tm
     first, last = sorted(nodes_of(exported))[0], sorted(nodes_of(exported))[-1]
     swapped = {**nodes_of(exported), first: tmp_path / "other"}
     shutil.copytree(nodes_of(exported)[last], tmp_path / "other")  # a site that serves another site's data
-    with pytest.raises(ConfigError, match=r"the sites' data are not those the run began with"):
+    with pytest.raises(ConfigError, match=f"the data of site {first} are not those the run began with"):
         run_on_grid(cfg, NodeGrid(swapped), quiet=True, resume=run_dir)
+    shutil.copytree(nodes_of(exported)[last], tmp_path / "edited")  # the same files, one image's pixels changed
+    image = sorted((tmp_path / "edited" / "train").rglob("*.png"))[0]
+    Image.eval(Image.open(image), lambda v: 255 - v).save(image)
+    with pytest.raises(ConfigError, match=f"the data of site {last} are not those the run began with .the digest"):
+        run_on_grid(cfg, NodeGrid({**nodes_of(exported), last: tmp_path / "edited"}), quiet=True, resume=run_dir)
 
     resumed = run_on_grid(cfg, NodeGrid(nodes_of(exported)), quiet=True, resume=run_dir)
     # the counts summed again are not the run's traffic: its comm is the uninterrupted run's

@@ -204,7 +204,7 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     if own is not None:  # a SuperNode of a real federation: one client, its own data
         runtime = node_runtime(meta["config"], own[0])
         if meta["kind"] == HELLO:
-            return FlowerMessage(encode_message(Reply(), hello_reply(own[1])), reply_to=message)
+            return FlowerMessage(encode_message(Reply(), hello_reply(own[1], runtime.train_data)), reply_to=message)
     else:
         runtime = _client_runtime(meta["config"])
         pid, parts = _partition(context)

@@ -2,7 +2,8 @@
 data folder (``--node-config 'data="PATH" name="SITE"'``) and the server reads no training data.
 
 The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (client ``k`` is the
-k-th name, whatever Flower's node ids are), learns the federation's class counts from one summed
+k-th name, whatever Flower's node ids are), keeps the digest of each one's training data that its
+hello carries (a resume refuses a site whose data changed), learns the federation's class counts from one summed
 ``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
 without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
 (``evaluate_counts``, also summed), and a personalized method's nodes reply their personalized
@@ -31,7 +32,7 @@ from fedlt.data.sources.imagefolder import load_image_folder, load_node_data
 from fedlt.engine.clients import COUNTS, EVALUATE, EVALUATE_COUNTS, ClientRuntime
 from fedlt.engine.flower_app import HELLO, FlowerSimulation, client_failure, log
 from fedlt.engine.flower_codec import decode_meta
-from fedlt.engine.node_federation import node_federation, server_federation
+from fedlt.engine.node_federation import NodeFederation, node_federation, server_federation
 from fedlt.engine.portable_model import encode_model
 from fedlt.engine.secure_aggregation import KEYS, SecureAggregation, TooFewForSecureSum
 from fedlt.errors import ConfigError, DataError, FedltError
@@ -97,13 +98,15 @@ def node_runtime(config_json: str, folder: Path) -> ClientRuntime:
         node = load_node_data(folder, declared_dataset(cfg.data))
         require_test_folder(cfg, folder, node.test is not None)
         flips = cfg.data.flips(DATASETS[cfg.data.dataset].hflip if cfg.data.dataset in DATASETS else True)
-        data = node_federation(node.train.to(device), node.test.to(device) if node.test is not None else None, flips)
+        data = node_federation(node.train.to(device), node.test.to(device) if node.test is not None else None, flips,
+                               node.train.digest())  # hashed on the host, where the images were read
         _node_runtime[key] = ClientRuntime(cfg, spec, data, device)
     return _node_runtime[key]
 
 
-def hello_reply(name: str) -> dict[str, Any]:
-    return {"name": name, "node_data": True}
+def hello_reply(name: str, data: NodeFederation) -> dict[str, Any]:
+    """What a node says of itself: its site's name and the digest of its training data (no image, label or count)."""
+    return {"name": name, "node_data": True, "digest": data.digest}
 
 
 # ---- server side ----------------------------------------------------------------------------
@@ -114,6 +117,8 @@ class NodeDataSimulation(FlowerSimulation):
         self.grid, self.prompt, self.cfg = grid, prompt, cfg
         self.nodes, self.node_names, self.exited, self.gone = {}, {}, set(), {}  # for the hello exchange
         self._config_json = json.dumps(cfg.dump())
+        #: node id -> the digest of its training data, as its hello said
+        self.node_digests: dict[int, str] = {}
         found = self._wait_for_nodes()
         names = sorted(found, key=found.get)
         cfg = build_config({**cfg.dump(), "data": {**cfg.dump()["data"], "num_clients": len(names)}})
@@ -131,6 +136,8 @@ class NodeDataSimulation(FlowerSimulation):
         self._told_late_standby: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
+        #: client id -> the digest of its site's training data: a resume refuses a site whose data changed
+        self.client_digests = [self.node_digests.get(n, "") for n in names]
         engine_sums = {COUNTS: "sum", EVALUATE_COUNTS: "sum", EVALUATE: "sum"}
         if self.secure is not None:
             self.secure.phases.update(engine_sums)
@@ -169,6 +176,7 @@ class NodeDataSimulation(FlowerSimulation):
                                          "(--node-config 'data=\"PATH\" name=\"SITE\"'), stop the extra one, and "
                                          "start the run again")
                     found[node] = meta["name"]
+                    self.node_digests[node] = meta.get("digest", "")
                 log(f"fedlt: {len(found)}/{fl.min_nodes} SuperNodes connected ({', '.join(sorted(found.values()))})")
             if len(found) >= fl.min_nodes:
                 return found
@@ -276,16 +284,25 @@ class NodeDataSimulation(FlowerSimulation):
         self.groups = shot_groups(self.eval_data.counts, self.cfg.eval)
 
     def federation_record(self) -> dict[str, Any]:
-        """The sites, in client order, and their summed class counts: a resume refuses other sites or data."""
-        return {"sites": list(self.client_names), "class_counts": [int(c) for c in self.eval_data.counts]}
+        """The sites, in client order, their data's digests and their summed class counts: a resume refuses
+        other sites or data."""
+        return {"sites": list(self.client_names), "digests": list(self.client_digests),
+                "class_counts": [int(c) for c in self.eval_data.counts]}
 
     def resume_stage(self, saved: dict[str, Any]) -> None:
-        """The class counts again (the method's setup stage is in the checkpoint), from the same sites."""
+        """The class counts again (the method's setup stage is in the checkpoint), from the same sites with
+        the same data."""
         super().resume_stage(saved)
         before = saved.get("federation", {})
         if before.get("sites") != self.client_names:
             raise ConfigError(f"the run's sites were {', '.join(before.get('sites') or [])}, the connected SuperNodes "
                               f"are {', '.join(self.client_names)}; start the run's own sites to resume it")
+        changed = [site for site, was, now in zip(self.client_names, before.get("digests") or [], self.client_digests)
+                   if was != now]
+        if changed:
+            raise ConfigError(f"the data of {'site' if len(changed) == 1 else 'sites'} {', '.join(changed)} are not "
+                              "those the run began with (the digest of the training images and labels differs); "
+                              "resume with each site's own folder, or start a new run")
         traffic = dict(self._traffic)
         self._sum_class_counts(lambda sites, fix: ConfigError(
             f"{sites} did not answer the resumed run's check of the sites' class counts; {fix}, then run the same "

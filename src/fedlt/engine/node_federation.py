@@ -38,6 +38,9 @@ class _EveryClient:
 class NodeFederation(FederatedData):
     """One node's data: its single client's rows are every training image it holds."""
 
+    #: :meth:`ImageDataset.digest` of its training set, what the node tells the server of its data
+    digest: str = ""
+
     def client_indices(self, cid: int) -> torch.Tensor:
         return torch.arange(len(self.train), dtype=torch.int64, device=self.train.images.device)
 
@@ -45,12 +48,14 @@ class NodeFederation(FederatedData):
         return self.partition.counts[0]
 
 
-def node_federation(train: ImageDataset, test: ImageDataset | None, hflip: bool) -> NodeFederation:
-    """The client runtime's view of a node that holds ``train`` (and ``test``, its own test split)."""
+def node_federation(train: ImageDataset, test: ImageDataset | None, hflip: bool, digest: str = "") -> NodeFederation:
+    """The client runtime's view of a node that holds ``train`` (and ``test``, its own test split), whose
+    training set hashes to ``digest``."""
     test = test if test is not None else empty_like(train)
     counts = train.class_counts().cpu().numpy()[None, :]
     partition = Partition([np.arange(len(train), dtype=np.int64)], counts)
-    return NodeFederation(train, test, partition, _EveryClient(np.arange(len(test), dtype=np.int64)), hflip)  # type: ignore[arg-type]
+    return NodeFederation(train, test, partition, _EveryClient(np.arange(len(test), dtype=np.int64)), hflip,  # type: ignore[arg-type]
+                          digest=digest)
 
 
 @dataclass
