@@ -1177,7 +1177,8 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
                                                                                         monkeypatch):
     """Whether clients keep state on their nodes was read only from the replies that arrived: where every reply of a
     client that kept state came too late (its node slow), the run was taken as stateless and resumed on new nodes
-    without that state. The method's own declaration (``MethodSpec.keeps_state``) is recorded and refuses it."""
+    without that state. The method's own declaration (``MethodSpec.keeps_state``) is recorded and refuses it;
+    here in the form of the ``method_args`` alone, which declarations written before the model was passed have."""
     from fedlt.methods.fedavg import FedAvgClient
     from fedlt.methods.registry import METHODS
 
@@ -1190,7 +1191,7 @@ def test_a_stateful_method_whose_state_showing_replies_were_all_lost_is_refused_
             return super().fit(ctx, msg)
 
     monkeypatch.setitem(METHODS, "oddkeeps", dataclasses.replace(METHODS["fedavg"], name="oddkeeps",
-                                                                 client=OddClientsKeep, keeps_state=lambda args, model: True))
+                                                                 client=OddClientsKeep, keeps_state=lambda args: True))
     monkeypatch.setattr(METHODS, "in_code_only", lambda name: False)  # the loopback's nodes live in this process
     data = {"dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5, "num_clients": 4}
     cfg = tiny(tmp_path, "oddkeeps", "cut", engine="flower", data=data,
@@ -1223,7 +1224,7 @@ def test_every_method_declares_whether_its_clients_keep_state_as_they_do(tmp_pat
         tree["fl"]["rounds"], tree["run"]["name"] = 1, f"{name}{len(knobs)}{len(top)}"
         sim = prepare(build_config(tree))
         kept = bool(load_checkpoint(sim.run(new_run_dir(sim.cfg), quiet=True).run_dir, "cpu")["clients"])
-        assert spec.keeps_state(parse_method_args(spec, tree["method_args"]), sim.server_model) == kept, name
+        assert spec.clients_keep_state(parse_method_args(spec, tree["method_args"]), sim.server_model) == kept, name
 
 
 def test_ctrl_c_in_a_flower_simulation_names_how_its_run_goes_on(tmp_path, monkeypatch):

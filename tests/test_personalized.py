@@ -153,8 +153,8 @@ def test_fedbn_on_a_model_without_batchnorm_is_fedavg_and_keeps_nothing_on_its_c
         runs[method] = sim.run(new_run_dir(sim.cfg), quiet=True).metrics
         assert sim.client_states == {} and batchnorm_keys(sim.server_model) == []
     spec = METHODS["fedbn"]
-    assert not spec.keeps_state(parse_method_args(spec, {}), sim.server_model)
-    assert spec.keeps_state(parse_method_args(spec, {}), small_bn_model(None, 10, 3, 16))
+    assert not spec.clients_keep_state(parse_method_args(spec, {}), sim.server_model)
+    assert spec.clients_keep_state(parse_method_args(spec, {}), small_bn_model(None, 10, 3, 16))
     strip = lambda metrics: [{k: v for k, v in m.items() if k != "time_s"} for m in metrics]  # noqa: E731
     assert strip(runs["fedbn"]) == strip(runs["fedavg"])
 

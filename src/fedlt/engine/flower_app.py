@@ -272,7 +272,7 @@ class FlowerSimulation(Simulation):
         self.resuming = False
         super().__init__(cfg, spec, data, device)
         #: whether the method says its clients keep such state: a resume needs it where no reply showed any (lost)
-        self.keeps_state = spec.keeps_state(parse_method_args(spec, cfg.method_args), self.server_model)
+        self.keeps_state = spec.clients_keep_state(parse_method_args(spec, cfg.method_args), self.server_model)
 
     def _client_runtime(self) -> None:
         return None

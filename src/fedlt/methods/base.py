@@ -23,6 +23,7 @@ must remember between rounds lives in ``ctx.state``, which the engine keeps per 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal
@@ -553,3 +554,12 @@ class MethodSpec:
     #: a Flower run of it cannot go on from its checkpoint on SuperNodes started again, which lack that state,
     #: even where no reply that would have shown it arrived
     keeps_state: Callable[[MethodArgs, FedModel], bool] = lambda args, model: False
+
+    def clients_keep_state(self, args: MethodArgs, model: FedModel) -> bool:
+        """``keeps_state`` of a run. A declaration of one parameter, the ``method_args`` alone (as a plug-in
+        written before the model was passed declares it), is called with them alone."""
+        try:
+            alone = len(inspect.signature(self.keeps_state).parameters) == 1
+        except (TypeError, ValueError):  # a callable without a signature: take it as the current form
+            alone = False
+        return bool(self.keeps_state(args) if alone else self.keeps_state(args, model))  # type: ignore[call-arg]
