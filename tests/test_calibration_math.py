@@ -14,6 +14,8 @@ from fedlt.calibration.math.classifiers import ncm_classifier, ridge_classifier,
 from fedlt.calibration.math.creff import (
     FederatedFeatures,
     aggregate_gradients,
+    aggregate_held_gradients,
+    held_class_gradients,
     matching_loss,
     per_class_gradients,
 )
@@ -456,3 +458,44 @@ def test_virtual_features_and_the_safs_target_from_features_grown_to_1e12():
     assert feats.shape == (5, 64) and torch.isfinite(feats).all()
     z, _, _ = synthesize(mean, cov, None, None, torch.tensor([80]), gen(2), SynthesisOptions(steps=0, mmd=False))
     assert z.shape == (80, 64) and torch.isfinite(z).all()
+
+
+def test_held_class_gradients_are_the_rows_of_the_classes_held_and_aggregate_in_place():
+    """A client's gradients are (k, C, d+1) for the k classes it holds, not (C, C, d+1): at a thousand
+    classes the full tensor is half a gigabyte per client. Summed in place, they give Eq. 4's mean."""
+    weight, bias = linear_init(6, 50, gen(40))
+    x, y = torch.randn(9, 6, generator=gen(41)), torch.tensor([7, 3, 7, 40, 3, 7, 40, 40, 3])
+    classes, held = held_class_gradients(weight, bias, x, y, 50)
+    assert classes.tolist() == [3, 7, 40] and held.shape == (3, 50, 7)
+    for c, grad in zip(classes.tolist(), held):
+        torch.testing.assert_close(grad, autograd_class_gradient(weight, bias, x[y == c], y[y == c]),
+                                   rtol=1e-5, atol=1e-6)
+    other = held_class_gradients(weight, bias, x[:3] * 2, y[:3], 50)  # holds 3 and 7
+    agg, present = aggregate_held_gradients([(classes, held), other], 50)
+    assert present.nonzero().flatten().tolist() == [3, 7, 40]
+    torch.testing.assert_close(agg[7], (held[1] + other[1][1]) / 2)
+    torch.testing.assert_close(agg[40], held[2])
+    dense = aggregate_gradients([per_class_gradients(weight, bias, x, y, 50),
+                                 per_class_gradients(weight, bias, x[:3] * 2, y[:3], 50)])
+    torch.testing.assert_close(dense[0], agg)
+
+
+def test_feature_matching_runs_in_chunks_of_classes_with_the_same_step(monkeypatch):
+    """Eq. 6 is a sum over classes, so matching a few classes at a time takes the step of matching
+    all at once, while the per-class classifier copies stay within GRADIENT_CHUNK_ELEMENTS."""
+    C, d, m = 7, 5, 3
+    weight, bias = torch.randn(C, d, generator=gen(42)), torch.randn(C, generator=gen(43))
+    g_agg, present = per_class_gradients(weight, bias, torch.randn(30, d, generator=gen(44)), torch.arange(30) % 6, C)
+    whole = FederatedFeatures(C, m, d, gen(45), feature_lr=0.7, momentum=0.5)
+    whole_loss = whole.match(weight, bias, g_agg, present, steps=2)
+    monkeypatch.setattr(creff, "GRADIENT_CHUNK_ELEMENTS", 2 * C * (d + 1 + m))  # two classes at a time
+    sizes = []
+    original = FederatedFeatures.gradients
+    monkeypatch.setattr(FederatedFeatures, "gradients",
+                        lambda self, w, b, classes=None: sizes.append(C if classes is None else classes.numel())
+                        or original(self, w, b, classes))
+    chunked = FederatedFeatures(C, m, d, gen(45), feature_lr=0.7, momentum=0.5)
+    chunked_loss = chunked.match(weight, bias, g_agg, present, steps=2)
+    assert max(sizes) == 2 and sum(sizes) == 3 * 6  # 2 steps + the final loss, over the 6 present classes
+    torch.testing.assert_close(chunked.features, whole.features, rtol=1e-5, atol=1e-6)
+    assert chunked_loss == pytest.approx(whole_loss, rel=1e-5)

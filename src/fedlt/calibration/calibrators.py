@@ -223,17 +223,11 @@ class CReFF(Calibrator):
         return {"creff/weight": self.retrained.weight.detach().clone(), "creff/bias": self.retrained.bias.detach().clone()}
 
     def on_fit_replies(self, rnd: int, replies: dict[int, Reply]) -> None:
-        parts = [self._unpack(r.payload) for r in replies.values() if "creff/grads" in r.payload]
-        self.g_agg, self.present = creff.aggregate_gradients(parts) if parts else (None, None)
-
-    def _unpack(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """A client's gradients for the classes it holds -> the (C, C, d+1) layout with a mask."""
-        classes = payload["creff/classes"].to(self.ctx.device)
-        grads = payload["creff/grads"].to(self.ctx.device)
-        full = torch.zeros(self.num_classes, *grads.shape[1:], device=self.ctx.device)
-        present = torch.zeros(self.num_classes, dtype=torch.bool, device=self.ctx.device)
-        full[classes], present[classes] = grads, True
-        return full, present
+        parts = [(r.payload["creff/classes"], r.payload["creff/grads"]) for r in replies.values()
+                 if "creff/grads" in r.payload]
+        self.g_agg, self.present = creff.aggregate_held_gradients(
+            ((classes.to(self.ctx.device), grads.to(self.ctx.device)) for classes, grads in parts),
+            self.num_classes) if parts else (None, None)
 
     def end_round(self, rnd: int, model) -> None:
         if self.g_agg is None or not bool(self.present.any()):  # no sampled client held any data
@@ -281,9 +275,8 @@ def creff_client_gradients(model, features: torch.Tensor, labels: torch.Tensor, 
     classifier, on features of the received backbone."""
     w = payload["creff/weight"].to(features.device)
     b = payload["creff/bias"].to(features.device)
-    grads, present = creff.per_class_gradients(w, b, features, labels, model.num_classes)
-    classes = present.nonzero().flatten()
-    return {"creff/classes": classes, "creff/grads": grads[classes].float()}  # only the classes it holds
+    classes, grads = creff.held_class_gradients(w, b, features, labels, model.num_classes)
+    return {"creff/classes": classes, "creff/grads": grads}  # only the classes it holds
 
 
 class CCVR(Calibrator):

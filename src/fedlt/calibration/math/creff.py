@@ -17,7 +17,7 @@ so one tensor carries both. How the bias enters the cosines of Eq. 6 is :func:`m
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,15 +46,16 @@ def _check_classifier(weight: torch.Tensor, bias: torch.Tensor, num_classes: int
         )
 
 
-def per_class_gradients(
+def held_class_gradients(
     weight: torch.Tensor, bias: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, num_classes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 3: per class, the mean CE gradient w.r.t. the classifier, ``(C, C, d+1)``, and the mask.
+    """Eq. 3 for the classes the labels hold: those classes (k,) and their mean CE gradients w.r.t.
+    the classifier, ``(k, C, d+1)``, the size of a client's message (a ``C x C x (d+1)`` tensor
+    would be gigabytes at a thousand classes, mostly for classes the client does not hold).
 
     For one sample, ``dCE/dlogits = softmax - onehot`` and the gradient of row ``j`` is that
     residual's ``j``-th entry times ``[z, 1]``; the per-class means are accumulated with
     ``index_add_`` over chunks of samples (bounding memory to ``GRADIENT_CHUNK_ELEMENTS``).
-    Returns float32 gradients (zeros for absent classes) and ``present`` (C,) bool.
     """
     validate_features(features, labels, num_classes)
     _check_classifier(weight, bias, num_classes, features.shape[1])
@@ -63,35 +64,66 @@ def per_class_gradients(
     b = bias.detach().to(device=z.device, dtype=torch.float32)
     residual = torch.softmax(z @ w.T + b, dim=1) - F.one_hot(labels, num_classes).to(torch.float32)
     z1 = torch.cat([z, torch.ones_like(z[:, :1])], dim=1)
-    grads = torch.zeros(num_classes, num_classes, z1.shape[1], dtype=torch.float32, device=z.device)
+    classes, slot = torch.unique(labels, return_inverse=True)
+    grads = torch.zeros(classes.numel(), num_classes, z1.shape[1], dtype=torch.float32, device=z.device)
     chunk = max(1, GRADIENT_CHUNK_ELEMENTS // (num_classes * z1.shape[1]))
     for start in range(0, z.shape[0], chunk):
         stop = start + chunk
-        grads.index_add_(0, labels[start:stop], residual[start:stop, :, None] * z1[start:stop, None, :])
-    count = torch.bincount(labels, minlength=num_classes)
-    present = count > 0
-    return grads / count.clamp_min(1).to(torch.float32)[:, None, None], present
+        grads.index_add_(0, slot[start:stop], residual[start:stop, :, None] * z1[start:stop, None, :])
+    count = torch.bincount(slot, minlength=classes.numel())
+    return classes, grads / count.to(torch.float32)[:, None, None]
+
+
+def per_class_gradients(
+    weight: torch.Tensor, bias: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`held_class_gradients` in the ``(C, C, d+1)`` layout (zeros for absent classes) with
+    the ``present`` (C,) mask."""
+    classes, held = held_class_gradients(weight, bias, features, labels, num_classes)
+    grads = held.new_zeros(num_classes, *held.shape[1:])
+    present = torch.zeros(num_classes, dtype=torch.bool, device=held.device)
+    grads[classes], present[classes] = held, True
+    return grads, present
+
+
+def aggregate_held_gradients(
+    client_gradients: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 4: per class, the unweighted mean of the gradients of the clients that hold it.
+
+    Unweighted by design: clients send no class counts (part of CReFF's privacy argument). Each
+    client's ``(classes, grads)`` (:func:`held_class_gradients`) is added in place, so the memory
+    is one ``(C, C, d+1)`` sum, not one per client. Returns ``g_agg`` (C, C, d+1), zero for classes
+    no client holds, and ``present_any`` (C,).
+    """
+    total = holders = None
+    for classes, grads in client_gradients:
+        if total is None:
+            total = grads.new_zeros(num_classes, *grads.shape[1:])
+            holders = torch.zeros(num_classes, dtype=grads.dtype, device=grads.device)
+        if grads.shape[1:] != total.shape[1:] or classes.shape != grads.shape[:1]:
+            raise ValueError(f"client gradients {tuple(grads.shape)} of {classes.numel()} classes do not match "
+                             f"{tuple(total.shape)}")
+        classes = classes.to(total.device)
+        total.index_add_(0, classes, grads.to(total.device))
+        holders.index_add_(0, classes, torch.ones_like(classes, dtype=total.dtype))
+    if total is None:
+        raise ValueError("aggregate_gradients needs at least one client's gradients")
+    return total.div_(holders.clamp_min(1)[:, None, None]), holders > 0
 
 
 def aggregate_gradients(
     client_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 4: per class, the unweighted mean of the gradients of the clients that hold it.
-
-    Unweighted by design: clients send no class counts (part of CReFF's privacy argument).
-    Returns ``g_agg`` (C, C, d+1), zero for classes no client holds, and ``present_any`` (C,).
-    """
+    """:func:`aggregate_held_gradients` of gradients in the ``(C, C, d+1)`` layout with their masks."""
     if not client_gradients:
         raise ValueError("aggregate_gradients needs at least one client's gradients")
-    total = torch.zeros_like(client_gradients[0][0])
-    holders = torch.zeros(total.shape[0], dtype=total.dtype, device=total.device)
+    shape = client_gradients[0][0].shape
     for grads, present in client_gradients:
-        if grads.shape != total.shape or present.shape != holders.shape:
-            raise ValueError(f"client gradients {tuple(grads.shape)} do not match {tuple(total.shape)}")
-        mask = present.to(device=total.device, dtype=total.dtype)
-        total += grads.to(total.device) * mask[:, None, None]
-        holders += mask
-    return total / holders.clamp_min(1)[:, None, None], holders > 0
+        if grads.shape != shape or present.shape != shape[:1]:
+            raise ValueError(f"client gradients {tuple(grads.shape)} do not match {tuple(shape)}")
+    held = ((present.nonzero().flatten(), grads[present]) for grads, present in client_gradients)
+    return aggregate_held_gradients(held, shape[0])
 
 
 BIAS_TERMS = ("released", "row", "weights")
@@ -165,26 +197,48 @@ class FederatedFeatures:
         self.features = init.to(device if device is not None else generator.device).requires_grad_(True)
         self.optimizer = torch.optim.SGD([self.features], lr=feature_lr, momentum=momentum)
 
-    def gradients(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Eq. 5 for every class: ``g_fed`` (C, C, d+1), differentiable w.r.t. the features.
+    def gradients(self, weight: torch.Tensor, bias: torch.Tensor, classes: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 5 for ``classes`` (default: every class): ``g_fed`` (k, C, d+1), differentiable
+        w.r.t. the features.
 
-        The fixed classifier is copied once per class (``C`` independent copies), so a single
+        The fixed classifier is copied once per class (``k`` independent copies), so a single
         ``autograd.grad`` of the summed per-class losses yields each class's own gradient;
         ``create_graph=True`` keeps the graph for differentiating the matching loss.
         """
         num_classes, per_class, dim = self.features.shape
         _check_classifier(weight, bias, num_classes, dim)
         device = self.features.device
-        w = weight.detach().to(device=device, dtype=torch.float32).repeat(num_classes, 1, 1).requires_grad_(True)
-        b = bias.detach().to(device=device, dtype=torch.float32).repeat(num_classes, 1).requires_grad_(True)
+        classes = torch.arange(num_classes, device=device) if classes is None else classes.to(device)
+        k = classes.numel()
+        w = weight.detach().to(device=device, dtype=torch.float32).repeat(k, 1, 1).requires_grad_(True)
+        b = bias.detach().to(device=device, dtype=torch.float32).repeat(k, 1).requires_grad_(True)
         with torch.enable_grad():
-            logits = torch.baddbmm(b[:, None, :], self.features, w.transpose(1, 2))
-            targets = torch.arange(num_classes, device=device).repeat_interleave(per_class)
+            logits = torch.baddbmm(b[:, None, :], self.features[classes], w.transpose(1, 2))
+            targets = classes.repeat_interleave(per_class)
             losses = F.cross_entropy(logits.reshape(-1, num_classes), targets, reduction="none")
-            grad_w, grad_b = torch.autograd.grad(
-                losses.view(num_classes, per_class).mean(dim=1).sum(), (w, b), create_graph=True
-            )
+            grad_w, grad_b = torch.autograd.grad(losses.view(k, per_class).mean(dim=1).sum(), (w, b),
+                                                 create_graph=True)
         return torch.cat([grad_w, grad_b[:, :, None]], dim=2)
+
+    def _class_chunks(self, present: torch.Tensor) -> list[torch.Tensor]:
+        """The present classes in chunks whose gradients and logits stay near ``GRADIENT_CHUNK_ELEMENTS``
+        values: Eq. 6 is a sum over classes, each depending on its own features only, so chunks
+        give the same step while the memory stays bounded at any number of classes."""
+        num_classes, per_class, dim = self.features.shape
+        size = max(1, GRADIENT_CHUNK_ELEMENTS // (num_classes * (dim + 1 + per_class)))
+        return list(present.nonzero().flatten().split(size))
+
+    def _matching_loss(self, weight: torch.Tensor, bias: torch.Tensor, target: torch.Tensor,
+                       present: torch.Tensor, bias_term: str, backward: bool) -> float:
+        """Eq. 6 over the present classes, chunk by chunk, its gradient accumulated when ``backward``."""
+        total = 0.0
+        for chunk in self._class_chunks(present):
+            loss = matching_loss(self.gradients(weight, bias, chunk), target[chunk],
+                                 torch.ones(chunk.numel(), dtype=torch.bool, device=chunk.device), bias_term)
+            if backward:
+                loss.backward(inputs=[self.features])
+            total += float(loss.detach())
+        return total
 
     def match(
         self, weight: torch.Tensor, bias: torch.Tensor, g_agg: torch.Tensor, present: torch.Tensor, steps: int,
@@ -203,11 +257,10 @@ class FederatedFeatures:
         target = g_agg.detach().to(device=device, dtype=torch.float32)
         with torch.enable_grad():
             for _ in range(steps):
-                loss = matching_loss(self.gradients(weight, bias), target, present, bias_term)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward(inputs=[self.features])
+                self._matching_loss(weight, bias, target, present, bias_term, backward=True)
                 self.optimizer.step()
-        return float(matching_loss(self.gradients(weight, bias), target, present, bias_term).detach())
+            return self._matching_loss(weight, bias, target, present, bias_term, backward=False)
 
     def features_and_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The features as a (C*m, d) training set, class-major, with their int64 labels."""
