@@ -307,3 +307,35 @@ def test_partition_plot_orders_its_columns_head_to_tail_when_the_classes_were_sh
     heatmap = drawn["fig"].axes[0]
     assert [t.get_text() for t in heatmap.get_xticklabels()] == ["1\n(39)", "2\n(4)", "0\n(3)"]
     assert np.ma.getdata(heatmap.images[0].get_array()).tolist() == [[9, 0, 1], [30, 4, 2]]
+
+
+def test_many_classes_and_clients_are_summarised_not_listed_one_per_line(tmp_path, monkeypatch):
+    """ImageNet-LT's 1,000 or iNaturalist's 8,142 classes made `fedlt data describe` and a run's
+    report.md print one line per class (and a shot group's every class on one line), 500 clients
+    one line each: beyond ROWS_EACH they come in size bins, the largest and smallest clients, and
+    listings name LISTED_CLASSES and count the rest."""
+    from fedlt.config import load_config
+    from fedlt.reporting import describe
+    from fedlt.results import LISTED_CLASSES, listed, render_report, size_bins
+
+    assert listed([str(i) for i in range(3)]) == "0, 1, 2"
+    assert listed([str(i) for i in range(50)]).endswith(f"{LISTED_CLASSES - 1}, ... (50 in all)")
+    bins = size_bins([1, 9, 9, 4, 2, 7, 3], bins=3)
+    assert bins == [([1, 2, 5], "9..7"), ([3, 6], "4..3"), ([4, 0], "2..1")]
+    monkeypatch.setattr(describe, "ROWS_EACH", 4)
+    text, _ = describe.describe_data(None, ["data.dataset=synthetic", "data.num_clients=12"], tmp_path)
+    assert "class  name" not in text and "10 classes from head to tail in bins" in text
+    clients = text.split("client  samples  classes  largest class (share)\n")[1].splitlines()
+    assert len(clients) == 11 and "... 2 more clients" in clients[5]
+    sizes = [int(line.split()[1]) for line in clients[:5] + clients[6:]]
+    assert sizes == sorted(sizes, reverse=True)
+    cfg = load_config(None, ["data.dataset=synthetic"])
+    per_class = [float(c % 2) * 100 for c in range(150)]
+    summary = {"final": {"round": 1, "acc": 50.0, "per_class_acc": per_class}, "best_round": {"round": 1, "acc": 50.0,
+               "selected_by": "acc"}, "communication_bytes": {}, "shot_rule": "count",
+               "shot_groups": {"many": list(range(150)), "medium": [], "few": []},
+               "train_class_counts": [300 - c for c in range(150)], "class_names": [f"c{c}" for c in range(150)]}
+    report = render_report(cfg, summary, [])
+    assert "many = classes 0, 1, 2" in report and "... (150 in all)" in report and "| c149 |" not in report
+    table = report.split("## Per-class accuracy (final round)")[1].split("\n\n")[2].splitlines()
+    assert table[2] == "| 1 | 15 | 300..286 | 46.67 | 8 |" and len(table) == 12

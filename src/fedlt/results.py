@@ -550,6 +550,47 @@ def write_stopped_summary(run_dir: Path, cfg: Config, rows: list[dict[str, Any]]
     return summary
 
 
+#: a listing of classes (a shot group's) names this many and counts the rest
+LISTED_CLASSES = 20
+#: up to this many classes (or clients) a report or ``fedlt data describe`` gives one row each; beyond, a
+#: row per bin of classes of about equal size (ImageNet-LT's 1,000, iNaturalist's 8,142 rows are unreadable)
+ROWS_EACH = 100
+SIZE_BINS = 10
+
+
+def listed(items: list[str], limit: int = LISTED_CLASSES) -> str:
+    """``items`` joined, the first ``limit`` of them and how many there are in all beyond that."""
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items)} in all)"
+
+
+def size_bins(counts: list[int], bins: int = SIZE_BINS) -> list[tuple[list[int], str]]:
+    """The classes from head to tail (most training samples first, ties by index) cut into ``bins``
+    groups of about equal numbers of classes, each with its span of training samples (``40..12``):
+    how per-class figures are read at many classes."""
+    order = sorted(range(len(counts)), key=lambda c: (-counts[c], c))
+    step, extra = divmod(len(order), bins)
+    cuts = [i * step + min(i, extra) for i in range(bins + 1)]
+    groups = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(g, f"{counts[g[0]]}" if counts[g[0]] == counts[g[-1]] else f"{counts[g[0]]}..{counts[g[-1]]}")
+            for g in groups]
+
+
+def _per_class_lines(accs: list[float], counts: list[int] | None, names: list[str]) -> list[str]:
+    """The report's per-class accuracy: a row per class, or per size bin beyond ``ROWS_EACH`` classes."""
+    if counts is None or len(accs) <= ROWS_EACH:
+        counts = counts or [None] * len(accs)
+        return ["| class | train samples | acc |", "|---|---|---|",
+                *(f"| {names[i]} | {counts[i]} | {a:.2f} |" for i, a in enumerate(accs))]
+    lines = [f"{len(accs)} classes, too many for a row each: the classes from head to tail in {SIZE_BINS} bins of "
+             "about equal numbers of classes, with their mean accuracy (every class's is `final.per_class_acc` "
+             "in summary.json).", "", "| bin | classes | train samples | mean acc | classes at 0 |", "|---|---|---|---|---|"]
+    for k, (members, span) in enumerate(size_bins(counts), start=1):
+        lines.append(f"| {k} | {len(members)} | {span} | {sum(accs[c] for c in members) / len(members):.2f} | "
+                     f"{sum(accs[c] == 0 for c in members)} |")
+    return lines
+
+
 def _long_tail_label(d: Any) -> str:
     """``IF=100``, or, for a dataset long-tailed as distributed (whose data.imbalance_factor is not read),
     ``long-tailed as distributed``, as reports and ``fedlt data describe`` name it."""
@@ -579,7 +620,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         f"{summary.get('data', '')}",
         "",
         f"Shot groups — {summary.get('shot_rule', '')}: "
-        + "; ".join(f"{g} = classes {', '.join(map(str, c)) or 'none'}" for g, c in summary.get("shot_groups", {}).items())
+        + "; ".join(f"{g} = classes {listed([str(i) for i in c]) or 'none'}"
+                    for g, c in summary.get("shot_groups", {}).items())
         + (" (a group is empty: eval.many_threshold and eval.few_threshold move the counts, eval.shot_rule=cumulative "
            "splits by shares of the samples)" if cfg.eval.shot_rule == "count"
            and not all(summary.get("shot_groups", {}).values()) else ""),
@@ -615,10 +657,9 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         lines += ["", "Method's own metrics (final round): "
                   + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in f["server_metrics"].items())]
     if f.get("per_class_acc"):
-        lines += ["", "## Per-class accuracy (final round)", "", "| class | train samples | acc |", "|---|---|---|"]
-        counts = summary.get("train_class_counts", [None] * len(f["per_class_acc"]))
         names = summary.get("class_names", [str(i) for i in range(len(f["per_class_acc"]))])
-        lines += [f"| {names[i]} | {counts[i]} | {a:.2f} |" for i, a in enumerate(f["per_class_acc"])]
+        lines += ["", "## Per-class accuracy (final round)", "",
+                  *_per_class_lines(f["per_class_acc"], summary.get("train_class_counts"), names)]
     if f.get("variants"):
         lines += ["", "## Variants of the global model (final round)", "",
                   "| variant | acc | many | medium | few |" + (" val acc |" if has_val else ""),

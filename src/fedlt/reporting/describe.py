@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from fedlt.config import DIRICHLET_PARTITIONS, federation_seed, load_config, partition_label
 from fedlt.data.federated import build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
-from fedlt.results import partition_record, write_atomic
+from fedlt.results import ROWS_EACH, listed, partition_record, size_bins, write_atomic
 
 
 def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[str, list[Path]]:
@@ -30,16 +32,30 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {seed}",
              data.describe(), "", f"Shot groups ({groups.rule}):"]
     for g, classes in groups.classes.items():
-        lines.append(f"  {g:6s} {len(classes):3d} classes: " + (", ".join(f"{c} ({totals[c]})" for c in classes) or "none"))
-    lines += ["", "class  name                 samples  clients holding it"]
-    for c in range(len(totals)):
-        lines.append(f"{c:5d}  {str(names[c])[:20]:20s} {totals[c]:7d}  {int((counts[:, c] > 0).sum()):3d}")
-    lines += ["", "client  samples  classes  largest class (share)"]
+        lines.append(f"  {g:6s} {len(classes):3d} classes: " + (listed([f"{c} ({totals[c]})" for c in classes]) or "none"))
+    holders = (counts > 0).sum(0)
+    if len(totals) <= ROWS_EACH:
+        lines += ["", "class  name                 samples  clients holding it"]
+        lines += [f"{c:5d}  {str(names[c])[:20]:20s} {totals[c]:7d}  {int(holders[c]):3d}" for c in range(len(totals))]
+    else:
+        lines += ["", f"{len(totals)} classes from head to tail in bins of about equal numbers of classes (every "
+                  "class's counts per client are in the partition JSON):",
+                  "bin  classes  samples each  clients holding one (mean)"]
+        for k, (members, span) in enumerate(size_bins([int(t) for t in totals]), start=1):
+            lines.append(f"{k:3d}  {len(members):7d}  {span:>12s}  {holders[members].mean():.1f}")
+    rows = []
     for k, row in enumerate(counts):
         n = int(row.sum())
         top = int(row.argmax())
         share = f"{top} ({100 * row[top] / n:.0f}%)" if n else "-"
-        lines.append(f"{k:6d}  {n:7d}  {int((row > 0).sum()):7d}  {share}")
+        rows.append(f"{k:6d}  {n:7d}  {int((row > 0).sum()):7d}  {share}")
+    lines += ["", "client  samples  classes  largest class (share)"]
+    if len(rows) <= ROWS_EACH:
+        lines += rows
+    else:  # the five largest and the five smallest
+        order = np.argsort(-counts.sum(1), kind="stable")
+        lines += [*(rows[k] for k in order[:5]), f"   ... {len(rows) - 10} more clients (every client is in the "
+                  "partition JSON)", *(rows[k] for k in order[-5:])]
     record = partition_record(cfg, counts, names)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{d.dataset}-{'lt' if as_distributed else f'if{d.imbalance_factor:g}'}-{d.partition}" \
