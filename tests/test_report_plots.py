@@ -339,3 +339,23 @@ def test_many_classes_and_clients_are_summarised_not_listed_one_per_line(tmp_pat
     assert "many = classes 0, 1, 2" in report and "... (150 in all)" in report and "| c149 |" not in report
     table = report.split("## Per-class accuracy (final round)")[1].split("\n\n")[2].splitlines()
     assert table[2] == "| 1 | 15 | 300..286 | 46.67 | 8 |" and len(table) == 12
+
+
+def test_per_class_accuracy_of_many_classes_is_drawn_as_size_bins(tmp_path, monkeypatch):
+    """At ImageNet-LT's 1,000 classes a point per class (each 0 or 100 on a test image or two) drew a
+    comb of vertical lines: beyond ROWS_EACH classes each line has SIZE_BINS points, bins' means."""
+    import matplotlib.axes
+
+    from fedlt.reporting.plots import plot_per_class
+
+    counts = [200 - c for c in range(150)]
+    run = Run(tmp_path / "s0", 0, {"train_class_counts": counts, "final": {"per_class_acc": [100.0 * (c % 2)
+              for c in range(150)]}, "shot_groups": {"many": [], "medium": [], "few": []}})
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, *a, **k: drawn.append((list(x), list(y)))
+                        or original(self, x, y, *a, **k))
+    assert_readable_png(plot_per_class(Setting("s", [Row("FedAvg", None, [run])]), tmp_path / "per-class.png"))
+    (x, y), = drawn
+    assert len(x) == 10 and x == sorted(x) and x[0] == pytest.approx(np.mean(counts[-15:]))
+    assert y[0] == pytest.approx(100 * 8 / 15)  # the 15 smallest classes, 135..149: 8 odd ones at 100

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedlt.reporting.collect import Row, Run, Setting
 from fedlt.reporting.stats import summarize
-from fedlt.results import removed_unless_renamed
+from fedlt.results import ROWS_EACH, SIZE_BINS, removed_unless_renamed
 
 DPI = 100
 SHOTS = (("acc", "overall"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"))
@@ -247,8 +247,11 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     seeds = max(len(r.runs) for r in rows)
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     drawn: dict[tuple, tuple[list[str], np.ndarray, np.ndarray]] = {}  # identical curves drawn once
+    binned = len(counts) > ROWS_EACH  # a point per class would be a comb of 0s and 100s
     for row in rows:
         sizes, mean = by_class_size(row.runs)
+        if binned:
+            sizes, mean = (np.array([part.mean() for part in np.array_split(v, SIZE_BINS)]) for v in (sizes, mean))
         drawn.setdefault(tuple(np.round(mean, 6)), ([], sizes, mean))[0].append(row.label)
     for color, (labels, sizes, mean) in zip(_colors(len(drawn)), drawn.values()):
         ax.plot(sizes, mean, marker="o", ms=4, lw=1, color=color, label=" = ".join(labels))
@@ -265,9 +268,10 @@ def plot_per_class(setting: Setting, path: Path) -> Path | None:
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    per = f"{len(counts)} classes in {SIZE_BINS} bins by size, each point a bin's mean; " if binned else ""
     ax.set(xlabel="training samples of the class in the federation (log scale)", ylabel="final test accuracy (%)",
-           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size "
-                 + (f"(mean over {seeds} seeds by size rank)" if seeds > 1 else "(1 seed)"))
+           ylim=(-2, 108), title=f"{setting.name}: per-class accuracy vs class size ({per}"
+                 + (f"mean over {seeds} seeds by size rank)" if seeds > 1 else "1 seed)"))
     ax.grid(alpha=0.3, which="both")
     _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="method")
     return _save(fig, path)
