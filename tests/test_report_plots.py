@@ -291,7 +291,7 @@ def test_a_report_of_runs_aborted_before_their_class_counts_were_known_draws_no_
         del summary["train_class_counts"]
         path.write_text(json.dumps({**summary, "status": "aborted", "reason": "stopped", "rounds_done": 1}))
     names = {p.name for p in write_report(copy, tmp_path / "report").files}
-    setting = "synthetic-lt-if-10-dirichlet-alpha-0-5-4-clients-2-rounds"
+    setting = "synthetic-lt-if-10-dirichlet-alpha-0-5-4-clients-2-rounds-participation-0-5"
     assert f"per-class-{setting}.png" not in names and f"curves-{setting}.png" in names
 
 
