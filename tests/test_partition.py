@@ -207,6 +207,39 @@ def test_dirichlet_equal_size():
     assert (skewed.max(axis=1) / skewed.sum(axis=1)).mean() > 0.3  # still label-skewed
 
 
+def test_dirichlet_rounding_by_floor_of_the_cumulative_share_or_by_largest_remainders():
+    """floor cuts each class at floor(n x cumsum(p)): the last client takes every class's rounding
+    remainder, so it holds every class, the small ones too. largest_remainder (SFD's released split)
+    gives each client floor(n x p_k) and one more to the clients with the largest fractional parts."""
+    sizes = np.array([500, 120, 40, 9, 5, 3])
+    labels = rng(7).permutation(np.repeat(np.arange(sizes.size), sizes))
+    clients = 12
+    for seed in range(3):
+        shares = rng(seed).dirichlet(np.full(clients, 0.3), size=sizes.size) * sizes[:, None]  # the first draw
+        floor = dirichlet_partition(labels, clients, 0.3, rng(seed))
+        check_partition(floor, labels.size)
+        cumulative = np.hstack([np.floor(np.cumsum(shares, axis=1)[:, :-1]).astype(int), sizes[:, None]])
+        assert np.array_equal(floor.counts, np.diff(cumulative, axis=1, prepend=0).T)
+        assert (floor.counts[-1] > 0).all()  # every class, on every draw
+        largest = dirichlet_partition(labels, clients, 0.3, rng(seed), rounding="largest_remainder")
+        check_partition(largest, labels.size)
+        assert np.array_equal(largest.counts.sum(axis=0), sizes)
+        for c in range(sizes.size):
+            whole, fraction = np.floor(shares[c]).astype(int), shares[c] - np.floor(shares[c])
+            rounded_up = np.sort(np.argsort(-fraction, kind="stable")[:sizes[c] - whole.sum()])
+            assert np.array_equal(np.flatnonzero(largest.counts[:, c] > whole), rounded_up), (seed, c)
+            assert (largest.counts[:, c] - whole <= 1).all()
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        dirichlet_partition(labels, clients, 0.3, rng(), rounding="nearest")
+
+
+def test_rounding_is_a_dirichlet_splits_setting():
+    assert DataConfig(partition="dirichlet", rounding="largest_remainder").rounding == "largest_remainder"
+    with pytest.raises(ValueError, match="data.rounding=largest_remainder rounds a Dirichlet split's shares, not "
+                       "data.partition=grouped_dirichlet's; remove data.rounding"):
+        DataConfig(partition="grouped_dirichlet", rounding="largest_remainder")
+
+
 @pytest.mark.parametrize("alpha", [0, -1.0])
 def test_dirichlet_rejects_nonpositive_alpha(alpha):
     with pytest.raises(DataError, match="alpha"):

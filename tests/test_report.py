@@ -655,19 +655,21 @@ def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
 
 
 def test_runs_of_other_partitions_are_other_tables_in_a_report_of_runs():
-    """Pathological splits of another classes_per_client, and Dirichlet splits re-cut to equal sizes or
-    redrawn to a minimum client size, are other federations: they sat under one header, paired."""
+    """Pathological splits of another classes_per_client, and Dirichlet splits re-cut to equal sizes,
+    redrawn to a minimum client size or rounded otherwise, are other federations: they sat under one
+    header, paired."""
     from fedlt.config import load_config
     from fedlt.reporting.collect import setting_label
 
     base = ["data.dataset=synthetic", "data.num_clients=4", "fl.rounds=2"]
     labels = [setting_label({}, load_config(None, base + more).dump()) for more in (
-        [], ["data.equal_size=true"], ["data.min_client_size=5"],
+        [], ["data.equal_size=true"], ["data.min_client_size=5"], ["data.rounding=largest_remainder"],
         ["data.partition=pathological", "data.classes_per_client=2"],
         ["data.partition=pathological", "data.classes_per_client=3"])]
     assert labels[1] == labels[0] + ", equal-size clients" and labels[2] == labels[0] + ", min_client_size 5"
-    assert labels[3] == "synthetic-LT, IF=100, pathological, 2 classes per client, 4 clients, 2 rounds"
-    assert len(set(labels)) == 5
+    assert labels[3] == labels[0] + ", largest-remainder rounding"
+    assert labels[4] == "synthetic-LT, IF=100, pathological, 2 classes per client, 4 clients, 2 rounds"
+    assert len(set(labels)) == 6
 
 
 def test_runs_of_other_federations_or_shot_groups_are_other_tables_in_a_report_of_runs():

@@ -190,6 +190,11 @@ class DataConfig(_Section):
                              "giving up with an error")
     equal_size: bool = Field(False, description="Dirichlet: re-cut the one draw into equal-size clients "
                              "(data.partition=grouped_dirichlet is the CReFF/FedYoYo code's whole split)")
+    rounding: Literal["floor", "largest_remainder"] = Field(
+        "floor", description="Dirichlet: how a class's shares n x p_k become whole counts: floor = cut at floor(n x "
+        "cumsum(p)), as most released splits do (each class's rounding remainder goes to the last client, which so "
+        "holds every class); largest_remainder = floor(n x p_k) and one more to the largest fractional parts (SFD's "
+        "released split)")
     val_per_class: int = Field(0, ge=0, description="a balanced validation set of this many images per class, "
                                "disjoint from the training federation and the test set, evaluated beside the test set "
                                "(val_acc): make choices on it, read the test set once; 0 = none")
@@ -229,6 +234,13 @@ class DataConfig(_Section):
             how = "gives every client an equal share" if self.partition == "iid" else "re-cuts its clients to equal sizes"
             raise ValueError(f"data.min_client_size redraws a dirichlet or pathological split, but data.partition="
                              f"{self.partition} {how}; remove data.min_client_size")
+        return self
+
+    @model_validator(mode="after")
+    def _rounding_is_dirichlets(self) -> "DataConfig":
+        if self.rounding != "floor" and self.partition != "dirichlet":
+            raise ValueError(f"data.rounding={self.rounding} rounds a Dirichlet split's shares, not data.partition="
+                             f"{self.partition}'s; remove data.rounding")
         return self
 
     @model_validator(mode="after")

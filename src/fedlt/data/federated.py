@@ -102,6 +102,7 @@ def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generato
         return dirichlet_partition(
             labels, cfg.num_clients, cfg.alpha, rng,
             min_size=cfg.min_client_size, max_retries=cfg.max_retries, equal_size=cfg.equal_size,
+            rounding=cfg.rounding,
         )
     if cfg.partition == "grouped_dirichlet":
         return grouped_dirichlet_partition(labels, cfg.num_clients, cfg.alpha, rng, max_retries=cfg.max_retries)

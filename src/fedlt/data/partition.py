@@ -46,11 +46,17 @@ def dirichlet_partition(
     min_size: int = 0,
     max_retries: int = 1000,
     equal_size: bool = False,
+    rounding: str = "floor",
 ) -> Partition:
     """Label-skewed split: each class is divided among clients by proportions ~ Dir(alpha * 1_K).
 
     Smaller ``alpha`` means more skew. The whole draw is repeated until every client holds
     ``>= min_size`` samples, at most ``max_retries`` times.
+
+    ``rounding`` makes a class's shares ``n p_k`` whole (:func:`_class_cuts`): ``floor`` cuts at
+    ``floor(n cumsum(p))``, as most released splits do, which hands each class's rounding remainder
+    to the last client (it holds every class); ``largest_remainder`` gives each client
+    ``floor(n p_k)`` and one more to the largest fractional parts (SFD's released split).
 
     ``equal_size=True`` is a non-default variant used by CReFF and FedYoYo: after the draw,
     the client lists are concatenated in client order and re-cut into K equal parts (the
@@ -68,7 +74,7 @@ def dirichlet_partition(
     class_sizes = np.array([m.size for m in members], dtype=np.int64)
     for _ in range(max_retries):
         proportions = rng.dirichlet(np.full(num_clients, float(alpha)), size=class_sizes.size)
-        cuts = np.floor(np.cumsum(proportions, axis=1)[:, :-1] * class_sizes[:, None]).astype(np.int64)
+        cuts = _class_cuts(proportions, class_sizes, rounding)
         if equal_size or _split_sizes(cuts, class_sizes).sum(axis=0).min() >= min_size:
             break
     else:
@@ -85,6 +91,25 @@ def dirichlet_partition(
     if equal_size:
         parts = np.array_split(np.concatenate(parts), num_clients)
     return _make_partition(labels, parts)
+
+
+#: how :func:`dirichlet_partition` makes a class's shares whole
+ROUNDINGS = ("floor", "largest_remainder")
+
+
+def _class_cuts(proportions: np.ndarray, class_sizes: np.ndarray, rounding: str) -> np.ndarray:
+    """Where each class's samples are cut among the clients, (C, K-1), from its proportions (C, K)."""
+    if rounding == "floor":
+        return np.floor(np.cumsum(proportions, axis=1)[:, :-1] * class_sizes[:, None]).astype(np.int64)
+    if rounding != "largest_remainder":
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    shares = proportions / proportions.sum(axis=1, keepdims=True) * class_sizes[:, None]
+    counts = np.floor(shares).astype(np.int64)
+    short = class_sizes - counts.sum(axis=1)  # samples the floors leave, fewer than K per class
+    order = np.argsort(-(shares - counts), axis=1, kind="stable")  # largest fractional part first
+    extra = np.arange(proportions.shape[1])[None, :] < short[:, None]
+    np.put_along_axis(counts, order, counts[np.arange(len(counts))[:, None], order] + extra, axis=1)
+    return np.cumsum(counts, axis=1)[:, :-1]
 
 
 def grouped_dirichlet_partition(

@@ -207,6 +207,7 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     default = FLConfig.model_fields["participation"].default
     other = [f"train_fraction {d['train_fraction']:g}" if d.get("train_fraction", 1) != 1 else "",
              "equal-size clients" if d.get("equal_size") else "",
+             f"{d['rounding'].replace('_', '-')} rounding" if d.get("rounding", "floor") != "floor" else "",
              f"min_client_size {d['min_client_size']}" if d.get("min_client_size") else "",
              f"class order {d['class_order']}" if d.get("class_order", "natural") != "natural" else "",
              f"data.seed {d['seed']}" if d.get("seed") is not None else "",

@@ -60,7 +60,8 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{d.dataset}-{'lt' if as_distributed else f'if{d.imbalance_factor:g}'}-{d.partition}" \
         + (f"-a{d.alpha:g}" if d.partition in DIRICHLET_PARTITIONS else "") \
-        + (f"-c{d.classes_per_client}" if d.partition == "pathological" else "") + f"-k{d.num_clients}-seed{seed}"
+        + (f"-c{d.classes_per_client}" if d.partition == "pathological" else "") \
+        + ("-largest-remainder" if d.rounding != "floor" else "") + f"-k{d.num_clients}-seed{seed}"
     json_path = out / f"partition-{stem}.json"
     write_atomic(json_path, json.dumps(record) + "\n")
     png = plot_partition(record, out / f"partition-{stem}.png")
