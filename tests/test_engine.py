@@ -994,7 +994,7 @@ def test_a_long_setup_stage_says_so_and_a_quick_one_prints_nothing(tmp_path, mon
     assert "setup stage" not in capsys.readouterr().err
     receive = FedAvgServer.receive
     monkeypatch.setattr(FedAvgServer, "receive", lambda self, q, r: (time.sleep(2), receive(self, q, r))[1])
-    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.05)
+    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.05)  # the final stage keeps its 5 s
     fedlt.run(cfg("slow"))
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "[fedavg/bsm sequential] the method's setup stage, before round 1 ..." and len(lines) == 2, lines
@@ -1033,7 +1033,7 @@ def test_a_long_final_stage_says_so_before_the_last_rounds_line(tmp_path, monkey
 
     finish = Server.finish
     monkeypatch.setattr(Server, "finish", lambda self: (time.sleep(1), finish(self))[1])
-    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.05)
+    monkeypatch.setattr(simulation, "FINAL_NOTICE_AFTER", 0.05)  # the setup stage keeps its 5 s
     fedlt.run(tiny(tmp_path, fl__rounds=1, run={"out_dir": str(tmp_path), "name": "final", "threads": 1}))
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "[fedavg/ce sequential] the method's final stage, after the last round's training ..."

@@ -52,8 +52,9 @@ from fedlt.seeding import seed_for
 
 TRAFFIC_KINDS = ("down_model", "down_payload", "up_model", "up_payload")
 STAGES = ("setup", "before_fit", "after_fit", "final")
-#: seconds of a setup or final stage before the progress names it (FedLoGe's SSE-C, SAFS: up to a minute)
-SETUP_NOTICE_AFTER = 5.0
+#: seconds of a setup or final stage before the progress names it (FedLoGe's SSE-C, SAFS: up to a minute);
+#: one each, so that shortening one leaves the other stage's quick work unnamed
+SETUP_NOTICE_AFTER = FINAL_NOTICE_AFTER = 5.0
 #: what a resumed run's config.yaml may differ in from the checkpoint's: where its files go, how it
 #: is executed (device, backend, threads ...), where its data are read from
 RESUME_MAY_CHANGE = ("run.", "data.root", "eval.batch_size")
@@ -550,7 +551,7 @@ class Simulation:
                 if diverged is None:
                     if last:
                         with progress.waiting("the method's final stage, after the last round's training",
-                                              after=SETUP_NOTICE_AFTER, restart_clock=False):
+                                              after=FINAL_NOTICE_AFTER, restart_clock=False):
                             self._run_queries("final", rnd, self.all_clients)
                             self.server.finish()
                     for kind in TRAFFIC_KINDS:
