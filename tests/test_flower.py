@@ -571,11 +571,12 @@ def test_the_deploy_relays_the_run_log_in_its_order_without_colour_unless_to_a_t
                                            "ERROR :     Exit Code: 201"]
 
 
-def wait_for(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
+def wait_for(condition, seconds: float, what: str, every: float = 0.25, since: float | None = None) -> None:
+    """Wait until ``condition()``, at most ``seconds`` from now (or from the monotonic time ``since``)."""
+    deadline = (time.monotonic() if since is None else since) + seconds
     while not condition():
         assert time.monotonic() < deadline, f"{what} within {seconds:g} s"
-        time.sleep(0.25)
+        time.sleep(every)
 
 
 def deploy_config(tmp_path: Path, name: str, **flower) -> Path:
@@ -612,7 +613,9 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
     After round 2 SuperNode 0 crashes (SIGKILL): its ClientApp process goes within 15 s too. Then the SuperLink is
     killed: the ServerApp notices by itself and writes the aborted summary
     (rounds done, dropouts, reason), the deploy exits 1 with one line naming the cause, and no
-    process of the deployment is left within 15 s."""
+    process of the deployment is left within 15 s. Each ClientApp process is held (SIGSTOP) once it has
+    served its last round before its crash, and the ServerApp from round 2's end until the SuperLink is
+    gone: no step of the test races the federation's next one."""
     import subprocess
     import sys
 
@@ -625,30 +628,47 @@ def test_deployment_over_tls_survives_a_dead_supernode_and_reports_a_dead_superl
         return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
     def served() -> list[list[tuple[str, str]]]:  # (ClientApp process, task) of each task served, per node
-        return [re.findall(r"fedlt worker (\d+): task (\d+) served", (work / f"clientapp{i}.log").read_text())
-                for i in (0, 1)]
+        logs = [work / f"clientapp{i}.log" for i in (0, 1)]
+        return [re.findall(r"fedlt worker (\d+): task (\d+) served", log.read_text() if log.is_file() else "")
+                for log in logs]
 
-    # Flower's own idle wait (3 s): a round outlasts the test's steps between kills, as its timeline assumes
+    def hold_after(node: int, tasks: int) -> int:
+        """Stop (SIGSTOP) node's ClientApp process once it has served ``tasks`` (its replies are with its
+        SuperNode then): it serves nothing more, however long the test's next steps take; its pid."""
+        wait_for(lambda: len(served()[node]) >= tasks or proc.poll() is not None, 240,
+                 f"task {tasks} served on node {node}", every=0.02)
+        os.kill(worker := int(served()[node][0][0]), signal.SIGSTOP)
+        return worker
+
+    # Flower's own idle wait (3 s): a node asks for its next task seconds after a reply, time to hold its ClientApp
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FEDLT_SUPERNODE_POLL": "3"}
     proc = subprocess.Popen([sys.executable, "-m", "fedlt.deploy", "--nodes", "2", "--tls", "--workdir", str(work),
                              str(config), "fl.rounds=3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
+        held = hold_after(1, 2)  # the handshake and round 1's fit: round 2's fit cannot finish on node 1
         wait_for(lambda: len(rows()) >= 1 or proc.poll() is not None, 240, "round 1")
         wait_for(lambda: min(map(len, served())) >= 2, 15, "the handshake and round 1's fit served on each node")
         assert [len({pid for pid, _ in tasks}) for tasks in served()] == [1, 1], served()  # by one process per node
         workers = [int(tasks[0][0]) for tasks in served()]
+        assert held == workers[1]
         assert not [p for p in deployment_pids(work) if "flwr-clientapp" in " ".join(_cmdline(p))]
         node = _pid_of(work, "fedlt.engine.flower_supernode", "partition-id=1")
-        os.kill(workers[1], 9)  # the ClientApp process crashes: its SuperNode is the deploy's to stop
-        wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[1] or os.getpgid(p) == node], 15,
-                 "the SuperNode of the crashed ClientApp process gone")
-        wait_for(lambda: len(rows()) >= 2 or proc.poll() is not None, 120, "round 2")
         crashed = _pid_of(work, "fedlt.engine.flower_supernode", "partition-id=0")
+        server = _pid_of(work, "flwr-serverapp")
+        os.kill(workers[1], 9)  # the ClientApp process crashes: its SuperNode is the deploy's to stop
+        killed = time.monotonic()
+        hold_after(0, 3)  # round 2's fit too: round 3's cannot finish
+        wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[1] or os.getpgid(p) == node], 15,
+                 "the SuperNode of the crashed ClientApp process gone", since=killed)
+        wait_for(lambda: len(rows()) >= 2 or proc.poll() is not None, 120, "round 2")
+        os.kill(server, signal.SIGSTOP)  # until the SuperLink is gone: round 3 cannot fail on the crash below first
         os.kill(crashed, 9)  # a crash: the SuperNode cannot stop anything itself
+        os.kill(workers[0], signal.SIGCONT)  # for the deploy's SIGTERM
         wait_for(lambda: not [p for p in deployment_pids(work) if p == workers[0] or os.getpgid(p) == crashed], 15,
                  "the crashed SuperNode's processes gone")
         os.kill(_pid_of(work, "flower-superlink"), 9)
+        os.kill(server, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
     finally:
         stop_deployment(proc, work)
