@@ -739,7 +739,7 @@ def test_a_signalled_deploy_stops_every_process_and_says_so(tmp_path, signum):
     wait_for(lambda: deployment_pids(work) == [], 15, "every process of the deployment gone")
 
 
-def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(tmp_path, monkeypatch):
+def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(tmp_path, monkeypatch, capsys):
     import socket
 
     from fedlt import deploy
@@ -754,6 +754,31 @@ def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(
                                              "listen on it; run again"):
             with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60):
                 pass
+    assert capsys.readouterr().err.count("starting a SuperLink on") == deploy.PORT_TRIES  # each on a fresh port
+    assert deployment_pids(tmp_path / "federation") == []
+
+
+@pytest.mark.parametrize("taken", ["SuperLink", "SuperNode"])
+def test_a_port_taken_before_its_process_binds_it_is_replaced_by_a_fresh_one(tmp_path, monkeypatch, taken):
+    """free_port's number is free only until the process binds it: another program that took it first
+    ended the deployment (SuperLink) or left a SuperNode exited, its ClientApp process asking that program
+    for tasks. Each starts again on a fresh port, and the federation comes up."""
+    import socket
+
+    from fedlt import deploy
+
+    free = deploy.free_port
+    with socket.socket() as held:
+        held.bind((deploy.HOST, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        chosen = iter([port] if taken == "SuperLink" else [free(), port])  # the SuperLink's port comes first
+        monkeypatch.setattr(deploy, "free_port", lambda: next(chosen, None) or free())
+        with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60) as fed:
+            asks = _cmdline(fed.workers[0].pid)  # the ClientApp process asks its SuperNode for tasks there
+            node_port = int(asks[asks.index("--runtime-api-address") + 1].rsplit(":", 1)[1])
+            assert port not in (fed.port, node_port)
+            assert deploy._listens(fed.superlink, fed.port) and deploy._listens(fed.nodes[0], node_port)
     assert deployment_pids(tmp_path / "federation") == []
 
 @pytest.mark.parametrize("ends", ["normally", "with an error"])

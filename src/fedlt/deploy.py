@@ -17,7 +17,8 @@ Each SuperNode runs with ``--isolation process`` beside one long-lived ClientApp
 SuperNode and its ClientApp process stop together, whichever ends first. Every process started
 here runs in its own process group; those groups, and the sessions Flower's helpers open below
 them, are signalled when a node dies and when the federation closes, whatever happened (SIGINT and
-SIGTERM included).
+SIGTERM included). A SuperLink or SuperNode whose port another program took before it could bind it
+starts again on a fresh one.
 
 While the run goes, its log (``flwr run --stream``: Flower's lines and the ServerApp's) is relayed to
 stderr in its own order, colour codes only to a terminal, and the result line goes to stdout at the end.
@@ -65,10 +66,31 @@ OUTCOME_NAME = "outcome.json"
 APP_DIR = Path(__file__).resolve().parents[2]  # the checkout: pyproject.toml with [tool.flwr.app]
 
 
+#: starts of the SuperLink, and of each SuperNode, on a fresh port while another program takes the one
+#: chosen: free_port's number is free only until the process binds it
+PORT_TRIES = 3
+
+
+class PortTaken(FedltError):
+    """Another program took the port before our process could listen on it."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def _port_taken(proc: subprocess.Popen, log: Path) -> bool:
+    """Whether ``proc`` exited because its port was in use."""
+    text = log.read_text(errors="replace").lower() if proc.poll() is not None and log.is_file() else ""
+    return "address already in use" in text or "errno 98" in text
+
+
+def _listens(proc: subprocess.Popen, port: int) -> bool:
+    """Whether ``proc`` (or a process below it) itself listens on ``port``."""
+    inode = _listening_inode(port)
+    return inode is not None and _holds_socket([proc.pid, *_descendants(proc.pid)], inode)
 
 
 def _processes() -> dict[int, tuple[int, int, str]]:
@@ -111,14 +133,12 @@ def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen, log: Path
     """Wait until ``proc`` (our SuperLink) itself listens on ``port``: a program that took the port
     first must not pass for it."""
     while time.monotonic() < deadline:
+        if _port_taken(proc, log):
+            raise PortTaken(f"another program took {HOST}:{port} before the SuperLink could listen on it; "
+                            "run again (a new free port is chosen)")
         if proc.poll() is not None:
-            text = log.read_text(errors="replace") if log.is_file() else ""
-            if "address already in use" in text.lower() or "errno 98" in text.lower():
-                raise FedltError(f"another program took {HOST}:{port} before the SuperLink could listen on it; "
-                                 "run again (a new free port is chosen)")
             raise FedltError(f"the SuperLink exited (code {proc.returncode}) before listening; see {log}")
-        inode = _listening_inode(port)
-        if inode is not None and _holds_socket([proc.pid, *_descendants(proc.pid)], inode):
+        if _listens(proc, port):
             return
         time.sleep(0.2)
     holder = " (another program listens there)" if _listening_inode(port) else ""
@@ -285,6 +305,10 @@ class Federation:
     workers: list[subprocess.Popen] = field(default_factory=list)
     #: ``names[i]``: the site ``nodes[i]`` serves (the name the ServerApp knows it by)
     names: list[str] = field(default_factory=list)
+    #: ``commands[i]``: ``nodes[i]``'s command and start-up seconds (:meth:`start_node`'s), to start it again
+    commands: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+    #: ``ports[i]``: the port of ``nodes[i]``'s Runtime API, where its ClientApp process asks for tasks
+    ports: list[int] = field(default_factory=list)
     ca: Path | None = None
     #: ``node_ids[i]``: the id Flower gave SuperNode ``i`` at registration (``--auth`` only)
     node_ids: list[int] = field(default_factory=list)
@@ -349,15 +373,45 @@ class Federation:
     def start_node(self, i: int, *args: str, startup_s: float, name: str = "") -> None:
         """SuperNode ``i`` (``args``: its command, without the Runtime API's address) and the
         ClientApp process that serves it; the latter's group joins the node's, so stopping the
-        node stops both."""
+        node stops both. A node ``i`` started before is replaced, on a fresh port."""
         port = free_port()
         node = self.start(f"supernode{i}.log", *args, "--isolation", "process", "--host", HOST, "--port", str(port))
         worker = self.start(f"clientapp{i}.log", sys.executable, "-m", "fedlt.engine.flower_worker",
                             "--runtime-api-address", f"{HOST}:{port}", "--startup", str(startup_s))
         self.groups[node.pid] |= self.groups.pop(worker.pid)
+        if i < len(self.nodes):
+            self.nodes[i], self.workers[i], self.ports[i] = node, worker, port
+            return
         self.nodes.append(node)
         self.workers.append(worker)
         self.names.append(name or f"partition-{i}")
+        self.commands.append((args, startup_s))
+        self.ports.append(port)
+
+    def wait_for_nodes(self, deadline: float) -> None:
+        """Wait until every SuperNode listens on its Runtime API's port. One whose port another program
+        took first starts again on a fresh one (:data:`PORT_TRIES` starts in all): its ClientApp process
+        would ask that program for tasks. One that exited otherwise is left to the run, which names it."""
+        starts, waiting = [1] * len(self.nodes), set(range(len(self.nodes)))
+        while True:
+            for i in sorted(waiting):
+                node, port = self.nodes[i], self.ports[i]
+                if _port_taken(node, self.workdir / f"supernode{i}.log"):
+                    if starts[i] == PORT_TRIES:
+                        raise PortTaken(f"another program took {HOST}:{port} before the SuperNode of {self.names[i]} "
+                                        "could listen on it; run again (new free ports are chosen)")
+                    self.stop(node)  # and its ClientApp process
+                    starts[i] += 1
+                    args, startup_s = self.commands[i]
+                    self.start_node(i, *args, startup_s=startup_s)
+                elif node.poll() is not None or _listens(node, port):
+                    waiting.discard(i)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise FedltError(f"the SuperNode of {self.names[min(waiting)]} did not listen on "
+                                 f"{HOST}:{self.ports[min(waiting)]} in time; see {self.workdir}")
+            time.sleep(0.2)
 
     def node_exited(self, i: int) -> None:
         """SuperNode ``i`` or its ClientApp process exited: stop both, and tell the ServerApp
@@ -606,29 +660,35 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
     if not flower_waits:
         check_supernode_poll()
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1", OUTCOME_ENV: str(workdir / OUTCOME_NAME),
            STOP_REASON_ENV: str(workdir / "stop-reason.txt"), LOST_NODES_ENV: str(workdir / "lost-nodes.txt"),
            "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     src = str(APP_DIR / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    fed = Federation(workdir, port, tls, env)
+    fed = Federation(workdir, free_port(), tls, env)
     bin_dir = Path(sys.executable).parent
     try:
         certs = None
         if tls:
             certs = make_certificates(workdir / "certs")
             fed.ca = certs[0]
-        fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"),
-                                  *superlink_args(port, workdir / "state.db", certs, auth))
-        say(f"starting a SuperLink on {HOST}:{port}" + (" (TLS)" if tls else ""))
-        _wait_for_port(port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
+        for tries in range(1, PORT_TRIES + 1):
+            fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"),
+                                      *superlink_args(fed.port, workdir / "state.db", certs, auth))
+            say(f"starting a SuperLink on {HOST}:{fed.port}" + (" (TLS)" if tls else ""))
+            try:
+                _wait_for_port(fed.port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
+                break
+            except PortTaken:
+                if tries == PORT_TRIES:
+                    raise
+                fed.port = free_port()
         home = workdir / "flwr-home"
         home.mkdir(exist_ok=True)
         security = f'root-certificates = "{fed.ca}"' if tls else "insecure = true"
         (home / "config.toml").write_text(  # the `flwr` CLI's connection, for registration and `flwr run`
-            f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "{HOST}:{port}"\n{security}\n')
+            f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "{HOST}:{fed.port}"\n{security}\n')
         keys = [workdir / "keys" / f"supernode{i}" if auth else None for i in range(len(sites))]
         if auth:  # every key is registered before any SuperNode starts, or the SuperLink turns it away
             fed.node_ids = fed.register([(make_node_key(key), site.name) for key, site in zip(keys, sites)])
@@ -636,8 +696,9 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
             program = [str(bin_dir / "flower-supernode")] if flower_waits else [
                 sys.executable, "-m", "fedlt.engine.flower_supernode"]
             fed.start_node(i, *program,
-                           *supernode_args(site, f"{HOST}:{port}", fed.ca, key, startup_s), startup_s=startup_s,
+                           *supernode_args(site, f"{HOST}:{fed.port}", fed.ca, key, startup_s), startup_s=startup_s,
                            name=site.name)
+        fed.wait_for_nodes(time.monotonic() + startup_s)
         say(f"started {len(sites)} SuperNode(s) ({', '.join(site.name for site in sites)}), each with its ClientApp "
             f"process; logs in {workdir}")
         yield fed
