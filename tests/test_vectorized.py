@@ -477,12 +477,20 @@ def test_channels_last_applies_on_the_cpu_only(tmp_path):
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
 
 
-def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path):
+def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path, monkeypatch):
     """`fedlt bench speed` (no --backends): one row per variant, GFLOP/s = images/s x FLOPs per image;
     the compile row runs the model under torch.compile (run.compile=true)."""
+    import os
     import re
 
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from fedlt.bench.speed import run_speed_bench
+
+    # Inductor's graph cache is not keyed on the CPU's vector width: a graph cached under AVX512 and
+    # rebuilt for AVX2 indexes out of bounds. One cache per capability, so a machine's CPU may change.
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(default_cache_dir(), f"cpu-{capability}"))
 
     text = run_speed_bench(None, ["data.dataset=synthetic", "data.num_clients=4", "fl.participation=0.5",
                                   "fl.local_epochs=1", "run.threads=1", "run.checkpoint_every=0",
