@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -477,6 +478,14 @@ def test_channels_last_applies_on_the_cpu_only(tmp_path):
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
 
 
+def test_a_compile_cache_the_user_chose_is_kept(monkeypatch):
+    from fedlt.environment import keyed_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    keyed_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+
+
 def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path, monkeypatch):
     """`fedlt bench speed` (no --backends): one row per variant, GFLOP/s = images/s x FLOPs per image;
     the compile row runs the model under torch.compile (run.compile=true)."""
@@ -488,13 +497,14 @@ def test_speed_bench_compares_eager_channels_last_and_compile(tmp_path, monkeypa
     from fedlt.bench.speed import run_speed_bench
 
     # Inductor's graph cache is not keyed on the CPU's vector width: a graph cached under AVX512 and
-    # rebuilt for AVX2 indexes out of bounds. One cache per capability, so a machine's CPU may change.
+    # run under AVX2 indexes out of bounds. A run that compiles keeps one cache per capability.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # none chosen; restored afterwards
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(default_cache_dir(), f"cpu-{capability}"))
 
     text = run_speed_bench(None, ["data.dataset=synthetic", "data.num_clients=4", "fl.participation=0.5",
                                   "fl.local_epochs=1", "run.threads=1", "run.checkpoint_every=0",
                                   f"run.out_dir={tmp_path}"], rounds=1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default_cache_dir(), f"cpu-{capability}")
     mflop = float(re.search(r"Training cost: ([\d.]+) MFLOP per image", text).group(1))
     peak = float(re.search(r"Matmul peak measured now: ([\d.]+) GFLOP/s", text).group(1))
     rows = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| (eager|channels_last|compile) \|", line)]

@@ -14,6 +14,7 @@ import yaml
 
 from fedlt.config import Config, apply_overrides, build_config, load_config, override_list
 from fedlt.engine.simulation import RESUME_MAY_CHANGE, RunResult, Simulation, check_resumable
+from fedlt.environment import keyed_compile_cache
 from fedlt.errors import ConfigError
 from fedlt.methods.registry import METHODS
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
@@ -26,6 +27,7 @@ def prepare(cfg: Config) -> Simulation:
     file is written, so a bad config leaves no half-written run directory."""
     sim = Simulation(cfg, *setup_parts(cfg))
     if cfg.run.compile:
+        keyed_compile_cache()
         sim.worker.compile()
     return sim
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -19,6 +20,18 @@ from typing import Any
 import torch
 
 from fedlt._version import __version__
+
+
+def keyed_compile_cache() -> None:
+    """Point torch.compile's on-disk cache at a folder of this CPU capability's, unless the user chose one
+    (``TORCHINDUCTOR_CACHE_DIR``): its key ignores the vector width, and a graph cached under AVX512 and
+    run under AVX2 (a machine whose CPU changed, a /tmp shared by other machines) indexes out of bounds."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"cpu-{capability}")
 
 
 def collect(device: torch.device | str | None = None, backend: str | None = None,

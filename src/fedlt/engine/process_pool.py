@@ -34,6 +34,7 @@ import torch
 
 from fedlt.config import Config, build_config
 from fedlt.engine.clients import ClientRuntime
+from fedlt.environment import keyed_compile_cache
 from fedlt.errors import FedltError
 from fedlt.messages import Message, Reply
 from fedlt.run_parts import setup_parts
@@ -189,6 +190,7 @@ def _serve(conn: Connection, threads: int) -> None:
         torch.set_num_threads(threads)
         runtime = ClientRuntime(cfg, spec, data, device)
         if cfg.run.compile:
+            keyed_compile_cache()
             runtime.worker.compile()
     except Exception as error:
         failure = error
