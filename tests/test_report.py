@@ -632,6 +632,8 @@ def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
     assert chance_models(at([11.0] * 10))[0].startswith("the global model scores chance accuracy (11.00% over 10 ")
     assert chance_models(at([11.1] * 10)) == []  # above 1.1 x 1/K: it learnt something
     assert chance_models({**collapsed, "status": "diverged"}) == []  # named as diverged
+    untested = {"final": {"round": 1, "acc": 100.0, "per_class_acc": [100.0, 0.0]}}  # class 1 had no test image
+    assert chance_models(untested) == []
     variants = {"nan": {"acc": 10.0, "loss": float("nan")}, "flat": {"acc": 10.5, "loss": 2.3},
                 "learnt": {"acc": 30.0, "loss": 1.8}}
     assert chance_models(at([60.0] * 10, variants=variants)) == [  # the NaN one is named as non-finite
