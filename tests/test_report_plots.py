@@ -161,19 +161,23 @@ def test_data_describe_prints_the_partition_and_draws_it(tmp_path):
 
 def test_data_describe_names_the_federation_it_drew(tmp_path):
     """With data.seed set, describe printed and named the partition after the run's seed: data.seed=3 was
-    "seed 0" and overwrote seed 0's files; two pathological splits of other classes_per_client shared files."""
+    "seed 0" and overwrote seed 0's files; two pathological splits of other classes_per_client, or Dirichlet
+    splits of another rounding, shared files."""
     base = ["data", "describe", "data.dataset=synthetic", "data.num_clients=4"]
     texts = {}
     for name, more in {"own": ["seed=3"], "data": ["data.seed=3"], "zero": [],
                        "c3": ["data.partition=pathological", "data.classes_per_client=3"],
-                       "c4": ["data.partition=pathological", "data.classes_per_client=4"]}.items():
+                       "c4": ["data.partition=pathological", "data.classes_per_client=4"],
+                       "lr": ["data.rounding=largest_remainder"]}.items():
         result = CliRunner().invoke(app, [*base, *more, "--out", str(tmp_path)])
         assert result.exit_code == 0, result.stderr
         texts[name] = result.stdout
     assert "4 clients, seed 3" in texts["data"] and texts["data"] == texts["own"] != texts["zero"]
     names = sorted(p.name for p in tmp_path.glob("partition-*.json"))
+    assert texts["lr"].startswith("synthetic-LT: IF=100, Dirichlet alpha=0.5, largest-remainder rounding, 4 clients")
     assert names == ["partition-synthetic-if100-dirichlet-a0.5-k4-seed0.json",
                      "partition-synthetic-if100-dirichlet-a0.5-k4-seed3.json",
+                     "partition-synthetic-if100-dirichlet-a0.5-largest-remainder-k4-seed0.json",
                      "partition-synthetic-if100-pathological-c3-k4-seed0.json",
                      "partition-synthetic-if100-pathological-c4-k4-seed0.json"]
     assert json.loads((tmp_path / names[1]).read_text())["seed"] == 3  # written last by data.seed=3 under seed 0

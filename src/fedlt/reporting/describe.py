@@ -25,7 +25,8 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     groups = shot_groups(totals, cfg.eval, counts, len(data.test))
     names = data.train.classes
     d = cfg.data
-    part = partition_label(d.partition, d.alpha, d.classes_per_client)
+    part = partition_label(d.partition, d.alpha, d.classes_per_client) \
+        + (f", {d.rounding.replace('_', '-')} rounding" if d.rounding != "floor" else "")
     as_distributed = DATASETS[d.dataset].long_tailed  # data.imbalance_factor does not apply
     tail = "as distributed" if as_distributed else f"IF={d.imbalance_factor:g}"
     seed = federation_seed(d, cfg.seed)  # what the federation is drawn from: data.seed where it is set
