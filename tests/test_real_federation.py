@@ -28,12 +28,12 @@ class NodeGrid:
 
     def __init__(self, folders: dict[str, Path], late: dict[str, Path] | None = None,
                  restart: tuple[str, int] | None = None, lost_file: Path | None = None, same_id: bool = False,
-                 silent_after_hello: int = 0):
+                 silent_after_hello: int = 0, restart_folder: Path | None = None):
         """``restart=(SITE, N)``: after the N-th send SITE's node leaves and a fresh node of that site (new
         id 400, no state) joins, as a SuperNode killed and started again. With ``lost_file`` the old node stays
         listed, silent (as until Flower's heartbeat drops it), and its site is written there, as fedlt
         deploy does when it sees the process exit. With ``same_id`` the fresh node keeps the old one's id, as a
-        SuperNode with a registered key does. The last ``silent_after_hello`` nodes answer the first send (the
+        SuperNode with a registered key does; with ``restart_folder`` the fresh node serves that folder. The last ``silent_after_hello`` nodes answer the first send (the
         sites' hellos) and nothing after it, as SuperNodes stopped or hung once the federation was formed."""
         from flwr.app import Context, RecordDict
 
@@ -46,7 +46,7 @@ class NodeGrid:
         self.sends, self.restart, self.lost_file, self.same_id, self.restarted = 0, restart, lost_file, same_id, False
         self.dead: set[int] = set()  # listed, never answering
         self.unheard: set[int] = set()  # their fits run (state kept) but the replies are lost
-        self.silent_after_hello = silent_after_hello
+        self.silent_after_hello, self.restart_folder = silent_after_hello, restart_folder
         self.targets: list[set[int]] = []  # the nodes of each send
         self.sent_kinds: list[str] = []  # the kind of each send
         self.kinds: list[str] = []
@@ -59,6 +59,8 @@ class NodeGrid:
             self.restarted = True
             old = next(n for n, ctx in self.contexts.items() if ctx.node_config["name"] == self.restart[0])
             config = dict(self.contexts[old].node_config)
+            if self.restart_folder is not None:
+                config["data"] = str(self.restart_folder)
             if self.same_id:
                 self.contexts[old] = Context(run_id=1, node_id=old, state=RecordDict(), run_config={}, node_config=config)
                 return list(self.contexts)
@@ -500,6 +502,26 @@ def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_
     report = (run.run_dir / "report.md").read_text()  # the sites' data, not a partition the server never drew
     assert "\n3 sites holding their own data (flower.node_data), participation 1" in report
     assert "(each site's own test/ folder)" in report and "alpha=" not in report
+
+
+def test_a_site_started_again_on_other_data_takes_no_part(tmp_path, exported, server_identity, capsys):
+    """A site's SuperNode started again mid-run on a folder whose images differ (same names, same counts)
+    would train the rest of the run on data the run's records do not describe: it stays out."""
+    from PIL import Image
+
+    site = "client-1"
+    shutil.copytree(nodes_of(exported)[site], tmp_path / "edited")
+    image = sorted((tmp_path / "edited" / "train").rglob("*.png"))[0]
+    Image.eval(Image.open(image), lambda v: 255 - v).save(image)
+    grid = NodeGrid(nodes_of(exported), restart=(site, 6), restart_folder=tmp_path / "edited")
+    run = node_run(node_tree(tmp_path, "edited", exported, fl={"rounds": 3},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    err = capsys.readouterr().err
+    assert err.count(f"fedlt: the late SuperNode 400 serves site '{site}', but its training data are not those the "
+                     "site began the run with (the digest of its images and labels differs); it takes no part") == 1
+    assert "rejoined as SuperNode 400" not in err
+    assert all(kind == "hello" for kind, targets in zip(grid.sent_kinds, grid.targets) if 400 in targets)
 
 
 def test_a_restarted_site_whose_stateful_replies_were_all_lost_stays_out(tmp_path, exported, server_identity,

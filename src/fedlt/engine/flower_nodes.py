@@ -131,8 +131,8 @@ class NodeDataSimulation(FlowerSimulation):
         self._told_late: set[int] = set()
         #: a late node's hello message id -> that node, until its name comes back
         self._asked_late: dict[str, int] = {}
-        #: late node -> the run's site it serves, until that site's old node is gone
-        self._standby: dict[int, str] = {}
+        #: late node -> (the run's site it serves, its data's digest), until that site's old node is gone
+        self._standby: dict[int, tuple[str, str]] = {}
         self._told_late_standby: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
@@ -215,19 +215,20 @@ class NodeDataSimulation(FlowerSimulation):
                 log(f"fedlt: the late SuperNode {node} could not say which site it serves "
                     f"({client_failure(reply.error.reason)}); it takes no part")
                 continue
-            name = None if node is None else decode_meta(reply.content).get("name")
-            if name is not None:
-                self._standby[node] = name
+            meta = {} if node is None else decode_meta(reply.content)
+            if meta.get("name") is not None:
+                self._standby[node] = (meta["name"], meta.get("digest", ""))
         if self.secure is not None and self.secure.phase is not None and kind != KEYS:
             return  # re-checked at the next exchange
-        for node, name in list(self._standby.items()):
-            if self._rejoin(node, name):
+        for node, (name, digest) in list(self._standby.items()):
+            if self._rejoin(node, name, digest):
                 del self._standby[node]
 
-    def _rejoin(self, node: int, name: str) -> bool:
-        """Whether the late ``node`` of site ``name`` is settled: rejoined, or out of the run for good.
-        While the site's old node is still listed (Flower's heartbeat keeps a killed SuperNode up to 60 s),
-        it waits."""
+    def _rejoin(self, node: int, name: str, digest: str) -> bool:
+        """Whether the late ``node`` of site ``name``, whose training data hash to ``digest``, is settled:
+        rejoined, or out of the run for good. While the site's old node is still listed (Flower's heartbeat
+        keeps a killed SuperNode up to 60 s), it waits. A node whose data are not those the site began the
+        run with stays out: its updates would train on other data than the run's records describe."""
         if name not in self.client_names:
             log(f"fedlt: the late SuperNode {node} serves site {name!r}, not one of this run's; it takes no part")
             return True
@@ -236,6 +237,11 @@ class NodeDataSimulation(FlowerSimulation):
             return True
         cid = self.client_names.index(name)
         old = self.nodes[cid]
+        if digest != self.client_digests[cid]:
+            log(f"fedlt: the late SuperNode {node} serves site {name!r}, but its training data are not those the "
+                "site began the run with (the digest of its images and labels differs); it takes no part (start "
+                "it on the site's own folder to rejoin)")
+            return True
         if old not in self._gone_nodes():
             if node not in self._told_late_standby:
                 self._told_late_standby.add(node)
