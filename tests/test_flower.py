@@ -750,11 +750,34 @@ def test_the_readiness_check_does_not_take_a_foreign_listener_for_the_superlink(
         held.listen()
         port = held.getsockname()[1]
         monkeypatch.setattr(deploy, "free_port", lambda: port)
-        with pytest.raises(FedltError, match=f"another program took 127.0.0.1:{port} before the SuperLink could "
-                                             "listen on it; run again"):
+        tried = ", ".join([f"127.0.0.1:{port}"] * deploy.PORT_TRIES)
+        with pytest.raises(FedltError, match=re.escape(f"another program took each port chosen for the SuperLink "
+                                                       f"({tried}) before it could listen on it; find what takes free "
+                                                       "ports on this machine (`ss -ltnp`)")):
             with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60):
                 pass
     assert capsys.readouterr().err.count("starting a SuperLink on") == deploy.PORT_TRIES  # each on a fresh port
+    assert deployment_pids(tmp_path / "federation") == []
+
+
+def test_a_supernode_whose_every_port_is_taken_ends_the_deployment_naming_them(tmp_path, monkeypatch):
+    import socket
+
+    from fedlt import deploy
+    from fedlt.errors import FedltError
+
+    free = deploy.free_port
+    with socket.socket() as held:
+        held.bind((deploy.HOST, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        chosen = iter([free(), *[port] * deploy.PORT_TRIES])  # the SuperLink's port, then the SuperNode's
+        monkeypatch.setattr(deploy, "free_port", lambda: next(chosen, None) or free())
+        tried = ", ".join([f"127.0.0.1:{port}"] * deploy.PORT_TRIES)
+        with pytest.raises(FedltError, match=re.escape(f"another program took each port chosen for the SuperNode "
+                                                       f"of partition-0 ({tried}) before it could listen")):
+            with deploy.local_federation(tmp_path / "federation", nodes=1, startup_s=60):
+                pass
     assert deployment_pids(tmp_path / "federation") == []
 
 

@@ -129,6 +129,14 @@ def _holds_socket(pids: list[int], inode: str) -> bool:
     return False
 
 
+def ports_taken_error(what: str, ports: list[int]) -> str:
+    """Each of the :data:`PORT_TRIES` free ports chosen for ``what`` was taken by another program before
+    it could listen: not a race a new run avoids, but a program here that takes free ports."""
+    listed = ", ".join(f"{HOST}:{p}" for p in ports)
+    return (f"another program took each port chosen for {what} ({listed}) before it could listen on it; find "
+            "what takes free ports on this machine (`ss -ltnp`) and stop it, then run again")
+
+
 def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen, log: Path) -> None:
     """Wait until ``proc`` (our SuperLink) itself listens on ``port``: a program that took the port
     first must not pass for it."""
@@ -393,13 +401,14 @@ class Federation:
         took first starts again on a fresh one (:data:`PORT_TRIES` starts in all): its ClientApp process
         would ask that program for tasks. One that exited otherwise is left to the run, which names it."""
         starts, waiting = [1] * len(self.nodes), set(range(len(self.nodes)))
+        tried: list[list[int]] = [[] for _ in self.nodes]
         while True:
             for i in sorted(waiting):
                 node, port = self.nodes[i], self.ports[i]
                 if _port_taken(node, self.workdir / f"supernode{i}.log"):
+                    tried[i].append(port)
                     if starts[i] == PORT_TRIES:
-                        raise PortTaken(f"another program took {HOST}:{port} before the SuperNode of {self.names[i]} "
-                                        "could listen on it; run again (new free ports are chosen)")
+                        raise PortTaken(ports_taken_error(f"the SuperNode of {self.names[i]}", tried[i]))
                     self.stop(node)  # and its ClientApp process
                     starts[i] += 1
                     args, startup_s = self.commands[i]
@@ -673,6 +682,7 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
         if tls:
             certs = make_certificates(workdir / "certs")
             fed.ca = certs[0]
+        tried: list[int] = []
         for tries in range(1, PORT_TRIES + 1):
             fed.superlink = fed.start("superlink.log", str(bin_dir / "flower-superlink"),
                                       *superlink_args(fed.port, workdir / "state.db", certs, auth))
@@ -681,8 +691,9 @@ def local_federation(workdir: Path, nodes: int | None = None, tls: bool = False,
                 _wait_for_port(fed.port, time.monotonic() + startup_s, fed.superlink, workdir / "superlink.log")
                 break
             except PortTaken:
+                tried.append(fed.port)
                 if tries == PORT_TRIES:
-                    raise
+                    raise PortTaken(ports_taken_error("the SuperLink", tried)) from None
                 fed.port = free_port()
         home = workdir / "flwr-home"
         home.mkdir(exist_ok=True)
