@@ -387,7 +387,7 @@ REFUSAL_REASONS = {
     "fedbabu": "only its body trains, under a frozen head",
     "fedrep": "its head and body train in turn: the head first, then only the body under it",
     "ditto": "it trains two models a round: its personal one, pulled towards the global, then the global",
-    "gbme": "each client trains only its own experts, with a learning-rate warm-up",
+    "gbme": "its clients train under a class prior it sends and, with the ensemble, only their own experts",
     "scaffold": "its gradient is corrected by control variates",
     "sfd": "its loss reads the features and their projections",
     "feddecorr": "its loss reads the features",

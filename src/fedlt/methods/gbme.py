@@ -481,7 +481,7 @@ def trained_part(model: FedModel, state: dict[str, torch.Tensor], experts: torch
 class GBMEClient(Client):
     args: GBMEArgs
     objective_backends = ("graphed",)
-    backend_refusal_why = "each client trains only its own experts, with a learning-rate warm-up"
+    backend_refusal_why = "its clients train under a class prior it sends and, with the ensemble, only their own experts"
 
     def query(self, name: str, ctx: ClientContext, msg: Message) -> Reply:
         if name == COUNTS_QUERY:
