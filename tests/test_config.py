@@ -71,8 +71,6 @@ def test_override_value_may_contain_equals_sign() -> None:
 def test_no_file_and_no_overrides_is_the_default_config(tmp_path: Path) -> None:
     assert load_config() == Config()
     assert build_config(None) == Config()
-    # an empty YAML file is an empty mapping, not an error
-    assert load_config(write(tmp_path, "")) == Config()
 
 
 def test_apply_overrides_sets_nested_keys_in_place() -> None:
@@ -419,6 +417,14 @@ def test_missing_yaml_file(tmp_path: Path) -> None:
 
 def test_directory_instead_of_yaml_file(tmp_path: Path) -> None:
     assert str(tmp_path) in config_error(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["", "# fl: {rounds: 50}\n", "{}\n"])
+def test_a_config_file_without_keys_is_refused_rather_than_run_as_the_defaults(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    assert config_error(path, ["fl.rounds=1"]) == (f"config file {path} holds no keys; pass a config that sets some "
+                                                   "(e.g. configs/fmnist_lt.yaml), or no file, to run the defaults "
+                                                   "with key=value overrides")
 
 
 @pytest.mark.parametrize("text", ["- 1\n- 2\n", "just some text\n", "42\n"])

@@ -741,6 +741,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or only key=value overrides")
         tree = read_yaml_mapping(p)
+        if not tree:  # a file given and empty is a mistake (the wrong file, one not yet saved): not all defaults
+            raise ConfigError(f"config file {p} holds no keys; pass a config that sets some (e.g. configs/"
+                              "fmnist_lt.yaml), or no file, to run the defaults with key=value overrides")
         if "methods" in tree and "name" in tree:  # a suite's keys, which no run config has
             raise ConfigError(f"{p} is a benchmark suite, not a run config; run it with fedlt bench {p}")
     if path is None:
