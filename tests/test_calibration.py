@@ -90,6 +90,43 @@ def test_post_hoc_statistics_equal_pooled_features(tmp_path):
     assert torch.allclose(cov[0], torch.cov(z[y == 0].T), atol=1e-6)
 
 
+def test_summed_statistics_reach_the_server_as_one_aggregate_summed_as_they_arrive(tmp_path):
+    """The statistics query is one the server only sums: the engine sums its replies as they arrive rather
+    than hold every client's (classes x d x d each), and hands the server one aggregate reply, as secure
+    aggregation does. It equals the clients' replies summed in order to the last bit, and so does the run."""
+    from fedlt.api import prepare
+    from fedlt.config import build_config
+    from fedlt.engine.secure_aggregation import AGGREGATE
+
+    def run(name: str, summed: bool):
+        sim = prepare(build_config(tiny(tmp_path / name, method="fedavg", calibration=["ccvr", "fed3r"])))
+        if not summed:
+            sim.summed_queries = {}
+        sent, received = [], {}
+        deliver, receive = sim._deliver, sim.server.receive
+        sim._deliver = lambda kind, rnd, messages: (
+            sent.append(item[2]) or item for item in deliver(kind, rnd, messages)) \
+            if kind == f"query:{STATS_QUERY}" else deliver(kind, rnd, messages)
+        sim.server.receive = lambda query, replies: (received.update(replies) if query.name == STATS_QUERY
+                                                     else None) or receive(query, replies)
+        (tmp_path / name).mkdir()
+        return sim.run(tmp_path / name, quiet=True), sent, received
+
+    result, sent, received = run("summed", True)
+    assert list(received) == [AGGREGATE] and len(sent) == 6
+    total = received[AGGREGATE]
+    assert total.num_samples == sum(r.num_samples for r in sent) and sorted(total.payload) == sorted(sent[0].payload)
+    for key, value in total.payload.items():
+        expected = sent[0].payload[key].clone()
+        for reply in sent[1:]:
+            expected = expected + reply.payload[key]
+        assert torch.equal(value, expected), key
+    plain, _, every = run("plain", False)
+    assert sorted(every) == list(range(6))
+    assert without_timing(result.metrics) == without_timing(plain.metrics)
+    assert result.summary["final"] == plain.summary["final"]
+
+
 def test_calibration_composes_with_other_local_objectives(tmp_path):
     local = dict(method="fedprox", method_args={"mu": 0.01}, loss={"name": "la"})
     plain = fedlt.run(tiny(tmp_path / "plain", calibration_args={}, **local), quiet=True)

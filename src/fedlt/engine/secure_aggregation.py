@@ -129,6 +129,34 @@ def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
     return schema, values
 
 
+def add_reply(total: Reply | None, reply: Reply, kind: str) -> Reply:
+    """``total`` plus ``reply``, entry by entry, in place (``total`` None: a copy of ``reply``, so no
+    client's tensor is changed): the aggregate of a phase summed in the clear, in the order the replies
+    come, which is how its server summed them one by one."""
+    if total is None:
+        copy = lambda entries: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}  # noqa: E731
+        return Reply(weights=copy(reply.weights), num_samples=reply.num_samples, payload=copy(reply.payload),
+                     metrics=copy(reply.metrics))
+    for section in ("weights", "payload", "metrics"):
+        into, entries = getattr(total, section), getattr(reply, section)
+        if into.keys() != entries.keys():
+            raise FedltError(f"{kind}: the clients' replies differ in {section} entries ({sorted(into, key=str)} vs "
+                             f"{sorted(entries, key=str)}); a phase its server declares summed needs one layout")
+        for key, value in entries.items():
+            held = into[key]
+            if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and \
+                    (value.dtype, value.shape, value.device) == (held.dtype, held.shape, held.device):
+                held += value
+            elif isinstance(value, (torch.Tensor, bool, int, float, np.bool_, np.number)):
+                into[key] = into[key] + value
+            else:
+                raise FedltError(f"{kind}: reply {section} entry '{key}' is a {type(value).__name__}, which cannot be "
+                                 "summed; a phase its server declares summed (Server.secure_phases) holds tensors "
+                                 "and numbers")
+    total.num_samples += reply.num_samples
+    return total
+
+
 def summed_entries(reply: Reply) -> list[str] | None:
     """What a masked upload holds, from its layout: each entry as ``section/key [shape]``, then the
     ``num_samples`` that :func:`flatten` appends (the ledger's view of a secure phase); None for a

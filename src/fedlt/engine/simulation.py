@@ -28,7 +28,7 @@ from fedlt.engine.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_check
 from fedlt.engine.clients import EVALUATE, EVALUATE_COUNTS, ClientRuntime, new_model
 from fedlt.engine.process_pool import ClientPool, default_workers
 from fedlt.engine.sampling import lr_at, sampling_schedule
-from fedlt.engine.secure_aggregation import SecureAggregation, summed_entries
+from fedlt.engine.secure_aggregation import AGGREGATE, SecureAggregation, add_reply, summed_entries
 from fedlt.engine.vectorized import fit_together
 from fedlt.environment import collect as collect_environment
 from fedlt.errors import MEMORY_KNOBS, ConfigError, FedltError, OutOfMemory, PluginError, TrainingDiverged, out_of_memory
@@ -168,6 +168,9 @@ class Simulation:
         #: secure aggregation of the method's linear phases (secagg.enabled), else None
         self.secure = (SecureAggregation(cfg.secagg, spec.server.secure_phases(cfg), cfg.seed, device)
                        if cfg.secagg.enabled else None)
+        #: the queries the server declared it only sums or averages: in the clear, "sum" ones are summed as
+        #: their replies arrive
+        self.summed_queries = {k: mode for k, mode in spec.server.secure_phases(cfg).items() if k.startswith("query:")}
         self.all_clients = list(range(self.train_data.num_clients))
         self._local_test: list[torch.Tensor] | None = None
         self._local_val: list[torch.Tensor] | None = None
@@ -257,7 +260,19 @@ class Simulation:
                 return self.secure.exchange(self._exchange_plain, kind, rnd, list(messages))
             if not kind.startswith("secagg:"):
                 self.secure.in_clear.add(kind)
+        if self.summed_queries.get(kind) == "sum":
+            return self._exchange_summed(kind, rnd, messages)
         return self._exchange_plain(kind, rnd, messages)
+
+    def _exchange_summed(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
+        """A query the server declared it only sums, summed as the replies arrive: the server gets the one
+        aggregate reply that secure aggregation would hand it, and the engine never holds every client's
+        reply (a calibration's per-class second moments are classes x d x d each)."""
+        total: Reply | None = None
+        for cid, msg, reply in self._deliver(kind, rnd, messages):
+            self._account(kind, msg, reply)
+            total = add_reply(total, reply, kind)
+        return {} if total is None else {AGGREGATE: total}
 
     def _exchange_plain(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
         """One phase of messages, with traffic accounting (evaluation is not traffic)."""
