@@ -464,6 +464,29 @@ def test_fixed_pass_fc_gradient_equals_a_per_sample_backward_loop(head):
     assert torch.allclose(lpi, -(total / len(y)).sum(1), atol=1e-5)
 
 
+def test_fixed_pass_at_many_classes_builds_bounded_chunks_of_per_sample_gradients(monkeypatch):
+    """At 2,000 classes 256 samples' (C, H) gradients would be 33M floats (8,142 classes: 134M); the
+    pass takes fewer samples at a time, to the same mean gradient as one pass of 256-sample chunks."""
+    from fedlt.methods import gbme
+
+    torch.manual_seed(0)
+    model = multi_expert_model("cnn", 2000, 3, num_experts=2, width=0.25)
+    ctx = client_ctx(model)  # 310 samples: more than one chunk either way
+    built = []
+
+    def recorded(*args):
+        g = per_sample_fc_gradients(*args)
+        built.append(g.numel())
+        return g
+
+    monkeypatch.setattr(gbme, "per_sample_fc_gradients", recorded)
+    mean = fixed_fc_gradient(ctx, clip=0.5, sigma=0.0)
+    assert max(built) <= 1 << 24 and sum(built) == len(ctx.data) * 2000 * 64
+    monkeypatch.setattr(gbme, "PER_SAMPLE_CHUNK_ELEMENTS", 1 << 40)  # 256 samples a chunk
+    # each entry is a float32 sum of 310 clipped terms (|g| <= 0.5), divided by 310: rounding ~310 * 2^-24
+    assert torch.allclose(mean, fixed_fc_gradient(ctx, clip=0.5, sigma=0.0), rtol=0, atol=310 * 2**-24)
+
+
 def test_cosine_head_logits_are_scale_times_cosine_and_the_default_expert_head():
     from fedlt.methods.gbme import make_gbme_model
     from fedlt.models.multi_expert import CosineLinear

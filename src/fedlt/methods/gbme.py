@@ -383,6 +383,11 @@ def epoch_fc_gradient(ctx: ClientContext, warmup: float = 0.0, max_steps: int | 
     return torch.cat(sums, dim=1) / max(steps, 1)
 
 
+PER_SAMPLE_CHUNK_ELEMENTS = 1 << 24
+"""Bound on the (samples, C, H) per-sample FC gradients :func:`fixed_fc_gradient` builds at once
+(256 samples while they fit): at a thousand classes a chunk of 256 would hold gigabytes."""
+
+
 def per_sample_fc_gradients(model: FedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(B, C, H) per-sample CE gradients of the FC weights at ``model`` (eval mode, features fixed)."""
     names = [n for n, p in sorted(model.head.named_parameters()) if p.dim() == 2]
@@ -421,8 +426,9 @@ def fixed_fc_gradient(ctx: ClientContext, clip: float | None, sigma: float,
     model.eval()
     device = data.indices.device
     total = torch.zeros(model.num_classes, sum(w.shape[1] for w in fc_weights(model)), device=device)
-    for start in range(0, len(data), 256):
-        x, y = data.batch(torch.arange(start, min(start + 256, len(data)), device=device))
+    chunk = min(256, max(1, PER_SAMPLE_CHUNK_ELEMENTS // total.numel()))
+    for start in range(0, len(data), chunk):
+        x, y = data.batch(torch.arange(start, min(start + chunk, len(data)), device=device))
         g = per_sample_fc_gradients(model, x, y)
         if clip is not None:
             norms = g.flatten(1).norm(dim=1).clamp_min(1e-12)
