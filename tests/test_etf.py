@@ -62,5 +62,6 @@ def test_too_narrow_a_model_is_a_config_error():
     from fedlt.models.etf import check_etf_width
 
     check_etf_width(64, 10, "resnet32")
-    with pytest.raises(ConfigError, match="feature width >= 100; model resnet32 has 64"):
+    with pytest.raises(ConfigError, match=r"feature width >= 100; model resnet32 has 64: choose a model at least "
+                                          r"that wide \(`fedlt models` gives each one's feature width\)$"):
         check_etf_width(64, 100, "resnet32")

@@ -40,7 +40,8 @@ def check_etf_width(feature_dim: int, num_classes: int, model_name: str) -> None
     """A config error (before any run directory exists) when the model is too narrow for an ETF."""
     if feature_dim < num_classes:
         raise ConfigError(f"a simplex ETF of {num_classes} classes needs a feature width >= {num_classes}; "
-                          f"model {model_name} has {feature_dim}: choose a wider model")
+                          f"model {model_name} has {feature_dim}: choose a model at least that wide (`fedlt models` "
+                          "gives each one's feature width)")
 
 
 def sparsity_mask(shape: tuple[int, int], sparsity: float, generator: torch.Generator) -> torch.Tensor:
