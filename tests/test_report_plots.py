@@ -313,6 +313,22 @@ def test_partition_plot_orders_its_columns_head_to_tail_when_the_classes_were_sh
     assert np.ma.getdata(heatmap.images[0].get_array()).tolist() == [[9, 0, 1], [30, 4, 2]]
 
 
+def test_partition_plot_names_no_imbalance_factor_a_dataset_long_tailed_as_distributed_did_not_apply(tmp_path,
+                                                                                                   monkeypatch):
+    """ImageNet-LT's partition plot was titled with data.imbalance_factor (IF=100 by default), which
+    its federation never read."""
+    from fedlt.reporting import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    for dataset in ("imagenet_lt", "synthetic"):
+        plots.plot_partition({"counts": [[1, 9], [2, 3]], "dataset": dataset, "imbalance_factor": 13, "alpha": 0.5},
+                             tmp_path / "p.png")
+    titles = [fig.axes[0].get_title(loc="left") for fig in drawn]
+    assert titles[0].startswith("Partition: imagenet_lt-LT, as distributed, Dirichlet alpha=0.5, 2 clients")
+    assert titles[1].startswith("Partition: synthetic-LT, IF=13, Dirichlet alpha=0.5, 2 clients")
+
+
 def test_many_classes_and_clients_are_summarised_not_listed_one_per_line(tmp_path, monkeypatch):
     """ImageNet-LT's 1,000 or iNaturalist's 8,142 classes made `fedlt data describe` and a run's
     report.md print one line per class (and a shot group's every class on one line), 500 clients

@@ -235,6 +235,12 @@ def dataset_info(name: str) -> DatasetInfo:
     return info
 
 
+def tail_label(name: str, imbalance_factor: float) -> str:
+    """``IF=100``, or ``as distributed`` for a dataset long-tailed already (data.imbalance_factor not read)."""
+    info = DATASETS.get(name)
+    return "as distributed" if info is not None and info.long_tailed else f"IF={imbalance_factor:g}"
+
+
 def resolve_image_size(name: str, requested: int | None) -> int:
     """The image side dataset ``name`` loads at for ``data.image_size`` = ``requested`` (None: its own)."""
     info = dataset_info(name)

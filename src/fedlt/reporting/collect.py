@@ -194,14 +194,13 @@ def _run_label(run: Run) -> str:
 def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return summary.get("dataset", "run")
-    from fedlt.data.registry import DATASETS
+    from fedlt.data.registry import tail_label
 
     d = cfg["data"]
     part = (partition_label(d["partition"], d["alpha"], d.get("classes_per_client"))
             if d["partition"] in (*DIRICHLET_PARTITIONS, "pathological") else d["partition"])
-    info = DATASETS.get(d["dataset"])
-    tail = "as distributed" if info is not None and info.long_tailed else f"IF={d['imbalance_factor']:g}"
-    label = f"{d['dataset']}-LT, {tail}, {part}, {d['num_clients']} clients, {cfg['fl']['rounds']} rounds"
+    label = (f"{d['dataset']}-LT, {tail_label(d['dataset'], d['imbalance_factor'])}, {part}, "
+             f"{d['num_clients']} clients, {cfg['fl']['rounds']} rounds")
     # what else makes another federation or other shot groups: its runs are another table, never one mixed
     e, fl = cfg.get("eval") or {}, cfg.get("fl") or {}
     default = FLConfig.model_fields["participation"].default

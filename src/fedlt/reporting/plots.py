@@ -213,10 +213,12 @@ def plot_partition(record: dict[str, Any], path: Path) -> Path:
     side.set(xlabel="samples")
     side.tick_params(axis="y", left=False)
     fig.colorbar(im, ax=[ax, side], label="training samples (log scale; blank = none)", pad=0.02)
+    from fedlt.data.registry import tail_label
+
     d = record
     part = f"Dirichlet alpha={d['alpha']:g}" if d.get("alpha") is not None else d.get("partition", "")
-    ax.set_title(f"Partition: {d['dataset']}-LT, IF={d['imbalance_factor']:g}, {part}, {k} clients "
-                 f"(seed {d.get('seed', '?')})", fontsize=10, loc="left")
+    ax.set_title(f"Partition: {d['dataset']}-LT, {tail_label(d['dataset'], d['imbalance_factor'])}, "
+                 f"{part}, {k} clients (seed {d.get('seed', '?')})", fontsize=10, loc="left")
     return _save(fig, path)
 
 
