@@ -121,10 +121,16 @@ def classes(folder: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     try:
         if sys.argv[1] == "--classes":
+            if len(sys.argv) != 3:
+                raise FedltError("--classes takes one folder, the class-order suite's output "
+                                 "(e.g. runs/bench/class-order)")
             classes(sys.argv[2])
         else:
             main(sys.argv[1:])

@@ -717,3 +717,28 @@ def test_the_protocol_noise_script_reads_protocol_suites_and_refuses_other_folde
     read = noise(root / "docs" / "results" / "protocol-main-5x1-avx512" / "runs")
     assert read.returncode == 0, read.stderr
     assert read.stdout.splitlines()[2].startswith("| 5x1 ")
+
+
+def test_the_protocol_noise_script_answers_help_and_a_bare_classes_flag_without_a_traceback():
+    """scripts/protocol_noise.py --help took --help for a folder and refused it, and --classes without a
+    folder ended in an IndexError traceback; --help now prints the usage (exit 0) and a bare --classes
+    is one line naming what it takes (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+
+    def noise(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "scripts" / "protocol_noise.py"), *args],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    for flag in ("--help", "-h"):
+        helped = noise(flag)
+        assert helped.returncode == 0 and helped.stderr == "", helped.stderr
+        assert "Usage: .venv/bin/python scripts/protocol_noise.py" in helped.stdout
+    bare = noise("--classes")
+    assert bare.returncode == 2 and bare.stdout == ""
+    assert bare.stderr == ("protocol_noise: error: --classes takes one folder, the class-order suite's output "
+                           "(e.g. runs/bench/class-order)\n")
