@@ -366,6 +366,14 @@ def test_a_run_name_is_one_folder_inside_out_dir_and_momentum_stays_below_one() 
                                                          "SGD's steps grow without bound; use e.g. 0.9")
 
 
+def test_an_empty_or_blank_path_is_refused_not_read_as_the_working_directory() -> None:
+    for key in ("run.out_dir", "data.root", "eval.test_data", "eval.val_data"):
+        for value in ("''", "'   '"):
+            message = config_error(overrides=[f"{key}={value}"])
+            assert message.startswith(f"invalid config value {key}: ") and "give a folder's path" in message, message
+    assert load_config(None, ["run.out_dir=.", "data.root="]).run.out_dir == "."  # `data.root=` is null: the default
+
+
 def test_min_client_size_is_refused_on_a_split_that_is_even_by_construction() -> None:
     for partition, how in (("iid", "gives every client an equal share"), ("grouped_dirichlet", "re-cuts its clients")):
         message = config_error(overrides=[f"data.partition={partition}", "data.min_client_size=5"])

@@ -31,6 +31,18 @@ def _unit_fraction(v: float) -> float:
 UnitFraction = Annotated[float, AfterValidator(_unit_fraction)]
 
 
+def _a_path(v: str) -> str:
+    """A folder's path: an empty or blank one would silently mean the working directory (or a folder named by
+    spaces), as the command line's path options refuse it too."""
+    if not v.strip():
+        raise ValueError(f"{v!r} is no path (an empty one would mean the working directory); give a folder's path, "
+                         "or . for the working directory")
+    return v
+
+
+PathText = Annotated[str, AfterValidator(_a_path)]
+
+
 def admits_bool(annotation: Any) -> bool:
     """Whether a field of this type takes true / false as a value: not where it takes only numbers (or
     strings, lists ...), although pydantic would read true as 1."""
@@ -158,7 +170,7 @@ class DataConfig(_Section):
     dataset: str = Field("fmnist", description="dataset name (see `fedlt datasets`): fmnist, cifar10, cifar100, svhn, "
                          "cinic10, imagenet_lt, inat, imagefolder and imagefolder_lt (your own class folders), synthetic; "
                          "synthetic_cifar10 and synthetic_cifar100 (CIFAR's size, for timing)")
-    root: str | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
+    root: PathText | None = Field(None, description="folder with the dataset files (default: per dataset, or $FEDLT_DATA)")
     image_size: int | None = Field(None, ge=1, le=1024, description="image side of the datasets whose size is "
                                    "chosen: imagenet_lt and inat are resized to it (default 64), the images of "
                                    "imagefolder and imagefolder_lt have it (default 32), the synthetic datasets are "
@@ -404,10 +416,10 @@ class EvalConfig(_Section):
             raise ValueError(f"eval.{given[0]} sets the count rule's shot groups, but eval.shot_rule={self.shot_rule} "
                              f"groups by cumulative shares; drop eval.{given[0]} or use eval.shot_rule=count")
         return self
-    test_data: str | None = Field(
+    test_data: PathText | None = Field(
         None, description="flower.node_data: the server's balanced test set, an image-folder tree (test/<class>/...); "
         "without it the nodes evaluate on their own test splits (federated evaluation)")
-    val_data: str | None = Field(
+    val_data: PathText | None = Field(
         None, description="flower.node_data: the server's balanced validation set, an image-folder tree "
         "(val/<class>/...; fedlt data export writes one with data.val_per_class)")
 
@@ -415,7 +427,7 @@ class EvalConfig(_Section):
 class RunConfig(_Section):
     """Where a run writes, and how it uses the machine."""
 
-    out_dir: str = Field("runs", description="folder that holds the run directories")
+    out_dir: PathText = Field("runs", description="folder that holds the run directories")
     name: str | None = Field(None, description="run directory name (default: method-dataset-time)")
     checkpoint_every: int = Field(10, ge=0, description="save a resumable checkpoint every N rounds (0 = only at the end)")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
