@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedlt.config import DataConfig
-from fedlt.data.federated import build_federated_data
+from fedlt.data.federated import build_federated_data, build_partition
 from fedlt.data.local_test import local_test_indices
 from fedlt.data.longtail import longtail_counts, longtail_indices
 from fedlt.data.partition import (
@@ -277,6 +277,20 @@ def test_num_clients_bounds(make):
         make(labels, 0, *extra, rng())
     with pytest.raises(DataError, match="exceeds"):
         iid_partition(labels, 51, rng())
+
+
+def test_too_many_clients_names_the_settings_that_shrank_the_training_set():
+    def message(**data) -> str:
+        with pytest.raises(DataError) as info:
+            build_partition(DataConfig(num_clients=51, **data), LABELS[:50], rng())
+        return str(info.value)
+
+    assert message(train_fraction=0.1).endswith("use fewer clients, a larger data.train_fraction (now 0.1) or a smaller "
+                                                "data.imbalance_factor")
+    assert message(dataset="synthetic").endswith("use fewer clients or a smaller data.imbalance_factor")
+    # a source long-tailed as distributed takes no imbalance factor, nor does a balanced one shrink
+    assert message(dataset="inat").endswith("use fewer clients")
+    assert message(imbalance_factor=1).endswith("use fewer clients")
 
 
 def test_pathological_exact_classes_and_coverage():

@@ -94,9 +94,13 @@ class FederatedData:
 
 def build_partition(cfg: DataConfig, labels: np.ndarray, rng: np.random.Generator) -> Partition:
     if cfg.num_clients > len(labels):
+        # the knobs that shrank the training set; a source long-tailed as distributed takes no imbalance factor
+        shrink = [f"a larger data.train_fraction (now {cfg.train_fraction:g})"] if cfg.train_fraction < 1 else []
+        if cfg.imbalance_factor > 1 and not (cfg.dataset in DATASETS and DATASETS[cfg.dataset].long_tailed):
+            shrink.append("a smaller data.imbalance_factor")
         raise DataError(
             f"data.num_clients={cfg.num_clients} exceeds the {len(labels)} long-tailed training samples; "
-            "use fewer clients or a smaller data.imbalance_factor"
+            f"use fewer clients{''.join(', ' + s for s in shrink[:-1])}{' or ' + shrink[-1] if shrink else ''}"
         )
     if cfg.partition == "dirichlet":
         return dirichlet_partition(
