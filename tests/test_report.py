@@ -126,6 +126,22 @@ def test_a_run_config_or_suite_file_that_is_not_yaml_is_one_error_naming_it(tmp_
         write_report(out, with_plots=False)
 
 
+def test_a_run_config_holding_a_value_no_run_takes_is_one_error_naming_it(tmp_path):
+    """A run's config.yaml edited to a value no run takes (or cut down to a few keys) stopped the report of
+    its run with a KeyError or ValueError traceback; it is one error naming the file and the key, and a key
+    the file lacks reads as its default, as any config file's does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary(50.0)))
+    for text, key in (("fl: {rounds: 0}\n", "fl.rounds"), ("seed: abc\n", "seed")):
+        (run / "config.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(run / 'config.yaml'))}: invalid config value {key}: "):
+            write_report(run, with_plots=False)
+        assert not (run / "report").exists()  # nothing half-written
+    (run / "config.yaml").write_text("seed: 3\ndata: {dataset: synthetic}\n")
+    assert "synthetic-LT, IF=100, Dirichlet alpha=0.5, 20 clients, 50 rounds" in write_report(run, with_plots=False).markdown
+
+
 @pytest.mark.parametrize("bad", [[1, 2], {}, {**summary(50.0), "best_round": [20]}])
 def test_comparison_table_rejects_what_is_not_a_run_summary(bad):
     with pytest.raises(FedltError, match=r"broken/summary\.json is not a readable run summary"):

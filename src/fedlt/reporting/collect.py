@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates, select
-from fedlt.config import DIRICHLET_PARTITIONS, FLConfig, config_difference, partition_label, read_yaml_mapping
+from fedlt.config import (
+    DIRICHLET_PARTITIONS, FLConfig, config_difference, load_config, partition_label, read_yaml_mapping,
+)
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
 from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, chance_models, nonfinite_models, nonfinite_personal,
@@ -134,13 +136,21 @@ class Collection:
     selections: list[Selection] = field(default_factory=list)  # what each grid row chose on validation data
 
 
+def _run_config(path: Path) -> dict[str, Any] | None:
+    """The settings a run directory's config.yaml gives, validated as any config file is (a key it lacks at its
+    default; a value no run takes is one ConfigError naming the file); None where it has none or it is empty."""
+    cfg_path = path / "config.yaml"
+    if not cfg_path.is_file() or not read_yaml_mapping(cfg_path, "run config"):
+        return None
+    return load_config(cfg_path).dump()
+
+
 def _load_run(path: Path, seed: int | None = None) -> Run | None:
     if not (path / SUMMARY_FILE).is_file():
         return None
     summary = read_summary(path)
     if seed is None:
-        cfg_path = path / "config.yaml"
-        seed = int(read_yaml_mapping(cfg_path, "run config").get("seed", 0)) if cfg_path.is_file() else 0
+        seed = (_run_config(path) or {}).get("seed", 0)
     return Run(path, seed, summary)
 
 
@@ -229,7 +239,7 @@ def collect(path: Path) -> Collection:
         return _collect_suite(path)
     run = _load_run(path)
     if run is not None:
-        cfg = read_yaml_mapping(path / "config.yaml", "run config") if (path / "config.yaml").is_file() else None
+        cfg = _run_config(path)
         rows = _run_rows(_run_label(run), run)
         notes = [text] if (text := run.damage()) else []
         return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows,
@@ -248,7 +258,7 @@ def collect(path: Path) -> Collection:
     by_setting: dict[str, list[Row]] = {}  # runs of other data or rounds are another table, never one mixed
     notes: dict[str, list[str]] = {}
     for child, run in zip(children, runs):
-        cfg = read_yaml_mapping(child / "config.yaml", "run config") if (child / "config.yaml").is_file() else None
+        cfg = _run_config(child)
         label = setting_label(run.summary, cfg)
         by_setting.setdefault(label, []).extend(_run_rows(child.name, run))
         notes.setdefault(label, []).extend(f"{child.name}: {line}" for line in chance_models(run.summary))
