@@ -568,6 +568,9 @@ def test_a_claim_judged_on_the_same_difference_on_every_seed_is_no_stronger_than
 def test_a_claim_naming_no_row_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"claims\[0\]\.against names 'FedAvgg', which is no row; use a method"):
         write_report(fake_suite(tmp_path / "bad", claims=[claim("A", "FedAvgg")]), with_plots=False)
+    # a row against itself differs by 0 on every seed: a closeness claim would hold whatever was measured
+    with pytest.raises(ConfigError, match=r"claims\[0\] compares 'A' with itself; set against to the row the paper"):
+        write_report(fake_suite(tmp_path / "self", claims=[claim("A", "A", margin=1.0)]), with_plots=False)
 
 
 def test_rows_with_identical_curves_are_drawn_once_under_their_joined_labels(tmp_path):

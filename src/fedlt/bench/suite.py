@@ -205,6 +205,9 @@ class SuiteSpec(_Strict):
                 if getattr(c, key) not in labels:
                     raise ValueError(f"claims[{i}].{key} names '{getattr(c, key)}', which is no row; use a method "
                                      "name or variant label")
+            if c.row == c.against:  # a difference of 0 on every seed: a closeness claim would hold by itself
+                raise ValueError(f"claims[{i}] compares '{c.row}' with itself; set against to the row the paper "
+                                 "compares it with")
         for i, m in enumerate(self.methods):
             if m.select_with is not None:
                 _check_select_with(i, m, {r.name: r for r in self.methods})
