@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -168,12 +169,20 @@ def test_data_describe_names_the_federation_it_drew(tmp_path):
     for name, more in {"own": ["seed=3"], "data": ["data.seed=3"], "zero": [],
                        "c3": ["data.partition=pathological", "data.classes_per_client=3"],
                        "c4": ["data.partition=pathological", "data.classes_per_client=4"],
-                       "lr": ["data.rounding=largest_remainder"]}.items():
+                       "lr": ["data.rounding=largest_remainder"], "val": ["data.val_per_class=5"],
+                       "eq": ["data.equal_size=true"], "both": ["data.equal_size=true", "data.val_per_class=5"]}.items():
         result = CliRunner().invoke(app, [*base, *more, "--out", str(tmp_path)])
         assert result.exit_code == 0, result.stderr
         texts[name] = result.stdout
     assert "4 clients, seed 3" in texts["data"] and texts["data"] == texts["own"] != texts["zero"]
-    names = sorted(p.name for p in tmp_path.glob("partition-*.json"))
+    # other settings that change which samples the clients hold: named in the header, and files of their own
+    assert texts["both"].startswith("synthetic-LT: IF=100, Dirichlet alpha=0.5, 4 clients, seed 0; "
+                                    "data.equal_size=true, data.val_per_class=5\n")
+    own = sorted(p.name for p in tmp_path.glob("partition-*-seed0-*.json"))
+    assert len(own) == 3 and all(re.fullmatch(r"partition-synthetic-if100-dirichlet-a0.5-k4-seed0-[0-9a-f]{8}.json", n)
+                                 for n in own)
+    assert len({json.dumps(json.loads((tmp_path / n).read_text())["counts"]) for n in own}) == 3
+    names = sorted(p.name for p in tmp_path.glob("partition-*.json") if p.name not in own)
     assert texts["lr"].startswith("synthetic-LT: IF=100, Dirichlet alpha=0.5, largest-remainder rounding, 4 clients")
     assert names == ["partition-synthetic-if100-dirichlet-a0.5-k4-seed0.json",
                      "partition-synthetic-if100-dirichlet-a0.5-k4-seed3.json",

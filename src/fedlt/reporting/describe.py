@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from fedlt.config import DIRICHLET_PARTITIONS, federation_seed, load_config, partition_label
+from fedlt.config import DIRICHLET_PARTITIONS, DataConfig, federation_seed, load_config, partition_label
 from fedlt.data.federated import build_federated_data
 from fedlt.data.registry import DATASETS
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
 from fedlt.results import ROWS_EACH, listed, partition_record, size_bins, write_atomic
+
+
+#: the data keys beyond the header's that change which samples the clients hold
+DRAW_KEYS = ("class_order", "train_fraction", "min_client_size", "max_retries", "equal_size", "val_per_class",
+             "val_from")
+
+
+def other_draw_settings(d: DataConfig) -> dict[str, Any]:
+    """The :data:`DRAW_KEYS` that ``d`` sets away from their defaults."""
+    return {k: getattr(d, k) for k in DRAW_KEYS if getattr(d, k) != DataConfig.model_fields[k].default}
 
 
 def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[str, list[Path]]:
@@ -30,7 +42,9 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     as_distributed = DATASETS[d.dataset].long_tailed  # data.imbalance_factor does not apply
     tail = "as distributed" if as_distributed else f"IF={d.imbalance_factor:g}"
     seed = federation_seed(d, cfg.seed)  # what the federation is drawn from: data.seed where it is set
-    lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {seed}",
+    others = other_draw_settings(d)
+    also = "; " + ", ".join(f"data.{k}={json.dumps(v)}" for k, v in others.items()) if others else ""
+    lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {seed}{also}",
              data.describe(), "", f"Shot groups ({groups.rule}):"]
     for g, classes in groups.classes.items():
         lines.append(f"  {g:6s} {len(classes):3d} classes: " + (listed([f"{c} ({totals[c]})" for c in classes]) or "none"))
@@ -62,7 +76,9 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     stem = f"{d.dataset}-{'lt' if as_distributed else f'if{d.imbalance_factor:g}'}-{d.partition}" \
         + (f"-a{d.alpha:g}" if d.partition in DIRICHLET_PARTITIONS else "") \
         + (f"-c{d.classes_per_client}" if d.partition == "pathological" else "") \
-        + ("-largest-remainder" if d.rounding != "floor" else "") + f"-k{d.num_clients}-seed{seed}"
+        + ("-largest-remainder" if d.rounding != "floor" else "") + f"-k{d.num_clients}-seed{seed}" \
+        + (f"-{hashlib.blake2b(json.dumps(others, sort_keys=True).encode(), digest_size=4).hexdigest()}"
+           if others else "")  # another federation's files are not overwritten
     json_path = out / f"partition-{stem}.json"
     write_atomic(json_path, json.dumps(record) + "\n")
     png = plot_partition(record, out / f"partition-{stem}.png")
