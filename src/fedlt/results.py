@@ -293,6 +293,13 @@ def _class_mean(figures: Any, classes: int) -> tuple[float, int] | None:
     return (figures["acc"], classes) if _is_number(figures.get("acc")) and classes else None
 
 
+#: what to do about a model at chance: a short run that predicts its largest classes (its training loss fell)
+#: trains on; one whose steps were too large (its loss grew) steps less
+CHANCE_ADVICE = ("if its training loss fell, it has not yet learned past its largest classes: train longer (fl.rounds) "
+                 "or use a long-tail loss (loss.name=bsm); if it grew, lower fl.lr, set fl.grad_clip, or bring a "
+                 "scaled loss (loss.ldam_scale, loss.tau) toward its default")
+
+
 def chance_models(summary: dict[str, Any]) -> list[str]:
     """The finite global models of a run's final evaluation that score chance accuracy, a line each. A run
     whose model grew without becoming NaN (a learning rate or a loss scale too large for it) finishes
@@ -314,8 +321,7 @@ def chance_models(summary: dict[str, Any]) -> list[str]:
         earlier = (f", though round {best['round']} scored {best['acc']:.2f}%, so it got worse afterwards"
                    if _is_number(best.get("acc")) and best["acc"] > CHANCE_FACTOR * 100 / classes else "")
         lines.append(f"{model} scores chance accuracy ({mean:.2f}% over {classes} classes; predicting one class "
-                     f"everywhere scores {100 / classes:.2f}%){earlier}; if its training loss grew, lower fl.lr, set "
-                     "fl.grad_clip, or bring a scaled loss (loss.ldam_scale, loss.tau) toward its default")
+                     f"everywhere scores {100 / classes:.2f}%){earlier}; {CHANCE_ADVICE}")
     return lines
 
 
