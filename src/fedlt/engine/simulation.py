@@ -450,7 +450,8 @@ class Simulation:
         knobs = [f"loss.{knob} (now {getattr(self.cfg.loss, knob)}) toward its default "
                  f"{LossConfig.model_fields[knob].default}" for knob in ("tau", *LOSS_KNOBS)
                  if getattr(self.cfg.loss, knob) != LossConfig.model_fields[knob].default]  # set: the loss's own
-        if knobs:  # a loss scaled far enough diverges at any learning rate
+        knobs += self._numeric_method_knobs_set()
+        if knobs:  # a loss or a method's step scaled far enough diverges at any learning rate
             fix += f", or bring {' and '.join(knobs)}"
         trained, tested = row.get("train_loss"), row.get("loss")
         if trained is not None and not math.isfinite(trained):
@@ -460,6 +461,19 @@ class Simulation:
                     f"the clients' mean training loss was finite (their last steps, or a server step such as a "
                     f"calibration, made the model non-finite); {fix}, or check the calibration's knobs")
         return None
+
+    def _numeric_method_knobs_set(self) -> list[str]:
+        """``method_args.K (now V) toward its default D`` for each number knob the config sets away from its
+        default (FedLoGe's gamma, SFD's scl_weight, a server lr): such a knob can scale a step past any lr."""
+        fields, out = self.spec.args.model_fields, []
+        for key in sorted(self.cfg.method_args):
+            value, field = self.resolved_method_args.get(key), fields.get(key)
+            if field is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    value == field.default:
+                continue
+            default = f" {field.default}" if isinstance(field.default, (int, float)) else ""
+            out.append(f"method_args.{key} (now {value}) toward its default{default}")
+        return out
 
     def _checkpoint_state(self, rnd: int, elapsed: float, pending: dict[str, Any]) -> dict[str, Any]:
         return {"round": rnd, "server": self.server.state_dict(), "clients": self.client_states, "elapsed": elapsed,
