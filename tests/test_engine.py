@@ -1150,3 +1150,28 @@ def test_nan_models_beside_a_finite_headline_are_named_not_reported_as_results(t
     monkeypatch.undo()  # the same run without the NaNs names nothing
     clean = fedlt.run(tiny(tmp_path, method="ditto", fl__rounds=2), quiet=True)
     assert "pm_nonfinite" not in clean.summary["final"] and "Non-finite" not in (clean.run_dir / "report.md").read_text()
+
+
+def test_a_query_summed_in_the_clear_refuses_replies_it_cannot_sum_entry_by_entry():
+    """A query its server declares summed reaches it as one sum, made as the replies arrive. A client's tensor of
+    another shape would broadcast into a wrong sum ([3] + [1]) or stop in a traceback ([3] + [2]), where secure
+    aggregation refuses both; and a value no sum takes is refused however few clients answer."""
+    import numpy as np
+
+    from fedlt.engine.secure_aggregation import add_reply
+
+    def total(values):
+        out = None
+        for value in values:
+            out = add_reply(out, Reply(payload={"x": value}, num_samples=1), "query:q")
+        return out
+
+    assert torch.equal(total([torch.ones(3), torch.ones(3), torch.ones(3)]).payload["x"], torch.full((3,), 3.0))
+    for values, shapes in (([torch.zeros(3), torch.ones(1)], "[3] vs [1]"),
+                           ([torch.zeros(3), torch.ones(2)], "[3] vs [2]"), ([1.0, torch.ones(3)], "[] vs [3]")):
+        with pytest.raises(FedltError, match=re.escape(f"query:q: the clients' replies differ in the shape of payload "
+                                                       f"entry 'x' ({shapes})")):
+            total(values)
+    for values in ([np.ones(2)], [np.ones(2), np.ones(2)]):
+        with pytest.raises(FedltError, match="query:q: reply payload entry 'x' is a ndarray, which cannot be summed"):
+            total(values)

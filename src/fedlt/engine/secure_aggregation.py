@@ -132,7 +132,14 @@ def flatten(reply: Reply, mode: str) -> tuple[list[list[Any]], np.ndarray]:
 def add_reply(total: Reply | None, reply: Reply, kind: str) -> Reply:
     """``total`` plus ``reply``, entry by entry, in place (``total`` None: a copy of ``reply``, so no
     client's tensor is changed): the aggregate of a phase summed in the clear, in the order the replies
-    come, which is how its server summed them one by one."""
+    come, which is how its server summed them one by one. Entries of other shapes are refused, as secure
+    aggregation refuses them, rather than broadcast into a wrong sum."""
+    for section in ("weights", "payload", "metrics"):
+        for key, value in getattr(reply, section).items():
+            if not isinstance(value, (torch.Tensor, bool, int, float, np.bool_, np.number)):
+                raise FedltError(f"{kind}: reply {section} entry '{key}' is a {type(value).__name__}, which cannot be "
+                                 "summed; a phase its server declares summed (Server.secure_phases) holds tensors "
+                                 "and numbers")
     if total is None:
         copy = lambda entries: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}  # noqa: E731
         return Reply(weights=copy(reply.weights), num_samples=reply.num_samples, payload=copy(reply.payload),
@@ -144,15 +151,15 @@ def add_reply(total: Reply | None, reply: Reply, kind: str) -> Reply:
                              f"{sorted(entries, key=str)}); a phase its server declares summed needs one layout")
         for key, value in entries.items():
             held = into[key]
+            if (shape := list(np.shape(held))) != list(np.shape(value)):
+                raise FedltError(f"{kind}: the clients' replies differ in the shape of {section} entry '{key}' "
+                                 f"({shape} vs {list(np.shape(value))}); a phase its server declares summed needs "
+                                 "one layout")
             if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and \
-                    (value.dtype, value.shape, value.device) == (held.dtype, held.shape, held.device):
+                    (value.dtype, value.device) == (held.dtype, held.device):
                 held += value
-            elif isinstance(value, (torch.Tensor, bool, int, float, np.bool_, np.number)):
-                into[key] = into[key] + value
             else:
-                raise FedltError(f"{kind}: reply {section} entry '{key}' is a {type(value).__name__}, which cannot be "
-                                 "summed; a phase its server declares summed (Server.secure_phases) holds tensors "
-                                 "and numbers")
+                into[key] = held + value
     total.num_samples += reply.num_samples
     return total
 
