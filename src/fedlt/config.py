@@ -760,6 +760,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p} is a benchmark suite, not a run config; run it with fedlt bench {p}")
     if path is None:
         return build_config(apply_overrides(tree, overrides or []))
+    return file_config(p, tree, overrides)
+
+
+def file_config(p: Path, tree: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    """The mapping ``tree`` read from config file ``p``, plus ``overrides``, validated: an invalid value is one
+    ConfigError naming the file, unless an override gave it (for a caller that has read the file already)."""
     try:
         return Config.model_validate(apply_overrides(tree, overrides or []))
     except ValidationError as err:

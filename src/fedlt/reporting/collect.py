@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedlt.bench.selection import AS_RUN, Selection, candidate_label, candidates, select
 from fedlt.config import (
-    DIRICHLET_PARTITIONS, FLConfig, config_difference, load_config, partition_label, read_yaml_mapping,
+    DIRICHLET_PARTITIONS, FLConfig, config_difference, file_config, partition_label, read_yaml_mapping,
 )
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
@@ -140,18 +140,14 @@ def _run_config(path: Path) -> dict[str, Any] | None:
     """The settings a run directory's config.yaml gives, validated as any config file is (a key it lacks at its
     default; a value no run takes is one ConfigError naming the file); None where it has none or it is empty."""
     cfg_path = path / "config.yaml"
-    if not cfg_path.is_file() or not read_yaml_mapping(cfg_path, "run config"):
-        return None
-    return load_config(cfg_path).dump()
+    tree = read_yaml_mapping(cfg_path, "run config") if cfg_path.is_file() else None
+    return file_config(cfg_path, tree).dump() if tree else None
 
 
-def _load_run(path: Path, seed: int | None = None) -> Run | None:
+def _load_run(path: Path, seed: int) -> Run | None:
     if not (path / SUMMARY_FILE).is_file():
         return None
-    summary = read_summary(path)
-    if seed is None:
-        seed = (_run_config(path) or {}).get("seed", 0)
-    return Run(path, seed, summary)
+    return Run(path, seed, read_summary(path))
 
 
 def _is_upper_bound(run: Run, variant: str | None) -> bool:
@@ -237,9 +233,9 @@ def collect(path: Path) -> Collection:
     path = Path(path)
     if (path / "suite.yaml").is_file():
         return _collect_suite(path)
-    run = _load_run(path)
+    cfg = _run_config(path) if (path / SUMMARY_FILE).is_file() else None
+    run = _load_run(path, (cfg or {}).get("seed", 0))
     if run is not None:
-        cfg = _run_config(path)
         rows = _run_rows(_run_label(run), run)
         notes = [text] if (text := run.damage()) else []
         return Collection(f"{path.name}", "", [Setting(setting_label(run.summary, cfg), rows,
@@ -254,11 +250,11 @@ def collect(path: Path) -> Collection:
     if not children:
         raise FedltError(f"{path} is neither a run directory (summary.json), a `fedlt bench` output (suite.yaml), "
                          "nor a folder of run directories; pass one of those")
-    runs = [_load_run(c) for c in children]
+    configs = [_run_config(c) for c in children]
+    runs = [_load_run(c, (cfg or {}).get("seed", 0)) for c, cfg in zip(children, configs)]
     by_setting: dict[str, list[Row]] = {}  # runs of other data or rounds are another table, never one mixed
     notes: dict[str, list[str]] = {}
-    for child, run in zip(children, runs):
-        cfg = _run_config(child)
+    for child, run, cfg in zip(children, runs, configs):
         label = setting_label(run.summary, cfg)
         by_setting.setdefault(label, []).extend(_run_rows(child.name, run))
         notes.setdefault(label, []).extend(f"{child.name}: {line}" for line in chance_models(run.summary))
