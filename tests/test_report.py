@@ -142,6 +142,20 @@ def test_a_run_config_holding_a_value_no_run_takes_is_one_error_naming_it(tmp_pa
     assert "synthetic-LT, IF=100, Dirichlet alpha=0.5, 20 clients, 50 rounds" in write_report(run, with_plots=False).markdown
 
 
+def test_a_suite_cells_config_holding_a_value_no_run_takes_is_one_error_naming_it(tmp_path):
+    """As a run's: a cell's config.yaml with a section that is no mapping stopped the suite's report in an
+    AttributeError traceback, and one with a value no run takes passed for a config to compare."""
+    from fedlt.bench.suite import cell_dir
+
+    out = fake_suite(tmp_path / "suite")
+    path = cell_dir(out, "default", "A", 1) / "config.yaml"
+    for text, key in (("seed: 1\ndata: 5\n", "data"), ("seed: 1\nfl: {rounds: 0}\n", "fl.rounds")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: invalid config value {key}: "):
+            write_report(out, with_plots=False)
+        assert not (out / "report").exists()  # nothing half-written
+
+
 @pytest.mark.parametrize("bad", [[1, 2], {}, {**summary(50.0), "best_round": [20]}])
 def test_comparison_table_rejects_what_is_not_a_run_summary(bad):
     with pytest.raises(FedltError, match=r"broken/summary\.json is not a readable run summary"):

@@ -375,6 +375,7 @@ def _one_config(runs: list[Run], given: list[str]) -> tuple[list[Run], list[str]
     for run in runs:
         cfg = read_yaml_mapping(run.path / "config.yaml", "run config") if (run.path / "config.yaml").is_file() else None
         if cfg:
+            file_config(run.path / "config.yaml", cfg)  # a value no run takes: one error naming the file and key
             cfg = _without(cfg, per_seed)
         if cfg == {}:
             foreign.append(f"{run.path}: its config.yaml is empty, so what it ran is unknown")
