@@ -639,12 +639,16 @@ def test_a_run_diverged_by_its_loss_knob_names_the_knob_beside_the_learning_rate
 
 def test_a_run_diverged_by_a_method_knob_names_the_knob_beside_the_learning_rate(tmp_path):
     """FedAvgM's server step scaled by server_lr=1e30 diverges at any learning rate: "lower fl.lr" alone
-    misled. A knob set to its default (beta) is not named."""
+    misled. A knob set to its default (beta) is not named, nor a count (rounds of a schedule, experts)."""
     with pytest.raises(TrainingDiverged) as err:
         fedlt.run(tiny(tmp_path, method="fedavgm", method_args={"server_lr": 1e30, "beta": 0.9},
                        fl__rounds=2), quiet=True)
     assert str(err.value).endswith("lower fl.lr (now 0.05) or set fl.grad_clip (e.g. 5), or bring "
                                    "method_args.server_lr (now 1e+30) toward its default 1.0"), err.value
+    with pytest.raises(TrainingDiverged) as err:
+        fedlt.run(tiny(tmp_path, method="fedbabu", fl__lr=1e8, fl__rounds=2, method_args={"finetune_epochs": 2}),
+                  quiet=True)
+    assert str(err.value).endswith("lower fl.lr (now 100000000.0) or set fl.grad_clip (e.g. 5)"), err.value
 
 
 def test_a_diverging_run_stops_with_the_round_and_the_fix(tmp_path):

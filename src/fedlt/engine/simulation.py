@@ -463,13 +463,13 @@ class Simulation:
         return None
 
     def _numeric_method_knobs_set(self) -> list[str]:
-        """``method_args.K (now V) toward its default D`` for each number knob the config sets away from its
-        default (FedLoGe's gamma, SFD's scl_weight, a server lr): such a knob can scale a step past any lr."""
+        """``method_args.K (now V) toward its default D`` for each real-valued knob the config sets away from
+        its default (FedLoGe's gamma, SFD's scl_weight, a server lr): such a knob can scale a step past any lr
+        (a count, such as GBME's num_experts, scales none)."""
         fields, out = self.spec.args.model_fields, []
         for key in sorted(self.cfg.method_args):
             value, field = self.resolved_method_args.get(key), fields.get(key)
-            if field is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    value == field.default:
+            if field is None or not isinstance(value, float) or value == field.default:
                 continue
             default = f" {field.default}" if isinstance(field.default, (int, float)) else ""
             out.append(f"method_args.{key} (now {value}) toward its default{default}")
