@@ -1171,6 +1171,9 @@ def test_a_query_summed_in_the_clear_refuses_replies_it_cannot_sum_entry_by_entr
         return out
 
     assert torch.equal(total([torch.ones(3), torch.ones(3), torch.ones(3)]).payload["x"], torch.full((3,), 3.0))
+    assert total([True, True, False]).payload["x"] is True and total([False, False]).payload["x"] is False  # as
+    assert torch.equal(total([torch.tensor([True, False])] * 2).payload["x"], torch.tensor([True, False]))  # a secure sum
+    assert total([2, 3]).payload["x"] == 5 and total([0.5, 0.25]).payload["x"] == 0.75
     for values, shapes in (([torch.zeros(3), torch.ones(1)], "[3] vs [1]"),
                            ([torch.zeros(3), torch.ones(2)], "[3] vs [2]"), ([1.0, torch.ones(3)], "[] vs [3]")):
         with pytest.raises(FedltError, match=re.escape(f"query:q: the clients' replies differ in the shape of payload "

@@ -158,6 +158,8 @@ def add_reply(total: Reply | None, reply: Reply, kind: str) -> Reply:
             if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and \
                     (value.dtype, value.device) == (held.dtype, held.device):
                 held += value
+            elif isinstance(held, (bool, np.bool_)) and isinstance(value, (bool, np.bool_)):
+                into[key] = bool(held or value)  # as a bool tensor sums, and a secure sum reads back
             else:
                 into[key] = held + value
     total.num_samples += reply.num_samples
