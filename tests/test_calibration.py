@@ -197,6 +197,26 @@ def test_calibration_errors_are_config_errors(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_second_moments_the_machine_cannot_hold_are_refused_before_the_first_round(tmp_path, monkeypatch):
+    """CCVR's and SAFS's per-class second moments are classes x d x d float64 a client (ImageNet-LT's 1,000
+    classes with a ResNet-50's 2,048-d features: 33.6 GB): a run that cannot hold them would end after its
+    last round in an out-of-memory error. The small CNN's 10 x 128 x 128 are 1.3 MB, about 5.2 MB at once."""
+    from fedlt.calibration import wrapper
+
+    monkeypatch.setattr(wrapper, "available_memory", lambda: 5_000_000)
+    for top, option in (({"calibration": "ccvr"}, "calibration=ccvr"), ({"method": "sfd"}, "method=sfd")):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"{option} needs per-class second moments of the features (10 classes x 128 x 128 float64: 0.0 GB a "
+                "client, about 0.0 GB at once), more than the 0.0 GB of memory available; use a model with narrower "
+                "features (`fedlt models` gives each one's width) or a calibration without them (fed3r, fedncm)")):
+            fedlt.run(tiny(tmp_path, fl={"rounds": 1}, **top), quiet=True)
+    assert not any(tmp_path.iterdir())  # refused before any file
+    monkeypatch.setattr(wrapper, "available_memory", lambda: 5_300_000)
+    assert fedlt.run(tiny(tmp_path, calibration=["fed3r", "ccvr"], fl={"rounds": 1}), quiet=True).summary["final"]
+    monkeypatch.setattr(wrapper, "available_memory", lambda: 1)  # neither needs classes x d x d
+    assert fedlt.run(tiny(tmp_path, calibration=["fed3r", "fedncm"], fl={"rounds": 1}), quiet=True).summary["final"]
+
+
 def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
     cfg = dict(method="creff", calibration=["ccvr"])
     full = fedlt.run(tiny(tmp_path / "a", **cfg), quiet=True)

@@ -19,6 +19,7 @@ from fedlt.calibration.calibrators import CALIBRATORS, CalibrationArgs, creff_cl
 from fedlt.calibration.math.classifiers import ridge_sums
 from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.math.stats import class_feature_sums, merge_sums
+from fedlt.data.sources.common import available_memory
 from fedlt.errors import ConfigError, PluginError
 from fedlt.messages import Message, Query, Reply, check_reply
 from fedlt.methods.base import (
@@ -118,6 +119,9 @@ class CalibratedServer(Server):
         self.calibrators = [CALIBRATORS[n](cal_args, ctx) for n in self.names]
         self.needs = sorted(set().union(*(c.needs for c in self.calibrators)))
         self.model_head = self.head_of(ctx.args)
+        if "class_sums" in self.needs:
+            check_second_moments_fit(ctx.config, [c for c in self.calibrators if "class_sums" in c.needs][0].name,
+                                     ctx.num_classes, self._backbone().feature_dim)
         self._stats_done = False
         self._stats: dict[str, Any] = {}
         self._eval_models: dict[str, Any] = {}
@@ -231,6 +235,25 @@ class CalibratedServer(Server):
         for cal, s in zip(self.calibrators, state["calibrators"]):
             cal.load_state_dict(s)
         self._stats_done = state["stats_done"]
+
+
+#: copies of the classes x d x d float64 second moments a run holds at once: a client's sums, the server's
+#: running sum, and the calibration's scatter and covariances
+SECOND_MOMENT_COPIES = 4
+
+
+def check_second_moments_fit(config, name: str, classes: int, dim: int) -> None:
+    """Refuse, before the first round, a calibration whose per-class second moments (CCVR's, SAFS's) the
+    machine cannot hold: with ImageNet-LT's 1,000 classes a ResNet-50's 2,048-d features make 33.6 GB a
+    client, and the run would end after its last round in an out-of-memory error."""
+    one, free = classes * dim * dim * 8, available_memory()
+    if free is None or SECOND_MOMENT_COPIES * one <= free:
+        return
+    option = f"calibration={name}" if name in config.calibration else f"method={config.method}"
+    raise ConfigError(f"{option} needs per-class second moments of the features ({classes} classes x {dim} x {dim} "
+                      f"float64: {one / 1e9:.1f} GB a client, about {SECOND_MOMENT_COPIES * one / 1e9:.1f} GB at once), "
+                      f"more than the {free / 1e9:.1f} GB of memory available; use a model with narrower features "
+                      "(`fedlt models` gives each one's width) or a calibration without them (fed3r, fedncm)")
 
 
 def check_head(cal, backbone) -> None:
