@@ -215,6 +215,18 @@ def test_second_moments_the_machine_cannot_hold_are_refused_before_the_first_rou
     assert fedlt.run(tiny(tmp_path, calibration=["fed3r", "ccvr"], fl={"rounds": 1}), quiet=True).summary["final"]
     monkeypatch.setattr(wrapper, "available_memory", lambda: 1)  # neither needs classes x d x d
     assert fedlt.run(tiny(tmp_path, calibration=["fed3r", "fedncm"], fl={"rounds": 1}), quiet=True).summary["final"]
+    # on a GPU a client builds its sums there: one array must fit in what the device has free
+    from fedlt.config import build_config
+
+    monkeypatch.setattr(wrapper, "available_memory", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1_000_000, 80_000_000_000))
+    cuda, cfg = torch.device("cuda", 1), build_config(tiny(tmp_path, method="sfd"))
+    with pytest.raises(ConfigError, match=re.escape("method=sfd needs per-class second moments of the features (10 "
+                                                    "classes x 128 x 128 float64: 0.0 GB a client, about 0.0 GB at "
+                                                    "once), more than the 0.0 GB free on cuda:1; use a model")):
+        wrapper.check_second_moments_fit(cfg, "safs", 10, 128, cuda)
+    wrapper.check_second_moments_fit(cfg, "safs", 10, 64, cuda)  # 0.26 MB fits
+    wrapper.check_second_moments_fit(cfg, "safs", 10, 128, torch.device("cpu"))  # no device memory to check
 
 
 def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):

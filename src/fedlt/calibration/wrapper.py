@@ -121,7 +121,7 @@ class CalibratedServer(Server):
         self.model_head = self.head_of(ctx.args)
         if "class_sums" in self.needs:
             check_second_moments_fit(ctx.config, [c for c in self.calibrators if "class_sums" in c.needs][0].name,
-                                     ctx.num_classes, self._backbone().feature_dim)
+                                     ctx.num_classes, self._backbone().feature_dim, ctx.device)
         self._stats_done = False
         self._stats: dict[str, Any] = {}
         self._eval_models: dict[str, Any] = {}
@@ -242,18 +242,23 @@ class CalibratedServer(Server):
 SECOND_MOMENT_COPIES = 4
 
 
-def check_second_moments_fit(config, name: str, classes: int, dim: int) -> None:
+def check_second_moments_fit(config, name: str, classes: int, dim: int, device: torch.device) -> None:
     """Refuse, before the first round, a calibration whose per-class second moments (CCVR's, SAFS's) the
     machine cannot hold: with ImageNet-LT's 1,000 classes a ResNet-50's 2,048-d features make 33.6 GB a
-    client, and the run would end after its last round in an out-of-memory error."""
-    one, free = classes * dim * dim * 8, available_memory()
-    if free is None or SECOND_MOMENT_COPIES * one <= free:
+    client, and the run would end after its last round in an out-of-memory error. A client builds its
+    sums on the run's device (one array there), the run holds :data:`SECOND_MOMENT_COPIES` in memory."""
+    one = classes * dim * dim * 8
+    free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    short = [(f"{free / 1e9:.1f} GB free on {device}", one) for free in [free_device] if free is not None and one > free]
+    short += [(f"{free / 1e9:.1f} GB of memory available", SECOND_MOMENT_COPIES * one) for free in [available_memory()]
+              if free is not None and SECOND_MOMENT_COPIES * one > free]
+    if not short:
         return
-    option = f"calibration={name}" if name in config.calibration else f"method={config.method}"
+    (where, _), option = short[0], f"calibration={name}" if name in config.calibration else f"method={config.method}"
     raise ConfigError(f"{option} needs per-class second moments of the features ({classes} classes x {dim} x {dim} "
                       f"float64: {one / 1e9:.1f} GB a client, about {SECOND_MOMENT_COPIES * one / 1e9:.1f} GB at once), "
-                      f"more than the {free / 1e9:.1f} GB of memory available; use a model with narrower features "
-                      "(`fedlt models` gives each one's width) or a calibration without them (fed3r, fedncm)")
+                      f"more than the {where}; use a model with narrower features (`fedlt models` gives each one's "
+                      "width) or a calibration without them (fed3r, fedncm)")
 
 
 def check_head(cal, backbone) -> None:
