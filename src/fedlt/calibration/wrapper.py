@@ -249,15 +249,17 @@ def check_second_moments_fit(config, name: str, classes: int, dim: int, device: 
     sums on the run's device (one array there), the run holds :data:`SECOND_MOMENT_COPIES` in memory."""
     one = classes * dim * dim * 8
     free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    short = [(f"{free / 1e9:.1f} GB free on {device}", one) for free in [free_device] if free is not None and one > free]
-    short += [(f"{free / 1e9:.1f} GB of memory available", SECOND_MOMENT_COPIES * one) for free in [available_memory()]
-              if free is not None and SECOND_MOMENT_COPIES * one > free]
-    if not short:
+    free_host = available_memory()
+    if free_device is not None and one > free_device:
+        short = f"{free_device / 1e9:.1f} GB free on {device}"
+    elif free_host is not None and SECOND_MOMENT_COPIES * one > free_host:
+        short = f"{free_host / 1e9:.1f} GB of memory available"
+    else:
         return
-    (where, _), option = short[0], f"calibration={name}" if name in config.calibration else f"method={config.method}"
+    option = f"calibration={name}" if name in config.calibration else f"method={config.method}"
     raise ConfigError(f"{option} needs per-class second moments of the features ({classes} classes x {dim} x {dim} "
                       f"float64: {one / 1e9:.1f} GB a client, about {SECOND_MOMENT_COPIES * one / 1e9:.1f} GB at once), "
-                      f"more than the {where}; use a model with narrower features (`fedlt models` gives each one's "
+                      f"more than the {short}; use a model with narrower features (`fedlt models` gives each one's "
                       "width) or a calibration without them (fed3r, fedncm)")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from fedlt.config import DIRICHLET_PARTITIONS, DataConfig, federation_seed, load_config, partition_label
 from fedlt.data.federated import build_federated_data
-from fedlt.data.registry import DATASETS
+from fedlt.data.registry import DATASETS, tail_label
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
 from fedlt.results import ROWS_EACH, listed, partition_record, size_bins, write_atomic
@@ -40,7 +40,7 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     part = partition_label(d.partition, d.alpha, d.classes_per_client) \
         + (f", {d.rounding.replace('_', '-')} rounding" if d.rounding != "floor" else "")
     as_distributed = DATASETS[d.dataset].long_tailed  # data.imbalance_factor does not apply
-    tail = "as distributed" if as_distributed else f"IF={d.imbalance_factor:g}"
+    tail = tail_label(d.dataset, d.imbalance_factor)
     seed = federation_seed(d, cfg.seed)  # what the federation is drawn from: data.seed where it is set
     others = other_draw_settings(d)
     also = "; " + ", ".join(f"data.{k}={json.dumps(v)}" for k, v in others.items()) if others else ""
