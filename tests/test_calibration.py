@@ -229,6 +229,41 @@ def test_second_moments_the_machine_cannot_hold_are_refused_before_the_first_rou
     wrapper.check_second_moments_fit(cfg, "safs", 10, 128, torch.device("cpu"))  # no device memory to check
 
 
+def test_features_a_calibration_cannot_hold_are_refused_before_the_first_round(tmp_path, monkeypatch):
+    """CCVR's virtual, SAFS's synthetic and the oracle's sampled features are built after the last round:
+    ccvr_virtual_per_class=1e12 trained every round and then stopped in an out-of-memory error. The rows are
+    classes x the knob (SAFS: its rarest class's bank), float32, two copies: 10 x 1000 x 128 x 4 x 2 = 10.24 MB
+    (more than the 5.2 MB of the second moments, which fit here)."""
+    from fedlt.calibration import wrapper
+
+    monkeypatch.setattr(wrapper, "available_memory", lambda: 10_239_999)
+    cases = [({"calibration": "ccvr"}, "calibration=ccvr", "ccvr_virtual_per_class"),
+             ({"calibration": "oracle"}, "calibration=oracle", "oracle_per_class"),
+             ({"method": "sfd"}, "method=sfd", "safs_max_per_class")]
+    for top, option, knob in cases:
+        with pytest.raises(ConfigError, match=re.escape(
+                f"{option} builds 10,000 features of width 128 after the last round (about 10.2 MB), more than the "
+                f"0.0 GB of memory available; lower calibration_args.{knob}")):
+            fedlt.run(tiny(tmp_path, fl={"rounds": 1}, calibration_args={knob: 1000}, **top), quiet=True)
+    assert not any(tmp_path.iterdir())  # refused before any file
+    monkeypatch.setattr(wrapper, "available_memory", lambda: 10_240_000)  # exactly what they need
+    assert fedlt.run(tiny(tmp_path, fl={"rounds": 1}, eval={"every": 1}, calibration="ccvr",
+                          calibration_args={"ccvr_virtual_per_class": 1000, "retrain_steps": 5}), quiet=True).summary["final"]
+    # on a GPU the features are built there
+    from fedlt.calibration.calibrators import CCVR
+    from fedlt.config import build_config
+
+    monkeypatch.setattr(wrapper, "available_memory", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1_023_999, 80_000_000_000))
+    ccvr = CCVR.__new__(CCVR)
+    ccvr.num_classes, ccvr.args = 10, wrapper.CalibrationArgs()
+    cfg = build_config(tiny(tmp_path, calibration="ccvr"))
+    with pytest.raises(ConfigError, match=re.escape("builds 1,000 features of width 128 after the last round (about "
+                                                    "1.0 MB), more than the 0.0 GB free on cuda:0; lower")):
+        wrapper.check_features_fit(cfg, ccvr, 128, torch.device("cuda", 0))
+    wrapper.check_features_fit(cfg, ccvr, 127, torch.device("cuda", 0))
+
+
 def test_creff_resume_equals_uninterrupted(tmp_path, monkeypatch):
     cfg = dict(method="creff", calibration=["ccvr"])
     full = fedlt.run(tiny(tmp_path / "a", **cfg), quiet=True)

@@ -191,6 +191,22 @@ def test_numbers_past_float32_and_threads_past_torchs_int_are_refused_before_tra
                                     "method_args.head_lr_scale=100"]))  # the released optimiser's lr is 0.03 x 100
 
 
+def test_numbers_that_round_to_zero_in_float32_are_refused_before_training() -> None:
+    """fl.lr=1e-50 is 0 in the float32 that SGD steps in: the run trained nothing and said nothing. A number
+    that float32 holds, however small (its smallest subnormal), and 0 itself where a knob takes it, stay valid."""
+    from fedlt.run_parts import check_config
+
+    zero = "is zero in the 32-bit floats that training computes in (the smallest is 1.4e-45); give a larger number"
+    for overrides, key in [(["fl.lr=1e-50"], "fl.lr"), (["loss.name=la", "loss.tau=-1e-46"], "loss.tau"),
+                           (["fl.lr=7.006e-46"], "fl.lr")]:  # just under half the smallest subnormal
+        msg = config_error(overrides=overrides)
+        assert msg.startswith(f"invalid config value {key}: ") and msg.endswith(zero), msg
+    with pytest.raises(ConfigError, match=re.escape("calibration_args.retrain_lr for calibration: 1e-60 " + zero)):
+        check_config(load_config(None, ["method=ccvr", "calibration_args.retrain_lr=1e-60"]))
+    config = load_config(None, ["fl.lr=1.4e-45", "fl.weight_decay=0"])
+    assert float(torch.tensor(config.fl.lr, dtype=torch.float32)) > 0 and config.fl.weight_decay == 0
+
+
 def test_a_creff_feature_step_past_float32_is_refused_before_training(tmp_path) -> None:
     """CReFF steps its features with creff_feature_lr x C (the released code's row sum): a knob in range
     whose product was not stopped SGD with a RuntimeError traceback; it is one line, exit 2, no folder."""
@@ -222,7 +238,7 @@ def test_products_of_knobs_past_float32_are_refused_before_training() -> None:
          "SSE-C's first Adam step method_args.sse_lr / (1 - 0.9) = 3.41e+38 is past the 32-bit floats"),
         (["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1e-45"],
          "GBME-p's noise sigma = 2.731e+45 (from method_args.dp_clip=1, dp_epsilon=1e-45, dp_delta=0.03) is past"),
-        (["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1e-300", "method_args.dp_clip=3e38",
+        (["method=gbme", "loss.name=bsm", "method_args.dp_epsilon=1e-44", "method_args.dp_clip=3e38",
           "method_args.dp_calibration=analytic"], "GBME-p's noise sigma = 3.988e+39")]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_config(load_config(None, overrides))

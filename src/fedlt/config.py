@@ -64,13 +64,17 @@ TYPE_REFERENCE = "give a value of its type (the configuration reference lists th
 
 #: the largest magnitude of a float32, the numbers training computes in
 FLOAT32_MAX = 3.4028234663852886e38
+#: magnitudes at most this round to zero in float32 (half its smallest subnormal, 2**-149, rounds to even: 0)
+FLOAT32_ZERO = 2.0 ** -150
 
 
 def _beyond_float32(value: Any) -> float | None:
-    """The first number in ``value`` (a number, or a list of them) that no float32 holds, or None."""
+    """The first number in ``value`` (a number, or a list of them) that no float32 holds, or None: one past its
+    range, or one not zero that rounds to zero in it (``fl.lr=1e-50`` would train nothing without a word)."""
     if isinstance(value, (list, tuple)):
         return next((big for item in value if (big := _beyond_float32(item)) is not None), None)
-    return value if isinstance(value, float) and abs(value) > FLOAT32_MAX else None
+    return value if isinstance(value, float) and (abs(value) > FLOAT32_MAX or 0 < abs(value) <= FLOAT32_ZERO) \
+        else None
 
 
 class NoBoolForNumbers(BaseModel):
@@ -89,10 +93,13 @@ class NoBoolForNumbers(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _within_float32(cls, value: Any) -> Any:
-        big = _beyond_float32(value)
-        if big is not None:
-            raise ValueError(f"{big:g} is beyond the 32-bit floats that training computes in (at most "
+        out = _beyond_float32(value)
+        if out is not None and abs(out) > 1:
+            raise ValueError(f"{out:g} is beyond the 32-bit floats that training computes in (at most "
                              f"{FLOAT32_MAX:.4g} in size); give a smaller number")
+        if out is not None:
+            raise ValueError(f"{out:g} is zero in the 32-bit floats that training computes in (the smallest is "
+                             f"{2.0 ** -149:.2g}); give a larger number")
         return value
 
 

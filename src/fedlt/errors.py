@@ -63,14 +63,15 @@ def out_of_memory(err: BaseException) -> str | None:
         return None
     if "can't allocate memory" in text:
         asked = re.search(r"allocate (\d+) bytes", text)
-        return "the CPU allocator was asked for " + (_size(int(asked.group(1))) if asked else "more than it has")
+        return "the CPU allocator was asked for " + (size_text(int(asked.group(1))) if asked else "more than it has")
     if "out of memory" in text:  # CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
         asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", text)
         return "the GPU ran out of memory" + (f" (asked for {asked.group(1)})" if asked else "")
     return None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count as people read it: ``"56.9 TB"``."""
     for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"

@@ -140,6 +140,12 @@ class Calibrator:
         self.num_classes = ctx.num_classes
         self._head: nn.Module | None = None
 
+    def features_held(self, dim: int) -> tuple[int, str] | None:
+        """How many feature rows of width ``dim`` :meth:`finish` builds at once (virtual, synthetic or
+        sampled real ones), and the knob that sizes them; None when it builds none. The run refuses,
+        before its first round, rows that the machine cannot hold."""
+        return None
+
     def head(self) -> nn.Module | None:
         """The calibrated head, once there is one."""
         return self._head
@@ -289,6 +295,9 @@ class CCVR(Calibrator):
     #: the virtual features and labels the head was re-trained on (for the report's projection)
     _virtual: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def features_held(self, dim):
+        return self.num_classes * self.args.ccvr_virtual_per_class, "ccvr_virtual_per_class"
+
     def finish(self, stats, head) -> None:
         mean, cov, count = class_moments(stats["class_sums"])
         present = count > 0
@@ -360,6 +369,9 @@ class RealFeatureOracle(Calibrator):
     needs = frozenset({"features"})
     shared_knobs = frozenset({"retrain_steps", "retrain_lr", "retrain_momentum", "retrain_batch_size"})
 
+    def features_held(self, dim):
+        return self.num_classes * self.args.oracle_per_class, "oracle_per_class"
+
     def finish(self, stats, head) -> None:
         feats, labels = stats["features"]
         generator = self.ctx.generator(0, purpose=51)
@@ -397,6 +409,9 @@ class SAFS(Calibrator):
         # the seed r_0 of Algorithm 2: every client draws the same frequencies from it
         self.rff_seed = int(ctx.rng(0, purpose=71).integers(2**31 - 1))
         self.info: dict[str, float] = {}
+
+    def features_held(self, dim):
+        return self.num_classes * safs_bank_sizes(self.args, dim)[0], "safs_max_per_class"  # at most the rarest's
 
     def stats_payload(self) -> Payload:
         return {"rff_seed": self.rff_seed, "rff_dim": self.args.safs_rff_dim, "rff_gamma": self.args.safs_rbf_gamma}

@@ -20,7 +20,7 @@ from fedlt.calibration.math.classifiers import ridge_sums
 from fedlt.calibration.math.rff import random_fourier_features, rff_frequencies
 from fedlt.calibration.math.stats import class_feature_sums, merge_sums
 from fedlt.data.sources.common import available_memory
-from fedlt.errors import ConfigError, PluginError
+from fedlt.errors import ConfigError, PluginError, size_text
 from fedlt.messages import Message, Query, Reply, check_reply
 from fedlt.methods.base import (
     Client, ClientContext, LocalObjective, MethodArgs, MethodSpec, ModelHead, Server, ServerContext, Stage, clone_state,
@@ -119,9 +119,12 @@ class CalibratedServer(Server):
         self.calibrators = [CALIBRATORS[n](cal_args, ctx) for n in self.names]
         self.needs = sorted(set().union(*(c.needs for c in self.calibrators)))
         self.model_head = self.head_of(ctx.args)
+        dim = self._backbone().feature_dim
         if "class_sums" in self.needs:
             check_second_moments_fit(ctx.config, [c for c in self.calibrators if "class_sums" in c.needs][0].name,
-                                     ctx.num_classes, self._backbone().feature_dim, ctx.device)
+                                     ctx.num_classes, dim, ctx.device)
+        for cal in self.calibrators:
+            check_features_fit(ctx.config, cal, dim, ctx.device)
         self._stats_done = False
         self._stats: dict[str, Any] = {}
         self._eval_models: dict[str, Any] = {}
@@ -242,25 +245,53 @@ class CalibratedServer(Server):
 SECOND_MOMENT_COPIES = 4
 
 
+def memory_short(on_device: int, on_host: int, device: torch.device) -> str | None:
+    """What is too small for ``on_device`` bytes on the run's device (a GPU's free memory; none to check
+    on the CPU) and ``on_host`` bytes of host memory, e.g. ``"2.1 GB of memory available"``; None: both fit."""
+    free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    free_host = available_memory()
+    if free_device is not None and on_device > free_device:
+        return f"{free_device / 1e9:.1f} GB free on {device}"
+    if free_host is not None and on_host > free_host:
+        return f"{free_host / 1e9:.1f} GB of memory available"
+    return None
+
+
+def _option(config, name: str) -> str:
+    """The setting that brought calibration ``name``: ``calibration=ccvr`` or the method it is part of."""
+    return f"calibration={name}" if name in config.calibration else f"method={config.method}"
+
+
 def check_second_moments_fit(config, name: str, classes: int, dim: int, device: torch.device) -> None:
     """Refuse, before the first round, a calibration whose per-class second moments (CCVR's, SAFS's) the
     machine cannot hold: with ImageNet-LT's 1,000 classes a ResNet-50's 2,048-d features make 33.6 GB a
     client, and the run would end after its last round in an out-of-memory error. A client builds its
     sums on the run's device (one array there), the run holds :data:`SECOND_MOMENT_COPIES` in memory."""
     one = classes * dim * dim * 8
-    free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    free_host = available_memory()
-    if free_device is not None and one > free_device:
-        short = f"{free_device / 1e9:.1f} GB free on {device}"
-    elif free_host is not None and SECOND_MOMENT_COPIES * one > free_host:
-        short = f"{free_host / 1e9:.1f} GB of memory available"
-    else:
+    short = memory_short(one, SECOND_MOMENT_COPIES * one, device)
+    if short is None:
         return
-    option = f"calibration={name}" if name in config.calibration else f"method={config.method}"
+    option = _option(config, name)
     raise ConfigError(f"{option} needs per-class second moments of the features ({classes} classes x {dim} x {dim} "
                       f"float64: {one / 1e9:.1f} GB a client, about {SECOND_MOMENT_COPIES * one / 1e9:.1f} GB at once), "
                       f"more than the {short}; use a model with narrower features (`fedlt models` gives each one's "
                       "width) or a calibration without them (fed3r, fedncm)")
+
+
+def check_features_fit(config, cal, dim: int, device: torch.device) -> None:
+    """Refuse, before the first round, the features a calibration builds after the last one (CCVR's virtual
+    ones, SAFS's synthetic ones) when the machine cannot hold them: ``ccvr_virtual_per_class=1e12`` asked
+    for a petabyte after every round had trained. float32 rows, built as parts and joined: two copies."""
+    held = cal.features_held(dim)
+    if held is None:
+        return
+    rows, knob = held
+    size = 2 * rows * dim * 4
+    short = memory_short(size, size, device)
+    if short is None:
+        return
+    raise ConfigError(f"{_option(config, cal.name)} builds {rows:,} features of width {dim} after the last round "
+                      f"(about {size_text(size)}), more than the {short}; lower calibration_args.{knob}")
 
 
 def check_head(cal, backbone) -> None:
