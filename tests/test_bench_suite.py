@@ -302,6 +302,8 @@ def test_cell_progress_reads_a_cell_being_written(tmp_path):
     assert cell_progress(tmp_path / "missing", since=0) is None
     (tmp_path / "metrics.jsonl").unlink()  # no round evaluated yet
     assert cell_progress(tmp_path, since=0) == "started, 50 rounds"
+    (tmp_path / "config.yaml").write_text("fl:\n  rounds: 1\n")
+    assert cell_progress(tmp_path, since=0) == "started, 1 round"
 
 def test_two_workers_give_the_numbers_of_one(tiny_suite, tmp_path):
     _, reference, _ = tiny_suite

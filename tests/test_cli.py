@@ -465,6 +465,7 @@ def test_run_summary_labels_final_and_best_round(run_dir: Path) -> None:
     assert summary["communication_bytes"]["down_model"] == sum(r["comm"]["down_model"] for r in rows)
     report = (run_dir / "report.md").read_text()
     assert "| final (headline) | 2 |" in report and "best round (by acc)" in report
+    assert ", 2 rounds, 1 local epoch, model cnn," in report  # fl.local_epochs=1: one epoch, not "1 local epochs"
     assert summary["shot_rule"] in report
 
 

@@ -231,6 +231,11 @@ def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def counted(n: Any, noun: str) -> str:
+    """``n`` and the noun, singular for one: ``counted(1, "local epoch")`` -> ``"1 local epoch"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def loss_label(cfg: Config) -> str:
     """The loss a run trained with, as its summary, report and progress name it: a method with its own
     objective reads no ``loss.*`` setting, so its runs name no configured loss."""
@@ -620,8 +625,8 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
         (f"{d.num_clients} sites holding their own data (flower.node_data)" if cfg.flower.node_data else
          f"{_long_tail_label(d)}, {d.partition} partition"
          + (f" (alpha={d.alpha:g})" if d.partition in DIRICHLET_PARTITIONS else "") + f", {d.num_clients} clients")
-        + f", participation {cfg.fl.participation:g}, {cfg.fl.rounds} rounds, "
-        f"{cfg.fl.local_epochs} local epochs, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}"
+        + f", participation {cfg.fl.participation:g}, {counted(cfg.fl.rounds, 'round')}, "
+        f"{counted(cfg.fl.local_epochs, 'local epoch')}, model {cfg.model.name}, loss {loss_label(cfg)}, seed {cfg.seed}"
         + (f" (the federation's: data.seed {d.seed})." if d.seed is not None and d.seed != cfg.seed else "."),
         "",
         f"{summary.get('data', '')}",

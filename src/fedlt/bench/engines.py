@@ -22,7 +22,7 @@ from pathlib import Path
 from fedlt.config import load_config
 from fedlt.environment import collect, describe
 from fedlt.errors import ConfigError, FedltError
-from fedlt.results import read_summary
+from fedlt.results import counted, read_summary
 
 
 ENGINES = ("inprocess", "flower", "deployment", "node-data", "plain-flower")
@@ -134,7 +134,7 @@ def run_engine_bench(config: str, overrides: list[str], nodes: int | None = None
                 echo(f"fedlt bench engines: {engine}{suffix} done in {results[label][-1]:.1f} s")
     lines = [
         f"Config: `{config}` {' '.join(overrides)} ({cfg.data.num_clients} clients, "
-        f"{cfg.clients_per_round()} per round, {cfg.fl.rounds} rounds, method {cfg.method}); "
+        f"{cfg.clients_per_round()} per round, {counted(cfg.fl.rounds, 'round')}, method {cfg.method}); "
         f"{describe(collect())}, {os.cpu_count()} cores.",
         "",
         "| engine | s/round (mean) | s/round (each) | uploaded MB/round | final acc | wall s (with start-up) |",

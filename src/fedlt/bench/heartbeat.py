@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
-from fedlt.results import CONFIG_FILE, METRICS_FILE
+from fedlt.results import CONFIG_FILE, METRICS_FILE, counted
 
 #: seconds between two lines (tests shorten it)
 HEARTBEAT_S = 60.0
@@ -42,7 +42,7 @@ def cell_progress(run_dir: Path, since: float, validation: bool = False) -> str 
         return None
     rounds = [r for r in rows if isinstance(r, dict) and isinstance(r.get("round"), int)]
     if not rounds:
-        return f"started, {total} rounds"
+        return f"started, {counted(total, 'round')}"
     key = "val_acc" if validation else "acc"
     accs = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
     return f"round {rounds[-1]['round']}/{total}" + (f", {key.replace('_', ' ')} {accs[-1]:.2f}" if accs else "")

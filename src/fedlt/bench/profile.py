@@ -28,6 +28,7 @@ from fedlt.bench.host_syncs import HostSyncs
 from fedlt.bench.speed import measured_setting, sync_device
 from fedlt.config import load_config
 from fedlt.environment import collect, describe
+from fedlt.results import counted
 from fedlt.training.scopes import BACKWARD, BATCH, FORWARD, GRADIENT, OPTIMIZER
 from fedlt.training.sequential import steps_per_epoch
 
@@ -125,7 +126,7 @@ def run_profile_bench(config: str | None, overrides: list[str], models: tuple[st
         columns += ["kernel ms", "GPU busy %", "kernels / step", "device waits / step", "copies / step"]
     lines = [
         f"## Where a local training step goes: {base.method}, batch {base.fl.batch_size}, "
-        f"{base.fl.local_epochs} local epoch(s)", "",
+        f"{counted(base.fl.local_epochs, 'local epoch')}", "",
         f"device {device}: {describe(collect(device))}. Per optimizer step of one client (a round's time over "
         "the sampled clients' steps). The parts are host time inside the training loop's marked ranges, "
         "measured in a profiled round (the profiler's own cost included); ms / client step is an unprofiled "

@@ -25,6 +25,7 @@ from fedlt.config import Config, load_config
 from fedlt.engine.process_pool import cpu_cores
 from fedlt.environment import collect, describe
 from fedlt.methods.base import LocalObjective, clone_state
+from fedlt.results import counted
 from fedlt.run_parts import resolve_device
 from fedlt.training.graphed import GraphedTrainer
 from fedlt.training.sequential import train_local
@@ -105,7 +106,7 @@ def run_speed_bench(config: str | None, overrides: list[str], rounds: int = 3) -
         f"# fedlt bench speed: {base.method} / {base.model.name} on {base.data.dataset}",
         "",
         f"device {device}: {describe(collect(device))}; "
-        f"{base.data.num_clients} clients, {base.clients_per_round()} per round, {base.fl.local_epochs} local epochs, "
+        f"{base.data.num_clients} clients, {base.clients_per_round()} per round, {counted(base.fl.local_epochs, 'local epoch')}, "
         f"batch {base.fl.batch_size}; {rounds} timed rounds after one warm-up round.",
         f"Training cost: {flops / 1e6:.2f} MFLOP per image (forward + backward, FlopCounterMode). "
         f"Matmul peak measured now: {peak:.1f} GFLOP/s (float32, 2048x2048).",
@@ -242,7 +243,7 @@ def run_backend_bench(config: str | None, overrides: list[str], rounds: int = 2,
     # parallel: CPU processes; graphed without a GPU is its step without capture, no faster than sequential
     backends = list(compare or (b for b in BACKENDS if b != ("graphed" if device.type == "cpu" else "parallel")))
     lines = [
-        f"## Backends: {base.method}, batch {base.fl.batch_size}, {base.fl.local_epochs} local epoch(s); "
+        f"## Backends: {base.method}, batch {base.fl.batch_size}, {counted(base.fl.local_epochs, 'local epoch')}; "
         f"{rounds} timed round(s) after one warm-up",
         "",
         f"device {device}: {describe(collect(device))}; matmul peak measured now "

@@ -21,7 +21,7 @@ from fedlt.config import (
 )
 from fedlt.errors import FedltError
 from fedlt.reporting.cost import suite_cost
-from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, chance_models, nonfinite_models, nonfinite_personal,
+from fedlt.results import (ENGINE_KEYS, PM_VARIANTS, SUMMARY_FILE, chance_models, counted, nonfinite_models, nonfinite_personal,
                            nonfinite_variants, personal_nan_label, read_metrics, read_summary, unevaluated_note)
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _aborted(run: Run) -> str:
     s = run.summary
     if s.get("status") != "aborted":
         return ""
-    return f" (aborted after {s.get('rounds_done', '?')} of {s.get('rounds', '?')} rounds)"
+    return f" (aborted after {s.get('rounds_done', '?')} of {counted(s.get('rounds', '?'), 'round')})"
 
 
 def _diverged(run: Run) -> str:
@@ -206,7 +206,7 @@ def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     part = (partition_label(d["partition"], d["alpha"], d.get("classes_per_client"))
             if d["partition"] in (*DIRICHLET_PARTITIONS, "pathological") else d["partition"])
     label = (f"{d['dataset']}-LT, {tail_label(d['dataset'], d['imbalance_factor'])}, {part}, "
-             f"{d['num_clients']} clients, {cfg['fl']['rounds']} rounds")
+             f"{d['num_clients']} clients, {counted(cfg['fl']['rounds'], 'round')}")
     # what else makes another federation or other shot groups: its runs are another table, never one mixed
     e, fl = cfg.get("eval") or {}, cfg.get("fl") or {}
     default = FLConfig.model_fields["participation"].default

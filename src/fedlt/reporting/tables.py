@@ -40,6 +40,7 @@ from fedlt.reporting.environment import environment_lines
 from fedlt.reporting.provenance import MIXED_MARK, by_version, code_lines, mixed
 from fedlt.reporting.selection import selection_section
 from fedlt.reporting.stats import PairedDiff, SeedStats, paired_difference, summarize
+from fedlt.results import counted
 
 COLUMNS = (("acc", "GM acc"), ("many_acc", "many"), ("medium_acc", "medium"), ("few_acc", "few"), ("pm_acc", "PM acc"),
            ("val_acc", "val acc"))
@@ -191,7 +192,7 @@ def _setting_facts(setting: Setting) -> str:
     if run is None:
         return "No finished run yet."
     s = run.summary
-    return (f"{s.get('dataset', '?')}-LT, {s.get('rounds', '?')} rounds; {s.get('data', '')}; shot groups — "
+    return (f"{s.get('dataset', '?')}-LT, {counted(s.get('rounds', '?'), 'round')}; {s.get('data', '')}; shot groups — "
             f"{s.get('shot_rule', '?')}.")
 
 
