@@ -1281,7 +1281,7 @@ def test_a_source_long_tailed_as_distributed_is_federated_as_it_is(tmp_path: Pat
     with pytest.raises(ConfigError, match="imagenet_lt is long-tailed as distributed, .*; drop data.class_order"):
         check_config(build_config({**tree, "data": {**tree["data"], "class_order": "shuffled"}}))
     label = setting_label({}, build_config(tree).dump())
-    assert label.startswith("imagenet_lt-LT, as distributed, iid, 2 clients")
+    assert label.startswith("imagenet_lt, as distributed, iid, 2 clients")
 
 
 @pytest.mark.parametrize("names", [None, 10, b"abcdefghij"])

@@ -334,7 +334,7 @@ def test_partition_plot_names_no_imbalance_factor_a_dataset_long_tailed_as_distr
         plots.plot_partition({"counts": [[1, 9], [2, 3]], "dataset": dataset, "imbalance_factor": 13, "alpha": 0.5},
                              tmp_path / "p.png")
     titles = [fig.axes[0].get_title(loc="left") for fig in drawn]
-    assert titles[0].startswith("Partition: imagenet_lt-LT, as distributed, Dirichlet alpha=0.5, 2 clients")
+    assert titles[0].startswith("Partition: imagenet_lt, as distributed, Dirichlet alpha=0.5, 2 clients")
     assert titles[1].startswith("Partition: synthetic-LT, IF=13, Dirichlet alpha=0.5, 2 clients")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from fedlt.config import DIRICHLET_PARTITIONS, Config, federation_seed
-from fedlt.data.registry import DATASETS
+from fedlt.data.registry import DATASETS, lt_name
 from fedlt.errors import ConfigError, FedltError, interrupt_kept
 from fedlt.methods.registry import get_method
 
@@ -620,7 +620,7 @@ def render_report(cfg: Config, summary: dict[str, Any], rows: list[dict[str, Any
     calibrated = summary.get("calibration") or []  # the first is the headline's head
     added = [name for name in calibrated[:1] if name not in get_method(cfg.method).calibration]  # not its own
     lines = [
-        f"# {cfg.method}{''.join(' + ' + name for name in added)} on {d.dataset}-LT",
+        f"# {cfg.method}{''.join(' + ' + name for name in added)} on {lt_name(d.dataset)}",
         "",
         (f"{d.num_clients} sites holding their own data (flower.node_data)" if cfg.flower.node_data else
          f"{_long_tail_label(d)}, {d.partition} partition"

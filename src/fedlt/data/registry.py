@@ -235,6 +235,13 @@ def dataset_info(name: str) -> DatasetInfo:
     return info
 
 
+def lt_name(name: str) -> str:
+    """How tables and titles name a federation's data: ``fmnist-LT`` for a source made long-tailed,
+    ``imagenet_lt`` for one long-tailed as distributed (not ``imagenet_lt-LT``)."""
+    info = DATASETS.get(name)
+    return name if info is not None and info.long_tailed else f"{name}-LT"
+
+
 def tail_label(name: str, imbalance_factor: float) -> str:
     """``IF=100``, or ``as distributed`` for a dataset long-tailed already (data.imbalance_factor not read)."""
     info = DATASETS.get(name)

@@ -200,12 +200,12 @@ def _run_label(run: Run) -> str:
 def setting_label(summary: dict[str, Any], cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return summary.get("dataset", "run")
-    from fedlt.data.registry import tail_label
+    from fedlt.data.registry import lt_name, tail_label
 
     d = cfg["data"]
     part = (partition_label(d["partition"], d["alpha"], d.get("classes_per_client"))
             if d["partition"] in (*DIRICHLET_PARTITIONS, "pathological") else d["partition"])
-    label = (f"{d['dataset']}-LT, {tail_label(d['dataset'], d['imbalance_factor'])}, {part}, "
+    label = (f"{lt_name(d['dataset'])}, {tail_label(d['dataset'], d['imbalance_factor'])}, {part}, "
              f"{d['num_clients']} clients, {counted(cfg['fl']['rounds'], 'round')}")
     # what else makes another federation or other shot groups: its runs are another table, never one mixed
     e, fl = cfg.get("eval") or {}, cfg.get("fl") or {}

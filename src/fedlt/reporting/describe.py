@@ -11,7 +11,7 @@ import numpy as np
 
 from fedlt.config import DIRICHLET_PARTITIONS, DataConfig, federation_seed, load_config, partition_label
 from fedlt.data.federated import build_federated_data
-from fedlt.data.registry import DATASETS, tail_label
+from fedlt.data.registry import DATASETS, lt_name, tail_label
 from fedlt.evaluation import shot_groups
 from fedlt.reporting.plots import plot_partition
 from fedlt.results import ROWS_EACH, listed, partition_record, size_bins, write_atomic
@@ -44,7 +44,7 @@ def describe_data(config: str | None, overrides: list[str], out: Path) -> tuple[
     seed = federation_seed(d, cfg.seed)  # what the federation is drawn from: data.seed where it is set
     others = other_draw_settings(d)
     also = "; " + ", ".join(f"data.{k}={json.dumps(v)}" for k, v in others.items()) if others else ""
-    lines = [f"{d.dataset}-LT: {tail}, {part}, {d.num_clients} clients, seed {seed}{also}",
+    lines = [f"{lt_name(d.dataset)}: {tail}, {part}, {d.num_clients} clients, seed {seed}{also}",
              data.describe(), "", f"Shot groups ({groups.rule}):"]
     for g, classes in groups.classes.items():
         lines.append(f"  {g:6s} {len(classes):3d} classes: " + (listed([f"{c} ({totals[c]})" for c in classes]) or "none"))

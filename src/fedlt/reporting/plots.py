@@ -213,11 +213,11 @@ def plot_partition(record: dict[str, Any], path: Path) -> Path:
     side.set(xlabel="samples")
     side.tick_params(axis="y", left=False)
     fig.colorbar(im, ax=[ax, side], label="training samples (log scale; blank = none)", pad=0.02)
-    from fedlt.data.registry import tail_label
+    from fedlt.data.registry import lt_name, tail_label
 
     d = record
     part = f"Dirichlet alpha={d['alpha']:g}" if d.get("alpha") is not None else d.get("partition", "")
-    ax.set_title(f"Partition: {d['dataset']}-LT, {tail_label(d['dataset'], d['imbalance_factor'])}, "
+    ax.set_title(f"Partition: {lt_name(d['dataset'])}, {tail_label(d['dataset'], d['imbalance_factor'])}, "
                  f"{part}, {k} clients (seed {d.get('seed', '?')})", fontsize=10, loc="left")
     return _save(fig, path)
 

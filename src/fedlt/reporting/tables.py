@@ -34,6 +34,7 @@ import csv
 import io
 from dataclasses import dataclass
 
+from fedlt.data.registry import lt_name
 from fedlt.reporting.claims import check_claims, claims_section
 from fedlt.reporting.collect import Collection, Row, Setting
 from fedlt.reporting.environment import environment_lines
@@ -192,8 +193,8 @@ def _setting_facts(setting: Setting) -> str:
     if run is None:
         return "No finished run yet."
     s = run.summary
-    return (f"{s.get('dataset', '?')}-LT, {counted(s.get('rounds', '?'), 'round')}; {s.get('data', '')}; shot groups — "
-            f"{s.get('shot_rule', '?')}.")
+    return (f"{lt_name(s.get('dataset', '?'))}, {counted(s.get('rounds', '?'), 'round')}; {s.get('data', '')}; "
+            f"shot groups — {s.get('shot_rule', '?')}.")
 
 
 def _markdown_columns(t: Table) -> list[tuple[str, str, str]]:
