@@ -322,6 +322,27 @@ def test_partition_plot_orders_its_columns_head_to_tail_when_the_classes_were_sh
     assert np.ma.getdata(heatmap.images[0].get_array()).tolist() == [[9, 0, 1], [30, 4, 2]]
 
 
+def test_partition_plots_side_bar_keeps_its_share_of_the_width_at_many_classes(tmp_path, monkeypatch):
+    """The clients' sizes beside the heatmap had 2.2 parts of the width to the heatmap's one per class: at
+    1,000 classes a 2-pixel sliver whose axis labels ran into each other. It keeps the share it has at 10
+    classes (2.2 to 10), and the heatmap's axis, which no longer names each class, says it counts them."""
+    from fedlt.reporting import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    for classes in (10, 1000):
+        counts = np.ones((3, classes), dtype=int).tolist()
+        plots.plot_partition({"counts": counts, "dataset": "synthetic", "imbalance_factor": 10, "alpha": 0.5},
+                             tmp_path / "p.png")
+    shares = []
+    for fig in drawn:
+        heatmap, side = (ax.get_position().width for ax in fig.axes[:2])
+        shares.append(side / heatmap)
+    assert shares[0] == pytest.approx(0.22, rel=1e-6) and shares[1] == pytest.approx(0.22, rel=1e-6)
+    assert drawn[1].axes[0].get_xlabel() == "classes by training samples, head → tail"
+    assert drawn[0].axes[0].get_xlabel() == "class index (training samples), head → tail"
+
+
 def test_partition_plot_names_no_imbalance_factor_a_dataset_long_tailed_as_distributed_did_not_apply(tmp_path,
                                                                                                    monkeypatch):
     """ImageNet-LT's partition plot was titled with data.imbalance_factor (IF=100 by default), which

@@ -194,7 +194,8 @@ def plot_partition(record: dict[str, Any], path: Path) -> Path:
     order = np.argsort(-counts.sum(0), kind="stable")  # head -> tail, also when the classes were shuffled
     counts = counts[:, order]
     fig, (ax, side) = plt.subplots(1, 2, figsize=(min(4 + 0.45 * c, 16), min(2 + 0.28 * k, 14)),
-                                   gridspec_kw={"width_ratios": [max(c, 4), 2.2], "wspace": 0.05}, sharey=True)
+                                   gridspec_kw={"width_ratios": [max(c, 4), max(2.2, 0.22 * c)], "wspace": 0.05},
+                                   sharey=True)  # the side bar keeps its share of the width at 1,000 classes
     masked = np.ma.masked_where(counts == 0, counts)
     im = ax.imshow(masked, aspect="auto", cmap="viridis", norm=LogNorm(vmin=1, vmax=max(counts.max(), 2)),
                    interpolation="nearest")
@@ -207,7 +208,8 @@ def plot_partition(record: dict[str, Any], path: Path) -> Path:
     if c <= 20:
         ax.set_xticks(range(c), [f"{order[j]}\n({totals[j]})" for j in range(c)], fontsize=7)
     ax.set_yticks(range(k)) if k <= 40 else None
-    ax.set(xlabel="class index (training samples), head → tail", ylabel="client")
+    ax.set(xlabel="class index (training samples), head → tail" if c <= 20 else  # more: ticks count classes
+           "classes by training samples, head → tail", ylabel="client")
     sizes = counts.sum(1)
     side.barh(range(k), sizes, color="grey")
     side.set(xlabel="samples")
