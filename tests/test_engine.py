@@ -1073,6 +1073,52 @@ def test_a_checkpoint_that_does_not_fit_in_memory_is_not_called_unreadable(tmp_p
         checkpoint.load_checkpoint(tmp_path)
 
 
+def test_a_long_stage_tells_how_far_it_is_in_a_log(monkeypatch, capsys):
+    """SAFS at ImageNet-LT's 1,000 classes synthesizes for tens of minutes after the last round: a log
+    showed one line when the stage began and nothing more. A stage's steps now give a line every
+    STAGE_EVERY seconds (not before the stage's own notice) with its ETA, nothing outside a stage or when quiet."""
+    from fedlt import progress as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(module, "STAGE_EVERY", 60.0)
+    progress = module.Progress(3, 0, "sfd sequential", quiet=False)
+    progress.stage_step(1, 4, "classes")  # no stage: nothing
+    with progress.waiting("the final stage", after=1000.0):  # its notice: not within this test
+        clock[0] += 30.0
+        progress.stage_step(1, 4, "classes")  # 30 s in: before the stage's notice, nothing
+        clock[0] += 1000.0
+        progress.stage_step(2, 4, "classes")  # 1,030 s for 2: 1,030 s to go
+        clock[0] += 30.0
+        progress.stage_step(3, 4, "classes")  # 30 s after the last line: nothing
+        clock[0] += 30.0
+        progress.stage_step(4, 4, "classes")
+    progress.stage_step(4, 4, "classes")
+    assert capsys.readouterr().err.splitlines() == [
+        "[sfd sequential] the final stage: 2/4 classes, ETA 17m10s",
+        "[sfd sequential] the final stage: 4/4 classes, ETA 0m00s"]
+    quiet = module.Progress(3, 0, "sfd sequential", quiet=True)
+    with quiet.waiting("the final stage", after=0.0):
+        clock[0] += 100.0
+        quiet.stage_step(1, 4, "classes")
+    assert capsys.readouterr().err == ""
+
+
+def test_sfds_synthesis_reports_its_classes_to_the_runs_progress(tmp_path, monkeypatch, capsys):
+    from fedlt import progress
+    from fedlt.engine import simulation
+
+    monkeypatch.setattr(simulation, "FINAL_NOTICE_AFTER", 0.0)
+    monkeypatch.setattr(progress, "STAGE_EVERY", 0.0)
+    fedlt.run(tiny(tmp_path, method="sfd", fl__rounds=1, run={"out_dir": str(tmp_path), "threads": 1},
+                   calibration_args={"safs_steps": 2, "safs_finetune_epochs": 1, "safs_max_per_class": 4,
+                                     "safs_min_per_class": 2}))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "classes synthesized" in line]
+    stage = "[sfd sequential] the method's final stage, after the last round's training: "
+    assert [line.split(", ETA")[0] for line in lines] == [f"{stage}{k}/10 classes synthesized (SAFS)"
+                                                          for k in range(1, 11)], lines
+
+
 def test_a_progress_line_of_a_round_without_accuracy_has_no_empty_field(capsys):
     from fedlt.progress import Progress
 

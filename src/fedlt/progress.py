@@ -15,12 +15,18 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+#: seconds between two lines of a stage's progress where there is no terminal bar (a log)
+STAGE_EVERY = 60.0
+
+
 class Progress:
     def __init__(self, total_rounds: int, start_round: int, label: str, quiet: bool):
         self.total, self.start, self.label, self.quiet = total_rounds, start_round, label, quiet
         self.t0 = time.perf_counter()
         self.latest = ""
         self.live = None
+        #: the stage :meth:`waiting` is in (what, when it began, when its progress was last printed)
+        self._stage: tuple[str, float, float] | None = None
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
@@ -50,6 +56,8 @@ class Progress:
         take a minute before round 1: FedLoGe's SSE-C; its final stage too: SAFS); quick work prints
         nothing. With ``restart_clock``, work that is not a round: the rounds' s/round and ETA start after it."""
         timer = None
+        now = time.perf_counter()
+        self._stage = (what, now, now - STAGE_EVERY + after)  # its first progress line: not before ``after``
         if self.live is not None:  # a terminal's bar names it at once, in place
             self.live.update(self.task, latest=what)
         elif not self.quiet:
@@ -59,12 +67,27 @@ class Progress:
         try:
             yield
         finally:
+            self._stage = None
             if timer is not None:
                 timer.cancel()
             if self.live is not None:
                 self.live.update(self.task, latest=self.latest)
             if restart_clock:
                 self.t0 = time.perf_counter()
+
+    def stage_step(self, done: int, total: int, unit: str) -> None:
+        """A long stage (see :meth:`waiting`) has done ``done`` of ``total`` ``unit``: the bar shows it at
+        once, a log a line every :data:`STAGE_EVERY` seconds, each with the stage's ETA."""
+        if self._stage is None or self.quiet or done <= 0:
+            return
+        what, began, said = self._stage
+        now = time.perf_counter()
+        text = f"{what}: {done}/{total} {unit}, ETA {duration((now - began) / done * (total - done))}"
+        if self.live is not None:
+            self.live.update(self.task, latest=text)
+        elif now - said >= STAGE_EVERY:
+            self._stage = (what, began, now)
+            self._say(f"[{self.label}] {text}\n")
 
     @staticmethod
     def _say(line: str) -> None:

@@ -427,8 +427,10 @@ class SAFS(Calibrator):
         per_class = safs.synthetic_counts(count, largest, smallest)
         options = safs.SynthesisOptions(steps=a.safs_steps, lr=a.safs_lr, eps=a.safs_eps, aligner=a.safs_aligner,
                                         mmd=a.safs_mmd, arr=a.safs_arr)
-        feats, labels, losses = safs.synthesize(mean.to(device), cov.to(device), rff_mean.to(device), frequencies,
-                                                per_class, self.ctx.generator(0, purpose=72), options)
+        feats, labels, losses = safs.synthesize(
+            mean.to(device), cov.to(device), rff_mean.to(device), frequencies, per_class,
+            self.ctx.generator(0, purpose=72), options,
+            done=lambda k, classes: self.ctx.stage_progress(k, classes, "classes synthesized (SAFS)"))
         synthesized = time.perf_counter()
         init = weight_and_bias(head) if head is not None else None  # fine-tune the learned classifier, if any
         steps = a.safs_finetune_epochs * math.ceil(labels.numel() / a.safs_finetune_batch_size)

@@ -148,10 +148,11 @@ class Simulation:
         try:  # a size knob (method_args.expert_width, a projector's width, CReFF's features) sizes these
             self.server_model = self._new_model()
             self.clients = self._client_runtime()
-            self.server = spec.server(ServerContext(
+            self.server_context = ServerContext(
                 model=self.server_model, config=cfg, num_classes=data.num_classes,
                 num_clients=self.train_data.num_clients, device=device, args=args, make_model=self._new_model,
-            ))
+            )
+            self.server = spec.server(self.server_context)
         except (MemoryError, RuntimeError, OverflowError, ValueError, TypeError) as err:
             if (what := out_of_memory(err)) is None:
                 raise
@@ -550,6 +551,7 @@ class Simulation:
             if start == cfg.fl.rounds and ckpt.get("artifacts") and not (run_dir / ARTIFACTS_FILE).is_file():
                 self._save_artifacts(run_dir, ckpt["artifacts"])  # a finished run's, lost since
         progress = Progress(cfg.fl.rounds, start, progress_label(cfg, self.backend), quiet)
+        self.server_context.stage_progress = progress.stage_step
         if not resume:
             rows = []
             try:

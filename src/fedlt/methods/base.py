@@ -251,6 +251,9 @@ class ServerContext:
     device: torch.device
     args: MethodArgs
     make_model: Callable[[], FedModel]
+    #: how far a long server stage is, ``stage_progress(done, total, unit)`` (SAFS: classes synthesized): the
+    #: run's progress shows it with an ETA, where a stage of many minutes would otherwise show nothing
+    stage_progress: Callable[[int, int, str], None] = lambda done, total, unit: None
 
     def rng(self, rnd: int, purpose: int = 0) -> np.random.Generator:
         return numpy_rng(self.config.seed, "server", rnd, purpose)

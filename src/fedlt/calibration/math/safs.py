@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -163,15 +164,18 @@ def synthesize_class(mean: torch.Tensor, cov: torch.Tensor, rff_target: torch.Te
 
 def synthesize(mean: torch.Tensor, cov: torch.Tensor, rff_mean: torch.Tensor | None, frequencies: torch.Tensor | None,
                counts_per_class: torch.Tensor, generator: torch.Generator,
-               options: SynthesisOptions | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, float]]:
+               options: SynthesisOptions | None = None, done: Callable[[int, int], None] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[int, float]]:
     """Algorithm 1 for every class with a non-zero count: features (N, d) float32 and int64 labels,
     grouped by class, and each class's final ``L_syn``. ``rff_mean`` and ``frequencies`` may be
-    None only when ``options.mmd`` is off."""
+    None only when ``options.mmd`` is off. ``done(k, K)`` after each class: k of the K classes built."""
     options = options or SynthesisOptions()
     if options.mmd and (rff_mean is None or frequencies is None):
         raise ValueError("L_MMD needs the classes' mean random features and the frequencies")
     feats, labels, losses = [], [], {}
-    for c, n in enumerate(torch.as_tensor(counts_per_class).tolist()):
+    counts = torch.as_tensor(counts_per_class).tolist()
+    classes = sum(1 for n in counts if n)
+    for c, n in enumerate(counts):
         if n == 0:
             continue
         if n < 2:
@@ -180,6 +184,8 @@ def synthesize(mean: torch.Tensor, cov: torch.Tensor, rff_mean: torch.Tensor | N
                                         frequencies, int(n), generator, options)
         feats.append(z)
         labels.append(torch.full((int(n),), c, dtype=torch.int64, device=z.device))
+        if done is not None:
+            done(len(feats), classes)
     if not feats:
         raise ValueError("no class has synthetic features to build")
     return torch.cat(feats), torch.cat(labels), losses
