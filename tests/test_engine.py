@@ -1119,6 +1119,22 @@ def test_sfds_synthesis_reports_its_classes_to_the_runs_progress(tmp_path, monke
                                                           for k in range(1, 11)], lines
 
 
+def test_a_setup_stage_that_asks_every_client_counts_their_answers(tmp_path, monkeypatch, capsys):
+    """GBME's gradient pass before round 1 trains every client an epoch (minutes with many clients): the
+    progress counts the clients that answered, and says nothing of the rounds' own exchanges."""
+    from fedlt import progress
+    from fedlt.engine import simulation
+
+    monkeypatch.setattr(simulation, "SETUP_NOTICE_AFTER", 0.0)
+    monkeypatch.setattr(progress, "STAGE_EVERY", 0.0)
+    fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, fl__rounds=1,
+                   run={"out_dir": str(tmp_path), "threads": 1}))
+    lines = [line.split(", ETA")[0] for line in capsys.readouterr().err.splitlines() if "answered" in line]
+    clients = tiny(tmp_path)["data"]["num_clients"]
+    assert lines == [f"[gbme/bsm sequential] the method's setup stage, before round 1: {k}/{clients} clients answered "
+                     "query:gbme_lpi" for k in range(1, clients + 1)], lines
+
+
 def test_a_progress_line_of_a_round_without_accuracy_has_no_empty_field(capsys):
     from fedlt.progress import Progress
 

@@ -14,6 +14,7 @@ import math
 import shlex
 import shutil
 import time
+from collections.abc import Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -270,9 +271,10 @@ class Simulation:
         aggregate reply that secure aggregation would hand it, and the engine never holds every client's
         reply (a calibration's per-class second moments are classes x d x d each)."""
         total: Reply | None = None
-        for cid, msg, reply in self._deliver(kind, rnd, messages):
+        for answered, (cid, msg, reply) in enumerate(self._deliver(kind, rnd, messages), 1):
             self._account(kind, msg, reply)
             total = add_reply(total, reply, kind)
+            self._answered(kind, answered, messages)
         return {} if total is None else {AGGREGATE: total}
 
     def _exchange_plain(self, kind: str, rnd: int, messages: Iterable[tuple[int, Message]]) -> dict[int, Reply]:
@@ -281,7 +283,14 @@ class Simulation:
         for cid, msg, reply in self._deliver(kind, rnd, messages):
             replies[cid] = reply
             self._account(kind, msg, reply)
+            self._answered(kind, len(replies), messages)
         return replies
+
+    def _answered(self, kind: str, answered: int, messages: Iterable[tuple[int, Message]]) -> None:
+        """Tell a long stage's progress how many clients have answered (GBME's gradient pass over every
+        client before round 1): shown only inside such a stage, for a phase whose size is known."""
+        if isinstance(messages, Sized):
+            self.server_context.stage_progress(answered, len(messages), f"clients answered {kind}")
 
     def _account(self, kind: str, msg: Message, reply: Reply) -> None:
         """The ledger records the first message each way of every exchange; traffic counts all but
