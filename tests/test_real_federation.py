@@ -504,15 +504,20 @@ def test_a_site_whose_supernode_is_started_again_rejoins_unless_its_client_kept_
     assert "(each site's own test/ folder)" in report and "alpha=" not in report
 
 
+def edited_copy(folder: Path, to: Path) -> None:
+    """``folder`` copied to ``to`` with one training image inverted: other data under the same names and counts."""
+    from PIL import Image
+
+    shutil.copytree(folder, to)
+    image = sorted((to / "train").rglob("*.png"))[0]
+    Image.eval(Image.open(image), lambda v: 255 - v).save(image)
+
+
 def test_a_site_started_again_on_other_data_takes_no_part(tmp_path, exported, server_identity, capsys):
     """A site's SuperNode started again mid-run on a folder whose images differ (same names, same counts)
     would train the rest of the run on data the run's records do not describe: it stays out."""
-    from PIL import Image
-
     site = "client-1"
-    shutil.copytree(nodes_of(exported)[site], tmp_path / "edited")
-    image = sorted((tmp_path / "edited" / "train").rglob("*.png"))[0]
-    Image.eval(Image.open(image), lambda v: 255 - v).save(image)
+    edited_copy(nodes_of(exported)[site], tmp_path / "edited")
     grid = NodeGrid(nodes_of(exported), restart=(site, 6), restart_folder=tmp_path / "edited")
     run = node_run(node_tree(tmp_path, "edited", exported, fl={"rounds": 3},
                              eval={"test_data": str(exported / "server" / "test")}), grid)
@@ -750,8 +755,6 @@ def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tm
     sites, it sums their class counts again (the checkpoint holds only the method's setup), checks them and each
     site's digest of its training data against the run's, and the rest of the run equals the uninterrupted one.
     Other sites, or other data, are refused: another site's folder, or images changed under the same counts."""
-    from PIL import Image
-
     from fedlt.engine.flower_app import run_on_grid
     from fedlt.results import read_summary
 
@@ -772,9 +775,7 @@ def test_a_real_federation_resumes_from_its_checkpoint_on_the_same_sites_only(tm
     shutil.copytree(nodes_of(exported)[last], tmp_path / "other")  # a site that serves another site's data
     with pytest.raises(ConfigError, match=f"the data of site {first} are not those the run began with"):
         run_on_grid(cfg, NodeGrid(swapped), quiet=True, resume=run_dir)
-    shutil.copytree(nodes_of(exported)[last], tmp_path / "edited")  # the same files, one image's pixels changed
-    image = sorted((tmp_path / "edited" / "train").rglob("*.png"))[0]
-    Image.eval(Image.open(image), lambda v: 255 - v).save(image)
+    edited_copy(nodes_of(exported)[last], tmp_path / "edited")  # the same files, one image's pixels changed
     with pytest.raises(ConfigError, match=f"the data of site {last} are not those the run began with .the digest"):
         run_on_grid(cfg, NodeGrid({**nodes_of(exported), last: tmp_path / "edited"}), quiet=True, resume=run_dir)
 
@@ -989,3 +990,49 @@ def test_a_resume_refused_for_state_kept_on_sites_names_the_sites(tmp_path, expo
     names = ", ".join(sorted(nodes_of(exported)))
     with pytest.raises(ConfigError, match=re.escape(f"sites {names} of {run_dir} kept state between rounds")):
         resumable_on_nodes(build_config(cfg), run_dir)
+
+
+class BackOnItsOwnFolder(NodeGrid):
+    """After the N-th send the restarted site's SuperNode is started again, under the same id, on its own folder."""
+
+    def __init__(self, folders: dict[str, Path], back_after: int, **kwargs):
+        super().__init__(folders, **kwargs)
+        self.own, self.back_after = dict(folders), back_after
+
+    def get_node_ids(self):
+        nodes = super().get_node_ids()
+        if self.restarted and self.sends >= self.back_after:
+            old = next(n for n, ctx in self.contexts.items() if ctx.node_config["name"] == self.restart[0])
+            if self.contexts[old].node_config["data"] != str(self.own[self.restart[0]]):
+                config = {**self.contexts[old].node_config, "data": str(self.own[self.restart[0]])}
+                self.contexts[old] = Context(run_id=1, node_id=old, state=RecordDict(), run_config={},
+                                             node_config=config)
+        return nodes
+
+
+@pytest.mark.parametrize("back", [False, True])
+def test_a_site_started_again_under_its_old_id_on_other_data_takes_no_part(tmp_path, exported, server_identity,
+                                                                            capsys, back):
+    """A SuperNode with a registered key started again on other data keeps its id, so the server asks it no
+    hello: its replies say which data answered, and none from other data than the site's is used. Started
+    again on the site's own folder, its (stateless) client takes part again."""
+    site = "client-1"
+    edited_copy(nodes_of(exported)[site], tmp_path / "edited")
+    # sends: hello, the secure count sum (4), round 1's fit (6th), its secure evaluation (5), round 2's fit (11th)
+    grid = BackOnItsOwnFolder(nodes_of(exported), 14 if back else 99, restart=(site, 6), same_id=True,
+                              restart_folder=tmp_path / "edited")
+    run = node_run(node_tree(tmp_path, "edited", exported, fl={"rounds": 3},
+                             eval={"test_data": str(exported / "server" / "test")}), grid)
+    assert "status" not in run.summary and len(run.metrics) == 3
+    err = capsys.readouterr().err
+    assert err.count(f"fedlt: SuperNode 201 serves site '{site}', but its training data are not those the site began "
+                     "the run with (the digest of its images and labels differs); it takes no part (start it on the "
+                     "site's own folder to rejoin)\n") == 1
+    assert grid.sent_kinds.count("hello") == 1  # none asked of it: it is sent every round's fit
+    assert all(201 in targets for kind, targets in zip(grid.sent_kinds, grid.targets) if kind == "fit")
+    from fedlt.engine.flower_nodes import OTHER_DATA
+
+    fits_without_it = [d["round"] for d in run.summary["dropped"] if d["kind"] == "fit" and d["clients"] == [1]]
+    assert fits_without_it == ([2] if back else [2, 3])
+    assert f"clients [1] on {site} (SuperNode 201): {OTHER_DATA}; going on without them" in err
+    assert err.count(f"fedlt: SuperNode 201 serves site '{site}' with the site's own training data again\n") == back

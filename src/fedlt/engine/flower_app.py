@@ -201,10 +201,13 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     from fedlt.engine.flower_nodes import hello_reply, node_config, node_runtime  # a module that imports this one
 
     own = node_config(dict(context.node_config))
+    said: dict[str, Any] = {}  # what every reply says of its node beside the client's flags
     if own is not None:  # a SuperNode of a real federation: one client, its own data
         runtime = node_runtime(meta["config"], own[0])
         if meta["kind"] == HELLO:
             return FlowerMessage(encode_message(Reply(), hello_reply(own[1], runtime.train_data)), reply_to=message)
+        # which data answer: a SuperNode started again under its old id (a registered key) is asked no hello
+        said["digest"] = runtime.train_data.digest
     else:
         runtime = _client_runtime(meta["config"])
         pid, parts = _partition(context)
@@ -220,15 +223,15 @@ def handle(message: FlowerMessage, context: Context) -> FlowerMessage:
     had = _keeps_state(state)  # what it brought: the server tells a node that lost it (started again) apart
     incoming = decode_message(message.content, runtime.device)
     if SECURE_ENTRY not in state and (meta["kind"] in (SHARES, UNMASK) or SECURE_ENTRY in incoming.payload):
-        return FlowerMessage(encode_message(Reply(), {"cid": cid, "had_state": had, "secrets_lost": True}),
+        return FlowerMessage(encode_message(Reply(), {"cid": cid, "had_state": had, "secrets_lost": True, **said}),
                              reply_to=message)
     reply = runtime.handle(meta["kind"], cid, meta["round"], incoming, state)
     if state:
         put_tree(context.state, prefix, state, where=f"client {cid}'s ctx.state")
     else:
         drop_tree(context.state, prefix)
-    return FlowerMessage(encode_message(reply, {"cid": cid, "had_state": had, "kept_state": _keeps_state(state)}),
-                         reply_to=message)
+    return FlowerMessage(encode_message(reply, {"cid": cid, "had_state": had, "kept_state": _keeps_state(state),
+                                                **said}), reply_to=message)
 
 
 def _keeps_state(state: dict[str, Any]) -> bool:
@@ -290,6 +293,11 @@ class FlowerSimulation(Simulation):
         """Whether client ``cid``'s node may hold state of it between rounds: as its last reply said, or,
         where its last message went unanswered (its node may have stored state then), as its method declares."""
         return self.kept_state.get(cid, False) or (self.keeps_state and cid in self.unheard)
+
+    def other_data(self, meta: dict[str, Any]) -> str | None:
+        """Why a reply (its ``meta``) is not used as its node holds other data than its client's, or None:
+        here never, as every node draws its partition from the config."""
+        return None
 
     def _send(self, kind: str, targets: list[tuple[int, int, Message, int]]
               ) -> tuple[list[FlowerMessage], dict[int, str]]:
@@ -386,7 +394,9 @@ class FlowerSimulation(Simulation):
         lost.update(gone)
         metas = [decode_meta(r.content) for r in replies]
         for meta in metas:
-            if self.may_keep_state(meta["cid"]) and meta.get("had_state") is False:
+            if other := self.other_data(meta):  # first, as a late node's data are checked before its state
+                lost[meta["cid"]] = other
+            elif self.may_keep_state(meta["cid"]) and meta.get("had_state") is False:
                 self.state_lost.add(meta["cid"])
                 lost[meta["cid"]] = STATE_LOST
             elif meta.get("secrets_lost"):

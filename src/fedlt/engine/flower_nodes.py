@@ -3,7 +3,8 @@ data folder (``--node-config 'data="PATH" name="SITE"'``) and the server reads n
 
 The server waits for ``flower.min_nodes`` SuperNodes, orders them by name (client ``k`` is the
 k-th name, whatever Flower's node ids are), keeps the digest of each one's training data that its
-hello carries (a resume refuses a site whose data changed), learns the federation's class counts from one summed
+hello carries (a resume refuses a site whose data changed; a reply, which carries it too, from other data
+is not used), learns the federation's class counts from one summed
 ``counts`` exchange, and evaluates the global model on its own test set (``eval.test_data``) or,
 without one, on the nodes' test splits: each node replies per-class sums for every evaluated model
 (``evaluate_counts``, also summed), and a personalized method's nodes reply their personalized
@@ -41,6 +42,9 @@ from fedlt.messages import Message
 from fedlt.run_parts import check_config, setup_runtime
 
 GLOBAL = "global"
+#: why a reply is not used: it came from other training data than its site's (a SuperNode started again on
+#: another folder under its old id, as one with a registered key is)
+OTHER_DATA = "their SuperNode's training data are not those the site began the run with (started again?)"
 
 
 def node_config(context_node_config: dict[str, Any]) -> tuple[Path, str] | None:
@@ -134,6 +138,8 @@ class NodeDataSimulation(FlowerSimulation):
         #: late node -> (the run's site it serves, its data's digest), until that site's old node is gone
         self._standby: dict[int, tuple[str, str]] = {}
         self._told_late_standby: set[int] = set()
+        #: clients whose last reply came from other training data than their site's (told once)
+        self._other_data: set[int] = set()
         #: client id -> its node's name (the node's ``name`` node config)
         self.client_names = [found[n] for n in names]
         #: client id -> the digest of its site's training data: a resume refuses a site whose data changed
@@ -238,9 +244,7 @@ class NodeDataSimulation(FlowerSimulation):
         cid = self.client_names.index(name)
         old = self.nodes[cid]
         if digest != self.client_digests[cid]:
-            log(f"fedlt: the late SuperNode {node} serves site {name!r}, but its training data are not those the "
-                "site began the run with (the digest of its images and labels differs); it takes no part (start "
-                "it on the site's own folder to rejoin)")
+            log(_other_data_line(f"the late SuperNode {node}", name))
             return True
         if old not in self._gone_nodes():
             if node not in self._told_late_standby:
@@ -259,6 +263,22 @@ class NodeDataSimulation(FlowerSimulation):
         log(f"fedlt: site {name!r} rejoined as SuperNode {node} (it was SuperNode {old}); its client takes part "
             "again from this exchange")
         return True
+
+    def other_data(self, meta: dict[str, Any]) -> str | None:
+        """Why a reply is not used: its digest is not its site's. A SuperNode with a registered key started again
+        keeps its id, so no hello checks its data; each reply carries their digest instead. Started again on the
+        site's own folder, its client takes part again unless it kept state there (then found lost)."""
+        cid = meta["cid"]
+        node, name = self.nodes[cid], self.client_names[cid]
+        if meta.get("digest", self.client_digests[cid]) == self.client_digests[cid]:
+            if cid in self._other_data:
+                self._other_data.discard(cid)
+                log(f"fedlt: SuperNode {node} serves site {name!r} with the site's own training data again")
+            return None
+        if cid not in self._other_data:
+            self._other_data.add(cid)
+            log(_other_data_line(f"SuperNode {node}", name))
+        return OTHER_DATA
 
     def setup(self) -> None:
         """The federation's class counts (summed over the nodes), then the method's setup stage."""
@@ -377,6 +397,12 @@ class NodeDataSimulation(FlowerSimulation):
                 "federated: per-class sums over the nodes' own test splits, accuracy = "
                 + ("share of test images classified right" if self.cfg.eval.accuracy == "top1" else
                    "mean of per-class accuracies")}
+
+
+def _other_data_line(node: str, site: str) -> str:
+    return (f"fedlt: {node} serves site {site!r}, but its training data are not those the site began the run with "
+            "(the digest of its images and labels differs); it takes no part (start it on the site's own folder to "
+            "rejoin)")
 
 
 def _summed(replies, key: str) -> torch.Tensor:
