@@ -57,7 +57,7 @@ class Progress:
         nothing. With ``restart_clock``, work that is not a round: the rounds' s/round and ETA start after it."""
         timer = None
         now = time.perf_counter()
-        self._stage = (what, now, now - STAGE_EVERY + after)  # its first progress line: not before ``after``
+        self._stage = (what, now, now + after)  # its first progress line: STAGE_EVERY after its notice
         if self.live is not None:  # a terminal's bar names it at once, in place
             self.live.update(self.task, latest=what)
         elif not self.quiet:
