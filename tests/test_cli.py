@@ -751,7 +751,8 @@ def test_a_model_or_method_state_past_memory_is_one_line_before_any_file(tmp_pat
     """The model and the method's server state are built before the run folder, outside the rounds' memory
     handling: GBME's expert_width, SFD's projector_hidden and CReFF's features per class past any memory (or
     past 64 bits), and a calibration's size of 2**64 in a round (torch's ValueError / TypeError there), ended
-    in a traceback. Sizes beyond any address space, so the allocator refuses them whatever the overcommit."""
+    in a traceback. Sizes beyond any address space, so the allocator refuses them whatever the overcommit. The
+    features a calibration builds after the last round are counted before the first (one line, no folder)."""
     from typer.testing import CliRunner
 
     from fedlt.cli import app
@@ -768,8 +769,11 @@ def test_a_model_or_method_state_past_memory_is_one_line_before_any_file(tmp_pat
          built.format("the CPU allocator was asked for 5.1 PB")),
         (["method=creff", "calibration_args.creff_features_per_class=10000000000000"],
          built.format("the CPU allocator was asked for 51.2 PB")),
+        (["method=sfd", "calibration_args.safs_rff_dim=18446744073709551616"],
+         f"fedlt: error: out of memory in round 1: {beyond}; lower what sizes the step "),
         (["method=fedavg", "calibration=oracle", "calibration_args.oracle_per_class=18446744073709551616"],
-         f"fedlt: error: out of memory in round 1: {beyond}; lower what sizes the step ")]:
+         "fedlt: error: calibration=oracle builds 184,467,440,737,095,516,160 features of width 128 after the last "
+         "round (about 1.9e+23 bytes), more than the ")]:
         result = CliRunner().invoke(app, [*base, *knobs])
         assert result.exit_code == 2, result.stderr
         [got] = result.stderr.strip().splitlines()
@@ -778,21 +782,21 @@ def test_a_model_or_method_state_past_memory_is_one_line_before_any_file(tmp_pat
 
 
 def test_running_out_of_memory_is_one_line_naming_what_sizes_the_step_and_how_to_go_on(tmp_path: Path) -> None:
-    """A step that asks for more memory than the machine has (here 10 PB of CCVR's virtual features, beyond
+    """A step that asks for more memory than the machine has (here 5.1 PB of SAFS's random features, beyond
     any address space, so the allocator refuses it whatever the kernel's overcommit) ended in a traceback."""
     from fedlt.errors import out_of_memory
 
-    proc = fedlt_cli(["run", *SYN, "fl.rounds=1", "data.num_clients=3", "run.threads=1", "method=ccvr",
-                      "calibration_args.ccvr_virtual_per_class=10000000000000", f"run.out_dir={tmp_path}"], tmp_path,
+    proc = fedlt_cli(["run", *SYN, "fl.rounds=1", "data.num_clients=3", "run.threads=1", "method=sfd",
+                      "calibration_args.safs_rff_dim=10000000000000", f"run.out_dir={tmp_path}"], tmp_path,
                      cli_env(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     [line] = proc.stderr.splitlines()
-    assert line.startswith("fedlt: error: out of memory in round 1: the CPU allocator was asked for 10.2 PB; lower "
+    assert line.startswith("fedlt: error: out of memory in round 1: the CPU allocator was asked for 5.1 PB; lower "
                            "what sizes the step (fl.batch_size, eval.batch_size, run.workers / run.streams, a "
-                           "calibration's *_per_class, the model); "), line
-    assert f"the model); the run stopped before its first result, so its folder {tmp_path}/ccvr-" in line, line
+                           "calibration's *_per_class or safs_rff_dim, the model); "), line
+    assert f"the model); the run stopped before its first result, so its folder {tmp_path}/sfd-" in line, line
     assert line.endswith(" is removed; start the run again"), line
-    assert list(tmp_path.glob("ccvr-*")) == []  # nothing half-written: a new try makes a new folder
+    assert list(tmp_path.glob("sfd-*")) == []  # nothing half-written: a new try makes a new folder
     cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB")
     assert out_of_memory(cuda) == "the GPU ran out of memory (asked for 2.00 GiB)"
     assert out_of_memory(MemoryError()) == "Python could not allocate memory"

@@ -46,8 +46,8 @@ class OutOfMemory(FedltError):
 
 
 #: what sizes the memory a step holds at once, named where a run ran out of it
-MEMORY_KNOBS = ("fl.batch_size, eval.batch_size, run.workers / run.streams, a calibration's *_per_class, "
-                "the model")
+MEMORY_KNOBS = ("fl.batch_size, eval.batch_size, run.workers / run.streams, a calibration's *_per_class or "
+                "safs_rff_dim, the model")
 
 
 def out_of_memory(err: BaseException) -> str | None:
@@ -72,6 +72,8 @@ def out_of_memory(err: BaseException) -> str | None:
 
 def size_text(n: int) -> str:
     """A byte count as people read it: ``"56.9 TB"``."""
+    if n >= 1e18:  # past any machine: a count of petabytes would read as a typo
+        return f"{n:.2g} bytes"
     for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
