@@ -1104,6 +1104,28 @@ def test_a_long_stage_tells_how_far_it_is_in_a_log(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_stage_that_counts_two_things_gives_each_its_own_eta(monkeypatch, capsys):
+    """SFD's final stage counts the clients' answers, then SAFS's classes: the classes' ETA ran from the
+    stage's start, so the minutes of the answers read as the first class's time (9 x 10 minutes to go)."""
+    from fedlt import progress as module
+
+    clock = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(module, "STAGE_EVERY", 0.0)
+    progress = module.Progress(1, 0, "sfd sequential", quiet=False)
+    with progress.waiting("the final stage", after=0.0):
+        for k in (1, 2):
+            clock[0] += 300.0
+            progress.stage_step(k, 2, "clients answered")
+        clock[0] += 10.0
+        progress.stage_step(1, 10, "classes")  # 10 s a class, 9 to go
+        clock[0] += 10.0
+        progress.stage_step(1, 2, "clients answered")  # the same unit again counts from the last step too
+    assert [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines() if "ETA" in line] == [
+        "1/2 clients answered, ETA 5m00s", "2/2 clients answered, ETA 0m00s", "1/10 classes, ETA 1m30s",
+        "1/2 clients answered, ETA 0m10s"]
+
+
 def test_sfds_synthesis_reports_its_classes_to_the_runs_progress(tmp_path, monkeypatch, capsys):
     from fedlt import progress
     from fedlt.engine import simulation

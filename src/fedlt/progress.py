@@ -25,8 +25,10 @@ class Progress:
         self.t0 = time.perf_counter()
         self.latest = ""
         self.live = None
-        #: the stage :meth:`waiting` is in (what, when it began, when its progress was last printed)
-        self._stage: tuple[str, float, float] | None = None
+        #: the stage :meth:`waiting` is in (what, when its progress was last printed)
+        self._stage: tuple[str, float] | None = None
+        #: the count under way in it (unit, total, done, when the count began, when its last step came)
+        self._count: tuple[str, int, int, float, float] = ("", 0, 0, 0.0, 0.0)
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
@@ -57,7 +59,8 @@ class Progress:
         nothing. With ``restart_clock``, work that is not a round: the rounds' s/round and ETA start after it."""
         timer = None
         now = time.perf_counter()
-        self._stage = (what, now, now + after)  # its first progress line: STAGE_EVERY after its notice
+        self._stage = (what, now + after)  # its first progress line: STAGE_EVERY after its notice
+        self._count = ("", 0, 0, now, now)
         if self.live is not None:  # a terminal's bar names it at once, in place
             self.live.update(self.task, latest=what)
         elif not self.quiet:
@@ -77,16 +80,21 @@ class Progress:
 
     def stage_step(self, done: int, total: int, unit: str) -> None:
         """A long stage (see :meth:`waiting`) has done ``done`` of ``total`` ``unit``: the bar shows it at
-        once, a log a line every :data:`STAGE_EVERY` seconds, each with the stage's ETA."""
+        once, a log a line every :data:`STAGE_EVERY` seconds, each with the ETA of that count (a stage may
+        count several things in turn: the clients' answers, then SAFS's classes)."""
         if self._stage is None or self.quiet or done <= 0:
             return
-        what, began, said = self._stage
+        what, said = self._stage
         now = time.perf_counter()
+        counting, of, before, began, last = self._count
+        if (unit, total) != (counting, of) or done < before:  # another count (SAFS's classes after the clients'
+            began = last                                      # answers): its ETA from where the last one ended
+        self._count = (unit, total, done, began, now)
         text = f"{what}: {done}/{total} {unit}, ETA {duration((now - began) / done * (total - done))}"
         if self.live is not None:
             self.live.update(self.task, latest=text)
         elif now - said >= STAGE_EVERY:
-            self._stage = (what, began, now)
+            self._stage = (what, now)
             self._say(f"[{self.label}] {text}\n")
 
     @staticmethod
