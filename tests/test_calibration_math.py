@@ -168,6 +168,24 @@ def test_sample_class_gaussians_matches_moments_counts_and_seed():
     assert not torch.equal(x, other)
 
 
+def test_sample_class_gaussians_joins_float32_parts(monkeypatch):
+    """A run is refused when it cannot hold two float32 copies of CCVR's virtual features (the parts and
+    their join, wrapper.check_features_fit). The parts were float64, joined in float64, then converted:
+    at the join 4 times the features' bytes (measured 3x the peak memory), not 2."""
+    joined, cat = [], torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        out = cat(tensors, *args, **kwargs)
+        joined.append((out.dtype, sum(t.nbytes for t in tensors) + out.nbytes))
+        return out
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    mean, cov = torch.zeros(3, 4, dtype=torch.float64), torch.eye(4, dtype=torch.float64).expand(3, 4, 4)
+    x, y = sample_class_gaussians(mean, cov, [30, 20, 10], gen(3))
+    assert x.dtype == torch.float32
+    assert dict(joined) == {torch.float32: 2 * x.nbytes, torch.int64: 2 * y.nbytes}
+
+
 def test_sample_class_gaussians_singular_and_indefinite_covariance():
     u = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64) / math.sqrt(6.0)
     rank_one = u.T @ u  # singular: variance 1 along u, 0 across

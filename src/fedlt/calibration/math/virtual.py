@@ -69,8 +69,9 @@ def sample_class_gaussians(
             continue
         factor = _cholesky_with_jitter(cov[c].to(torch.float64), eps)
         noise = torch.randn(n, dim, generator=generator, device=generator.device, dtype=torch.float64)
-        features.append(mean[c].to(torch.float64) + noise.to(mean.device) @ factor.T)
+        # float32 at once: the joined features are the only other copy (what a run is checked to hold)
+        features.append((mean[c].to(torch.float64) + noise.to(mean.device) @ factor.T).to(torch.float32))
         labels.append(torch.full((n,), c, dtype=torch.int64, device=mean.device))
     if not features:
         return torch.zeros(0, dim, device=mean.device), torch.zeros(0, dtype=torch.int64, device=mean.device)
-    return torch.cat(features).to(torch.float32), torch.cat(labels)
+    return torch.cat(features), torch.cat(labels)
