@@ -242,7 +242,7 @@ def test_features_a_calibration_cannot_hold_are_refused_before_the_first_round(t
              ({"method": "sfd"}, "method=sfd", "safs_max_per_class")]
     for top, option, knob in cases:
         with pytest.raises(ConfigError, match=re.escape(
-                f"{option} builds 10,000 features of width 128 after the last round (about 10.2 MB), more than the "
+                f"{option} builds up to 10,000 features of width 128 after the last round (about 10.2 MB), more than the "
                 f"0.0 GB of memory available; lower calibration_args.{knob}")):
             fedlt.run(tiny(tmp_path, fl={"rounds": 1}, calibration_args={knob: 1000}, **top), quiet=True)
     assert not any(tmp_path.iterdir())  # refused before any file
@@ -258,7 +258,7 @@ def test_features_a_calibration_cannot_hold_are_refused_before_the_first_round(t
     ccvr = CCVR.__new__(CCVR)
     ccvr.num_classes, ccvr.args = 10, wrapper.CalibrationArgs()
     cfg = build_config(tiny(tmp_path, calibration="ccvr"))
-    with pytest.raises(ConfigError, match=re.escape("builds 1,000 features of width 128 after the last round (about "
+    with pytest.raises(ConfigError, match=re.escape("builds up to 1,000 features of width 128 after the last round (about "
                                                     "1.0 MB), more than the 0.0 GB free on cuda:0; lower")):
         wrapper.check_features_fit(cfg, ccvr, 128, torch.device("cuda", 0))
     wrapper.check_features_fit(cfg, ccvr, 127, torch.device("cuda", 0))

@@ -772,7 +772,7 @@ def test_a_model_or_method_state_past_memory_is_one_line_before_any_file(tmp_pat
         (["method=sfd", "calibration_args.safs_rff_dim=18446744073709551616"],
          f"fedlt: error: out of memory in round 1: {beyond}; lower what sizes the step "),
         (["method=fedavg", "calibration=oracle", "calibration_args.oracle_per_class=18446744073709551616"],
-         "fedlt: error: calibration=oracle builds 184,467,440,737,095,516,160 features of width 128 after the last "
+         "fedlt: error: calibration=oracle builds up to 184,467,440,737,095,516,160 features of width 128 after the last "
          "round (about 1.9e+23 bytes), more than the ")]:
         result = CliRunner().invoke(app, [*base, *knobs])
         assert result.exit_code == 2, result.stderr

@@ -290,7 +290,7 @@ def check_features_fit(config, cal, dim: int, device: torch.device) -> None:
     short = memory_short(size, size, device)
     if short is None:
         return
-    raise ConfigError(f"{_option(config, cal.name)} builds {rows:,} features of width {dim} after the last round "
+    raise ConfigError(f"{_option(config, cal.name)} builds up to {rows:,} features of width {dim} after the last round "
                       f"(about {size_text(size)}), more than the {short}; lower calibration_args.{knob}")
 
 
