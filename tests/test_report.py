@@ -3,6 +3,7 @@
 environment line."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+import fedlt
 from fedlt.cli import app
 from fedlt.errors import ConfigError, FedltError
 from fedlt.reporting import write_report
@@ -708,6 +710,29 @@ def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
     assert "> note: collapsed: the global model scores chance" in write_report(runs, with_plots=False).markdown
     single = write_report(runs / "collapsed", with_plots=False).markdown
     assert "> note: the global model scores chance accuracy (10.00% over 10 classes" in single
+
+
+def test_chance_at_many_classes_allows_for_the_test_sets_sampling_noise():
+    """At 100 classes 1.1/K is 1.10%, one binomial deviation of a random guesser's accuracy on 10,000 test
+    samples (0.0995 points): a model at 1.21% with near-constant logits was not named. The ceiling is
+    1/K plus three deviations where the summary has its test samples (1.30% here), never below 1.1/K."""
+    from fedlt.results import chance_ceiling, chance_models
+
+    hundred = {"final": {"round": 15, "acc": 1.21, "per_class_acc": [1.21] * 100}, "test_samples": 10_000}
+    assert chance_ceiling(100, 10_000) == pytest.approx(1 + 3 * 100 * math.sqrt(0.01 * 0.99 / 10_000))
+    assert chance_models(hundred)[0].startswith("the global model scores chance accuracy (1.21% over 100 classes")
+    learnt = {**hundred, "final": {**hundred["final"], "acc": 1.31, "per_class_acc": [1.31] * 100}}
+    assert chance_models(learnt) == []  # past 3 deviations
+    assert chance_models({**hundred, "test_samples": None}) == []  # an older summary: 1.1/K as before
+    assert chance_ceiling(10, 10_000) == pytest.approx(11.0)  # 3 deviations (0.9) are under 1.1/K at 10 classes
+    assert chance_ceiling(1000, 50_000) == pytest.approx(0.1 + 3 * 100 * math.sqrt(0.001 * 0.999 / 50_000))
+
+
+def test_a_runs_summary_counts_its_test_samples(tmp_path):
+    run = fedlt.run({"data": {"dataset": "synthetic", "num_clients": 3}, "fl": {"rounds": 1},
+                     "run": {"out_dir": str(tmp_path), "threads": 1}}, quiet=True)
+    assert run.summary["test_samples"] == 1000  # the synthetic source's test split
+    assert "; 1000 balanced test samples" in run.summary["data"]
 
 
 def test_runs_of_other_partitions_are_other_tables_in_a_report_of_runs():

@@ -282,8 +282,21 @@ def nonfinite_models(final: dict[str, Any] | None) -> list[str]:
 
 
 #: a class-mean accuracy at most this many times 1/K is chance: what a model predicting one class everywhere
-#: scores exactly, and a model guessing at random scores within sampling noise
+#: scores exactly, and a model guessing at random scores within sampling noise (at 10 classes)
 CHANCE_FACTOR = 1.1
+#: ... or at most this many binomial standard deviations of a random guesser's accuracy above 1/K, on the
+#: run's test samples: at 100 classes and 10,000 samples 1.1/K is one deviation (0.10 points), 1.21% no chance
+CHANCE_DEVIATIONS = 3.0
+
+
+def chance_ceiling(classes: int, test_samples: Any) -> float:
+    """The accuracy (%) at or under which a model of ``classes`` classes is at chance: ``CHANCE_FACTOR``
+    times 1/K, or a random guesser's accuracy plus ``CHANCE_DEVIATIONS`` of its sampling noise on
+    ``test_samples`` (where the summary has them), whichever is larger."""
+    p = 1 / classes
+    noise = (CHANCE_DEVIATIONS * 100 * math.sqrt(p * (1 - p) / test_samples)
+             if isinstance(test_samples, int) and test_samples > 0 else 0.0)
+    return max(CHANCE_FACTOR * 100 * p, 100 * p + noise)
 
 
 def _class_mean(figures: Any, classes: int) -> tuple[float, int] | None:
@@ -319,12 +332,13 @@ def chance_models(summary: dict[str, Any]) -> list[str]:
         if name in nan or (measured := _class_mean(figures, classes)) is None:
             continue
         mean, classes = measured
-        if mean > CHANCE_FACTOR * 100 / classes:
+        ceiling = chance_ceiling(classes, summary.get("test_samples"))
+        if mean > ceiling:
             continue
         model = "the global model" if name is None else f"variant '{name}'"
         best = (summary.get("best_round") or {}) if name is None else {}
         earlier = (f", though round {best['round']} scored {best['acc']:.2f}%, so it got worse afterwards"
-                   if _is_number(best.get("acc")) and best["acc"] > CHANCE_FACTOR * 100 / classes else "")
+                   if _is_number(best.get("acc")) and best["acc"] > ceiling else "")
         lines.append(f"{model} scores chance accuracy ({mean:.2f}% over {classes} classes; predicting one class "
                      f"everywhere scores {100 / classes:.2f}%){earlier}; {CHANCE_ADVICE}")
     return lines

@@ -697,6 +697,7 @@ class Simulation:
             "shot_rule": self.groups.rule,
             "shot_groups": self.groups.classes,
             "train_class_counts": [int(c) for c in self.eval_data.train_counts],
+            **({"test_samples": len(self.eval_data.test)} if len(self.eval_data.test) else {}),
             "class_names": self.eval_data.train.classes,
             "device": last.get("device", str(self.device)),
             "backend": last.get("backend", self.backend),
