@@ -1190,8 +1190,9 @@ def test_a_model_at_chance_accuracy_is_named_beside_its_figures(tmp_path, monkey
     assert constant["acc"] == 10.0 and result.summary["final"]["acc"] > 11.0  # the headline learnt
     line = ("variant 'constant' scores chance accuracy (10.00% over 10 classes; predicting one class everywhere "
             "scores 10.00%); if its training loss fell, it has not yet learned past its largest classes: train "
-            "longer (fl.rounds) or use a long-tail loss (loss.name=bsm); if it grew, lower fl.lr, set fl.grad_clip, "
-            "or bring a scaled loss (loss.ldam_scale, loss.tau) toward its default")
+            "longer (fl.rounds) or use a long-tail loss (loss.name=bsm); if it grew, or was already large in "
+            "round 1 (the first steps too large), lower fl.lr, set fl.grad_clip, or bring a scaled loss "
+            "(loss.ldam_scale, loss.tau) toward its default")
     assert model_notes(result.summary) == [line]
     assert f"**Chance:** {line}." in (result.run_dir / "report.md").read_text()
     monkeypatch.undo()

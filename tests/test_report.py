@@ -682,8 +682,9 @@ def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
         "the global model scores chance accuracy (10.00% over 10 classes; predicting one class everywhere scores "
         "10.00%), though round 20 scored 40.00%, so it got worse afterwards; "
         "if its training loss fell, it has not yet learned past its largest classes: train longer (fl.rounds) "
-        "or use a long-tail loss (loss.name=bsm); if it grew, lower fl.lr, set fl.grad_clip, or bring a scaled loss "
-        "(loss.ldam_scale, loss.tau) toward its default"]
+        "or use a long-tail loss (loss.name=bsm); if it grew, or was already large in round 1 (the "
+        "first steps too large), lower fl.lr, set fl.grad_clip, or bring a scaled loss (loss.ldam_scale, loss.tau) "
+        "toward its default"]
     assert chance_models(at([11.0] * 10))[0].startswith("the global model scores chance accuracy (11.00% over 10 ")
     assert chance_models(at([11.1] * 10)) == []  # above 1.1 x 1/K: it learnt something
     assert chance_models({**collapsed, "status": "diverged"}) == []  # named as diverged
@@ -694,8 +695,9 @@ def test_a_model_at_chance_accuracy_is_named_in_suite_and_run_reports(tmp_path):
     assert chance_models(at([60.0] * 10, variants=variants)) == [  # the NaN one is named as non-finite
         "variant 'flat' scores chance accuracy (10.50% over 10 classes; predicting one class everywhere scores "
         "10.00%); if its training loss fell, it has not yet learned past its largest classes: train longer "
-        "(fl.rounds) or use a long-tail loss (loss.name=bsm); if it grew, lower fl.lr, set fl.grad_clip, or bring a "
-        "scaled loss (loss.ldam_scale, loss.tau) toward its default"]
+        "(fl.rounds) or use a long-tail loss (loss.name=bsm); if it grew, or was already large in round 1 "
+        "(the first steps too large), lower fl.lr, set fl.grad_clip, or bring a scaled loss (loss.ldam_scale, "
+        "loss.tau) toward its default"]
 
     root = fake_suite(tmp_path / "out")
     cell = root / "default" / "b" / "seed1" / "summary.json"

@@ -312,10 +312,12 @@ def _class_mean(figures: Any, classes: int) -> tuple[float, int] | None:
 
 
 #: what to do about a model at chance: a short run that predicts its largest classes (its training loss fell)
-#: trains on; one whose steps were too large (its loss grew) steps less
+#: trains on; one whose steps were too large (its loss grew, or was large from round 1 on: a network whose
+#: units the first steps cut off, as SFD's A-SCL at fl.lr=0.05 does to the CNN at 100 classes) steps less
 CHANCE_ADVICE = ("if its training loss fell, it has not yet learned past its largest classes: train longer (fl.rounds) "
-                 "or use a long-tail loss (loss.name=bsm); if it grew, lower fl.lr, set fl.grad_clip, or bring a "
-                 "scaled loss (loss.ldam_scale, loss.tau) toward its default")
+                 "or use a long-tail loss (loss.name=bsm); if it grew, or was already large in round 1 (the first "
+                 "steps too large), lower fl.lr, set fl.grad_clip, or bring a scaled loss (loss.ldam_scale, loss.tau) "
+                 "toward its default")
 
 
 def chance_models(summary: dict[str, Any]) -> list[str]:
