@@ -80,7 +80,8 @@ def _beyond_float32(value: Any) -> float | None:
 class NoBoolForNumbers(BaseModel):
     """Knobs whose type takes no true / false refuse them: ``fl.lr=true`` is a typo, not a learning rate of 1.
     Nor do they take a number past float32's range, which training computes in: ``fl.lr=1e39`` is refused
-    here, not by a RuntimeError traceback in the first SGD step of a half-written run."""
+    here, not by a RuntimeError traceback in the first SGD step of a half-written run; nor one float32
+    rounds to zero (``fl.lr=1e-50``: a run that trains nothing)."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -94,7 +95,7 @@ class NoBoolForNumbers(BaseModel):
     @classmethod
     def _within_float32(cls, value: Any) -> Any:
         out = _beyond_float32(value)
-        if out is not None and abs(out) > 1:
+        if out is not None and abs(out) > FLOAT32_MAX:
             raise ValueError(f"{out:g} is beyond the 32-bit floats that training computes in (at most "
                              f"{FLOAT32_MAX:.4g} in size); give a smaller number")
         if out is not None:
