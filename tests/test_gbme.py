@@ -739,8 +739,17 @@ def test_released_counts_become_the_gpi_the_prior_and_the_grouping_reference(tmp
     proxy = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server
     proxy.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
                                          7: Reply(payload={"lpi": b}, num_samples=21)})
-    w, v = 50 / 71, 21 / 71  # Eq. 5, the default: positive entries weighted by n_k / n
-    assert torch.allclose(proxy.gpi, torch.tensor([3 * w, w + 2 * v, v, 4 * v, 0.0], dtype=torch.float64))
+    w, v = 50 / 71, 21 / 71  # Eq. 5, GBME's default: positive entries weighted by n_k / n
+    eq5 = torch.tensor([3 * w, w + 2 * v, v, 4 * v, 0.0], dtype=torch.float64)
+    assert torch.allclose(proxy.gpi, eq5)
+    # GBME-p (the fixed pass) forms the released estimate by default; gpi_counts=proxy keeps Eq. 5 there
+    for args, expected in [({}, torch.tensor([37.0, 18.0, 5.0, 12.0, 5.0], dtype=torch.float64)),
+                           ({"gpi_counts": "proxy"}, eq5)]:
+        private = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
+                                            method_args={"dp_epsilon": 10.0, **args}))).server
+        private.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
+                                               7: Reply(payload={"lpi": b}, num_samples=21)})
+        assert torch.allclose(private.gpi, expected)
 
 
 def test_released_options_end_to_end_with_the_gpi_distance(tmp_path):

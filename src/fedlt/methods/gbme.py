@@ -188,10 +188,10 @@ class GBMEArgs(MethodArgs):
     lpi_steps: int | None = Field(
         None, ge=1, description="the epoch pass stops after this many SGD steps (the paper's settings give ~2, "
         "the gradient at the initial model); default = the whole local epoch")
-    gpi_counts: Literal["proxy", "released"] = Field(
-        "proxy", description="the GPI: Eq. 5 on the LPIs (proxy); or the released code's count estimate "
+    gpi_counts: Literal["auto", "proxy", "released"] = Field(
+        "auto", description="the GPI: Eq. 5 on the LPIs (proxy); or the released code's count estimate "
         "(released): each LPI as counts (entries <= 0 -> 1e-5, normalised, x n_k, rounded), summed, each "
-        "class at least 5")
+        "class at least 5; auto = proxy after the epoch pass (GBME), released after the fixed one (GBME-p)")
     gpi_floor: float = Field(
         1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
@@ -229,6 +229,9 @@ class GBMEArgs(MethodArgs):
         if self.expert_aggregation == "sequential" and not self.ensemble:
             raise ValueError("expert_aggregation=sequential runs one sub-round per expert and needs the experts; "
                              "drop it or set ensemble=true")
+        if self.gpi_counts == "auto":  # resolved here, so a run records the GPI it formed
+            # the fixed pass's LPI is zero below 1/C on every client: Eq. 5 leaves the tail without prior mass
+            self.gpi_counts = "released" if self.pass_kind() == "fixed" else "proxy"
         return self
 
     def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
