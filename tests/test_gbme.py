@@ -285,7 +285,7 @@ def test_config_errors():
 
 def test_a_proxy_that_is_no_prior_stops_in_one_line_before_round_1(tmp_path):
     """A non-finite LPI (the pass diverged at fl.lr=3e38, or a cosine scale of 3e38 overflowed the logits)
-    or a GPI with no positive entry (a cosine scale of 1e-45 zeroes every FC gradient) gave a class prior
+    or Eq. 5's GPI with no positive entry (a cosine scale of 1e-45 zeroes every FC gradient) gave a class prior
     that every client's loss refused in round 1 with a ValueError / RuntimeError traceback."""
     from typer.testing import CliRunner
 
@@ -300,7 +300,7 @@ def test_a_proxy_that_is_no_prior_stops_in_one_line_before_round_1(tmp_path):
         (["fl.lr=3e38", "method_args.expert_head=linear"], diverged + "lower fl.lr (now 3e+38)"),
         (["method_args.cosine_scale=3e38"],
          diverged + "lower fl.lr (now 0.05), or lower method_args.cosine_scale (now 3e+38)"),
-        (["method_args.cosine_scale=1e-45"],
+        (["method_args.cosine_scale=1e-45", "method_args.gpi_counts=proxy"],
          "fedlt: error: GBME's global proxy (GPI) has no positive entry: every client's local proxy was zero or "
          "negative (as under a tiny method_args.cosine_scale, now 1e-45), so it is no class prior; raise "
          "cosine_scale or use method_args.gpi_counts=released or method_args.prior=local")]:
@@ -342,7 +342,9 @@ def test_gbme_and_gbme_p_end_to_end(tmp_path):
     assert msgs[f"query:{LPI_QUERY}"]["from_client"]["payload"]["lpi"]["shape"] == [10]
     assert msgs["fit"]["to_client"]["payload"]["prior"]["shape"] == [10]
     full = msgs["fit"]["to_client"]["model_bytes"]
-    assert msgs["fit"]["from_client"]["model_bytes"] < full  # backbone + trained expert(s) only
+    assert last["comm"]["down_model"] == last["trainers"] * full
+    # 3 trainers an expert among 3 to 6 clients: some train fewer than all three, and upload only those
+    assert msgs["fit"]["from_client"]["model_bytes"] <= full and last["comm"]["up_model"] < last["trainers"] * full
 
     dp_run = fedlt.run(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
                             method_args={"dp_epsilon": 10, "diagnose_gpi": True}), quiet=True)
@@ -729,27 +731,22 @@ def test_released_counts_become_the_gpi_the_prior_and_the_grouping_reference(tmp
     from fedlt.api import prepare
     from fedlt.messages import Query
 
-    cfg = tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args={"gpi_counts": "released"})
-    server = prepare(build_config(cfg)).server
+    server = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server  # the default
     a, b = torch.tensor([3.0, 1.0, -2.0, 0.0, -1.0]), torch.tensor([-1.0, 2.0, 1.0, 4.0, -3.0])
     server.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
                                           7: Reply(payload={"lpi": b}, num_samples=21)})
     assert server.gpi.tolist() == [37.0, 18.0, 5.0, 12.0, 5.0]
     assert torch.equal(server.gpi_prior(), server.gpi)  # no zero left for gpi_floor
-    proxy = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}))).server
-    proxy.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
-                                         7: Reply(payload={"lpi": b}, num_samples=21)})
-    w, v = 50 / 71, 21 / 71  # Eq. 5, GBME's default: positive entries weighted by n_k / n
+    w, v = 50 / 71, 21 / 71  # Eq. 5 (gpi_counts=proxy): positive entries weighted by n_k / n
     eq5 = torch.tensor([3 * w, w + 2 * v, v, 4 * v, 0.0], dtype=torch.float64)
-    assert torch.allclose(proxy.gpi, eq5)
-    # GBME-p (the fixed pass) forms the released estimate by default; gpi_counts=proxy keeps Eq. 5 there
-    for args, expected in [({}, torch.tensor([37.0, 18.0, 5.0, 12.0, 5.0], dtype=torch.float64)),
-                           ({"gpi_counts": "proxy"}, eq5)]:
-        private = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"},
-                                            method_args={"dp_epsilon": 10.0, **args}))).server
-        private.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
-                                               7: Reply(payload={"lpi": b}, num_samples=21)})
-        assert torch.allclose(private.gpi, expected)
+    # GBME-p (the fixed pass) forms the same released estimate by default, and Eq. 5 on request
+    for args, expected in [({"gpi_counts": "proxy"}, eq5),
+                           ({"dp_epsilon": 10.0}, torch.tensor([37.0, 18.0, 5.0, 12.0, 5.0], dtype=torch.float64)),
+                           ({"dp_epsilon": 10.0, "gpi_counts": "proxy"}, eq5)]:
+        other = prepare(build_config(tiny(tmp_path, method="gbme", loss={"name": "bsm"}, method_args=args))).server
+        other.receive(Query(LPI_QUERY, {}), {0: Reply(payload={"lpi": a}, num_samples=50),
+                                             7: Reply(payload={"lpi": b}, num_samples=21)})
+        assert torch.allclose(other.gpi, expected)
 
 
 def test_released_options_end_to_end_with_the_gpi_distance(tmp_path):

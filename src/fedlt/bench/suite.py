@@ -448,7 +448,7 @@ KNOBS_BEFORE_THEY_EXISTED = {"sfd": {"scl_form": "paper"},
                              "fedloge": {"personal_head": "realigned", "la_fr_psi": "unit", "generic_head": "psi"},
                              "fedyoyo": {"view_interpolation": "bilinear", "asd_average": "batch",
                                          "prior_features": "train"},
-                             "feddecorr": {"normalization": "paper"}}
+                             "feddecorr": {"normalization": "paper"}, "gbme": {"gpi_counts": "proxy"}}
 
 
 def method_args_difference(saved: dict[str, Any], cfg: Config, recorded: bool = True) -> str | None:

@@ -55,9 +55,11 @@ Choices where the paper is silent (also in the README):
   0 means log 0: the loss's 1e-8 floor then shifts that class's logit by ~18 and the model
   predicts it everywhere. ``gpi_floor`` (default 1) gives such a class the smallest positive
   GPI value instead; ``gpi_floor=0`` keeps Eq. 5 as is. The GPI itself (grouping, diagnostics)
-  is not floored. ``gpi_counts=released`` replaces Eq. 5 by the released code's estimate
-  (:func:`fedlt.methods.proxy_prior.count_proxy`): every class at least 5 counts, so the floor
-  has nothing to lift; the grouping stays Eq. 6 against that GPI.
+  is not floored. The default, ``gpi_counts=released``, replaces Eq. 5 by the released code's
+  estimate (:func:`fedlt.methods.proxy_prior.count_proxy`), which produced the paper's numbers:
+  every class at least 5 counts, so the floor has nothing to lift; the grouping stays Eq. 6
+  against that GPI. At 100 classes Eq. 5 leaves a fifth of them at 0 and the floored prior
+  over-predicts them (docs/methods/gbme.md).
 * ``expert_loss=per_expert`` is the released code's loss: the loss on each trained expert's own
   logits, summed; in the per-expert phase (after ``joint_warmup``) times M, the code's factor for
   its one trained expert, which a client drawn for several experts applies to each of them.
@@ -188,10 +190,10 @@ class GBMEArgs(MethodArgs):
     lpi_steps: int | None = Field(
         None, ge=1, description="the epoch pass stops after this many SGD steps (the paper's settings give ~2, "
         "the gradient at the initial model); default = the whole local epoch")
-    gpi_counts: Literal["auto", "proxy", "released"] = Field(
-        "auto", description="the GPI: Eq. 5 on the LPIs (proxy); or the released code's count estimate "
-        "(released): each LPI as counts (entries <= 0 -> 1e-5, normalised, x n_k, rounded), summed, each "
-        "class at least 5; auto = proxy after the epoch pass (GBME), released after the fixed one (GBME-p)")
+    gpi_counts: Literal["proxy", "released"] = Field(
+        "released", description="the GPI: the released code's count estimate (released): each LPI as counts "
+        "(entries <= 0 -> 1e-5, normalised, x n_k, rounded), summed, each class at least 5; or Eq. 5 on the "
+        "LPIs (proxy), which leaves the rarest classes at 0")
     gpi_floor: float = Field(
         1.0, ge=0, description="prior of a class whose GPI is 0: this times the smallest positive GPI "
         "entry; 0 = Eq. 5 as is (the loss's 1e-8 floor)")
@@ -229,9 +231,6 @@ class GBMEArgs(MethodArgs):
         if self.expert_aggregation == "sequential" and not self.ensemble:
             raise ValueError("expert_aggregation=sequential runs one sub-round per expert and needs the experts; "
                              "drop it or set ensemble=true")
-        if self.gpi_counts == "auto":  # resolved here, so a run records the GPI it formed
-            # the fixed pass's LPI is zero below 1/C on every client: Eq. 5 leaves the tail without prior mass
-            self.gpi_counts = "released" if self.pass_kind() == "fixed" else "proxy"
         return self
 
     def unread_when(self) -> list[tuple[tuple[str, ...], str]]:
