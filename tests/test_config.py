@@ -685,9 +685,12 @@ def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> N
         (["data.val_from=test", "data.val_per_class=50"], []),
         (["method=fedyoyo", "method_args.asd=false"], []),
         (["method=gbme", "method_args.ensemble=false", "method_args.num_experts=2", "method_args.expert_head=linear",
-          "method_args.gpi_floor=0"],
+          "method_args.gpi_floor=0", "method_args.gpi_counts=proxy"],
          ["method_args.num_experts is not read with ensemble=false (the plain model has no experts)",
           "method_args.expert_head is not read with ensemble=false (the plain model has no experts)"]),
+        (["method=gbme", "method_args.gpi_floor=0"],  # the default GPI, the count estimate, has no zero
+         ["method_args.gpi_floor is not read with gpi_counts=released (every class keeps at least 5 counts, so no "
+          "GPI entry is 0 to floor)"]),
         (["method=gbme", "method_args.prior=local", "method_args.lpi_steps=2", "method_args.gpi_floor=0"],
          ["method_args.gpi_floor is not read with prior=local (it floors the GPI prior)"]),  # GPI grouping: an LPI
         (["method=gbme", "method_args.prior=local", "method_args.ensemble=false", "method_args.gpi_counts=released",
@@ -723,7 +726,8 @@ def test_knobs_that_other_knobs_leave_unread_are_named_by_a_new_run(capsys) -> N
         (["engine=flower", "flower.timeout_s=5", "flower.min_nodes=3", "flower.connect_timeout_s=9"],
          ["flower.min_nodes is not read in a simulation (flower.node_data=false)"]),  # it connects its nodes
         (["secagg.enabled=false", "flower.node_data=false"], []),  # the switches are read, whatever their value
-        (["method=gbme", "method_args.prior=local", "method_args.diagnose_gpi=true", "method_args.gpi_floor=0"], []),
+        (["method=gbme", "method_args.prior=local", "method_args.diagnose_gpi=true", "method_args.gpi_floor=0",
+          "method_args.gpi_counts=proxy"], []),
         # a dataset long-tailed as distributed makes no long-tail draw: an IF given for it was dropped silently
         (["data.dataset=imagefolder_lt", "data.imbalance_factor=10"],
          ["data.imbalance_factor is not read with data.dataset=imagefolder_lt (its training split is long-tailed as "

@@ -246,6 +246,9 @@ class GBMEArgs(MethodArgs):
             unread.append((dp, "without dp_epsilon (GBME-p's privacy budget; GBME adds no noise)"))
         if self.prior != "gpi" and not self.diagnoses():  # the diagnosis measures the floored GPI prior
             unread.append((("gpi_floor",), f"with prior={self.prior} (it floors the GPI prior)"))
+        elif self.needs_lpi() and self.gpi_counts == "released":
+            unread.append((("gpi_floor",), "with gpi_counts=released (every class keeps at least 5 counts, so no "
+                           "GPI entry is 0 to floor)"))
         return unread
 
     def pass_kind(self) -> str:
