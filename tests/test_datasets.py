@@ -1548,3 +1548,18 @@ def test_a_file_the_system_will_not_let_fedlt_read_is_named_with_its_permissions
             read()
         assert str(err.value).endswith(f"cannot read {where} (Permission denied); give the account running fedlt "
                                        "read access to it"), err.value
+
+
+def test_the_registry_knows_each_built_in_datasets_class_count():
+    """``DatasetInfo.classes`` (read before any file, e.g. for SFD's note at 100 classes) is the count its
+    description names and, for the generated datasets, the count they load with; folders leave it unknown."""
+    from fedlt.data.registry import DATASETS, load_dataset
+
+    for name, info in DATASETS.items():
+        if name.startswith("imagefolder"):
+            assert info.classes is None, name
+            continue
+        assert f"{info.classes} classes" in info.description, name
+    for name in ("synthetic", "synthetic_cifar10", "synthetic_cifar100"):
+        pair = load_dataset(name, image_size=2)
+        assert len(pair.train.classes) == DATASETS[name].classes == int(pair.train.labels.max()) + 1, name

@@ -321,3 +321,32 @@ def test_each_scl_form_selects_its_a_scl():
     assert SUPCON_FORMS["paper"](h, y, 0.07, None).item() == pytest.approx(eq7_reference(h, y, 0.07, None).item(),
                                                                            rel=1e-12)
     assert set(SUPCON_FORMS) == set(SFDArgs.model_fields["scl_form"].annotation.__args__)
+
+
+def test_a_scl_weight_above_the_papers_lr_is_noted_before_the_run(capsys):
+    """SFD's A-SCL weight 1 (its default at 100 classes) at fl.lr=0.05 ends the CNN at chance: the run says
+    so before it starts, naming the paper's lr; its own pairings and a gradient clip say nothing."""
+    from fedlt.api import _note_unread
+    from fedlt.config import load_config
+    from fedlt.run_parts import method_notes
+
+    def notes(*overrides):
+        return method_notes(load_config(None, ["method=sfd", *overrides]))
+
+    assert notes("data.dataset=synthetic_cifar100") == [
+        "method sfd: A-SCL weight 1 at round 1 (the paper's at 100 classes) is paired in the paper with lr 0.01; at "
+        "fl.lr=0.05 it has stopped a network learning in round 1 (chance accuracy); set fl.lr=0.01 or "
+        "fl.grad_clip=1.0 (docs/methods/sfd.md)"]
+    assert notes("data.dataset=cifar100", "fl.lr=0.01") == []
+    assert notes("data.dataset=cifar100", "fl.lr=0.05", "fl.grad_clip=1.0") == []
+    assert notes("data.dataset=fmnist", "fl.lr=0.05") == []  # beta_1 = 0.1 at 10 classes
+    assert len(notes("data.dataset=fmnist", "fl.lr=0.05", "method_args.scl_weight=2")) == 1
+    assert notes("data.dataset=cifar100", "fl.lr=0.05", "method_args.scl_weight=0.1") == []
+    # image folders: the class count comes from data.classes, unknown without it
+    assert notes("data.dataset=imagefolder", "fl.lr=0.05") == []
+    assert len(notes("data.dataset=imagefolder", "fl.lr=0.05", f"data.classes=[{','.join(f'c{k}' for k in range(100))}]")) == 1
+    assert method_notes(load_config(None, ["method=fedavg", "data.dataset=cifar100"])) == []
+    _note_unread(load_config(None, ["method=sfd", "data.dataset=cifar100"]), quiet=True)
+    assert capsys.readouterr().err == ""
+    _note_unread(load_config(None, ["method=sfd", "data.dataset=cifar100"]), quiet=False)
+    assert capsys.readouterr().err.startswith("note: method sfd: A-SCL weight 1 at round 1")

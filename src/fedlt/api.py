@@ -19,7 +19,7 @@ from fedlt.errors import ConfigError
 from fedlt.methods.registry import METHODS
 from fedlt.engine.checkpoint import CHECKPOINT_FILE
 from fedlt.results import CONFIG_FILE, RUN_FILES, new_run_dir, write_atomic, writing
-from fedlt.run_parts import check_config, check_new_config, setup_parts, unread_settings
+from fedlt.run_parts import check_config, check_new_config, method_notes, setup_parts, unread_settings
 
 
 def prepare(cfg: Config) -> Simulation:
@@ -72,9 +72,10 @@ def _run_flower(cfg: Config, quiet: bool, resume: Path | None = None) -> RunResu
 
 
 def _note_unread(cfg: Config, quiet: bool) -> None:
-    """A line per setting that the run records but never reads: the config stays as given."""
+    """A line per setting that the run records but never reads (the config stays as given), and per
+    pairing of settings under which its method has failed."""
     if not quiet:
-        for line in unread_settings(cfg):
+        for line in [*unread_settings(cfg), *method_notes(cfg)]:
             print(f"note: {line}", file=sys.stderr, flush=True)
 
 

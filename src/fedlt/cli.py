@@ -113,7 +113,7 @@ def run_cmd(
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint (with "
                                           "key=value only for run.*, data.root, eval.batch_size)"),
     data_root: Optional[str] = typer.Option(None, "--data-root", help="dataset folder (same as data.root=DIR)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output and no note: lines on unread settings"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output and no note: lines (unread settings, risky pairings)"),
 ) -> None:
     """Run one experiment and write its run directory (config, metrics, summary, report, plot)."""
     args = list(args or [])

@@ -231,6 +231,15 @@ def unread_settings(cfg: Config) -> list[str]:
     return unread
 
 
+def method_notes(cfg: Config) -> list[str]:
+    """Pairings of valid settings that the method's paper did not make and that have failed (see
+    ``Server.config_notes``), a line each, told before the run rather than refused."""
+    spec = get_method(cfg.method)
+    known = DATASETS.get(cfg.data.dataset)
+    classes = len(cfg.data.classes) if cfg.data.classes else known.classes if known else None
+    return spec.server.config_notes(cfg, parse_method_args(spec, cfg.method_args), classes)
+
+
 def _unread_sections(cfg: Config) -> list[tuple[str, tuple[str, ...], str]]:
     """The config keys that these values of other keys leave unread: (section, keys, why)."""
     d, backend = cfg.data, cfg.run.backend

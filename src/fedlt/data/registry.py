@@ -47,6 +47,7 @@ class DatasetInfo:
     channels : channels of every image, known without reading them (model x dataset checks)
     val_folder : where the dataset's own validation split is optional, the subfolder that holds it: the
         dataset has one (``data.val_from=auto`` takes it) only where that folder exists
+    classes : its number of classes, known without reading the files (``None``: its folders say)
     """
 
     description: str
@@ -60,6 +61,7 @@ class DatasetInfo:
     long_tailed: bool = False
     channels: int = 3
     val_folder: str | None = None
+    classes: int | None = None
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -71,6 +73,7 @@ DATASETS: dict[str, DatasetInfo] = {
         default_root=idx.DEFAULT_ROOT,
         image_size=28,
         channels=1,
+        classes=10,
     ),
     "cifar10": DatasetInfo(
         "CIFAR-10, 10 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-10-batches-py "
@@ -78,6 +81,7 @@ DATASETS: dict[str, DatasetInfo] = {
         lambda root, size: cifar.load_cifar10(root),
         subfolder=cifar.CIFAR10.folder,
         image_size=32,
+        classes=10,
     ),
     "cifar100": DatasetInfo(
         "CIFAR-100 (fine labels), 100 classes, 3x32x32, 50k/10k; python pickles in $FEDLT_DATA/cifar-100-python "
@@ -85,6 +89,7 @@ DATASETS: dict[str, DatasetInfo] = {
         lambda root, size: cifar.load_cifar100(root),
         subfolder=cifar.CIFAR100.folder,
         image_size=32,
+        classes=100,
     ),
     "svhn": DatasetInfo(
         "SVHN digits, 10 classes, 3x32x32, 73k/26k; train_32x32.mat, test_32x32.mat in $FEDLT_DATA/svhn",
@@ -92,6 +97,7 @@ DATASETS: dict[str, DatasetInfo] = {
         subfolder="svhn",
         image_size=32,
         hflip=False,
+        classes=10,
     ),
     "cinic10": DatasetInfo(
         "CINIC-10, 10 classes, 3x32x32, 90k/90k; train/ and test/ PNG class folders in $FEDLT_DATA/cinic-10 "
@@ -101,6 +107,7 @@ DATASETS: dict[str, DatasetInfo] = {
         image_size=32,
         val_loader=lambda root, size, classes: cinic.load_cinic10_val(root),
         val_folder="valid",
+        classes=10,
     ),
     "imagenet_lt": DatasetInfo(
         "ImageNet-LT, 1000 classes, 3xSxS (data.image_size, default 64), 116k/50k; ImageNet images in "
@@ -113,6 +120,7 @@ DATASETS: dict[str, DatasetInfo] = {
         val_loader=lambda root, size, classes: listfile.load_list_split(
             listfile.IMAGENET_LT, root, listfile.IMAGENET_LT.val_list, size, classes),
         long_tailed=True,
+        classes=1000,
     ),
     "inat": DatasetInfo(
         "iNaturalist 2018, 8142 classes, 3xSxS (data.image_size, default 64), 438k/24k; images in "
@@ -123,6 +131,7 @@ DATASETS: dict[str, DatasetInfo] = {
         image_size=listfile.DEFAULT_IMAGE_SIZE,
         resizable=True,
         long_tailed=True,
+        classes=8142,
     ),
     **{name: DatasetInfo(
         "your own images: RGB PNG or JPEG files of side data.image_size (default 32) in DIR/train/<class>/ and "
@@ -144,6 +153,7 @@ DATASETS: dict[str, DatasetInfo] = {
         subfolder=None,
         image_size=synthetic.DEFAULT_IMAGE_SIZE,
         resizable=True,
+        classes=synthetic.NUM_CLASSES,
     ),
     **{name: DatasetInfo(
         f"the synthetic construction at CIFAR-{classes}'s size for timing without files ({classes} classes, "
@@ -153,6 +163,7 @@ DATASETS: dict[str, DatasetInfo] = {
         subfolder=None,
         image_size=synthetic.STAND_IN_IMAGE_SIZE,
         resizable=True,
+        classes=classes,
     ) for name, (classes, train, test) in synthetic.STAND_INS.items()},
 }
 

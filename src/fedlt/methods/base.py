@@ -332,6 +332,14 @@ class Server:
         return None
 
     @classmethod
+    def config_notes(cls, config: Config, args: "MethodArgs", classes: int | None) -> list[str]:
+        """Valid settings under which this method has failed where its paper paired them otherwise (an
+        A-SCL weight with a learning rate), a line each naming the pairing that trains; printed before a
+        run starts, not refused. ``classes``: the dataset's class count where it is known before its
+        files are read, else None. Default: none."""
+        return []
+
+    @classmethod
     def config_refusal(cls, config: Config, args: "MethodArgs") -> str | None:
         """Why this method cannot run under ``config`` (another option it contradicts, too few
         clients), as a one-line refusal naming the fix; None when it can. Checked with the rest of
