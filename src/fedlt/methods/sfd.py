@@ -44,7 +44,8 @@ class SFDArgs(MethodArgs):
     beta_pi: float = Field(1.0, ge=0, le=1, description="A-CE: a missing class's pi = beta_pi * smallest present "
                            "count (0: plain logit adjustment, 'w/o improved pi')")
     scl_weight: float | None = Field(None, ge=0, description="beta_SCL at round 1, cosine-annealed to 0 (default: 1 "
-                                     "for >= 100 classes, else 0.1; 0: no contrastive branch)")
+                                     "for >= 100 classes, which the paper pairs with lr 0.01, else 0.1; 0: no "
+                                     "contrastive branch)")
     scl_temperature: float = Field(0.07, gt=0, description="A-SCL temperature tau")
     scl_delta: bool = Field(True, description="A-SCL: add Delta = log n_y to the denominator (false: standard SCL)")
     scl_form: Literal["released", "eq7", "paper"] = Field(
