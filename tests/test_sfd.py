@@ -334,13 +334,13 @@ def test_a_scl_weight_above_the_papers_lr_is_noted_before_the_run(capsys):
         return method_notes(load_config(None, ["method=sfd", *overrides]))
 
     assert notes("data.dataset=synthetic_cifar100") == [
-        "method sfd: A-SCL weight 1 at round 1 (the paper's at 100 classes) is paired in the paper with lr 0.01; at "
-        "fl.lr=0.05 it has stopped a network learning in round 1 (chance accuracy); set fl.lr=0.01 or "
-        "fl.grad_clip=1.0 (docs/methods/sfd.md)"]
+        "method sfd: A-SCL weight 1 at round 1 (the paper's at 100 classes) is paired in the paper with lr 0.01, "
+        "under this run's fl.lr=0.05; at fl.lr=0.05 it cut SFD's accuracy at 100 classes from 76.92% to 28.29% "
+        "(docs/results/sfd-100-classes.md); set fl.lr=0.01 or fl.grad_clip=1.0"]
     assert notes("data.dataset=cifar100", "fl.lr=0.01") == []
     assert notes("data.dataset=cifar100", "fl.lr=0.05", "fl.grad_clip=1.0") == []
     assert notes("data.dataset=fmnist", "fl.lr=0.05") == []  # beta_1 = 0.1 at 10 classes
-    assert len(notes("data.dataset=fmnist", "fl.lr=0.05", "method_args.scl_weight=2")) == 1
+    assert "under this run's fl.lr=0.1;" in notes("data.dataset=fmnist", "fl.lr=0.1", "method_args.scl_weight=2")[0]
     assert notes("data.dataset=cifar100", "fl.lr=0.05", "method_args.scl_weight=0.1") == []
     # image folders: the class count comes from data.classes, unknown without it
     assert notes("data.dataset=imagefolder", "fl.lr=0.05") == []
