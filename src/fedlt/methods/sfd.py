@@ -98,15 +98,17 @@ def make_sfd_model(cfg: Config, num_classes: int, in_channels: int, image_size: 
 PAPER_LR = 0.01
 
 
-def initial_scl_weight(num_classes: int) -> float:
-    """``beta_1`` by default: the paper's 1 on CIFAR-100, 0.1 on its 10-class datasets."""
-    return 1.0 if num_classes >= 100 else 0.1
+def initial_scl_weight(args: SFDArgs, num_classes: int | None) -> float | None:
+    """``beta_1``: ``scl_weight``, else the paper's 1 on CIFAR-100 and 0.1 on its 10-class datasets (None
+    where the class count is not known yet)."""
+    if args.scl_weight is not None:
+        return args.scl_weight
+    return None if num_classes is None else 1.0 if num_classes >= 100 else 0.1
 
 
 def scl_weight_at(args: SFDArgs, num_classes: int, rnd: int, rounds: int) -> float:
     """Eq. 28 with 1-based rounds: ``beta_1`` at round 1, decaying to ``beta_1 (1 + cos(pi (R-1)/R)) / 2``."""
-    start = args.scl_weight if args.scl_weight is not None else initial_scl_weight(num_classes)
-    return start * 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / rounds))
+    return initial_scl_weight(args, num_classes) * 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / rounds))
 
 
 class SFDServer(Server):
@@ -116,15 +118,13 @@ class SFDServer(Server):
     def config_notes(cls, config, args, classes):
         """A round-1 ``beta_SCL`` of 1 or more above the paper's lr: on 100 classes at ``fl.lr=0.05`` it cut off
         the CNN's units in round 1 (docs/results/sfd-100-classes.md); a gradient clip kept it training."""
-        start = args.scl_weight if args.scl_weight is not None else (
-            initial_scl_weight(classes) if classes is not None else None)
-        fl = config.fl
+        start, fl = initial_scl_weight(args, classes), config.fl
         if start is None or start < 1 or fl.lr <= PAPER_LR or fl.grad_clip is not None:
             return []
         return [f"method sfd: A-SCL weight {start:g} at round 1 (the paper's at 100 classes) is paired in the paper "
                 f"with lr {PAPER_LR:g}, under this run's fl.lr={fl.lr:g}; at fl.lr=0.05 it cut SFD's accuracy at 100 "
-                f"classes from 76.92% to 28.29% "
-                f"(docs/results/sfd-100-classes.md); set fl.lr={PAPER_LR:g} or fl.grad_clip=1.0"]
+                f"classes from 76.92% to 28.29% (docs/results/sfd-100-classes.md); set fl.lr={PAPER_LR:g} or "
+                "fl.grad_clip=1.0"]
 
     def fit_message(self, rnd: int, cid: int) -> Message:
         weight = scl_weight_at(self.args, self.ctx.num_classes, rnd, self.ctx.config.fl.rounds)
